@@ -1,0 +1,56 @@
+# The commands the README shows. `make lab` and `make test` install what they need themselves.
+PYTHON ?= python3
+VENV ?= .venv
+# A CPU machine gets torch's CPU build; a GPU host overrides it (TORCH_SPEC= keeps what is there).
+TORCH_SPEC ?= torch==2.13.0
+# Which python runs the GPU tests: the venv's if there is one, else the host's (a GPU box
+# usually has its own torch with CUDA).
+PY ?= $(shell test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo $(PYTHON))
+PORT ?= 8888
+NOTEBOOK ?= notebooks/00_start_here.ipynb
+CHROMIUM ?= /usr/bin/chromium
+LAB_ARGS ?=
+
+.PHONY: install lab test test-py test-notebooks test-gpu browser-deps lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	touch $@
+
+# Headless when NO_BROWSER=1 or there is no display; --allow-root because CI and containers run as root.
+lab: install
+	@if [ -n "$$NO_BROWSER" ] || [ -z "$$DISPLAY$$WAYLAND_DISPLAY" ]; then nb="--no-browser"; else nb=""; fi; \
+	$(VENV)/bin/jupyter lab $$nb --allow-root --ip 127.0.0.1 --port $(PORT) $(LAB_ARGS) $(NOTEBOOK)
+
+# The browser test drives Debian's chromium; install it when missing (needs root, as in CI).
+browser-deps:
+	@if [ ! -x $(CHROMIUM) ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || { echo "could not install chromium with apt-get"; exit 1; }; \
+	  else echo "the browser test needs $(CHROMIUM): run 'sudo apt-get install chromium'"; fi; \
+	fi
+
+test: install browser-deps
+	CI=$${CI:-} $(VENV)/bin/python -m pytest -q tests/
+	$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/
+
+# On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
+# Fails (not passes vacuously) when no GPU is visible.
+test-gpu:
+	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
+	print('GPU:', torch.cuda.get_device_name(0) if ok else 'none'); \
+	sys.exit(0 if ok else 'make test-gpu needs a CUDA GPU and none is visible; use make test on a CPU machine')"
+	FA4LAB_SIZE=full FA4LAB_REQUIRE_GPU=1 $(PY) -m pytest -q -m "gpu or sm90 or sm100" tests/
+	FA4LAB_SIZE=full $(PY) -m pytest -q --nbmake --nbmake-timeout=1200 notebooks/
+
+lint: install
+	$(VENV)/bin/ruff check fa4lab tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

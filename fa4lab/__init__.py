@@ -1,0 +1,27 @@
+"""fa4lab: a lab and workbook for FlashAttention-4 on NVIDIA B200, with a Hopper port.
+
+    from fa4lab import AttentionSpec, attention_reference, plan_forward, attention
+"""
+
+from fa4lab.errors import Fa4labError, PlanError, UnsupportedArchError
+from fa4lab.spec import AttentionSpec
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionSpec", "Fa4labError", "PlanError", "UnsupportedArchError", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy so `import fa4lab` stays light (no cutlass import until a kernel is needed).
+    lazy = {
+        "attention_reference": ("fa4lab.reference", "attention_reference"),
+        "online_attention": ("fa4lab.online_softmax", "online_attention"),
+        "plan_forward": ("fa4lab.plan", "plan_forward"),
+        "attention": ("fa4lab.api", "attention"),
+    }
+    if name in lazy:
+        import importlib
+
+        module, attr = lazy[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'fa4lab' has no attribute {name!r}")

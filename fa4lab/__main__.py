@@ -1,0 +1,5 @@
+import sys
+
+from fa4lab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,13 @@
+"""The errors fa4lab raises. Each message says what is wrong and what to do about it."""
+
+
+class Fa4labError(Exception):
+    """Base class for fa4lab's own errors."""
+
+
+class PlanError(Fa4labError, ValueError):
+    """A tile plan that does not fit the hardware (TMEM, SMEM, registers) or the spec."""
+
+
+class UnsupportedArchError(Fa4labError, RuntimeError):
+    """A kernel was asked to run on a GPU (or no GPU) it was not built for."""

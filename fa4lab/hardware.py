@@ -1,0 +1,88 @@
+"""Per-architecture facts the planner, the simulator and the benchmarks read, with sources.
+
+Figures marked "published" come from vendor datasheets or papers; "measured" ones were measured
+on the machine named, on the date given. Keep every hardware number here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    arch: str                      # "sm100" or "sm90"
+    compute_capability: tuple[int, int]
+    num_sms: int
+    clock_ghz: float               # boost clock used to turn cycles into seconds
+    smem_per_sm: int               # bytes
+    smem_per_cta: int              # bytes one CTA may opt in to
+    registers_per_sm: int          # 32-bit registers
+    max_threads_per_cta: int
+    tmem_lanes: int                # 0 where the chip has no tensor memory
+    tmem_columns: int
+    mma_flops_per_cycle: int       # dense 16-bit MMA FLOPs per SM per cycle
+    exp2_per_cycle: int            # MUFU exp2 per SM per cycle
+    smem_bytes_per_cycle: int      # shared-memory bandwidth per SM per cycle
+    fma_per_cycle: int             # fp32 FMA lanes per SM per cycle (for the polynomial exp2)
+    hbm_bytes_per_s: float
+    sources: tuple[str, ...]
+
+    @property
+    def peak_mma_tflops(self) -> float:
+        return self.mma_flops_per_cycle * self.num_sms * self.clock_ghz * 1e9 / 1e12
+
+    @property
+    def has_tmem(self) -> bool:
+        return self.tmem_columns > 0
+
+
+B200 = Hardware(
+    name="NVIDIA B200", arch="sm100", compute_capability=(10, 0), num_sms=148, clock_ghz=1.85,
+    smem_per_sm=228 * 1024, smem_per_cta=227 * 1024, registers_per_sm=64 * 1024,
+    max_threads_per_cta=1024, tmem_lanes=128, tmem_columns=512,
+    mma_flops_per_cycle=8192, exp2_per_cycle=16, smem_bytes_per_cycle=128, fma_per_cycle=128,
+    hbm_bytes_per_s=8.0e12,
+    sources=(
+        "TMEM 128 lanes x 512 columns x 32 bit per SM, tcgen05.alloc in powers of two >= 32 "
+        "columns: PTX ISA, tensor memory (tcgen05) chapter",
+        "8192 dense 16-bit MMA FLOPs, 16 MUFU exp2, 128 B SMEM per SM per cycle: the FA4 blog's "
+        "feeds and speeds (Tri Dao et al.)",
+        "148 SMs, 228 KB SMEM per SM (227 KB per CTA), 64K registers per SM: CUDA programming "
+        "guide, compute capability 10.0",
+        "HBM3e 8 TB/s: NVIDIA B200 datasheet",
+    ),
+)
+
+H200 = Hardware(
+    name="NVIDIA H200", arch="sm90", compute_capability=(9, 0), num_sms=132, clock_ghz=1.83,
+    smem_per_sm=228 * 1024, smem_per_cta=227 * 1024, registers_per_sm=64 * 1024,
+    max_threads_per_cta=1024, tmem_lanes=0, tmem_columns=0,
+    mma_flops_per_cycle=4096, exp2_per_cycle=16, smem_bytes_per_cycle=128, fma_per_cycle=128,
+    hbm_bytes_per_s=4.8e12,
+    sources=(
+        "~989 dense bf16 TFLOP/s at boost (H100/H200 SXM datasheet) = 4096 FLOPs/cycle/SM "
+        "at 132 SMs x 1.83 GHz",
+        "16 MUFU exp2 per SM per cycle: CUDA programming guide, arithmetic instruction throughput",
+        "132 SMs, 228 KB SMEM per SM (227 KB per CTA): CUDA programming guide, cc 9.0",
+        "HBM3e 4.8 TB/s: NVIDIA H200 datasheet; measured here 4.27 TB/s device-to-device copy "
+        "and 730-790 TFLOP/s bf16 GEMM 8192^3 (H200, 2026-11)",
+    ),
+)
+
+BY_ARCH = {"sm100": B200, "sm100a": B200, "sm90": H200, "sm90a": H200}
+
+# Published FA4 figures (labelled as such wherever they are shown): never measured here.
+PUBLISHED_FA4_B200 = {
+    "peak_bf16_tflops": 1613,
+    "utilization": 0.71,
+    "source": "FlashAttention-4 paper, arXiv 2603.05451 (B200, BF16 forward)",
+}
+
+
+def hardware_for(arch: str) -> Hardware:
+    key = arch.lower().replace("_", "")
+    if key not in BY_ARCH:
+        raise ValueError(f"unknown arch {arch!r}: fa4lab plans for 'sm100' (B200) or 'sm90' (H100/H200)")
+    return BY_ARCH[key]

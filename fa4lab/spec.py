@@ -1,0 +1,156 @@
+"""`AttentionSpec`: the math semantics of one attention forward call, validated once.
+
+Every entry point (the reference, the online-softmax lesson, the planner, the kernels and
+`fa4lab.attention`) describes its problem with an `AttentionSpec` and shares the input checks
+below, so a bad shape gets the same clear message wherever it enters.
+
+The math contract (see notebook 01):
+  q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
+  v: (batch, seqlen_k, heads_kv, head_dim_v). heads_q % heads_kv == 0 and query head h reads
+  kv head h // (heads_q // heads_kv). softmax_scale defaults to 1/sqrt(head_dim). causal is
+  bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q. A row that sees no
+  key gives output 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DTYPES = ("bf16", "fp16")
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+}
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """'bf16' or 'fp16' from a string or a torch dtype; anything else is a clear TypeError."""
+    key = str(dtype).lower()
+    if key not in _DTYPE_ALIASES:
+        raise TypeError(
+            f"dtype {dtype!r} is not supported: the kernels take bf16 or fp16 "
+            f"(cast with .to(torch.bfloat16) or .half())"
+        )
+    return _DTYPE_ALIASES[key]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The problem, not the implementation: shapes, dtype, masking, scale, outputs."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int | None = None
+    dtype: str = "bf16"
+    causal: bool = False
+    softmax_scale: float | None = None
+    return_lse: bool = False
+    # filled in by __post_init__
+    qhead_per_kvhead: int = field(init=False)
+
+    def __post_init__(self):
+        for name in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        hdv = self.head_dim if self.head_dim_v is None else _positive_int("head_dim_v", self.head_dim_v)
+        object.__setattr__(self, "head_dim_v", hdv)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "causal", bool(self.causal))
+        object.__setattr__(self, "return_lse", bool(self.return_lse))
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}: with GQA "
+                f"each KV head serves heads_q // heads_kv query heads; choose heads_kv among "
+                f"{[d for d in range(1, self.heads_q + 1) if self.heads_q % d == 0]}"
+            )
+        if self.softmax_scale is not None:
+            s = float(self.softmax_scale)
+            if not math.isfinite(s) or s <= 0:
+                raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
+            object.__setattr__(self, "softmax_scale", s)
+        object.__setattr__(self, "qhead_per_kvhead", self.heads_q // self.heads_kv)
+
+    # ---- derived quantities (computed, never stored twice) ----
+    @property
+    def scale(self) -> float:
+        """softmax_scale, defaulting to 1/sqrt(head_dim)."""
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def scale_log2(self) -> float:
+        """scale * log2(e): the kernels work in base 2. See Note [exp2 and scale_log2]."""
+        return self.scale * math.log2(math.e)
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.qhead_per_kvhead
+
+    @property
+    def element_bytes(self) -> int:
+        return 2
+
+    def flops(self) -> float:
+        """Forward FLOPs as benchmarks count them: 4*B*H*Sq*Sk*D, halved for causal."""
+        f = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (
+            self.head_dim + self.head_dim_v)
+        return f / 2 if self.causal else f
+
+    def with_(self, **changes) -> AttentionSpec:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_tensors(cls, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                     dtype=None) -> AttentionSpec:
+        """Build a spec from q, k, v (numpy arrays or torch tensors), checking their shapes."""
+        check_qkv_shapes(q, k, v)
+        b, sq, hq, d = (int(x) for x in q.shape)
+        _, sk, hkv, _ = (int(x) for x in k.shape)
+        dv = int(v.shape[-1])
+        if dtype is None:
+            dtype = q.dtype if "float16" in str(q.dtype) else "bf16"
+        return cls(b, sq, sk, hq, hkv, d, dv, dtype=dtype, causal=causal,
+                   softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+def check_qkv_shapes(q, k, v) -> None:
+    """Shape checks shared by every entry point; raises ValueError naming the problem."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(t, "shape"):
+            raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(t).__name__}")
+        if len(t.shape) != 4:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}: expected 4 dims "
+                f"(batch, seqlen, heads, head_dim); add a batch dim with {name}[None] if needed"
+            )
+    b, sq, hq, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    bv, sv, hv, dv = v.shape
+    if not (b == bk == bv):
+        raise ValueError(f"batch differs: q {b}, k {bk}, v {bv}")
+    if sk != sv:
+        raise ValueError(f"k and v must have the same seqlen_k: k {sk}, v {sv}")
+    if hkv != hv:
+        raise ValueError(f"k and v must have the same number of heads: k {hkv}, v {hv}")
+    if d != dk:
+        raise ValueError(f"q and k must have the same head_dim: q {d}, k {dk}")
+    if min(b, sq, hq, d, sk, hkv, dv) < 1:
+        raise ValueError(f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if hq % hkv:
+        raise ValueError(
+            f"heads_q={hq} is not a multiple of heads_kv={hkv}: with GQA query head h reads kv "
+            f"head h // (heads_q // heads_kv), so heads_kv must divide heads_q"
+        )

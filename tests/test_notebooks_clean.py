@@ -1,0 +1,48 @@
+"""Notebooks are committed with outputs cleared and no execution counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def dirty_cells(path: Path) -> list[int]:
+    """Indices of code cells carrying outputs or an execution count."""
+    cells = json.loads(path.read_text())["cells"]
+    return [i for i, c in enumerate(cells)
+            if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count"))]
+
+
+def test_there_are_notebooks():
+    assert any(p.name == "00_start_here.ipynb" for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_without_outputs(path):
+    dirty = dirty_cells(path)
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
+
+
+def test_detects_a_notebook_with_outputs(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("1 + 1")
+    cell.execution_count = 1
+    cell.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), cell]
+    path = tmp_path / "dirty.ipynb"
+    nbformat.write(nb, path)
+    assert dirty_cells(path) == [1]
+
+
+def test_notebooks_import_the_package():
+    """Thin notebooks: each one imports fa4lab (lessons live in the package)."""
+    for path in NOTEBOOKS:
+        src = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                        if c["cell_type"] == "code")
+        assert "fa4lab" in src, f"{path.name} does not import fa4lab"
