@@ -62,7 +62,9 @@ def tiers() -> dict[str, tuple[bool, str]]:
     return {
         "0 cpu: plans, references, simulations, plots": (True, "always"),
         "1 cpu: compile kernels for sm_100a / sm_90a": (
-            dsl, "nvidia-cutlass-dsl installed" if dsl else "nvidia-cutlass-dsl missing: make install"),
+            dsl,
+            "nvidia-cutlass-dsl installed" if dsl else "nvidia-cutlass-dsl missing: make install",
+        ),
         "2 gpu: sm90 kernel runs (Hopper)": (
             bool(g and g.arch == "sm90" and dsl),
             f"{g.name} cc {g.capability}" if g else "no CUDA GPU visible"),
@@ -89,6 +91,12 @@ def summary() -> str:
             f"cutlass-dsl {_version('nvidia-cutlass-dsl')}; {where}; sizes={problem_size()}")
 
 
+def _gpu_line(g: GpuInfo | None) -> str:
+    if g is None:
+        return 'none visible'
+    return f'{g.name}, compute capability {g.capability[0]}.{g.capability[1]}'
+
+
 def doctor_report() -> str:
     g = gpu()
     lines = [
@@ -98,7 +106,7 @@ def doctor_report() -> str:
         f"jupyterlab    {_version('jupyterlab')}",
         f"ipywidgets    {_version('ipywidgets')}",
         f"flash-attn-4  {_version('flash-attn-4')} (peer, optional)",
-        f"CUDA GPU      {f'{g.name}, compute capability {g.capability[0]}.{g.capability[1]}' if g else 'none visible'}",
+        f"CUDA GPU      {_gpu_line(g)}",
         "tiers:",
     ]
     for tier, (ok, why) in tiers().items():

@@ -84,5 +84,7 @@ PUBLISHED_FA4_B200 = {
 def hardware_for(arch: str) -> Hardware:
     key = arch.lower().replace("_", "")
     if key not in BY_ARCH:
-        raise ValueError(f"unknown arch {arch!r}: fa4lab plans for 'sm100' (B200) or 'sm90' (H100/H200)")
+        raise ValueError(
+            f"unknown arch {arch!r}: fa4lab plans for 'sm100' (B200) or 'sm90' (H100/H200)"
+        )
     return BY_ARCH[key]

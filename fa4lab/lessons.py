@@ -1,4 +1,4 @@
-"""The notebook sequence: one table read by notebook 00 (and checked against notebooks/ by a test)."""
+"""The notebook sequence: one table, read by notebook 00 and checked against notebooks/."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def normalize_dtype(dtype: Any) -> str:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < 1:
@@ -66,7 +66,8 @@ class AttentionSpec:
     def __post_init__(self):
         for name in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
-        hdv = self.head_dim if self.head_dim_v is None else _positive_int("head_dim_v", self.head_dim_v)
+        hdv = self.head_dim_v
+        hdv = self.head_dim if hdv is None else _positive_int("head_dim_v", hdv)
         object.__setattr__(self, "head_dim_v", hdv)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "causal", bool(self.causal))
@@ -88,7 +89,9 @@ class AttentionSpec:
     @property
     def scale(self) -> float:
         """softmax_scale, defaulting to 1/sqrt(head_dim)."""
-        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.head_dim)
 
     @property
     def scale_log2(self) -> float:
@@ -148,7 +151,9 @@ def check_qkv_shapes(q, k, v) -> None:
     if d != dk:
         raise ValueError(f"q and k must have the same head_dim: q {d}, k {dk}")
     if min(b, sq, hq, d, sk, hkv, dv) < 1:
-        raise ValueError(f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if hq % hkv:
         raise ValueError(
             f"heads_q={hq} is not a multiple of heads_kv={hkv}: with GQA query head h reads kv "

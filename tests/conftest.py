@@ -17,7 +17,8 @@ def _hardware_skip_reason(item) -> str | None:
     g = gpu()
     if item.get_closest_marker("sm100"):
         if g is None or g.arch != "sm100":
-            return f"needs a B200-class GPU (compute capability 10.x); here: {g.name if g else 'no GPU'}"
+            here = g.name if g else "no GPU"
+            return f"needs a B200-class GPU (compute capability 10.x); here: {here}"
     if item.get_closest_marker("sm90"):
         if g is None or g.arch != "sm90":
             return f"needs a Hopper GPU (compute capability 9.0); here: {g.name if g else 'no GPU'}"

@@ -33,7 +33,8 @@ def test_detects_a_notebook_with_outputs(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("1 + 1")
     cell.execution_count = 1
-    cell.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+    out = nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)
+    cell.outputs = [out]
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), cell]
     path = tmp_path / "dirty.ipynb"
     nbformat.write(nb, path)

@@ -65,7 +65,8 @@ class LiveFigure:
             control.observe(self._on_change, "value")
         header = [widgets.HTML(f"<b>{_html.escape(title)}</b>")] if title else []
         self.widget = widgets.VBox(
-            header + [widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")),
+            header + [widgets.HBox(list(controls.values()),
+                                   layout=widgets.Layout(flex_flow="row wrap")),
                       self.text, self.image])
         self.widget.add_class("fa4lab-live")
         self._default_png = None
@@ -81,7 +82,8 @@ class LiveFigure:
             view = _as_view(self.render(**self.values()))
         except (Fa4labError, ValueError) as err:
             msg = _html.escape(str(err))
-            return None, f'<div class="fa4lab-error" style="color:#b00020"><b>{type(err).__name__}</b>: {msg}</div>'
+            return None, (f'<div class="fa4lab-error" style="color:#b00020">'
+                          f'<b>{type(err).__name__}</b>: {msg}</div>')
         png = figure_png(view.figure) if view.figure is not None else None
         return png, view.html
 
