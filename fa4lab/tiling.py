@@ -1,0 +1,623 @@
+"""Tiles, masks, GQA and scheduling, as plain-Python rules the kernels mirror.
+
+What it computes, for an attention forward pass cut into (m_block, n_block) tiles of
+`m_block_size` query rows by `n_block_size` keys:
+
+- `n_block_range`: the K/V blocks a query tile must visit (half-open), and
+  `n_block_masked_range`: the last of those that need an element mask (causal or seqlen_k bound);
+- `classify_tiles`: every tile as SKIP / FULL / MASKED / TAIL, with counts;
+- the GQA maps: query head -> KV head, and pack-GQA (query heads sharing a KV head folded into M);
+- three tile schedulers (grid, static persistent, LPT) and a cost model that gives each one's
+  makespan, per-SM busy time and load imbalance.
+
+The math contract (the same as `fa4lab.spec`): with `causal=True` the mask is bottom-right
+aligned, query i sees key j iff j <= i + seqlen_k - seqlen_q; without it every key j < seqlen_k
+is visible. Query head h reads KV head h // (heads_q // heads_kv).
+
+Everything here is integer arithmetic on Python ints (ceil-div, min, max) so that the CuTe DSL
+kernels in `fa4lab/kernels/` can mirror each formula line by line. Pure functions and frozen
+dataclasses; bad arguments raise ValueError naming the argument. CPU only, no GPU needed:
+
+    from fa4lab.tiling import n_block_range, classify_tiles
+    classify_tiles(seqlen_q=1000, seqlen_k=1000, m_block_size=128, n_block_size=128,
+                   causal=True).counts
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+__all__ = [
+    "CostModel",
+    "L2_KV_BUDGET_BYTES",
+    "SCHEDULERS",
+    "Schedule",
+    "TileClasses",
+    "TileKind",
+    "Workload",
+    "ceil_div",
+    "classify_tiles",
+    "gqa_group_size",
+    "kv_head_of",
+    "lpt_order",
+    "grid_order",
+    "n_block_masked_range",
+    "n_block_range",
+    "num_m_blocks",
+    "num_n_blocks",
+    "pack_gqa_row",
+    "q_heads_of",
+    "query_to_kv_heads",
+    "schedule",
+    "schedule_grid",
+    "schedule_lpt",
+    "schedule_static_persistent",
+    "unpack_gqa_row",
+]
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _positive(name: str, value, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a positive integer, got {type(value).__name__} "
+                         f"{value!r}{hint}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}{hint}")
+    return int(value)
+
+
+def _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead=1):
+    _positive("seqlen_q", seqlen_q)
+    _positive("seqlen_k", seqlen_k)
+    _positive("m_block_size", m_block_size, " (rows of Q per tile, e.g. 128)")
+    _positive("n_block_size", n_block_size, " (keys per K/V block, e.g. 128)")
+    _positive("qhead_per_kvhead", qhead_per_kvhead, " (1 = no pack-GQA)")
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for a >= 0, b > 0 (the only case used: see Note [bottom-right causal])."""
+    return (a + b - 1) // b
+
+
+def num_m_blocks(seqlen_q: int, m_block_size: int, qhead_per_kvhead: int = 1) -> int:
+    """Query tiles per (batch, head): the M extent is seqlen_q * qhead_per_kvhead (pack-GQA)."""
+    return ceil_div(seqlen_q * qhead_per_kvhead, m_block_size)
+
+
+def num_n_blocks(seqlen_k: int, n_block_size: int) -> int:
+    return ceil_div(seqlen_k, n_block_size)
+
+
+# --------------------------------------------------------------------------- block ranges
+
+# Note [bottom-right causal]
+# Query position i sees key j iff j <= i + seqlen_k - seqlen_q (the last query row sees every
+# key; with seqlen_q > seqlen_k the first seqlen_q - seqlen_k rows see nothing). A query tile
+# covers M-space rows [m_block * m_block_size, (m_block + 1) * m_block_size). Without pack-GQA
+# an M row is a query position; with pack-GQA row r is position r // qhead_per_kvhead (see
+# Note [pack-GQA rows]), so the tile covers positions
+#     pos_lo = (m_block * m_block_size) // qhead_per_kvhead                (its first row)
+#     pos_hi = ceil_div((m_block + 1) * m_block_size, qhead_per_kvhead)  (one past its last)
+# The tile's last row sees keys j < pos_hi + seqlen_k - seqlen_q, so the blocks to visit are
+#     n_block_min = 0
+#     n_block_max = min(ceil_div(seqlen_k, n_block_size),
+#                       ceil_div(max(pos_hi + seqlen_k - seqlen_q, 0), n_block_size))
+# (a tile running past seqlen_q has pos_hi + seqlen_k - seqlen_q > seqlen_k, so the first term
+# bounds it). The range is empty (n_block_max == n_block_min == 0) when no row of the tile
+# sees a key. The clamp to >= 0 comes BEFORE the ceil-div: Python's // floors but the DSL's
+# integer division truncates toward zero, and on a non-negative numerator both agree.
+#
+# The tile's first row is the most restricted one (it sees j <= pos_lo + seqlen_k - seqlen_q).
+# Block n (columns [n * n_block_size, min((n + 1) * n_block_size, seqlen_k))) is fully visible
+# to every in-bounds row iff its last in-bounds column is within that reach:
+#     min((n + 1) * n_block_size, seqlen_k) - 1 <= pos_lo + seqlen_k - seqlen_q
+# For a whole block that holds iff n < (pos_lo + seqlen_k - seqlen_q + 1) // n_block_size.
+# A block that runs past seqlen_k (the last one when seqlen_k % n_block_size != 0) needs the
+# seqlen_k bound mask anyway, so the blocks that need any element mask are the last ones:
+#     n_block_mask_min = min(seqlen_k // n_block_size,
+#                            max(pos_lo + seqlen_k - seqlen_q + 1, 0) // n_block_size)
+# clamped into [n_block_min, n_block_max]. (Upstream FA4 uses (pos_lo + sk - sq) // n, which
+# marks one extra block as masked when pos_lo + sk - sq + 1 is a multiple of n: harmless but
+# not exact; this one is exact, and the tests check it against a brute-force element mask.)
+# The kernels iterate the masked blocks first (from n_block_max - 1 down to n_block_mask_min),
+# then the unmasked ones (down to n_block_min), as FA does, so the mask code runs only where
+# it must. Rows past seqlen_q are computed and dropped at the store: they need no mask.
+
+
+def _tile_positions(m_block, m_block_size, qhead_per_kvhead):
+    pos_lo = (m_block * m_block_size) // qhead_per_kvhead
+    pos_hi = ceil_div((m_block + 1) * m_block_size, qhead_per_kvhead)
+    return pos_lo, pos_hi
+
+
+def _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead):
+    if isinstance(m_block, bool) or not isinstance(m_block, (int, np.integer)):
+        raise ValueError(f"m_block must be an integer, got {type(m_block).__name__} {m_block!r}")
+    n_m = num_m_blocks(seqlen_q, m_block_size, qhead_per_kvhead)
+    if not 0 <= m_block < n_m:
+        raise ValueError(f"m_block={m_block} is out of range: seqlen_q={seqlen_q} "
+                         f"(x{qhead_per_kvhead} packed heads) in tiles of {m_block_size} rows "
+                         f"gives m_block in [0, {n_m})")
+
+
+def n_block_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
+                  n_block_size: int, causal: bool,
+                  qhead_per_kvhead: int = 1) -> tuple[int, int]:
+    """The K/V blocks query tile `m_block` visits: HALF-OPEN `[n_block_min, n_block_max)`.
+
+    Empty (`n_block_min == n_block_max`) when no row of the tile sees any key (causal with
+    seqlen_q > seqlen_k). `qhead_per_kvhead > 1` means pack-GQA: M rows are packed rows.
+    See Note [bottom-right causal].
+    """
+    _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
+    _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead)
+    n_block_min = 0
+    n_block_max = ceil_div(seqlen_k, n_block_size)
+    if causal:
+        _, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
+        n_idx_right = max(pos_hi + seqlen_k - seqlen_q, 0)
+        n_block_max = min(n_block_max, ceil_div(n_idx_right, n_block_size))
+    return n_block_min, n_block_max
+
+
+def n_block_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
+                         n_block_size: int, causal: bool,
+                         qhead_per_kvhead: int = 1) -> tuple[int, int]:
+    """The blocks of `n_block_range` that need an element mask: HALF-OPEN
+    `[n_block_mask_min, n_block_max)`, always the last ones of the range.
+
+    A block needs the mask when the causal diagonal crosses its in-bounds part or it runs past
+    seqlen_k. Blocks `[n_block_min, n_block_mask_min)` are visited with no mask at all.
+    See Note [bottom-right causal].
+    """
+    n_block_min, n_block_max = n_block_range(
+        m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_block_size=m_block_size,
+        n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead)
+    n_block_mask_min = seqlen_k // n_block_size     # the seqlen_k tail block, if any
+    if causal:
+        pos_lo, _ = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
+        n_causal = max(pos_lo + seqlen_k - seqlen_q + 1, 0) // n_block_size
+        n_block_mask_min = min(n_block_mask_min, n_causal)
+    n_block_mask_min = min(max(n_block_mask_min, n_block_min), n_block_max)
+    return n_block_mask_min, n_block_max
+
+
+# --------------------------------------------------------------------------- tile kinds
+
+
+class TileKind(IntEnum):
+    """What a tile costs the kernel. See Note [tile kinds]."""
+
+    SKIP = 0     # no visible element: never loaded, never computed
+    FULL = 1     # every element in bounds and visible: no mask work
+    MASKED = 2   # the causal diagonal crosses it: needs the element mask
+    TAIL = 3     # all in-bounds elements visible, but rows or columns run past the end
+
+
+# Note [tile kinds]
+# Only in-bounds elements (row position < seqlen_q, key < seqlen_k) count. Precedence, first
+# match wins: SKIP (nothing visible) > MASKED (some in-bounds element invisible, i.e. the causal
+# boundary is inside) > TAIL (the tile runs past seqlen_q or seqlen_k) > FULL. So a tile on the
+# diagonal AND at the tail is MASKED: the kernel's mask routine applies the causal and the
+# seqlen_k bound together. A TAIL tile needs the seqlen_k bound mask when it runs past seqlen_k
+# (`TileClasses.needs_element_mask`); a tile that only runs past seqlen_q needs no mask (its
+# extra rows are dropped at the store). `needs_element_mask` is exactly the set
+# `n_block_masked_range` returns.
+
+
+@dataclass(frozen=True, eq=False)
+class TileClasses:
+    """Every (m_block, n_block) tile of one (batch, head), classified."""
+
+    seqlen_q: int
+    seqlen_k: int
+    m_block_size: int
+    n_block_size: int
+    causal: bool
+    qhead_per_kvhead: int
+    kinds: np.ndarray               # (num_m_blocks, num_n_blocks) int8 of TileKind
+    needs_element_mask: np.ndarray  # (num_m_blocks, num_n_blocks) bool
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.kinds.shape
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {k.name: int((self.kinds == k).sum()) for k in TileKind}
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.kinds.size)
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Fraction of tiles (hence of the dense MMA FLOPs) the kernel never computes."""
+        return self.counts["SKIP"] / self.num_tiles
+
+    @property
+    def visible_element_fraction(self) -> float:
+        """Fraction of the seqlen_q x seqlen_k scores that are visible (the exact math)."""
+        sq, sk = self.seqlen_q, self.seqlen_k
+        if not self.causal:
+            return 1.0
+        # row i sees min(sk, max(0, i + sk - sq + 1)) keys
+        i = np.arange(sq)
+        return float(np.clip(i + sk - sq + 1, 0, sk).sum() / (sq * sk))
+
+
+def classify_tiles(seqlen_q: int, seqlen_k: int, m_block_size: int, n_block_size: int,
+                   causal: bool, qhead_per_kvhead: int = 1) -> TileClasses:
+    """Classify every tile as SKIP / FULL / MASKED / TAIL. See Note [tile kinds]."""
+    _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
+    rows = seqlen_q * qhead_per_kvhead
+    n_m, n_n = ceil_div(rows, m_block_size), ceil_div(seqlen_k, n_block_size)
+    kinds = np.zeros((n_m, n_n), dtype=np.int8)
+    needs_mask = np.zeros((n_m, n_n), dtype=bool)
+    for m in range(n_m):
+        n_min, n_max = n_block_range(m, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                     m_block_size=m_block_size, n_block_size=n_block_size,
+                                     causal=causal, qhead_per_kvhead=qhead_per_kvhead)
+        pos_lo, _ = _tile_positions(m, m_block_size, qhead_per_kvhead)
+        row_tail = (m + 1) * m_block_size > rows
+        for n in range(n_min, n_max):
+            last_col = min((n + 1) * n_block_size, seqlen_k) - 1
+            col_tail = (n + 1) * n_block_size > seqlen_k
+            if causal and last_col > pos_lo + seqlen_k - seqlen_q:
+                kinds[m, n] = TileKind.MASKED
+            elif row_tail or col_tail:
+                kinds[m, n] = TileKind.TAIL
+            else:
+                kinds[m, n] = TileKind.FULL
+            needs_mask[m, n] = kinds[m, n] == TileKind.MASKED or col_tail
+    return TileClasses(seqlen_q, seqlen_k, m_block_size, n_block_size, bool(causal),
+                       qhead_per_kvhead, kinds, needs_mask)
+
+
+# --------------------------------------------------------------------------- GQA
+
+
+def gqa_group_size(heads_q: int, heads_kv: int) -> int:
+    """qhead_per_kvhead: how many query heads share one KV head."""
+    _positive("heads_q", heads_q)
+    _positive("heads_kv", heads_kv)
+    if heads_q % heads_kv:
+        divisors = [d for d in range(1, heads_q + 1) if heads_q % d == 0]
+        raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}: each KV "
+                         f"head must serve the same number of query heads; choose heads_kv "
+                         f"among {divisors}")
+    return heads_q // heads_kv
+
+
+def kv_head_of(q_head: int, heads_q: int, heads_kv: int) -> int:
+    """The KV head query head `q_head` reads: q_head // (heads_q // heads_kv)."""
+    group = gqa_group_size(heads_q, heads_kv)
+    if not 0 <= q_head < heads_q:
+        raise ValueError(f"q_head={q_head} is out of range [0, {heads_q})")
+    return q_head // group
+
+
+def query_to_kv_heads(heads_q: int, heads_kv: int) -> tuple[int, ...]:
+    """The whole map: element h is the KV head of query head h."""
+    group = gqa_group_size(heads_q, heads_kv)
+    return tuple(h // group for h in range(heads_q))
+
+
+def q_heads_of(kv_head: int, heads_q: int, heads_kv: int) -> range:
+    """The query heads that read KV head `kv_head` (a contiguous run)."""
+    group = gqa_group_size(heads_q, heads_kv)
+    if not 0 <= kv_head < heads_kv:
+        raise ValueError(f"kv_head={kv_head} is out of range [0, {heads_kv})")
+    return range(kv_head * group, (kv_head + 1) * group)
+
+
+# Note [pack-GQA rows]
+# With pack-GQA one CTA tile serves all qhead_per_kvhead query heads of a KV head, so K/V are
+# loaded once for the group. The M dimension of KV head g holds seqlen_q * qhead_per_kvhead
+# packed rows, query head fastest (FA's layout, which keeps a tile's rows at few positions):
+#     packed_row = pos * qhead_per_kvhead + (q_head - g * qhead_per_kvhead)
+#     q_head     = g * qhead_per_kvhead + packed_row % qhead_per_kvhead
+#     pos        = packed_row // qhead_per_kvhead
+# The causal mask compares key j with the POSITION (packed_row // qhead_per_kvhead), never
+# with the packed row itself: see Note [bottom-right causal] for the tile bounds.
+
+
+def pack_gqa_row(q_head: int, pos: int, *, heads_q: int, heads_kv: int,
+                 seqlen_q: int) -> tuple[int, int]:
+    """(query head, seqlen position) -> (kv head, packed row). See Note [pack-GQA rows]."""
+    group = gqa_group_size(heads_q, heads_kv)
+    _positive("seqlen_q", seqlen_q)
+    if not 0 <= q_head < heads_q:
+        raise ValueError(f"q_head={q_head} is out of range [0, {heads_q})")
+    if not 0 <= pos < seqlen_q:
+        raise ValueError(f"pos={pos} is out of range [0, seqlen_q={seqlen_q})")
+    kv_head = q_head // group
+    return kv_head, pos * group + (q_head - kv_head * group)
+
+
+def unpack_gqa_row(kv_head: int, packed_row: int, *, heads_q: int, heads_kv: int,
+                   seqlen_q: int) -> tuple[int, int]:
+    """(kv head, packed row) -> (query head, seqlen position). See Note [pack-GQA rows]."""
+    group = gqa_group_size(heads_q, heads_kv)
+    _positive("seqlen_q", seqlen_q)
+    if not 0 <= kv_head < heads_kv:
+        raise ValueError(f"kv_head={kv_head} is out of range [0, {heads_kv})")
+    if not 0 <= packed_row < seqlen_q * group:
+        raise ValueError(f"packed_row={packed_row} is out of range [0, seqlen_q * "
+                         f"qhead_per_kvhead = {seqlen_q * group})")
+    return kv_head * group + packed_row % group, packed_row // group
+
+
+# --------------------------------------------------------------------------- cost model
+
+# Note [tile cost model]
+# The unit of time is one unmasked K/V block iteration of one query tile (two MMAs, S = Q K^T
+# and O += P V, plus the softmax of m_block_size x n_block_size scores). A block that needs the
+# element mask costs `masked_block_cost` units: the mask is a compare-and-select on every score
+# of the fragment before the row max, work the unmasked blocks never do (1.25 is a model
+# assumption, not a measurement). Every tile also pays `tile_overhead` units whatever its
+# length: loading Q, filling the K/V pipeline, normalising O and storing O and LSE. A tile with
+# no visible block still pays it (it writes O = 0, LSE = -inf). The model is MMA-bound:
+# `Schedule.predicted_seconds` turns units into seconds with 4 * m * n * head_dim FLOPs per
+# unit at the chip's dense MMA rate, an optimistic floor, used only to compare schedules.
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Work of one tile, in units of one unmasked K/V block. See Note [tile cost model]."""
+
+    masked_block_cost: float = 1.25
+    tile_overhead: float = 1.0
+
+    def __post_init__(self):
+        if not self.masked_block_cost >= 1.0:
+            raise ValueError(f"masked_block_cost={self.masked_block_cost} must be >= 1 (a masked "
+                             f"block does all of an unmasked block's work and more)")
+        if not self.tile_overhead >= 0.0:
+            raise ValueError(f"tile_overhead={self.tile_overhead} must be >= 0")
+
+    def tile_cost(self, n_unmasked: int, n_masked: int) -> float:
+        return n_unmasked + self.masked_block_cost * n_masked + self.tile_overhead
+
+
+# Note [L2 swizzle]
+# LPT walks the heads in sections of `swizzle` (batch, head) pairs whose K and V fit in L2 at
+# once: inside a section every m_block of every head is issued before the next section starts,
+# so CTAs running at the same time share K/V in L2. As FA4 does, the section is the largest
+# power of two of heads whose K+V (seqlen_k * (head_dim + head_dim_v) * element_size bytes)
+# fits in the L2 budget below (FA4 budgets 50 MiB for K and V on both Hopper and Blackwell).
+L2_KV_BUDGET_BYTES = 50 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The (batch, head, m_block) work items of one forward call.
+
+    `heads` is the head axis of the grid: heads_q, or heads_kv with pack-GQA (then
+    `qhead_per_kvhead` > 1 query heads are folded into M).
+    """
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    m_block_size: int
+    n_block_size: int
+    causal: bool
+    qhead_per_kvhead: int = 1
+    head_dim: int = 128
+    head_dim_v: int | None = None
+    element_size: int = 2
+
+    def __post_init__(self):
+        _positive("batch", self.batch)
+        _positive("heads", self.heads)
+        _check_sizes(self.seqlen_q, self.seqlen_k, self.m_block_size, self.n_block_size,
+                     self.qhead_per_kvhead)
+        _positive("head_dim", self.head_dim)
+        if self.head_dim_v is not None:
+            _positive("head_dim_v", self.head_dim_v)
+        _positive("element_size", self.element_size)
+
+    @classmethod
+    def from_spec(cls, spec, *, m_block_size: int, n_block_size: int,
+                  pack_gqa: bool = False) -> Workload:
+        """From an `AttentionSpec`: one tile per (batch, head, m_block)."""
+        group = spec.qhead_per_kvhead if pack_gqa else 1
+        return cls(batch=spec.batch, heads=spec.heads_kv if pack_gqa else spec.heads_q,
+                   seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k, m_block_size=m_block_size,
+                   n_block_size=n_block_size, causal=spec.causal, qhead_per_kvhead=group,
+                   head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
+                   element_size=2)
+
+    @property
+    def num_m_blocks(self) -> int:
+        return num_m_blocks(self.seqlen_q, self.m_block_size, self.qhead_per_kvhead)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.batch * self.heads * self.num_m_blocks
+
+    @property
+    def l2_swizzle(self) -> int:
+        """(batch, head) pairs per L2 section. See Note [L2 swizzle]."""
+        hdv = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        one_head = self.seqlen_k * (self.head_dim + hdv) * self.element_size
+        fit = L2_KV_BUDGET_BYTES // one_head
+        return 1 if fit < 1 else 1 << (fit.bit_length() - 1)
+
+    def blocks_per_m_block(self) -> tuple[np.ndarray, np.ndarray]:
+        """(unmasked, masked) K/V block counts per m_block (the same for every batch, head)."""
+        unmasked = np.zeros(self.num_m_blocks, dtype=np.int64)
+        masked = np.zeros(self.num_m_blocks, dtype=np.int64)
+        kw = dict(seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
+                  m_block_size=self.m_block_size, n_block_size=self.n_block_size,
+                  causal=self.causal, qhead_per_kvhead=self.qhead_per_kvhead)
+        for m in range(self.num_m_blocks):
+            n_min, n_max = n_block_range(m, **kw)
+            n_mask_min, _ = n_block_masked_range(m, **kw)
+            unmasked[m], masked[m] = n_mask_min - n_min, n_max - n_mask_min
+        return unmasked, masked
+
+    def tile_costs(self, cost: CostModel | None = None) -> np.ndarray:
+        """Cost of each m_block's tile, shape (num_m_blocks,). See Note [tile cost model]."""
+        cost = cost or CostModel()
+        unmasked, masked = self.blocks_per_m_block()
+        return unmasked + cost.masked_block_cost * masked + cost.tile_overhead
+
+    def unit_flops(self) -> float:
+        """MMA FLOPs of one cost unit (one K/V block of one tile): 2*m*n*(d + d_v)."""
+        hdv = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        return 2.0 * self.m_block_size * self.n_block_size * (self.head_dim + hdv)
+
+
+# --------------------------------------------------------------------------- tile orders
+
+
+def grid_order(work: Workload) -> np.ndarray:
+    """(num_tiles, 3) rows (batch, head, m_block), m_block fastest then head then batch: the
+    order the hardware dispatches a (num_m_blocks, heads, batch) grid."""
+    b, h, m = np.meshgrid(np.arange(work.batch), np.arange(work.heads),
+                          np.arange(work.num_m_blocks), indexing="ij")
+    return np.stack([b.ravel(), h.ravel(), m.ravel()], axis=1)
+
+
+def lpt_order(work: Workload) -> np.ndarray:
+    """(num_tiles, 3) rows (batch, head, m_block) in FA4's longest-processing-time-first order.
+
+    Linear tile t is split into an L2 section of `swizzle` (batch, head) pairs (Note [L2
+    swizzle]); inside a section m_block runs from the LAST (for causal the longest) to the first,
+    and the section's heads vary fastest. The last section may be shorter (the residual).
+    """
+    n_m, n_hb = work.num_m_blocks, work.heads * work.batch
+    swizzle = min(work.l2_swizzle, n_hb)
+    full_sections = n_hb // swizzle
+    t = np.arange(work.num_tiles)
+    section, within = np.divmod(t, swizzle * n_m)
+    residual = n_hb - full_sections * swizzle
+    width = np.where(section < full_sections, swizzle, max(residual, 1))
+    block, hb_in = np.divmod(within, width)
+    batch, head = np.divmod(section * swizzle + hb_in, work.heads)
+    return np.stack([batch, head, n_m - 1 - block], axis=1)
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """Which SM runs which tile when. Arrays are indexed by dispatch position."""
+
+    name: str
+    num_sms: int
+    order: np.ndarray    # (T, 3) int: (batch, head, m_block) in dispatch order
+    sm: np.ndarray       # (T,) int: the SM (persistent CTA) that runs it
+    start: np.ndarray    # (T,) float: start time, cost units
+    end: np.ndarray      # (T,) float
+    unit_flops: float    # MMA FLOPs per cost unit (for predicted_seconds)
+
+    @property
+    def makespan(self) -> float:
+        return float(self.end.max()) if self.end.size else 0.0
+
+    @property
+    def busy(self) -> np.ndarray:
+        """Busy time of each SM, shape (num_sms,)."""
+        return np.bincount(self.sm, weights=self.end - self.start, minlength=self.num_sms)
+
+    @property
+    def total_work(self) -> float:
+        return float((self.end - self.start).sum())
+
+    @property
+    def lower_bound(self) -> float:
+        """No schedule beats max(total work / num_sms, the longest tile)."""
+        longest = float((self.end - self.start).max()) if self.end.size else 0.0
+        return max(self.total_work / self.num_sms, longest)
+
+    @property
+    def efficiency(self) -> float:
+        """Mean SM busy fraction until the makespan (1 = perfect balance)."""
+        return self.total_work / (self.num_sms * self.makespan) if self.makespan else 1.0
+
+    @property
+    def imbalance(self) -> float:
+        """makespan / mean per-SM busy time - 1 (0 = perfect balance)."""
+        return 1.0 / self.efficiency - 1.0
+
+    def predicted_seconds(self, hardware) -> float:
+        """Makespan in seconds if one unit runs at the chip's dense MMA rate (a floor)."""
+        per_sm = hardware.mma_flops_per_cycle * hardware.clock_ghz * 1e9
+        return self.makespan * self.unit_flops / per_sm
+
+
+def _resolve_sms(num_sms, arch):
+    if num_sms is None:
+        from fa4lab.hardware import hardware_for
+
+        num_sms = hardware_for(arch).num_sms
+    return _positive("num_sms", num_sms, " (e.g. 148 on B200, 132 on H200)")
+
+
+def _greedy(name, work, order, num_sms, cost):
+    """Each tile in `order` goes to the SM that frees up first (ties: the lowest SM): how the
+    hardware dispatches a grid's CTAs, and how persistent CTAs that pull the next tile from a
+    global counter behave."""
+    costs = work.tile_costs(cost)[order[:, 2]]
+    sm = np.empty(len(order), dtype=np.int64)
+    start = np.empty(len(order))
+    free = [(0.0, s) for s in range(num_sms)]
+    for t, c in enumerate(costs):
+        at, s = heapq.heappop(free)
+        sm[t], start[t] = s, at
+        heapq.heappush(free, (at + c, s))
+    return Schedule(name, num_sms, order, sm, start, start + costs, work.unit_flops())
+
+
+def schedule_grid(work: Workload, *, num_sms: int | None = None, arch: str = "sm100",
+                  cost: CostModel | None = None) -> Schedule:
+    """One CTA per tile in grid order; the hardware hands the next CTA to the first free SM."""
+    return _greedy("grid", work, grid_order(work), _resolve_sms(num_sms, arch), cost)
+
+
+def schedule_static_persistent(work: Workload, *, num_sms: int | None = None,
+                               arch: str = "sm100", cost: CostModel | None = None) -> Schedule:
+    """num_sms persistent CTAs; CTA i takes grid-order tiles i, i + num_sms, ... in turn."""
+    num_sms = _resolve_sms(num_sms, arch)
+    order = grid_order(work)
+    costs = work.tile_costs(cost)[order[:, 2]]
+    sm = np.arange(len(order)) % num_sms
+    start = np.empty(len(order))
+    clock = np.zeros(num_sms)
+    for t, c in enumerate(costs):
+        start[t] = clock[sm[t]]
+        clock[sm[t]] += c
+    return Schedule("static", num_sms, order, sm, start, start + costs, work.unit_flops())
+
+
+def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm100",
+                 cost: CostModel | None = None) -> Schedule:
+    """LPT order (longest m_blocks first, L2-swizzled heads), each tile to the first free SM."""
+    return _greedy("lpt", work, lpt_order(work), _resolve_sms(num_sms, arch), cost)
+
+
+SCHEDULERS = {
+    "grid": schedule_grid,
+    "static": schedule_static_persistent,
+    "lpt": schedule_lpt,
+}
+
+
+def schedule(name: str, work: Workload, *, num_sms: int | None = None, arch: str = "sm100",
+             cost: CostModel | None = None) -> Schedule:
+    """Run the scheduler called `name` ('grid', 'static' or 'lpt')."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}: choose one of {sorted(SCHEDULERS)}")
+    return SCHEDULERS[name](work, num_sms=num_sms, arch=arch, cost=cost)
+

@@ -1,0 +1,348 @@
+"""fa4lab.tiling against a brute-force element mask, plus GQA maps and the schedulers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fa4lab.spec import AttentionSpec
+from fa4lab.tiling import (
+    SCHEDULERS,
+    CostModel,
+    TileKind,
+    Workload,
+    classify_tiles,
+    gqa_group_size,
+    grid_order,
+    kv_head_of,
+    lpt_order,
+    n_block_masked_range,
+    n_block_range,
+    pack_gqa_row,
+    q_heads_of,
+    query_to_kv_heads,
+    schedule,
+    schedule_grid,
+    schedule_lpt,
+    schedule_static_persistent,
+    unpack_gqa_row,
+)
+
+
+def brute_visible(seqlen_q, seqlen_k, causal, group=1, rows=None):
+    """visible[r, j] over the padded M x N grid, from the math contract alone.
+
+    Row r of the M dimension is query position r // group (pack-GQA; group 1 = no packing).
+    Out-of-bounds rows or columns are never visible.
+    """
+    rows = seqlen_q * group if rows is None else rows
+    r = np.arange(rows)[:, None]
+    pos = r // group
+    j = np.arange(seqlen_k)[None, :]
+    vis = (pos < seqlen_q) & (j < seqlen_k)
+    if causal:
+        vis &= j <= pos + seqlen_k - seqlen_q
+    return vis
+
+
+def brute_kinds(seqlen_q, seqlen_k, bm, bn, causal, group=1):
+    """Tile kinds and 'needs an element mask' by looking at every element."""
+    rows = seqlen_q * group
+    n_m, n_n = -(-rows // bm), -(-seqlen_k // bn)
+    vis = np.zeros((n_m * bm, n_n * bn), dtype=bool)
+    vis[:rows, :seqlen_k] = brute_visible(seqlen_q, seqlen_k, causal, group)
+    inb = np.zeros_like(vis)
+    inb[:rows, :seqlen_k] = True
+    kinds = np.zeros((n_m, n_n), dtype=int)
+    needs = np.zeros((n_m, n_n), dtype=bool)
+    for m, n in itertools.product(range(n_m), range(n_n)):
+        tv = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+        ti = inb[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+        col_oob = not ti[0].all()  # row 0 of a tile is always in bounds
+        if not tv.any():
+            kinds[m, n] = TileKind.SKIP
+        elif (ti & ~tv).any():
+            kinds[m, n] = TileKind.MASKED
+        elif not ti.all():
+            kinds[m, n] = TileKind.TAIL
+        else:
+            kinds[m, n] = TileKind.FULL
+        needs[m, n] = kinds[m, n] != TileKind.SKIP and ((ti & ~tv).any() or col_oob)
+    return kinds, needs
+
+
+SEQLENS = (1, 2, 3, 5, 8, 13, 16, 17, 31, 33)
+BLOCKS = ((1, 1), (2, 3), (4, 4), (8, 4), (4, 8), (16, 16), (3, 5))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bm,bn", BLOCKS)
+def test_classify_matches_brute_force(bm, bn, causal):
+    # every seqlen_q x seqlen_k pair, including seqlen 1 and seqlen_q > seqlen_k
+    for sq, sk in itertools.product(SEQLENS, SEQLENS):
+        tiles = classify_tiles(sq, sk, bm, bn, causal)
+        want, needs = brute_kinds(sq, sk, bm, bn, causal)
+        np.testing.assert_array_equal(tiles.kinds, want, err_msg=f"{sq=} {sk=}")
+        np.testing.assert_array_equal(tiles.needs_element_mask, needs, err_msg=f"{sq=} {sk=}")
+
+
+@pytest.mark.parametrize("group", [2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_classify_pack_gqa_matches_brute_force(group, causal):
+    for (sq, sk), (bm, bn) in itertools.product(
+            itertools.product((1, 3, 7, 16, 20), (1, 5, 16, 19)), ((4, 4), (8, 4), (6, 5))):
+        tiles = classify_tiles(sq, sk, bm, bn, causal, qhead_per_kvhead=group)
+        want, needs = brute_kinds(sq, sk, bm, bn, causal, group)
+        np.testing.assert_array_equal(tiles.kinds, want, err_msg=f"{sq=} {sk=} {bm=} {bn=}")
+        np.testing.assert_array_equal(tiles.needs_element_mask, needs)
+
+
+def _check_ranges(sq, sk, bm, bn, causal, group=1):
+    tiles = classify_tiles(sq, sk, bm, bn, causal, qhead_per_kvhead=group)
+    vis = brute_visible(sq, sk, causal, group)
+    for m in range(tiles.shape[0]):
+        kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal,
+                  qhead_per_kvhead=group)
+        lo, hi = n_block_range(m, **kw)
+        mlo, mhi = n_block_masked_range(m, **kw)
+        assert 0 <= lo <= hi <= tiles.shape[1]
+        assert lo <= mlo <= mhi == hi
+        visited = np.zeros(tiles.shape[1], dtype=bool)
+        visited[lo:hi] = True
+        # the range is exactly the non-SKIP tiles of this row of tiles
+        np.testing.assert_array_equal(visited, tiles.kinds[m] != TileKind.SKIP)
+        masked = np.zeros(tiles.shape[1], dtype=bool)
+        masked[mlo:mhi] = True
+        np.testing.assert_array_equal(masked, tiles.needs_element_mask[m])
+        # the visited columns hold every visible element of the tile's rows
+        row_vis = vis[m * bm:(m + 1) * bm]
+        cols = np.flatnonzero(row_vis.any(axis=0))
+        if cols.size:
+            assert lo * bn <= cols.min() and cols.max() < hi * bn
+        else:
+            assert lo == hi
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ranges_consistent_with_tiles(causal):
+    for sq, sk in itertools.product(SEQLENS, SEQLENS):
+        for bm, bn in BLOCKS:
+            _check_ranges(sq, sk, bm, bn, causal)
+        _check_ranges(sq, sk, 4, 4, causal, group=3)
+
+
+def test_seqlen_q_longer_than_seqlen_k_has_empty_tiles():
+    # 20 queries, 4 keys: causal rows 0..15 see nothing, so tiles 0..3 visit no block
+    for m in range(4):
+        lo, hi = n_block_range(m, seqlen_q=20, seqlen_k=4, m_block_size=4, n_block_size=4,
+                               causal=True)
+        assert lo == hi
+    assert n_block_range(4, seqlen_q=20, seqlen_k=4, m_block_size=4, n_block_size=4,
+                         causal=True) == (0, 1)
+    assert classify_tiles(20, 4, 4, 4, True).counts == {"SKIP": 4, "FULL": 0, "MASKED": 1,
+                                                         "TAIL": 0}
+
+
+def test_no_visible_element_in_skip_and_no_masked_in_full(rng):
+    for _ in range(40):
+        sq, sk = (int(x) for x in rng.integers(1, 70, size=2))
+        bm, bn = (int(x) for x in rng.integers(1, 20, size=2))
+        causal = bool(rng.integers(2))
+        tiles = classify_tiles(sq, sk, bm, bn, causal)
+        vis = np.zeros((tiles.shape[0] * bm, tiles.shape[1] * bn), dtype=bool)
+        vis[:sq, :sk] = brute_visible(sq, sk, causal)
+        for (m, n), kind in np.ndenumerate(tiles.kinds):
+            block = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
+            if kind == TileKind.SKIP:
+                assert not block.any()
+            if kind == TileKind.FULL:
+                assert block.all()
+
+
+def test_causal_square_counts_and_fractions():
+    tiles = classify_tiles(1024, 1024, 128, 128, True)
+    assert tiles.counts == {"SKIP": 28, "FULL": 28, "MASKED": 8, "TAIL": 0}
+    assert tiles.skipped_fraction == pytest.approx(28 / 64)
+    assert tiles.visible_element_fraction == pytest.approx((1024 * 1025 / 2) / 1024**2)
+    dense = classify_tiles(1000, 1000, 128, 128, False)
+    assert dense.counts["SKIP"] == 0 and dense.counts["MASKED"] == 0
+    assert dense.counts["TAIL"] == 15 and dense.visible_element_fraction == 1.0
+
+
+# ----------------------------------------------------------------------------------- GQA
+
+
+def test_gqa_map():
+    assert query_to_kv_heads(8, 2) == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert query_to_kv_heads(4, 4) == (0, 1, 2, 3)
+    for h in range(12):
+        assert kv_head_of(h, 12, 3) == h // 4
+        assert h in q_heads_of(h // 4, 12, 3)
+    assert list(q_heads_of(1, 12, 3)) == [4, 5, 6, 7]
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads_kv=st.integers(1, 6), group=st.integers(1, 8), seqlen_q=st.integers(1, 300),
+       data=st.data())
+def test_pack_gqa_round_trip(heads_kv, group, seqlen_q, data):
+    heads_q = heads_kv * group
+    kw = dict(heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q)
+    q_head = data.draw(st.integers(0, heads_q - 1))
+    pos = data.draw(st.integers(0, seqlen_q - 1))
+    kv_head, row = pack_gqa_row(q_head, pos, **kw)
+    assert kv_head == kv_head_of(q_head, heads_q, heads_kv)
+    assert 0 <= row < seqlen_q * group
+    assert row // group == pos          # the causal row index is the position
+    assert unpack_gqa_row(kv_head, row, **kw) == (q_head, pos)
+    row2 = data.draw(st.integers(0, seqlen_q * group - 1))
+    kv2 = data.draw(st.integers(0, heads_kv - 1))
+    assert pack_gqa_row(*unpack_gqa_row(kv2, row2, **kw), **kw) == (kv2, row2)
+
+
+def test_pack_gqa_is_a_bijection():
+    heads_q, heads_kv, sq = 6, 2, 5
+    kw = dict(heads_q=heads_q, heads_kv=heads_kv, seqlen_q=sq)
+    images = {pack_gqa_row(h, p, **kw) for h in range(heads_q) for p in range(sq)}
+    assert images == {(g, r) for g in range(heads_kv) for r in range(sq * 3)}
+
+
+# ------------------------------------------------------------------------------ schedulers
+
+
+def _work(**kw):
+    base = dict(batch=2, heads=4, seqlen_q=1024, seqlen_k=1024, m_block_size=128,
+                n_block_size=128, causal=True)
+    base.update(kw)
+    return Workload(**base)
+
+
+def test_orders_are_permutations_of_the_grid():
+    for swizzle_heads in (3, 8, 17):
+        w = _work(heads=swizzle_heads, seqlen_k=40000, seqlen_q=700)
+        grid = {tuple(x) for x in grid_order(w)}
+        lpt = [tuple(x) for x in lpt_order(w)]
+        assert len(lpt) == len(set(lpt)) == w.num_tiles and set(lpt) == grid
+
+
+def test_lpt_order_longest_first_within_a_section():
+    w = _work(heads=4, batch=1)           # K/V of 4 heads fit in L2: one section
+    order = lpt_order(w)
+    assert list(order[:4, 2]) == [7, 7, 7, 7] and list(order[:4, 1]) == [0, 1, 2, 3]
+    assert list(order[-4:, 2]) == [0, 0, 0, 0]
+    costs = w.tile_costs()[order[:, 2]]
+    assert np.all(np.diff(costs) <= 0)
+
+
+def test_l2_swizzle():
+    # 8192 keys x (128 + 128) x 2 bytes = 4 MiB per head: 12 fit in 50 MiB, rounded down to 8
+    assert _work(seqlen_k=8192).l2_swizzle == 8
+    assert _work(seqlen_k=10**6).l2_swizzle == 1
+
+
+def test_tile_costs_follow_the_cost_model():
+    w = _work(seqlen_q=512, seqlen_k=512)
+    cm = CostModel(masked_block_cost=2.0, tile_overhead=0.5)
+    # causal square: tile m sees m unmasked blocks and one masked (diagonal) block
+    np.testing.assert_allclose(w.tile_costs(cm), [m + 2.0 + 0.5 for m in range(4)])
+
+
+def test_schedules_cover_every_tile_once_without_overlap():
+    w = _work(heads=3, seqlen_q=900, seqlen_k=1300)
+    for name in SCHEDULERS:
+        s = schedule(name, w, num_sms=7)
+        assert sorted(map(tuple, s.order)) == sorted(map(tuple, grid_order(w)))
+        for sm in range(7):
+            idx = np.flatnonzero(s.sm == sm)
+            iv = sorted(zip(s.start[idx], s.end[idx]))
+            assert all(a[1] <= b[0] + 1e-9 for a, b in zip(iv, iv[1:]))
+        assert s.busy.sum() == pytest.approx(s.total_work)
+        assert s.makespan >= s.lower_bound - 1e-9
+        assert 0 < s.efficiency <= 1 and s.imbalance >= 0
+
+
+def test_static_persistent_assignment():
+    w = _work(heads=1, batch=1)
+    s = schedule_static_persistent(w, num_sms=3)
+    assert list(s.sm) == [0, 1, 2, 0, 1, 2, 0, 1]
+    costs = w.tile_costs()
+    assert s.busy[0] == pytest.approx(costs[0] + costs[3] + costs[6])
+
+
+def test_num_sms_from_hardware():
+    w = _work()
+    assert schedule_grid(w, arch="sm90").num_sms == 132
+    assert schedule_grid(w, arch="sm100").num_sms == 148
+
+
+def test_non_causal_equal_tiles_balance_the_same():
+    w = _work(causal=False, heads=16, seqlen_q=2048)
+    spans = {name: schedule(name, w, num_sms=132).makespan for name in SCHEDULERS}
+    assert len(set(spans.values())) == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=st.integers(1, 4), heads=st.integers(1, 12), seqlen_q=st.integers(1, 3000),
+       seqlen_k=st.integers(1, 3000), bm=st.sampled_from([64, 128, 256]),
+       bn=st.sampled_from([64, 128]), causal=st.booleans(), num_sms=st.integers(1, 160),
+       masked_cost=st.floats(1.0, 2.0), overhead=st.floats(0.0, 3.0))
+def test_lpt_never_worse_than_grid(batch, heads, seqlen_q, seqlen_k, bm, bn, causal, num_sms,
+                                   masked_cost, overhead):
+    w = Workload(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                 m_block_size=bm, n_block_size=bn, causal=causal)
+    cm = CostModel(masked_block_cost=masked_cost, tile_overhead=overhead)
+    lpt = schedule_lpt(w, num_sms=num_sms, cost=cm)
+    grid = schedule_grid(w, num_sms=num_sms, cost=cm)
+    assert lpt.makespan <= grid.makespan + 1e-9
+
+
+def test_workload_from_spec_with_pack_gqa():
+    spec = AttentionSpec(batch=2, seqlen_q=100, seqlen_k=300, heads_q=8, heads_kv=2,
+                         head_dim=64, causal=True)
+    w = Workload.from_spec(spec, m_block_size=128, n_block_size=128, pack_gqa=True)
+    assert (w.heads, w.qhead_per_kvhead, w.num_m_blocks) == (2, 4, 4)
+    plain = Workload.from_spec(spec, m_block_size=128, n_block_size=128)
+    assert (plain.heads, plain.num_m_blocks) == (8, 1)
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(seqlen_q=0), "seqlen_q must be >= 1"),
+    (dict(seqlen_k=-3), "seqlen_k must be >= 1"),
+    (dict(m_block_size=0), "m_block_size must be >= 1"),
+    (dict(n_block_size=2.5), "n_block_size must be a positive integer"),
+    (dict(qhead_per_kvhead=0), "qhead_per_kvhead must be >= 1"),
+])
+def test_bad_sizes_raise(kwargs, match):
+    args = dict(seqlen_q=8, seqlen_k=8, m_block_size=4, n_block_size=4, causal=True)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        classify_tiles(**args)
+    with pytest.raises(ValueError, match=match):
+        n_block_range(0, **args)
+
+
+def test_bad_m_block_and_heads_raise():
+    with pytest.raises(ValueError, match=r"m_block=2 is out of range.*\[0, 2\)"):
+        n_block_range(2, seqlen_q=8, seqlen_k=8, m_block_size=4, n_block_size=4, causal=False)
+    with pytest.raises(ValueError, match="not a multiple of heads_kv=3.*choose heads_kv among"):
+        gqa_group_size(8, 3)
+    with pytest.raises(ValueError, match="heads_kv must be >= 1"):
+        query_to_kv_heads(8, 0)
+    with pytest.raises(ValueError, match="q_head=8 is out of range"):
+        kv_head_of(8, 8, 2)
+    with pytest.raises(ValueError, match="packed_row=12 is out of range"):
+        unpack_gqa_row(0, 12, heads_q=4, heads_kv=2, seqlen_q=6)
+    with pytest.raises(ValueError, match="unknown scheduler 'fifo'"):
+        schedule("fifo", _work(), num_sms=4)
+    with pytest.raises(ValueError, match="num_sms must be >= 1"):
+        schedule_lpt(_work(), num_sms=0)
+    with pytest.raises(ValueError, match="masked_block_cost"):
+        CostModel(masked_block_cost=0.5)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        _work(batch=0)
