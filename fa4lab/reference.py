@@ -1,0 +1,183 @@
+"""The float64 attention reference: the ground truth every test and notebook compares against.
+
+What it computes (the math contract, see `fa4lab.spec` and notebook 01):
+
+    O[b, i, h]   = sum_j softmax_j(softmax_scale * q[b, i, h] . k[b, j, g(h)]) v[b, j, g(h)]
+    lse[b, h, i] = log(sum_j exp(softmax_scale * q[b, i, h] . k[b, j, g(h)]))   (natural log)
+
+over the keys j visible to query i, with g(h) = h // (heads_q // heads_kv) (GQA; MQA when
+heads_kv == 1). causal=True is bottom-right aligned: query i sees key j iff
+j <= i + seqlen_k - seqlen_q. A row that sees no key gives O = 0 and lse = -inf, never NaN.
+
+Constraints: q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim),
+v (batch, seqlen_k, heads_kv, head_dim_v), all floating point and finite; all numpy arrays or
+all torch tensors (on one device). The answer is always float64: numpy in gives numpy out,
+torch in gives a float64 torch tensor on the input's device (cast it yourself if you want the
+input dtype; a reference that rounds to bf16 would hide the error it is meant to measure).
+
+How: one code path in torch (numpy inputs are wrapped without a copy where possible). Scores
+are materialised a chunk of (batch, heads, queries) at a time, at most `_SCORE_BUDGET`
+elements, so a (1, 8192, 16, 128) problem on a GPU never holds all heads' S at once.
+
+    from fa4lab.reference import attention_reference
+    out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from fa4lab.spec import check_qkv_shapes
+
+# At most this many float64 scores live at once (2**25 * 8 B = 256 MiB, plus a few same-sized
+# temporaries). Large enough that small problems run in one chunk.
+_SCORE_BUDGET = 2**25
+
+__all__ = ["attention_reference", "visible_mask", "check_attention_inputs", "resolve_scale",
+           "kv_head_index"]
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """Bool (seqlen_q, seqlen_k): True where query i may attend to key j.
+
+    Without causal every key is visible. With causal the diagonal is aligned to the bottom
+    right: query i sees key j iff j <= i + seqlen_k - seqlen_q, so when seqlen_q > seqlen_k the
+    first seqlen_q - seqlen_k queries see no key at all.
+    """
+    seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
+    if seqlen_q < 1 or seqlen_k < 1:
+        raise ValueError(f"seqlen_q and seqlen_k must be >= 1, got {seqlen_q}, {seqlen_k}")
+    if not causal:
+        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def kv_head_index(heads_q: int, heads_kv: int) -> np.ndarray:
+    """The KV head each query head reads: h // (heads_q // heads_kv) (grouped, as in FA4)."""
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
+    return np.arange(heads_q) // (heads_q // heads_kv)
+
+
+def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
+    """softmax_scale, defaulting to 1/sqrt(head_dim); must be a positive finite number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {scale}")
+    return scale
+
+
+def _is_torch(t) -> bool:
+    mod = type(t).__module__
+    return mod.startswith("torch") and hasattr(t, "is_floating_point")
+
+
+def check_attention_inputs(q, k, v) -> str:
+    """Shapes (via `fa4lab.spec.check_qkv_shapes`), dtype kind and finiteness of q, k, v.
+
+    Returns "torch" or "numpy", the kind all three share. Raises TypeError for a mix of kinds
+    or a non-floating dtype and ValueError (naming the tensor) for a bad shape or a NaN/inf.
+    """
+    kinds = {name: ("torch" if _is_torch(t) else "numpy") for name, t in (("q", q), ("k", k),
+                                                                          ("v", v))}
+    if len(set(kinds.values())) != 1:
+        raise TypeError(f"q, k and v must all be numpy arrays or all torch tensors, got {kinds}; "
+                        f"convert with torch.from_numpy(x) or t.cpu().numpy()")
+    kind = kinds["q"]
+    if kind == "numpy":
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, np.ndarray):
+                raise TypeError(f"{name} must be a numpy array or torch tensor, got "
+                                f"{type(t).__name__}; wrap it with np.asarray({name})")
+    check_qkv_shapes(q, k, v)
+    if kind == "torch":
+        devices = {str(t.device) for t in (q, k, v)}
+        if len(devices) != 1:
+            raise ValueError(f"q, k and v are on different devices {sorted(devices)}: move them "
+                             f"to one device with .to(device)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if kind == "torch":
+            floating = t.is_floating_point()
+        else:
+            floating = np.issubdtype(t.dtype, np.floating)
+        if not floating:
+            raise TypeError(f"{name} has dtype {t.dtype}: attention needs a real floating-point "
+                            f"dtype (float16/bfloat16/float32/float64); cast with .astype/.to")
+        finite = bool(t.isfinite().all()) if kind == "torch" else bool(np.isfinite(t).all())
+        if not finite:
+            raise ValueError(f"{name} contains NaN or inf: the reference needs finite inputs "
+                             f"(check how {name} was produced)")
+    return kind
+
+
+def _attention_torch(q, k, v, *, causal: bool, scale: float):
+    """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries."""
+    import torch
+
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    head_dim_v = v.shape[-1]
+    dev = q.device
+    out = torch.zeros((batch, seqlen_q, heads_q, head_dim_v), dtype=torch.float64, device=dev)
+    lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float64, device=dev)
+    kv_of = torch.as_tensor(kv_head_index(heads_q, heads_kv), device=dev)
+    mask = torch.as_tensor(visible_mask(seqlen_q, seqlen_k, causal), device=dev)
+
+    # Chunk sizes: as many heads as fit the budget with all queries, else one head and a
+    # slice of queries.
+    per_head = seqlen_q * seqlen_k
+    head_chunk = max(1, min(heads_q, _SCORE_BUDGET // per_head))
+    q_chunk = seqlen_q if head_chunk > 1 or per_head <= _SCORE_BUDGET else max(
+        1, _SCORE_BUDGET // seqlen_k)
+    for b in range(batch):
+        for h0 in range(0, heads_q, head_chunk):
+            heads = slice(h0, min(heads_q, h0 + head_chunk))
+            kb = k[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim)
+            vb = v[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim_v)
+            for i0 in range(0, seqlen_q, q_chunk):
+                rows = slice(i0, min(seqlen_q, i0 + q_chunk))
+                s = torch.einsum("qhd,khd->hqk", q[b, rows, heads], kb) * scale
+                s = s.masked_fill(~mask[rows], -math.inf)
+                row_max = s.amax(dim=-1, keepdim=True)
+                # A fully masked row has max -inf; subtract 0 there so exp gives 0, not NaN.
+                row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+                p = torch.exp(s - row_max)
+                row_sum = p.sum(dim=-1, keepdim=True)
+                o = torch.einsum("hqk,khd->qhd", p, vb)
+                denom = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+                out[b, rows, heads] = o / denom.squeeze(-1).transpose(0, 1)[..., None]
+                lse[b, heads, rows] = (row_max + torch.log(row_sum)).squeeze(-1)
+    return out, lse
+
+
+def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                        return_lse: bool = False):
+    """Exact (float64) attention forward; returns out, or (out, lse) when return_lse.
+
+    out: (batch, seqlen_q, heads_q, head_dim_v) float64; lse: (batch, heads_q, seqlen_q)
+    float64, natural log, -inf for rows that see no key. numpy in -> numpy out; torch in ->
+    float64 torch out on the same device.
+    """
+    kind = check_attention_inputs(q, k, v)
+    scale = resolve_scale(softmax_scale, int(q.shape[-1]))
+    import torch
+
+    if kind == "numpy":
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(t, dtype=np.float64))
+                      for t in (q, k, v))
+    else:
+        tq, tk, tv = (t.detach().to(torch.float64) for t in (q, k, v))
+    out, lse = _attention_torch(tq, tk, tv, causal=bool(causal), scale=scale)
+    if kind == "numpy":
+        out, lse = out.numpy(), lse.numpy()
+    return (out, lse) if return_lse else out
