@@ -1,0 +1,32 @@
+"""Print every benchmark record in this folder (or the files given) as a table.
+
+    python benchmarks/load.py                 # all records, oldest first
+    python benchmarks/load.py some.json       # one record
+
+The reading itself is `fa4lab.bench.load_records` / `load_record`, which validate the format.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fa4lab.bench import format_table, load_record, load_records, results_of
+
+
+def main(paths: list[str]) -> int:
+    records = [load_record(p) for p in paths] if paths else load_records(Path(__file__).parent)
+    if not records:
+        print("no records")
+    for rec in records:
+        print(f"## {Path(rec['path']).name}: {rec['label']}")
+        print(f"{rec['kind']}, {rec['date']}, {rec['gpu']}, commit {rec['commit'] or '-'}, "
+              f"command {rec['command'] or '-'}")
+        print()
+        print(format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops")))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

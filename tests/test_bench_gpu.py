@@ -1,0 +1,35 @@
+"""A tiny `fa4lab bench` end to end on a GPU: one shape, the SDPA peers and fa4lab (when its
+kernel for this GPU is importable), checked against the reference and timed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fa4lab import bench
+from fa4lab.bench import OK
+
+
+@pytest.mark.gpu
+def test_tiny_bench_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "tiny.json", tmp_path / "tiny.png"
+    rc = bench.main(["--head-dim", "128", "--seqlen", "1024", "--causal", "true",
+                     "--total-tokens", "2048", "--peers", "sdpa-flash,sdpa-cudnn",
+                     "--rep-ms", "20", "--warmup-ms", "5", "--json", str(out_json),
+                     "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| 128 | yes | 1024 |" in text
+    rec = bench.load_record(out_json)
+    assert rec["gpu"] and rec["versions"]["torch"] and rec["gemm_tflops"] > 0
+    res = {r.provider: r for r in bench.results_of(rec)}
+    assert set(res) == {"fa4lab", "sdpa-flash", "sdpa-cudnn"}
+    flash = res["sdpa-flash"]
+    assert flash.status == OK and flash.tflops > 0 and flash.max_err <= flash.tol
+    assert res["sdpa-cudnn"].status in (OK, "error")     # cuDNN may lack this config
+    if importlib.util.find_spec("fa4lab.api") is not None and rec["arch"] in ("sm90", "sm100"):
+        ours = res["fa4lab"]
+        assert ours.status == OK, f"fa4lab: {ours.status}: {ours.note}"
+        assert ours.max_err <= ours.tol
+    assert out_png.stat().st_size > 0
