@@ -33,14 +33,22 @@ def api_status(url: str, token: str) -> dict | None:
 
 
 @contextlib.contextmanager
-def running_lab(extra_args: str = "", timeout: float = 120.0, log_path: Path | None = None):
-    """Yield (base_url, token) of a JupyterLab started with `make lab NO_BROWSER=1`."""
+def running_lab(extra_args: str = "", timeout: float = 120.0, log_path: Path | None = None,
+                notebook: Path | None = None):
+    """Yield (base_url, token) of a JupyterLab started with `make lab NO_BROWSER=1`.
+
+    `notebook` is passed as `make lab NOTEBOOK=...`; the server then serves that notebook's
+    folder (a temporary copy, say, so a test never writes to the committed notebooks).
+    """
     port, token = free_port(), secrets.token_hex(16)
     args = f"--IdentityProvider.token={token} --ServerApp.disable_check_xsrf=False {extra_args}"
     env = dict(os.environ, NO_BROWSER="1")
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    make_vars = [f"PORT={port}", f"LAB_ARGS={args}"]
+    if notebook is not None:
+        make_vars.append(f"NOTEBOOK={Path(notebook).resolve()}")
     proc = subprocess.Popen(
-        ["make", "--no-print-directory", "lab", f"PORT={port}", f"LAB_ARGS={args}"],
+        ["make", "--no-print-directory", "lab", *make_vars],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
