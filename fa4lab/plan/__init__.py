@@ -1,0 +1,30 @@
+"""The FA4 planner: tiles, MMAs, TMEM, SMEM, warp roles and the barrier graph, computed once.
+
+    from fa4lab.plan import plan_forward
+    plan = plan_forward(spec, arch="sm100")   # or "sm90"; overrides: n_block=..., kv_stage=...
+
+`simulate(plan)` runs the roles' programs against the barrier graph (timeline, deadlocks,
+hazards, predicted throughput); `fa4lab plan` prints the report.
+"""
+
+from fa4lab.plan.barriers import Barrier, BarrierGraph
+from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
+from fa4lab.plan.plan import OVERRIDES, Plan, plan_forward
+from fa4lab.plan.roles import Role
+from fa4lab.plan.smem import SmemPlan, SmemRegion
+from fa4lab.plan.tiles import MmaPlan, Tiles
+from fa4lab.plan.tmem import TmemPlan, TmemRegion
+
+__all__ = [
+    "DEFAULT_COSTS", "OVERRIDES", "Barrier", "BarrierGraph", "CostModel", "MmaPlan", "Plan",
+    "Role", "SmemPlan", "SmemRegion", "Tiles", "TmemPlan", "TmemRegion", "plan_forward",
+    "simulate",
+]
+
+
+def __getattr__(name):
+    if name == "simulate":
+        from fa4lab.plan.simulate import simulate
+
+        return simulate
+    raise AttributeError(f"module 'fa4lab.plan' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""The cost model: cycles for each piece of work, from the hardware's feeds and speeds.
+
+Hardware figures (MMA FLOPs, MUFU exp2, FMA lanes, SMEM bytes per SM per cycle, clock, SMs)
+come from `fa4lab.hardware`. The few figures the datasheets do not give are ASSUMPTIONS, named
+here once, shown by `fa4lab plan` and varied by notebook 04's widgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from fa4lab.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class CostModel:
+    # fp32 FMA-pipe instructions per score besides exp2: scale-and-subtract (FFMA), row max,
+    # row sum, half a packed conversion to 16 bits.
+    fma_ops_per_score: float = 3.5
+    # The software exp2 (Cody-Waite range reduction + degree-3 polynomial + exponent insert).
+    fma_ops_per_poly_exp2: float = 7.0
+    # Extra FMA-pipe instructions per score on a block cut by the causal diagonal (the mask).
+    fma_ops_per_masked_score: float = 2.0
+    # ASSUMED: bytes per cycle per SM a TMA load gets from L2 (K/V are shared by many CTAs, so
+    # L2 rather than HBM feeds them), and its latency.
+    l2_bytes_per_cycle: float = 64.0
+    tma_latency: int = 700
+    # ASSUMED: TMEM <-> register bytes per cycle per SM (tcgen05.ld / st).
+    tmem_bytes_per_cycle: float = 512.0
+    # ASSUMED: wake-up latency of an mbarrier wait, and issue cost of an async instruction.
+    barrier_latency: int = 30
+    issue_cycles: int = 8
+    # ASSUMED: fraction of K/V blocks (after the first) on which some row's max grows by more
+    # than the rescale threshold, so the correction role rescales O (FA4: rare after warm-up).
+    rescale_fraction: float = 0.125
+
+    def with_(self, **changes) -> CostModel:
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise ValueError(f"unknown cost parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+        return replace(self, **changes)
+
+    # ---- cycles ----
+    def mma_cycles(self, hw: Hardware, m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / hw.mma_flops_per_cycle
+
+    def softmax_cycles(self, hw: Hardware, scores: int, emulated: float,
+                       masked: bool = False) -> float:
+        """exp2 on MUFU for (1 - emulated) of the scores, the rest and the bookkeeping on FMA."""
+        mufu = scores * (1.0 - emulated) / hw.exp2_per_cycle
+        ops = self.fma_ops_per_score + emulated * self.fma_ops_per_poly_exp2
+        if masked:
+            ops += self.fma_ops_per_masked_score
+        return max(mufu, scores * ops / hw.fma_per_cycle)
+
+    def tmem_cycles(self, nbytes: int) -> float:
+        return nbytes / self.tmem_bytes_per_cycle
+
+    def tma_cycles(self, nbytes: int) -> float:
+        return nbytes / self.l2_bytes_per_cycle
+
+    def smem_cycles(self, hw: Hardware, nbytes: int) -> float:
+        return nbytes / hw.smem_bytes_per_cycle
+
+    def rescale_blocks(self, n_blocks: int) -> set[int]:
+        """Which blocks j >= 1 trigger a rescale, spread evenly at `rescale_fraction`."""
+        f = self.rescale_fraction
+        if f <= 0:
+            return set()
+        # Block 1 always (the max of a fresh row moves most early), then every 1/f blocks.
+        return {j for j in range(1, n_blocks) if j == 1 or int(j * f) != int((j - 1) * f)}
+
+
+DEFAULT_COSTS = CostModel()
+
+
+def balanced_exp2_fraction(hw: Hardware, costs: CostModel = DEFAULT_COSTS,
+                           granularity: int = 16) -> float:
+    """Fraction of exp2 to emulate on FMA so MUFU and FMA finish together (FA4's software exp2).
+
+    MUFU time per score (1 - f) / exp2_rate equals FMA time (base + f * poly) / fma_rate at
+    f = (fma/exp2 - base) / (fma/exp2 + poly); rounded to 1/granularity (chunks of a row).
+    """
+    ratio = hw.fma_per_cycle / hw.exp2_per_cycle
+    f = (ratio - costs.fma_ops_per_score) / (ratio + costs.fma_ops_per_poly_exp2)
+    f = min(max(f, 0.0), 1.0)
+    return round(f * granularity) / granularity

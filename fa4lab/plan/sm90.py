@@ -1,0 +1,150 @@
+"""The Hopper (sm90) plan: the same design with S, P and O in registers (FA3-style).
+
+One producer warpgroup (warp 0 issues the TMA loads; the group gives its registers away with
+setmaxnreg) and two consumer warpgroups, each owning one Q tile of 64 rows (wgmma M = 64). The
+consumers take turns at the tensor core through two named barriers (the ping-pong): while one
+issues its wgmmas the other runs its softmax. No TMEM: `plan.tmem` is None.
+
+The tuning numbers live in the single table `SM90_TUNING` below, keyed by head_dim; the sm90
+kernel reads them only through the plan. Supported head_dim: 64, 128, 256 (== head_dim_v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fa4lab.errors import PlanError
+from fa4lab.hardware import H200
+from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
+from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
+from fa4lab.plan.roles import Role, check_roles
+from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
+from fa4lab.plan.tiles import MmaPlan, Tiles
+
+
+@dataclass(frozen=True)
+class Sm90Tuning:
+    n_block: int
+    kv_stage: int
+    producer_registers: int    # setmaxnreg of the producer warpgroup
+    consumer_registers: int    # setmaxnreg of each consumer warpgroup
+    o_in_q: bool               # stage O for the TMA store in Q's SMEM (Q is dead by then)
+
+
+# Note [sm90 tuning table]
+# The only numbers of the Hopper plan that are choices rather than consequences. Each row must
+# keep 128 * producer + 256 * consumer <= 65536 registers and the consumer's registers above
+# its accumulators: O (head_dim / 2 per thread), S (n_block / 2), P (n_block / 4) + ~40.
+SM90_TUNING = {
+    64: Sm90Tuning(n_block=128, kv_stage=2, producer_registers=24, consumer_registers=240,
+                   o_in_q=False),
+    128: Sm90Tuning(n_block=128, kv_stage=2, producer_registers=24, consumer_registers=240,
+                    o_in_q=False),
+    256: Sm90Tuning(n_block=80, kv_stage=2, producer_registers=24, consumer_registers=240,
+                    o_in_q=True),
+}
+M_BLOCK = 64      # wgmma M: one consumer warpgroup's Q tile
+Q_STAGE = 2       # consumer warpgroups
+CONSUMER_REG_OVERHEAD = 40
+
+
+def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
+    return head_dim_v // 2 + n_block // 2 + n_block // 4 + CONSUMER_REG_OVERHEAD
+
+
+def build_barriers(tiles: Tiles) -> BarrierGraph:
+    q, kv = tiles.q_stage, tiles.kv_stage
+    consumers = ",".join(f"consumer{i}" for i in range(q))
+    threads = 128 * q
+    eb = 2
+    b = [
+        Barrier("q_full", "load", consumers, 1, 1, tiles.cta_m * tiles.head_dim * eb, PHASE_FULL,
+                "the CTA's Q rows (both consumers' tiles, one TMA) landed before any wgmma "
+                "reads them"),
+        Barrier("k_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim * eb,
+                PHASE_FULL, "K_j landed in its buffer before the score wgmma reads it"),
+        Barrier("k_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
+                "every consumer finished the score wgmma on K_j before TMA refills the buffer",
+                starts_released=True),
+        Barrier("v_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim_v * eb,
+                PHASE_FULL, "V_j landed before the value wgmma reads it"),
+        Barrier("v_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
+                "every consumer finished the value wgmma on V_j before TMA refills the buffer",
+                starts_released=True),
+    ]
+    if q == 2:
+        for i in range(2):
+            b.append(Barrier(
+                f"mma_turn{i}", f"consumer{1 - i}", f"consumer{i}", 256, 1, 0, PHASE_NAMED,
+                f"consumer{i} issues its wgmmas only after consumer{1 - i} finished issuing "
+                f"its own (warp-scheduler ping-pong: one softmax overlaps the other's GEMMs)",
+                kind="named", group="named"))
+    return BarrierGraph(tuple(b))
+
+
+def build_roles(tiles: Tiles, tuning: Sm90Tuning) -> tuple[Role, ...]:
+    roles = [Role("load", (0, 1, 2, 3), tuning.producer_registers,
+                  "producer warpgroup: warp 0 issues the TMA loads of Q, K, V; warps 1-3 idle")]
+    for i in range(tiles.q_stage):
+        roles.append(Role(f"consumer{i}", tuple(range(4 + 4 * i, 8 + 4 * i)),
+                          tuning.consumer_registers,
+                          f"Q rows {64 * i}-{64 * i + 63}: wgmma S = Q K^T, softmax in registers "
+                          f"(rescale O when needed), wgmma O += P V, epilogue and TMA store"))
+    return tuple(roles)
+
+
+def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=None) -> Plan:
+    hw = H200
+    d, dv = spec.head_dim, spec.head_dim_v
+    if d != dv or d not in SM90_TUNING:
+        raise PlanError(f"sm90 plans head_dim 64, 128 or 256 with head_dim_v == head_dim "
+                        f"(got {d}, {dv})")
+    tuning = SM90_TUNING[d]
+    n_block = tuning.n_block if n_block is None else n_block
+    kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
+    if m_block != 64:
+        raise PlanError(f"m_block={m_block}: sm90 consumers own 64 rows each (wgmma M = 64)")
+    if q_stage not in (1, 2):
+        raise PlanError(f"q_stage={q_stage}: 1 or 2 consumer warpgroups")
+    if n_block % 16 or not 16 <= n_block <= 256:
+        raise PlanError(f"n_block={n_block} must be a multiple of 16 in [16, 256] (wgmma N, "
+                        f"and K of the value wgmma)")
+    if kv_stage < 1:
+        raise PlanError(f"kv_stage={kv_stage} must be >= 1")
+    tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv)
+    need = consumer_registers_needed(n_block, dv)
+    if need > tuning.consumer_registers:
+        raise PlanError(
+            f"registers: a consumer thread holds O ({dv // 2}), S ({n_block // 2}), P "
+            f"({n_block // 4}) + ~{CONSUMER_REG_OVERHEAD} = {need} > setmaxnreg "
+            f"{tuning.consumer_registers}; lower n_block (e.g. {SM90_TUNING[d].n_block})")
+    barriers = build_barriers(tiles)
+    eb = spec.element_bytes
+    q_region = SmemRegion("q", m_block * d * eb, q_stage, what="Q tile per consumer")
+    regions = [
+        q_region,
+        SmemRegion("k", n_block * d * eb, kv_stage, what="K ring"),
+        SmemRegion("v", n_block * dv * eb, kv_stage, what="V ring"),
+        SmemRegion("o", m_block * dv * eb, q_stage, alias_of="q" if tuning.o_in_q else None,
+                   what="O staging for the TMA store" + (" (in Q's bytes)" if tuning.o_in_q
+                                                         else "")),
+        SmemRegion("barriers", MBARRIER_BYTES, barriers.mbarrier_count, align=8,
+                   what="mbarriers"),
+    ]
+    smem = SmemPlan.build(tuple(regions), hw.smem_per_cta)
+    roles = build_roles(tiles, tuning)
+    check_roles(roles, hw.registers_per_sm)
+    mmas = (
+        MmaPlan("score", m_block, n_block, d, spec.dtype, spec.dtype, "fp32", "smem", "smem",
+                "rmem", f"wgmma.mma_async m64n{n_block}k16 (SS)"),
+        MmaPlan("value", m_block, dv, n_block, spec.dtype, spec.dtype, "fp32", "rmem", "smem",
+                "rmem", f"wgmma.mma_async m64n{dv}k16 (RS: P from registers)"),
+    )
+    notes = (
+        "One work tile per CTA (not persistent): Q is loaded once, so it needs no empty barrier.",
+        "The ping-pong named barriers order the two consumers' wgmma issue; the simulator "
+        "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
+        "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
+    )
+    return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles, barriers,
+                RESCALE_THRESHOLD, 0.0, notes)

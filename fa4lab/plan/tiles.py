@@ -1,0 +1,47 @@
+"""Tiles and MMAs: the shapes every other part of the plan is built from.
+
+`Tiles` says how a CTA cuts the problem: `q_stage` query tiles of `m_block` rows each (they
+ping-pong between the softmax roles), swept over key/value blocks of `n_block` rows that stream
+through `kv_stage` shared-memory buffers. `MmaPlan` describes the two matrix products of one
+K/V block for one Q tile: the score MMA S = Q K^T and the value MMA O += P V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tiles:
+    m_block: int      # query rows per Q stage (one MMA M, one softmax role)
+    n_block: int      # key/value rows per K/V block
+    q_stage: int      # Q tiles in flight per CTA (2: the softmax ping-pong)
+    kv_stage: int     # K/V shared-memory buffers (see SmemPlan)
+    head_dim: int
+    head_dim_v: int
+
+    @property
+    def cta_m(self) -> int:
+        """Query rows one CTA owns: m_block * q_stage."""
+        return self.m_block * self.q_stage
+
+
+@dataclass(frozen=True)
+class MmaPlan:
+    """One tensor-core product per Q tile per K/V block: (m x k) @ (k x n) -> (m x n)."""
+
+    name: str          # "score" (S = Q K^T) or "value" (O += P V)
+    m: int
+    n: int
+    k: int
+    a_dtype: str       # "bf16" | "fp16"
+    b_dtype: str
+    acc_dtype: str     # "fp32"
+    a_source: str      # "smem" | "tmem" | "rmem"
+    b_source: str
+    out: str           # "tmem" | "rmem"
+    instruction: str   # the PTX family and atom shape, e.g. "tcgen05.mma kind::f16 M128 N128 K16"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
