@@ -1,0 +1,443 @@
+"""FlashAttention forward for Hopper (sm_90a) in the CuTe DSL: the FA3-style port of the FA4 ideas.
+
+What it computes: O = softmax(Q K^T * scale) V and, if asked, LSE = logsumexp per query row
+(natural log), for q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d), with
+GQA (query head h reads kv head h // (heads_q // heads_kv)), bottom-right causal masking, any
+seqlen_q, seqlen_k >= 1. Rows that see no key give O = 0 and LSE = -inf.
+
+Constraints: head_dim 64, 128 or 256 (head_dim_v == head_dim), bf16 or fp16, last dim contiguous,
+16-byte aligned rows; sm_90a (wgmma, setmaxnreg, TMA).
+
+How it is built (every number from `plan_forward(spec, arch="sm90")`):
+
+* Roles (warpgroups of 128 threads): WG0 is the producer -- it gives registers away
+  (`setmaxnreg` down) and its warp 0 issues TMA loads of Q (once) and K, V (per key block);
+  WG1 and WG2 are consumers -- they take registers (`setmaxnreg` up) and each owns one Q tile of
+  `m_block` = 64 rows (one wgmma M), so a CTA covers `cta_m` = 128 query rows. On B200 the same
+  work is split over softmax, correction, MMA and load warps because S/P/O live in TMEM; on
+  Hopper the accumulators live in the consumers' registers, so one warpgroup does it all.
+* Pipelines (mbarriers): `pipeline_q` (q_stage slots, one per consumer), `pipeline_k` and
+  `pipeline_v` (kv_stage slots each; full = TMA bytes landed, empty = both consumers done).
+* Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
+  or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.softmax`),
+  P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
+* Epilogue: O / row_sum into the consumer's own Q slot in SMEM (stmatrix), TMA store to global
+  (out-of-range rows are clipped by TMA); LSE written directly from registers.
+
+Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
+machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from fa4lab.kernels import mask as mask_mod
+from fa4lab.kernels import scheduler
+from fa4lab.kernels.softmax import OnlineSoftmax
+
+_WG = 128  # threads per warpgroup
+
+
+# ---- layouts of the wgmma accumulator (sm90-specific) ----
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2, V), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, V, MMA_N)) = (rows, cols).
+
+    A wgmma m64nN accumulator gives each thread pairs of adjacent columns (the first 2) in two
+    rows 8 apart (the second 2), repeated every 8 columns (V = N / 8).
+    """
+    lay = cute.make_layout(acc.layout.shape)  # column-major over the same shape
+    s, d = lay.shape, lay.stride
+    mn = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])),
+    )
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an m64nN fp32 accumulator as the register A operand of the next wgmma (K = N).
+
+    ((2, 2, N/8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N/16, MMA_N)): each k-block of 16 takes
+    two consecutive 8-column groups, which is exactly the A-fragment order of a 16-bit wgmma.
+    """
+    lay = acc.layout
+    l = cute.logical_divide(lay, ((None, None, 2), None, None))
+    view = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1],
+         (l.shape[0][2][1], l.shape[2])),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1],
+                (l.stride[0][2][1], l.stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, view)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int):
+    """(rows, cols, stages), cols contiguous, with the widest wgmma swizzle that fits."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]) -> None:
+    """acc (+)= A B over all k-blocks as one wgmma group (the caller waits on it)."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is mutated below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class FlashForwardSm90:
+    """The sm90 forward kernel, configured once from a frozen `Plan`; no DSL code here."""
+
+    arch = "sm90a"
+
+    def __init__(self, plan):
+        spec = plan.spec
+        t = plan.tiles
+        if t.head_dim != t.head_dim_v:
+            raise ValueError(f"the sm90 kernel needs head_dim_v == head_dim, got {t.head_dim_v}")
+        self.plan = plan
+        self.head_dim = t.head_dim
+        self.head_dim_v = t.head_dim_v
+        self.m_block = t.m_block          # rows per consumer warpgroup (one wgmma M)
+        self.q_stage = t.q_stage          # consumer warpgroups = Q tiles per CTA
+        self.cta_m = t.m_block * t.q_stage
+        self.n_block = t.n_block
+        self.kv_stage = t.kv_stage
+        self.causal = spec.causal
+        self.return_lse = spec.return_lse
+        self.qhead_per_kvhead = spec.qhead_per_kvhead
+        self.scale_log2 = spec.scale_log2
+        self.rescale_threshold = float(plan.rescale_threshold)
+        self.producer_regs, self.consumer_regs = _role_registers(plan)
+        self.num_consumers = t.q_stage
+        self.num_threads = _WG * (1 + self.num_consumers)
+        self.buffer_align_bytes = 1024
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,    # (batch, seqlen_q, heads_q, head_dim)
+        mK: cute.Tensor,    # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,    # (batch, seqlen_k, heads_kv, head_dim_v)
+        mO: cute.Tensor,    # (batch, seqlen_q, heads_q, head_dim_v)
+        mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) fp32
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype = mQ.element_type
+        # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch).
+        mQ, mK, mV, mO = [
+            cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 3, 2, 0]))
+            for x in (mQ, mK, mV, mO)
+        ]
+        if const_expr(mLSE is not None):
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        K_MAJOR = warpgroup.OperandMajorMode.K
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (self.m_block, self.n_block))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, K_MAJOR, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
+            (self.m_block, self.head_dim_v), warpgroup.OperandSource.RMEM)
+
+        sQ_layout = _smem_layout(dtype, self.m_block, self.head_dim, self.q_stage)
+        sK_layout = _smem_layout(dtype, self.n_block, self.head_dim, self.kv_stage)
+        sV_layout = _smem_layout(dtype, self.n_block, self.head_dim_v, self.kv_stage)
+        # O goes out through each consumer's own Q slot (same shape since head_dim_v == head_dim).
+        sO_layout = sQ_layout
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.m_block, self.head_dim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            load, mK, cute.select(sK_layout, mode=[0, 1]), (self.n_block, self.head_dim))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            load, mV, cute.select(sV_layout, mode=[0, 1]), (self.n_block, self.head_dim_v))
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+            (self.m_block, self.head_dim_v))
+        self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.k_bytes = cute.size_in_bytes(dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_stage * 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)],
+                                  self.buffer_align_bytes]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)],
+                                  self.buffer_align_bytes]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)],
+                                  self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        grid = scheduler.grid_shape(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]),
+                                    cute.size(mQ.shape[3]), self.cta_m)
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv,
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,   # (seqlen_q, d, heads_q, batch)
+        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,   # (seqlen_k, d, heads_kv, batch)
+        tma_atom_V: cute.CopyAtom, mV: cute.Tensor,   # (seqlen_k, dv, heads_kv, batch)
+        tma_atom_O: cute.CopyAtom, mO: cute.Tensor,   # (seqlen_q, dv, heads_q, batch)
+        mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # ---- barriers: see the plan's BarrierGraph (q_full/q_empty, k_*, v_*) ----
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # One release per consumer warp (the pipeline elects lane 0 of each warp).
+        consumers_kv = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers)
+        consumer_q = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stage,
+            producer_group=producer, consumer_group=consumer_q, tx_count=self.q_bytes,
+            defer_sync=True)
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stage,
+            producer_group=producer, consumer_group=consumers_kv, tx_count=self.k_bytes,
+            defer_sync=True)
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stage,
+            producer_group=producer, consumer_group=consumers_kv, tx_count=self.v_bytes,
+            defer_sync=True)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        if warp_idx < 4:
+            # ===================== producer warpgroup =====================
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                          pipeline_q, pipeline_k, pipeline_v)
+        else:
+            # ===================== consumer warpgroups =====================
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
+                         pipeline_q, pipeline_k, pipeline_v,
+                         cute.size(mQ.shape[0]), cute.size(mK.shape[0]))
+
+    @cute.jit
+    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+             pipeline_q, pipeline_k, pipeline_v):
+        """Producer warp: Q once per consumer, then K and V block by block, last block first."""
+        m_block, head, batch = scheduler.tile_coords(self.causal)
+        head_kv = head // self.qhead_per_kvhead
+        seqlen_q, seqlen_k = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.m_block, self.head_dim), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.n_block, self.head_dim),
+                             (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.n_block, self.head_dim_v),
+                             (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        for w in cutlass.range_constexpr(self.q_stage):
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w],
+                      tQsQ[None, q_state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            q_state.advance()
+
+        # See Note [fully masked CTAs] in consume().
+        n_iter = cutlass.max(scheduler.n_block_max(
+            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.kv_stage)
+        for i in cutlass.range(n_iter, unroll=1):
+            n = n_iter - 1 - i
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    @cute.jit
+    def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
+                pipeline_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32):
+        """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
+        tidx, _, _ = cute.arch.thread_idx()
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1  # 0 .. q_stage-1
+        tid = tidx % _WG
+        m_block, head, batch = scheduler.tile_coords(self.causal)
+        m_offset = (m_block * self.q_stage + wg) * self.m_block
+
+        thr_qk = tiled_mma_qk.get_slice(tid)
+        thr_pv = tiled_mma_pv.get_slice(tid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))   # (MMA, M, K, q_stage)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))   # (MMA, N, K, kv_stage)
+        # V^T view (dv, n_block): B of O += P V, dv-contiguous = MN-major.
+        sVt = cute.composition(sV, cute.make_ordered_layout(
+            (self.head_dim_v, self.n_block, self.kv_stage), order=(1, 0, 2)))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.m_block, self.head_dim_v)))
+        acc_O_mn = acc_mn_view(acc_O)
+        tScS_mn = acc_mn_view(thr_qk.partition_C(
+            cute.make_identity_tensor((self.m_block, self.n_block))))
+
+        softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), self.scale_log2,
+                                self.rescale_threshold, threads_per_row=4)
+        softmax.reset()
+
+        # Note [fully masked CTAs]: with causal and seqlen_q > seqlen_k the top rows see no key;
+        # a CTA whose rows all see none still visits block 0 fully masked, which yields O = 0 and
+        # LSE = -inf through the normal path (no special case, no uninitialised output).
+        n_iter = cutlass.max(scheduler.n_block_max(
+            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), 1)
+        n_full = cutlass.min(scheduler.n_block_full_end(
+            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), n_iter)
+        n_masked = cutlass.max(n_iter - n_full, 1)  # the first block visited is always masked
+
+        pipeline_q.sync_object_full.wait(wg, 0)
+        tSrQ_w = tSrQ[None, None, None, wg]
+        step = partial(
+            self.block_step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
+            tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
+            softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v, m_offset=m_offset,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.kv_stage)
+        # MASKED / TAIL blocks (the diagonal and the key-length edge) first, then FULL ones.
+        kv_state = step(kv_state, n_iter - 1, masked=True, first=True)
+        for i in cutlass.range(n_masked - 1, unroll=1):
+            kv_state = step(kv_state, n_iter - 2 - i, masked=True, first=False)
+        n_rest = n_iter - n_masked
+        for i in cutlass.range(n_rest, unroll=1):
+            kv_state = step(kv_state, n_rest - 1 - i, masked=False, first=False)
+
+        inv_sum, lse = softmax.finalize()
+        softmax.rescale(acc_O_mn, inv_sum)
+        self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
+                      m_block, head, batch, m_offset, seqlen_q)
+
+    @cute.jit
+    def block_step(self, kv_state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK,
+                   tOrVt, acc_O, acc_O_mn, tScS_mn, softmax: OnlineSoftmax, pipeline_k,
+                   pipeline_v, m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                   masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[bool]):
+        """One key block: S = Q K^T, mask, softmax step, rescale O, O += P V."""
+        acc_S = cute.make_rmem_tensor(
+            tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
+        pipeline_k.consumer_wait(kv_state)
+        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(kv_state)
+
+        acc_S_mn = acc_mn_view(acc_S)
+        if const_expr(masked):
+            mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block,
+                                seqlen_q, seqlen_k, self.causal)
+        row_scale = softmax.step(acc_S_mn, is_first=first)
+        if const_expr(not first):
+            softmax.rescale(acc_O_mn, row_scale)
+
+        tOrP_f32 = acc_as_operand_a(acc_S)
+        tOrP = cute.make_rmem_tensor_like(tOrP_f32, self.dtype)
+        tOrP.store(tOrP_f32.load().to(self.dtype))
+
+        pipeline_v.consumer_wait(kv_state)
+        _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+              zero_init=first)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
+                 m_block, head, batch, m_offset, seqlen_q):
+        """O (16-bit) -> this consumer's Q slot -> TMA store; LSE straight from registers."""
+        dtype = sO.element_type
+        if const_expr(mLSE is not None):
+            if tid % 4 == 0:  # the quad's first thread holds column 0 of its rows
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    row = m_offset + tScS_mn[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row, head, batch] = lse[r]
+
+        rO = cute.make_rmem_tensor_like(acc_O, dtype)
+        rO.store(acc_O.load().to(dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype),
+            tiled_mma_pv)
+        thr_r2s = r2s.get_slice(tid)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
+        # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_WG)
+        if tid // 32 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
+                                 (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def _role_registers(plan) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg values from the plan's roles."""
+    producer = consumer = None
+    for role in plan.roles:
+        name = role.name.lower()
+        if "load" in name or "producer" in name:
+            producer = role.registers
+        elif "consumer" in name or "mma" in name or "softmax" in name:
+            consumer = role.registers if consumer is None else max(consumer, role.registers)
+    if producer is None or consumer is None:
+        raise ValueError(f"plan has no producer/consumer roles: {[r.name for r in plan.roles]}")
+    return producer, consumer
