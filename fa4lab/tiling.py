@@ -522,6 +522,11 @@ class Schedule:
     end: np.ndarray      # (T,) float
     unit_flops: float    # MMA FLOPs per cost unit (for predicted_seconds)
 
+    def __repr__(self) -> str:
+        return (f"Schedule({self.name!r}, num_sms={self.num_sms}, tiles={len(self.order)}, "
+                f"makespan={self.makespan:.1f}, lower_bound={self.lower_bound:.1f}, "
+                f"efficiency={self.efficiency:.3f})")
+
     @property
     def makespan(self) -> float:
         return float(self.end.max()) if self.end.size else 0.0
