@@ -397,3 +397,37 @@ def test_bad_m_block_and_heads_raise():
         CostModel(masked_block_cost=0.5)
     with pytest.raises(ValueError, match="batch must be >= 1"):
         _work(batch=0)
+
+
+# ---------------------------------------------------------------------------------- figures
+
+
+def test_figures_and_widgets_render():
+    import matplotlib.pyplot as plt
+
+    from fa4lab.viz.tiles import (
+        gqa_figure,
+        schedule_comparison_figure,
+        schedule_gantt_figure,
+        schedule_widget,
+        tile_grid_figure,
+        tiles_widget,
+    )
+
+    grid = tile_grid_figure(classify_tiles(300, 200, 64, 64, True, qhead_per_kvhead=2))
+    assert grid.axes and "skipped" in grid.axes[0].get_title()
+    w = _work(seqlen_q=512, seqlen_k=512)
+    scheds = [schedule(name, w, num_sms=5) for name in SCHEDULERS]
+    gantt = schedule_gantt_figure(scheds[0], max_sms=3)
+    # the SM that finishes last is always among the rows drawn
+    last = int(np.argmax([scheds[0].end[scheds[0].sm == s].max() for s in range(5)]))
+    assert str(last) in [t.get_text() for t in gantt.axes[0].get_yticklabels()]
+    for fig in (gantt, schedule_comparison_figure(scheds), gqa_figure(8, 2), grid):
+        plt.close(fig)
+    tiles = tiles_widget(seqlen_q=300, seqlen_k=300)
+    assert "SKIP" in tiles.text.value and tiles.image.value
+    tiles.controls["heads_kv"].value = 3
+    tiles.controls["pack_gqa"].value = True      # 8 heads over 3 KV heads: a clear error
+    assert "not a multiple" in tiles.text.value
+    sched = schedule_widget(seqlen=1024, batch=1, heads=2, num_sms=16)
+    assert "lpt: makespan" in sched.text.value and sched.image.value
