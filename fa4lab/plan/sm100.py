@@ -198,3 +198,168 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
     )
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles, barriers,
                 RESCALE_THRESHOLD, balanced_exp2_fraction(hw), notes)
+
+
+# ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
+def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
+    """Each role's sequence of waits, work, async issues and arrivals over persistent tiles.
+
+    Loads run K_0, V_0, K_1, V_1, ... through the K/V ring (Q tiles in between); the MMA warp
+    issues, per block j and Q stage i, O_i += P_i V_j-1 then S_i = Q_i K_j (see the notes).
+    """
+    from fa4lab.plan.simulate import Arrive, Commit, Issue, Ref, Wait, WaitEngine, Work
+
+    hw, t_, tm = plan.hardware, plan.tiles, plan.tmem
+    q, S, N, m, n = t_.q_stage, t_.kv_stage, n_blocks, t_.m_block, t_.n_block
+    d, dv = t_.head_dim, t_.head_dim_v
+    eb = plan.spec.element_bytes
+    f = plan.exp2_emulation_fraction
+    stages = range(q)
+    corr = plan.role("correction").threads
+    smx = {i: plan.role(f"softmax{i}").threads for i in stages}
+
+    def tref(name, i):
+        r = tm.region(name, i)
+        return Ref("tmem", f"{name}", i, r.col_offset, r.col_end)
+
+    def sref(name, i):
+        return Ref("smem", name, i)
+
+    q_bytes, kv_bytes = m * d * eb, n * d * eb
+    qk = costs.mma_cycles(hw, m, n, d)
+    pv = costs.mma_cycles(hw, m, dv, n)
+    rescale_at = costs.rescale_blocks(N)
+
+    def masked(j):
+        return j >= N - masked_blocks
+
+    def slot(g):          # global load index -> (ring stage, phase use)
+        return g % S, g // S
+
+    load, mma = [], []
+    softmax = {i: [] for i in stages}
+    correction, epilogue = [], []
+    for t in range(n_tiles):
+        base = t * 2 * N
+
+        def kv_load(g, what, _base=base):
+            s, use = slot(_base + g)
+            return [Wait("kv_empty", s, use - 1),
+                    Arrive("kv_full", s, 1, expect_tx=kv_bytes),
+                    Issue("tma", what, costs.tma_cycles(kv_bytes), writes=(sref("kv", s),),
+                          complete_tx=("kv_full", s, kv_bytes))]
+
+        def q_load(i, _t=t):
+            return [Wait("q_empty", i, _t - 1), Arrive("q_full", i, 1, expect_tx=q_bytes),
+                    Issue("tma", f"Q{i}", costs.tma_cycles(q_bytes), writes=(sref("q", i),),
+                          complete_tx=("q_full", i, q_bytes))]
+
+        # load warp: Q0, K0, Q1, V0, K1, V1, ...
+        load += q_load(0) + kv_load(0, "K0")
+        for i in range(1, q):
+            load += q_load(i)
+        for j in range(N):
+            load += kv_load(2 * j + 1, f"V{j}")
+            if j + 1 < N:
+                load += kv_load(2 * j + 2, f"K{j + 1}")
+
+        # mma warp
+        def k_slot(j, _base=base):
+            return slot(_base + 2 * j)
+
+        def v_slot(j, _base=base):
+            return slot(_base + 2 * j + 1)
+
+        def score(i, j):
+            s, _ = k_slot(j)
+            return [Issue("tensor", f"S{i}=Q{i}K{j}", qk,
+                          reads=(sref("q", i), sref("kv", s)), writes=(tref("S", i),)),
+                    Commit("tensor", "s_full", i)]
+
+        def value(i, j, _t=t):
+            s, _ = v_slot(j)
+            o_reads = (tref("O", i),) if j > 0 else ()
+            return [Wait("p_ready", i, _t * N + j), Wait("o_rescaled", i, _t * N + j - 1),
+                    Issue("tensor", f"O{i}+=P{i}V{j}", pv,
+                          reads=(tref("P", i), sref("kv", s)) + o_reads,
+                          writes=(tref("O", i),))]
+
+        s0, u0 = k_slot(0)
+        for i in stages:
+            mma += [Wait("q_full", i, t)]
+            if i == 0:
+                mma += [Wait("kv_full", s0, u0)]
+            mma += score(i, 0)
+        mma += [Commit("tensor", "kv_empty", s0)]
+        for j in range(1, N):
+            sv, uv = v_slot(j - 1)
+            sk, uk = k_slot(j)
+            mma += [Wait("kv_full", sv, uv), Wait("kv_full", sk, uk)]
+            for i in stages:
+                mma += value(i, j - 1)
+                if i == q - 1:
+                    mma += [Commit("tensor", "kv_empty", sv)]
+                mma += score(i, j)
+            mma += [Commit("tensor", "kv_empty", sk)]
+        for i in stages:
+            mma += [Commit("tensor", "q_empty", i)]
+        sv, uv = v_slot(N - 1)
+        mma += [Wait("kv_full", sv, uv)]
+        for i in stages:
+            mma += value(i, N - 1) + [Commit("tensor", "o_final", i)]
+        mma += [Commit("tensor", "kv_empty", sv)]
+
+        # softmax warpgroups: one per Q stage
+        for i in stages:
+            prog = softmax[i]
+            for j in range(N):
+                prog += [Wait("s_full", i, t * N + j),
+                         Work(f"ld S{i}", costs.tmem_cycles(m * n * 4), reads=(tref("S", i),))]
+                if j > 0:   # post the rescale factor early so correction overlaps the exp2
+                    post = t * N + j - 1
+                    prog += [Wait("stats_empty", i, post - 1),
+                             Work("post scale", 8, writes=(sref("stats", i),)),
+                             Arrive("stats_full", i, smx[i])]
+                prog += [Work(f"exp2 S{i}", costs.softmax_cycles(hw, m * n, f, masked(j)),
+                              unit="mufu"),
+                         Work(f"st P{i}", costs.tmem_cycles(m * n * eb), writes=(tref("P", i),)),
+                         Arrive("p_ready", i, smx[i])]
+            post = t * N + N - 1
+            prog += [Wait("stats_empty", i, post - 1),
+                     Work("post row sum", 8, writes=(sref("stats", i),)),
+                     Arrive("stats_full", i, smx[i])]
+
+        # correction warpgroup: rescale O when told, then the epilogue
+        o_bytes = m * dv * 4
+        for j in range(1, N):
+            for i in stages:
+                correction += [Wait("stats_full", i, t * N + j - 1),
+                               Work("read scale", 8, reads=(sref("stats", i),)),
+                               Arrive("stats_empty", i, corr)]
+                if j in rescale_at:
+                    correction += [Work(f"rescale O{i}",
+                                        costs.tmem_cycles(2 * o_bytes) + m * dv / hw.fma_per_cycle,
+                                        reads=(tref("O", i),), writes=(tref("O", i),))]
+                correction += [Arrive("o_rescaled", i, corr)]
+        for i in stages:
+            correction += [Wait("stats_full", i, t * N + N - 1),
+                           Work("read row sum", 8, reads=(sref("stats", i),)),
+                           Arrive("stats_empty", i, corr),
+                           Wait("o_final", i, t),
+                           Work(f"ld O{i}, / row sum",
+                                costs.tmem_cycles(o_bytes) + m * dv / hw.fma_per_cycle,
+                                reads=(tref("O", i),)),
+                           Arrive("o_rescaled", i, corr),
+                           Wait("o_empty", i, t - 1),
+                           Work(f"O{i} to SMEM", costs.smem_cycles(hw, m * dv * eb),
+                                writes=(sref("o", i),)),
+                           Arrive("o_staged", i, corr)]
+            epilogue += [Wait("o_staged", i, t),
+                         Issue("tma_store", f"store O{i}", costs.tma_cycles(m * dv * eb),
+                               reads=(sref("o", i),)),
+                         WaitEngine("tma_store"),
+                         Arrive("o_empty", i, 1)]
+    progs = {"load": load, "mma": mma}
+    progs.update({f"softmax{i}": softmax[i] for i in stages})
+    progs.update({"correction": correction, "epilogue": epilogue})
+    return progs

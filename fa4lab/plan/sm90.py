@@ -148,3 +148,79 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
     )
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles, barriers,
                 RESCALE_THRESHOLD, 0.0, notes)
+
+
+# ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
+def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
+    """The producer and the two consumers over one work tile of `n_blocks` K/V blocks.
+
+    Consumer c's section s issues S = Q_c K_s (s < N) and O += P V_s-1 (s >= 1) while holding
+    the tensor-core turn; the named barriers pass the turn c0 -> c1 -> c0 ... and consumer1
+    arrives once at the start so consumer0 goes first. `n_tiles` is ignored (one tile per CTA).
+    """
+    from fa4lab.plan.simulate import Arrive, Issue, Ref, Wait, WaitEngine, Work
+
+    hw, t_ = plan.hardware, plan.tiles
+    q, S, N, m, n = t_.q_stage, t_.kv_stage, n_blocks, t_.m_block, t_.n_block
+    d, dv = t_.head_dim, t_.head_dim_v
+    eb = plan.spec.element_bytes
+    o_region = plan.smem.region("o")
+    turn = Ref("turn", "tensor-core turn", 0)
+    rescale_at = costs.rescale_blocks(N)
+
+    def sref(name, i):
+        if name == "o" and o_region.alias_of:
+            name = o_region.alias_of
+        return Ref("smem", name, i)
+
+    q_bytes = t_.cta_m * d * eb
+    k_bytes, v_bytes = n * d * eb, n * dv * eb
+    load = [Arrive("q_full", 0, 1, expect_tx=q_bytes),
+            Issue("tma", "Q", costs.tma_cycles(q_bytes),
+                  writes=tuple(sref("q", i) for i in range(q)),
+                  complete_tx=("q_full", 0, q_bytes))]
+    for j in range(N):
+        for name, nbytes in (("k", k_bytes), ("v", v_bytes)):
+            load += [Wait(f"{name}_empty", j % S, j // S - 1),
+                     Arrive(f"{name}_full", j % S, 1, expect_tx=nbytes),
+                     Issue("tma", f"{name.upper()}{j}", costs.tma_cycles(nbytes),
+                           writes=(sref(name, j % S),),
+                           complete_tx=(f"{name}_full", j % S, nbytes))]
+    progs = {"load": load}
+    threads = 128
+    for c in range(q):
+        prog = []
+        if q == 2 and c == 1:
+            prog.append(Arrive("mma_turn0", 0, threads))
+        prog.append(Wait("q_full", 0, 0))
+        for s in range(N + 1):
+            if s < N:
+                prog.append(Wait("k_full", s % S, s // S))
+            if s >= 1:
+                prog.append(Wait("v_full", (s - 1) % S, (s - 1) // S))
+            if q == 2:
+                prog.append(Wait(f"mma_turn{c}", 0, s))
+            if s < N:
+                prog.append(Work(f"S{c}=Q{c}K{s}", costs.mma_cycles(hw, m, n, d), unit="tensor",
+                                 reads=(sref("q", c), sref("k", s % S)), writes=(turn,)))
+            if s >= 1:
+                prog.append(Work(f"O{c}+=P{c}V{s - 1}", costs.mma_cycles(hw, m, dv, n),
+                                 unit="tensor", reads=(sref("v", (s - 1) % S),), writes=(turn,)))
+            if q == 2 and not (c == 1 and s == N):   # consumer0 takes no turn after its last
+                prog.append(Arrive(f"mma_turn{1 - c}", 0, threads))
+            if s < N:
+                prog.append(Arrive("k_empty", s % S, threads))
+            if s >= 1:
+                prog.append(Arrive("v_empty", (s - 1) % S, threads))
+            if s < N:
+                cyc = costs.softmax_cycles(hw, m * n, 0.0, s >= N - masked_blocks)
+                if s in rescale_at:
+                    cyc += m * dv / hw.fma_per_cycle
+                prog.append(Work(f"softmax{c}", cyc, unit="mufu"))
+        prog += [Work(f"O{c} to SMEM", costs.smem_cycles(hw, m * dv * eb),
+                      writes=(sref("o", c),)),
+                 Issue("tma_store", f"store O{c}", costs.tma_cycles(m * dv * eb),
+                       reads=(sref("o", c),)),
+                 WaitEngine("tma_store")]
+        progs[f"consumer{c}"] = prog
+    return progs

@@ -1,0 +1,160 @@
+"""The protocol simulator: clean runs, every single-edge removal caught, the engine itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fa4lab.plan import plan_forward
+from fa4lab.plan.barriers import BarrierGraph
+from fa4lab.plan.simulate import (
+    Arrive,
+    Issue,
+    Ref,
+    Simulator,
+    Wait,
+    Work,
+    predict,
+    simulate,
+)
+from fa4lab.spec import AttentionSpec
+
+SUPPORTED = [("sm100", 64), ("sm100", 128), ("sm90", 64), ("sm90", 128), ("sm90", 256)]
+
+
+def spec(hd, causal=False, gqa=1):
+    return AttentionSpec(2, 4096, 4096, 8, 8 // gqa, hd, causal=causal)
+
+
+def plan(arch, hd, **kw):
+    return plan_forward(spec(hd), arch, **kw)
+
+
+@pytest.mark.parametrize("arch,hd", SUPPORTED)
+@pytest.mark.parametrize("n_blocks,n_tiles", [(1, 1), (2, 3), (5, 2), (9, 1)])
+def test_unmutated_graph_runs_clean(arch, hd, n_blocks, n_tiles):
+    r = simulate(plan(arch, hd), n_blocks, n_tiles)
+    assert r.ok, r.summary()
+    # Every phase that was started was finished: arrivals match arrive_count exactly.
+    assert r.leftover == {}, r.leftover
+    assert r.cycles > 0
+
+
+@pytest.mark.parametrize("arch,hd", [("sm100", 128), ("sm90", 128)])
+@pytest.mark.parametrize("causal,gqa", [(True, 1), (False, 4), (True, 4)])
+def test_spec_variants_run_clean(arch, hd, causal, gqa):
+    p = plan_forward(spec(hd, causal, gqa), arch)
+    assert simulate(p, 4, 2, masked_blocks=2 if causal else 0).ok
+
+
+@pytest.mark.parametrize("arch,hd,overrides", [
+    ("sm100", 128, {"n_block": 64}), ("sm100", 64, {"kv_stage": 4}),
+    ("sm100", 128, {"q_stage": 1}), ("sm90", 64, {"kv_stage": 3}), ("sm90", 64, {"q_stage": 1}),
+])
+def test_overridden_plans_run_clean(arch, hd, overrides):
+    assert simulate(plan(arch, hd, **overrides), 5, 2).ok
+
+
+def _edges(arch, hd):
+    return [(arch, hd, b.name) for b in plan(arch, hd).barriers.barriers]
+
+
+ALL_EDGES = [e for a, h in SUPPORTED for e in _edges(a, h)]
+
+
+@pytest.mark.parametrize("arch,hd,barrier", ALL_EDGES)
+def test_removing_any_edge_is_caught(arch, hd, barrier):
+    """Drop the barrier (its waits and arrivals): the simulator must see a hazard or deadlock."""
+    r = simulate(plan(arch, hd), 6, 2, drop=barrier)
+    assert not r.ok, f"removing {barrier} went unnoticed: the edge is redundant"
+
+
+@pytest.mark.parametrize("arch,hd,barrier", ALL_EDGES)
+def test_missing_arrivals_deadlock(arch, hd, barrier):
+    r = simulate(plan(arch, hd), 4, 2, drop=barrier, mutation="drop_arrive")
+    assert r.deadlock and any(barrier in line for line in r.deadlock), r.summary()
+
+
+@pytest.mark.parametrize("name,factor", [("p_ready", 2), ("kv_full", 2), ("stats_full", 2)])
+def test_wrong_arrive_count_is_caught(name, factor):
+    p = plan("sm100", 128)
+    bars = tuple(dataclasses.replace(b, arrive_count=b.arrive_count * factor)
+                 if b.name == name else b for b in p.barriers.barriers)
+    r = simulate(dataclasses.replace(p, barriers=BarrierGraph(bars)), 4, 2)
+    assert r.deadlock
+
+
+def test_too_few_arrivals_expected_is_caught():
+    p = plan("sm100", 128)
+    bars = tuple(dataclasses.replace(b, arrive_count=b.arrive_count // 2)
+                 if b.name == "p_ready" else b for b in p.barriers.barriers)
+    r = simulate(dataclasses.replace(p, barriers=BarrierGraph(bars)), 4, 2)
+    assert not r.ok
+
+
+def test_unknown_barrier_and_mutation():
+    with pytest.raises(KeyError, match="kv_empty"):
+        simulate(plan("sm100", 128), drop="nope")
+    with pytest.raises(ValueError, match="mutation"):
+        simulate(plan("sm100", 128), drop="s_full", mutation="shuffle")
+
+
+# ---- the engine on hand-written programs ----
+BUF = Ref("smem", "buf", 0)
+
+
+def _run(programs, needed):
+    from fa4lab.plan.costs import DEFAULT_COSTS
+
+    return Simulator(programs, needed, DEFAULT_COSTS).run()
+
+
+def test_engine_orders_through_a_barrier():
+    progs = {"w": [Work("write", 10, writes=(BUF,)), Arrive("full", 0, 1)],
+             "r": [Wait("full", 0, 0), Work("read", 5, reads=(BUF,))]}
+    r = _run(progs, {("full", 0): 1})
+    assert r.ok and r.cycles >= 15
+
+
+def test_engine_flags_unordered_read_even_when_timing_is_benign():
+    # The reader starts late enough to see the data, but nothing orders it: still a hazard.
+    progs = {"w": [Work("write", 10, writes=(BUF,)), Arrive("other", 0, 1)],
+             "r": [Work("idle", 100), Work("read", 5, reads=(BUF,))]}
+    r = _run(progs, {("other", 0): 1})
+    assert [h.kind for h in r.hazards] == ["read unordered with write"]
+
+
+def test_engine_flags_read_before_any_write_and_deadlock():
+    r = _run({"r": [Work("read", 5, reads=(BUF,))]}, {})
+    assert r.hazards[0].kind == "read before written"
+    r = _run({"r": [Wait("full", 0, 0)]}, {("full", 0): 1})
+    assert r.deadlock and "full[0]" in r.deadlock[0]
+
+
+def test_engine_tma_transaction_bytes_complete_the_phase():
+    progs = {"load": [Arrive("full", 0, 1, expect_tx=4096),
+                      Issue("tma", "copy", 64, writes=(BUF,), complete_tx=("full", 0, 4096))],
+             "use": [Wait("full", 0, 0), Work("read", 5, reads=(BUF,))]}
+    r = _run(progs, {("full", 0): 1})
+    assert r.ok
+    progs["load"][1] = Issue("tma", "copy", 64, writes=(BUF,), complete_tx=("full", 0, 2048))
+    assert _run(progs, {("full", 0): 1}).deadlock   # bytes missing: phase never completes
+
+
+def test_tmem_alias_cells_overlap():
+    s = Ref("tmem", "S", 0, 0, 128)
+    p = Ref("tmem", "P", 0, 64, 128)
+    o = Ref("tmem", "O", 0, 256, 384)
+    assert set(p.cells()) < set(s.cells())
+    assert not set(o.cells()) & set(s.cells())
+
+
+def test_prediction_is_bounded_and_counts_causal_work():
+    for arch in ("sm100", "sm90"):
+        full = predict(plan_forward(spec(128), arch))
+        causal = predict(plan_forward(spec(128, causal=True), arch))
+        assert 0.3 < full.utilization < 1.0
+        assert 0.2 < causal.utilization < 1.0
+        # Causal skips about half the blocks: it takes less time, not more.
+        assert causal.seconds < full.seconds
