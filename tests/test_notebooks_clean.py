@@ -47,3 +47,10 @@ def test_notebooks_import_the_package():
         src = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
                         if c["cell_type"] == "code")
         assert "fa4lab" in src, f"{path.name} does not import fa4lab"
+
+
+def test_lesson_table_matches_notebooks():
+    from fa4lab.lessons import LESSONS
+
+    assert [x.notebook for x in LESSONS] == [p.name for p in NOTEBOOKS], (
+        "fa4lab/lessons.py and notebooks/ disagree: add or rename the lesson entry")
