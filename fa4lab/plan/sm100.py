@@ -169,11 +169,11 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
     tmem = build_tmem(spec, tiles, hw.tmem_columns)
     barriers = build_barriers(tiles)
     eb = spec.element_bytes
-    regions = (
+    regions = (   # the kernel's shared-storage struct declares them in this order
+        SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
         SmemRegion("q", m_block * d * eb, q_stage, what="Q tiles, one per Q stage"),
         SmemRegion("kv", n_block * d * eb, kv_stage,
                    what="K/V ring: K_j and V_j take turns in the same buffers"),
-        SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
         SmemRegion("stats", m_block * 2 * 4, q_stage, align=16,
                    what="softmax -> correction mailbox: rescale factor and row sum per row"),
         SmemRegion("barriers", MBARRIER_BYTES, barriers.mbarrier_count, align=8,

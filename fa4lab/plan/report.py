@@ -1,0 +1,357 @@
+"""`fa4lab plan`: the chosen plan, the evidence behind it, its contract tables, a simulated
+timeline, the minimal validation and the risks, as Markdown or JSON.
+
+    fa4lab plan --head-dim 128 --causal --gqa 4 --arch sm100
+    fa4lab plan --head-dim 128 --format json > plan.json    # Plan.from_dict(json.load(...))
+
+Shapes default to the benchmark sweep's convention (16384 tokens, hidden 2048: batch =
+16384 / seqlen, heads = 2048 / head_dim). A spec the arch cannot plan (head_dim 256 on sm100:
+S + O need 768 of 512 TMEM columns) prints why and the fallbacks, and exits with status 2.
+JSON output is the plan's `to_dict()` (keys sorted) plus a "report" key, so it round-trips
+through `Plan.from_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from fa4lab.errors import PlanError
+
+EXIT_NO_PLAN = 2
+
+
+# ---- the report as data ----
+def _published(plan) -> dict:
+    from fa4lab.hardware import PUBLISHED_FA4_B200
+
+    if plan.arch == "sm100":
+        return {"label": "published (not measured here)",
+                "tflops": PUBLISHED_FA4_B200["peak_bf16_tflops"],
+                "what": "FA4 peak BF16 forward on B200",
+                "source": PUBLISHED_FA4_B200["source"]}
+    return {}
+
+
+def _recorded(plan) -> dict:
+    """Recorded H200 numbers for the benchmark sweep's shape at this (head_dim, causal, seqlen)."""
+    if plan.arch != "sm90":
+        return {}
+    try:
+        from fa4lab.bench import latest_record, load_records, recorded_tflops
+        rec = latest_record(load_records(), gpu="H200")
+    except Exception:   # records are optional; a broken one is reported by `fa4lab bench`
+        return {}
+    if not rec:
+        return {}
+    s = plan.spec
+    found = recorded_tflops(rec, (s.head_dim, s.causal, s.seqlen_q))
+    return {"label": f"measured on {rec['gpu']} ({rec['date']}), sweep shape at this seqlen",
+            "tflops": found, "gemm_tflops": rec.get("gemm_tflops"),
+            "record": rec.get("label", "")}
+
+
+def _bottleneck(plan, costs, per_block: float) -> dict:
+    t, hw = plan.tiles, plan.hardware
+    eb = plan.spec.element_bytes
+    demand = {
+        "tensor": t.q_stage * (costs.mma_cycles(hw, t.m_block, t.n_block, t.head_dim)
+                               + costs.mma_cycles(hw, t.m_block, t.head_dim_v, t.n_block)),
+        "exp2 (MUFU/FMA)": t.q_stage * costs.softmax_cycles(
+            hw, t.m_block * t.n_block, plan.exp2_emulation_fraction),
+        "TMA K+V": costs.tma_cycles(t.n_block * (t.head_dim + t.head_dim_v) * eb),
+    }
+    top = max(demand, key=demand.get)
+    return {"cycles_per_block": round(per_block, 1),
+            "demand_per_block": {k: round(v, 1) for k, v in demand.items()},
+            "bound": top, "efficiency_vs_bound": round(demand[top] / per_block, 3)}
+
+
+def build_report(plan, costs=None) -> dict:
+    from fa4lab.plan.costs import DEFAULT_COSTS
+    from fa4lab.plan.simulate import predict, simulate
+
+    costs = costs or DEFAULT_COSTS
+    pred = predict(plan, costs)
+    fixed, per = pred.tile_cycles
+    n_sim = 6
+    sim = simulate(plan, n_sim, 2, costs)
+    mutations = {}
+    for b in plan.barriers.barriers:
+        r = simulate(plan, n_sim, 2, costs, drop=b.name)
+        mutations[b.name] = ("deadlock" if r.deadlock else "") + (
+            (" + " if r.deadlock and r.hazards else "") + f"{len(r.hazards)} hazard(s)"
+            if r.hazards else "") or "NOT CAUGHT"
+    alt = {"kv_stage": 2} if plan.arch == "sm100" else {"n_block": 64}
+    try:
+        from fa4lab.plan import plan_forward
+
+        alt_plan = plan_forward(plan.spec, plan.arch, **{**_overrides_of(plan), **alt})
+        alt_tflops = predict(alt_plan, costs).tflops
+    except PlanError:
+        alt_tflops = None
+    recorded = _recorded(plan)
+    scaled = None
+    if recorded.get("gemm_tflops"):
+        scaled = pred.tflops * recorded["gemm_tflops"] / pred.peak_tflops
+    return {
+        "prediction": {"tflops": round(pred.tflops, 1), "peak_tflops": round(pred.peak_tflops, 1),
+                       "utilization": round(pred.utilization, 3), "tiles": pred.tiles,
+                       "tile_cycles": {"fixed": round(fixed, 1), "per_block": round(per, 1)},
+                       "scaled_by_measured_gemm": None if scaled is None else round(scaled, 1),
+                       "label": "simulated (fa4lab.plan.simulate; see assumptions)"},
+        "published": _published(plan),
+        "recorded": recorded,
+        "simulation": {"n_blocks": n_sim, "n_tiles": sim.n_tiles, "cycles": round(sim.cycles),
+                       "deadlock": sim.deadlock, "hazards": [str(h) for h in sim.hazards],
+                       "busy": {k: round(v, 3) for k, v in sim.busy().items()},
+                       "mutations": mutations},
+        "bottleneck": _bottleneck(plan, costs, per),
+        "experiment": {"change": alt, "predicted_tflops": None if alt_tflops is None
+                       else round(alt_tflops, 1)},
+        "assumptions": {k: getattr(costs, k) for k in sorted(vars(costs))},
+    }
+
+
+def _overrides_of(plan) -> dict:
+    t = plan.tiles
+    return {"n_block": t.n_block, "q_stage": t.q_stage, "kv_stage": t.kv_stage}
+
+
+# ---- Markdown ----
+def _table(head: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def contract_tables(plan) -> str:
+    t = plan.tiles
+    parts = ["### Tiles", _table(
+        ["m_block", "n_block", "q_stage", "kv_stage", "cta_m", "head_dim", "head_dim_v"],
+        [[t.m_block, t.n_block, t.q_stage, t.kv_stage, t.cta_m, t.head_dim, t.head_dim_v]])]
+    parts += ["### MMAs (per Q tile, per K/V block)", _table(
+        ["name", "m x n x k", "A", "B", "acc", "out", "instruction"],
+        [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",
+          f"{m.b_dtype} ({m.b_source})", m.acc_dtype, m.out, f"`{m.instruction}`"]
+         for m in plan.mmas])]
+    if plan.tmem is not None:
+        tm = plan.tmem
+        parts += [f"### TMEM ({tm.total_cols} of {tm.capacity_cols} columns used, "
+                  f"tcgen05.alloc {tm.alloc_cols})", _table(
+                      ["region", "columns", "dtype", "alias of", "reuse safe after"],
+                      [[f"{r.name}{r.stage}", f"{r.col_offset}-{r.col_end - 1}", r.dtype,
+                        f"{r.alias_of}{r.stage}" if r.alias_of else "", f"`{r.reuse_guard}`"]
+                       for r in tm.regions])]
+    else:
+        parts += ["### TMEM", "none on this arch: S, P and O live in the consumers' registers"]
+    off = plan.smem.offsets()
+    parts += [f"### SMEM ({plan.smem.total_bytes} of {plan.smem.limit_bytes} bytes per CTA)",
+              _table(["region", "offset", "bytes x stages", "what"],
+                     [[r.name, off[r.name], f"{r.bytes_per_stage} x {r.stages}"
+                       + (f" (in {r.alias_of})" if r.alias_of else ""), r.what]
+                      for r in plan.smem.regions])]
+    parts += [f"### Roles ({plan.threads_per_cta} threads, {plan.registers_used} of "
+              f"{plan.hardware.registers_per_sm} registers)", _table(
+                  ["role", "warps", "setmaxnreg", "does"],
+                  [[r.name, ",".join(map(str, r.warps)), r.registers, r.does]
+                   for r in plan.roles])]
+    parts += [f"### Barriers ({plan.barriers.mbarrier_count} mbarrier.init)", _table(
+        ["barrier", "producer -> consumer", "arrivals", "stages", "tx bytes", "group", "guards"],
+        [[f"`{b.name}`", f"{b.producer} -> {b.consumer}", b.arrive_count, b.stages,
+          b.tx_bytes or "", b.group + (" (named)" if b.kind == "named" else ""), b.guards]
+         for b in plan.barriers.barriers])]
+    return "\n\n".join(parts)
+
+
+def render_markdown(plan, rep: dict) -> str:
+    s, t, hw = plan.spec, plan.tiles, plan.hardware
+    pred = rep["prediction"]
+    sim = rep["simulation"]
+    shape = (f"batch {s.batch}, seqlen {s.seqlen_q}x{s.seqlen_k}, heads {s.heads_q}/{s.heads_kv} "
+             f"(GQA {s.gqa_ratio}), head_dim {s.head_dim}, {s.dtype}"
+             f"{', causal' if s.causal else ''}{', LSE' if s.return_lse else ''}")
+    clean = not sim["deadlock"] and not sim["hazards"]
+    caught = sum(v != "NOT CAUGHT" for v in rep["simulation"]["mutations"].values())
+    lines = [f"# fa4lab plan: {plan.arch} ({hw.name})", "", f"Spec: {shape}.", "",
+             "## Conclusion", "",
+             f"- CTA = {t.q_stage} Q tile(s) x {t.m_block} rows (cta_m {t.cta_m}), K/V blocks of "
+             f"{t.n_block} rows through {t.kv_stage} buffers; {plan.threads_per_cta} threads in "
+             f"{len(plan.roles)} roles; {plan.barriers.mbarrier_count} mbarriers.",
+             (f"- TMEM {plan.tmem.total_cols}/{plan.tmem.capacity_cols} columns; " if plan.tmem
+              else "- No TMEM (registers hold S, P, O); ")
+             + f"SMEM {plan.smem.total_bytes}/{plan.smem.limit_bytes} bytes; registers "
+             f"{plan.registers_used}/{hw.registers_per_sm}.",
+             f"- Protocol: {'no deadlock, no hazard' if clean else 'PROBLEMS (see below)'} in "
+             f"{sim['n_tiles']} tile(s) x {sim['n_blocks']} blocks; removing any one of "
+             f"{len(rep['simulation']['mutations'])} barriers is caught in {caught}.",
+             f"- Predicted **{pred['tflops']:.0f} TFLOP/s** ({pred['utilization']:.0%} of the "
+             f"{pred['peak_tflops']:.0f} TFLOP/s dense MMA peak), {pred['label']}."]
+    if rep["published"]:
+        p = rep["published"]
+        lines.append(f"- Compare: {p['what']} {p['tflops']} TFLOP/s, {p['label']} "
+                     f"({p['source']}).")
+    rec = rep["recorded"]
+    if rec and rec.get("tflops"):
+        nums = ", ".join(f"{k} {v:.0f}" for k, v in sorted(rec["tflops"].items()))
+        lines.append(f"- Compare: {nums} TFLOP/s, {rec['label']}.")
+    if pred["scaled_by_measured_gemm"]:
+        lines.append(f"- Scaled by the measured dense GEMM rate ({rec['gemm_tflops']:.0f} of "
+                     f"{pred['peak_tflops']:.0f} TFLOP/s): {pred['scaled_by_measured_gemm']:.0f} "
+                     f"TFLOP/s.")
+    b = rep["bottleneck"]
+    demand = ", ".join(f"{k} {v:.0f}" for k, v in b["demand_per_block"].items())
+    lines += ["", "## Evidence and assumptions", "",
+              "Evidence (hardware facts, `fa4lab.hardware`):", ""]
+    lines += [f"- {src}" for src in hw.sources]
+    lines += ["", "Assumptions (`fa4lab.plan.costs.CostModel`, not measured):", ""]
+    lines += [f"- {k} = {v}" for k, v in rep["assumptions"].items()]
+    lines += [f"- {n}" for n in plan.notes]
+    lines += ["", "## Contract", "", contract_tables(plan), "",
+              "## Simulated timeline", "",
+              f"- A work tile costs {pred['tile_cycles']['per_block']:.0f} cycles per K/V block "
+              f"{_fixed_text(pred['tile_cycles']['fixed'])}; demand per block: {demand} cycles: "
+              f"bound by {b['bound']} ({b['efficiency_vs_bound']:.0%} of it used).",
+              "- Busy: " + ", ".join(f"{k} {v:.0%}" for k, v in sim["busy"].items()) + ".",
+              "- Single-edge removals: " + "; ".join(
+                  f"`{k}` {v}" for k, v in rep["simulation"]["mutations"].items()) + "."]
+    if not clean:
+        lines += [f"- DEADLOCK: {d}" for d in sim["deadlock"]]
+        lines += [f"- HAZARD: {h}" for h in sim["hazards"]]
+    exp = rep["experiment"]
+    change = ", ".join(f"{k}={v}" for k, v in exp["change"].items())
+    exp_line = (f"Falsifiable experiment: with {change} the model predicts "
+                f"{exp['predicted_tflops']:.0f} TFLOP/s against {pred['tflops']:.0f} "
+                f"({exp['predicted_tflops'] / pred['tflops'] - 1:+.0%}). Measure both on "
+                f"{'a B200' if plan.arch == 'sm100' else 'an H200'} with `fa4lab bench`; if the "
+                f"measured change has the other sign or is under half the predicted one, the "
+                f"cost model's TMA/L2 assumptions are wrong." if exp["predicted_tflops"] else
+                f"Falsifiable experiment: {change} does not fit this spec.")
+    lines += ["", "## Minimal validation", "",
+              "- Correctness: `fa4lab.attention` against the float64 reference "
+              "(`fa4lab.reference`) on fresh random inputs: extreme logits, fully masked rows "
+              "(causal, seqlen_q > seqlen_k: O = 0, LSE = -inf), tails, seqlen 1; tolerance twice "
+              "PyTorch's same-dtype error plus a small atol.",
+              f"- Boundaries: seqlen_k = {t.n_block - 1}, {t.n_block}, {t.n_block + 1} (the K/V "
+              f"tail); seqlen_q = {t.cta_m - 1}, {t.cta_m + 1} (a partial CTA); GQA "
+              f"{', '.join(map(str, sorted({1, 4, s.gqa_ratio})))}; the audit checks "
+              f"{plan.barriers.mbarrier_count} mbarrier inits and {plan.smem.total_bytes} bytes "
+              f"of SMEM against this plan.",
+              f"- {exp_line}", "",
+              "## Risks and fallbacks", ""]
+    lines += [f"- {r}" for r in risks(plan)]
+    return "\n".join(lines) + "\n"
+
+
+def _fixed_text(fixed: float) -> str:
+    if fixed >= 0:
+        return f"plus {fixed:.0f} per tile"
+    return (f"minus {-fixed:.0f} per tile (a persistent CTA overlaps the next tile's loads with "
+            f"this one's epilogue)")
+
+
+def risks(plan) -> list[str]:
+    out = []
+    if plan.arch == "sm100":
+        out += ["head_dim 256 does not fit: S 2x128 + O 2x256 = 768 TMEM columns > 512. "
+                "Fallback: the Hopper-style plan (`--arch sm90`) or `--q-stage 1 --n-block 64` "
+                "(fits, loses the softmax ping-pong).",
+                "A GPU without tcgen05/TMEM (Hopper, Ada, consumer Blackwell sm_120) cannot run "
+                "this plan: dispatch to the sm90 kernel on H100/H200, else to the reference.",
+                "The simulator models a persistent kernel (Q and O buffers reused across work "
+                "tiles, as upstream FA4); with one CTA per tile q_empty and o_empty are "
+                "initialized but never wait."]
+    else:
+        out += ["Registers: a consumer holds O, S and P in registers "
+                f"({plan.role('consumer0').registers} per thread); a larger n_block spills "
+                "(the audit reads spills from the cubin).",
+                "setmaxnreg and wgmma need sm_90a exactly: other GPUs fall back to the reference."]
+    out += ["The cost model's L2 bandwidth, TMA latency and TMEM bandwidth are assumptions: the "
+            "predicted TFLOP/s is a model, checked by the experiment above.",
+            "A shape over any budget raises PlanError naming the regions and an override that "
+            "fits."]
+    return out
+
+
+# ---- CLI ----
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="the tile/TMEM/role/barrier plan and its simulation",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm100", choices=["sm100", "sm90"])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=8192, help="seqlen_q (and seqlen_k by default)")
+    p.add_argument("--seqlen-k", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="default: 16384 // seqlen")
+    p.add_argument("--heads", type=int, default=None, help="query heads; default 2048 // head_dim")
+    p.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--n-block", type=int, default=None)
+    p.add_argument("--kv-stage", type=int, default=None)
+    p.add_argument("--q-stage", type=int, default=None)
+    p.add_argument("--format", default="md", choices=["md", "json"])
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args):
+    from fa4lab.spec import AttentionSpec
+
+    heads = args.heads or max(1, 2048 // args.head_dim)
+    if heads % args.gqa:
+        raise ValueError(f"--heads {heads} is not a multiple of --gqa {args.gqa}")
+    batch = args.batch or max(1, 16384 // args.seqlen)
+    return AttentionSpec(batch, args.seqlen, args.seqlen_k or args.seqlen, heads,
+                         heads // args.gqa, args.head_dim, dtype=args.dtype, causal=args.causal,
+                         return_lse=args.lse)
+
+
+def _fallbacks(spec, arch: str, overrides: dict) -> list[str]:
+    """Commands that do plan this spec: other overrides on this arch, the other arch."""
+    from fa4lab.plan.plan import fitting_overrides
+    from fa4lab.plan.sm90 import SM90_TUNING, build_sm90
+    from fa4lab.plan.sm100 import build_sm100
+
+    base = f"fa4lab plan --head-dim {spec.head_dim}"
+    build = build_sm100 if arch == "sm100" else build_sm90
+    out = []
+    for fit in fitting_overrides(build, spec, overrides, limit=1):
+        flags = " ".join(f"--{kv.split('=')[0].strip().replace('_', '-')} {kv.split('=')[1]}"
+                         for kv in fit.split(", "))
+        out.append(f"{base} --arch {arch} {flags}")
+    if arch == "sm100" and spec.head_dim in SM90_TUNING:
+        out.append(f"{base} --arch sm90")
+    return out
+
+
+def run(args) -> int:
+    from fa4lab.plan import plan_forward
+
+    try:
+        spec = spec_from_args(args)
+    except (ValueError, TypeError) as err:
+        print(f"fa4lab plan: {err}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    overrides = {k: v for k, v in (("n_block", args.n_block), ("kv_stage", args.kv_stage),
+                                   ("q_stage", args.q_stage)) if v is not None}
+    try:
+        plan = plan_forward(spec, args.arch, **overrides)
+    except PlanError as err:
+        fallbacks = _fallbacks(spec, args.arch, overrides)
+        if args.format == "json":
+            print(json.dumps({"error": str(err), "arch": args.arch, "fallbacks": fallbacks},
+                             sort_keys=True, indent=2))
+        else:
+            print(f"# fa4lab plan: no {args.arch} plan for head_dim {spec.head_dim}\n\n"
+                  f"PlanError: {err}\n")
+            if fallbacks:
+                print("Try: " + "; ".join(f"`{f}`" for f in fallbacks))
+        return EXIT_NO_PLAN
+    rep = build_report(plan)
+    if args.format == "json":
+        out = plan.to_dict()
+        out["report"] = rep
+        print(json.dumps(out, sort_keys=True, indent=2))
+    else:
+        print(render_markdown(plan, rep))
+    return 0
