@@ -45,7 +45,7 @@ def browser_missing() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "the Python package playwright is not installed (`make install` installs it)"
+        return "the Python package playwright is missing (`make test` installs it)"
     if not CHROMIUM.exists():
         return f"{CHROMIUM} is missing (`make test` installs Debian's chromium with apt-get)"
     return None
