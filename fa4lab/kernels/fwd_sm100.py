@@ -1,0 +1,725 @@
+"""FlashAttention-4 forward on B200 (sm_100a) in the CuTe DSL, built from a `Plan`.
+
+What it computes: O = softmax(Q K^T * scale) V per (batch, query head), and optionally
+LSE = log(sum(exp(Q K^T * scale))) per row, with the semantics of `fa4lab.spec.AttentionSpec`:
+GQA (query head h reads KV head h // (heads_q // heads_kv)), any seqlen_q >= 1 and
+seqlen_k >= 1 (tails), causal bottom-right aligned; a row that sees no key gives O = 0 and
+LSE = -inf.
+
+Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No pack-GQA
+(each CTA serves one query head), no persistent scheduler (one CTA per 2 x m_block query rows,
+per head, per batch), no split-KV, no varlen.
+
+How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
+  * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages");
+  * warp roles (plan.roles): softmax0 / softmax1 (one warpgroup per Q tile), correction
+    (rescales O in TMEM, then normalises it into shared memory), mma (one thread issues every
+    tcgen05.mma), load (TMA of Q, K, V), epilogue (TMA store of O), empty;
+  * TMEM (plan.tmem): S_i (fp32) for each Q tile, P_i (16-bit) written over S_i, O_i (fp32);
+  * mbarriers (plan.barriers): see Note [sm100 barrier graph]
+    The mbarriers are plan.barriers, built as DSL pipelines (a full and an empty side, one
+    barrier per stage each):
+      q      full q_full       load -> mma (TMA bytes)     empty q_empty     mma -> load
+      kv     full kv_full      load -> mma (TMA bytes)     empty kv_empty    mma -> load
+             K_j and V_j take turns in the same kv_stage buffers
+      s      full s_full       mma -> softmax_i (commit)   empty p_ready     softmax_i -> mma
+             (S_i is in TMEM / P_i is in TMEM: S_i has been read and may be overwritten)
+      o      full o_final      mma -> correction (commit)  empty o_rescaled  correction -> mma
+             (the last O_i += P_i V_j is done / O_i was rescaled, the next PV may accumulate)
+      stats  full stats_full   softmax_i -> correction     empty stats_empty correction -> softmax_i
+             (the mailbox sScale holds tile i's row scale, or the final row_sum and row_max)
+      epi    full o_staged     correction -> epilogue      empty o_empty     epilogue -> correction
+    The s, o, stats and epi pipelines are indexed by Q tile, not round robin: `_phase_state`.
+    Orderings that need no barrier, because tcgen05 operations from the MMA thread run in issue
+    order and a tcgen05.commit fires after everything issued before it:
+      * S_i(j+1) is issued after O_i += P_i(j) V_j, so it cannot overwrite P_i(j) (which aliases
+        S_i) before the PV MMA has read it;
+      * softmax_i signals the scale for block j only after S_i(j) is complete, hence after
+        O_i += P_i(j-1) V_{j-1} is complete: the correction may then rescale O_i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
+
+LN2 = math.log(2.0)
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+# Named barrier ids (0 is __syncthreads).
+_TMEM_ALLOC_BARRIER_ID = 1
+
+
+def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
+    """A pipeline position addressed by (stage index, phase parity) instead of a running count.
+
+    The per-Q-tile pipelines (s, o, stats, epi) are indexed by the Q tile, not round robin.
+    """
+    return pipeline.PipelineState(num_stages, Int32(0), Int32(index), Int32(phase))
+
+
+class FlashForwardSm100:
+    """The kernel class. `__init__` reads the plan (no DSL code); `__call__` launches."""
+
+    def __init__(self, plan):
+        spec = plan.spec
+        if plan.arch != "sm100":
+            raise ValueError(f"FlashForwardSm100 needs an sm100 plan, got arch={plan.arch!r}")
+        if spec.head_dim != spec.head_dim_v or spec.head_dim not in (64, 128):
+            raise ValueError(
+                f"FlashForwardSm100 supports head_dim == head_dim_v in (64, 128), got "
+                f"{spec.head_dim}/{spec.head_dim_v}; use fa4lab.reference.attention_reference")
+        self.plan = plan
+        self.dtype = _DTYPES[spec.dtype]
+        self.head_dim = spec.head_dim
+        self.head_dim_v = spec.head_dim_v
+        self.causal = spec.causal
+        self.return_lse = spec.return_lse
+        self.qhead_per_kvhead = spec.qhead_per_kvhead
+        self.scale_log2 = spec.scale_log2
+        tiles = plan.tiles
+        self.m_block = tiles.m_block
+        self.n_block = tiles.n_block
+        self.q_stage = tiles.q_stage
+        self.kv_stage = tiles.kv_stage
+        self.cta_m = tiles.m_block * tiles.q_stage
+        if self.q_stage != 2 or self.m_block != 128:
+            raise ValueError("FlashForwardSm100 is written for two Q tiles of 128 rows per CTA")
+        self.mma_tiler_qk = (self.m_block, self.n_block, self.head_dim)
+        self.mma_tiler_pv = (self.m_block, self.head_dim_v, self.n_block)
+        tmem = plan.tmem
+        self.tmem_s_offset = tuple(tmem.s_offset(i) for i in range(self.q_stage))
+        self.tmem_p_offset = tuple(tmem.p_offset(i) for i in range(self.q_stage))
+        self.tmem_o_offset = tuple(tmem.o_offset(i) for i in range(self.q_stage))
+        self.tmem_alloc_cols = tmem.alloc_cols
+        roles = {r.name: r for r in plan.roles}
+        self.softmax_warps = (roles["softmax0"].warps, roles["softmax1"].warps)
+        self.correction_warps = roles["correction"].warps
+        self.mma_warp = roles["mma"].warps[0]
+        self.load_warp = roles["load"].warps[0]
+        self.epilogue_warp = roles["epilogue"].warps[0]
+        self.empty_warps = roles["empty"].warps if "empty" in roles else ()
+        self.registers = {name: r.registers for name, r in roles.items()}
+        self.threads_per_cta = plan.threads_per_cta
+        self.rescale_threshold = plan.rescale_threshold
+        # Compile-time choice of which exp2 pairs of a 128-wide row run on the FMA pipe.
+        self.emulated = emulated_pairs(self.n_block, plan.exp2_emulation_fraction)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads_q, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim_v)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads_q, head_dim_v)
+        mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) float32
+        stream: cuda.CUstream,
+    ):
+        # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
+        mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                      for t in (mQ, mK, mO)]
+        # V as (d, s, h, b): the PV MMA's B operand is MN-major.
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        if cutlass.const_expr(mLSE is not None):
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K,
+            Float32, cta_group, self.mma_tiler_qk[:2])
+        # P is the A operand of the second MMA and lives in TMEM.
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN,
+            Float32, cta_group, self.mma_tiler_pv[:2], tcgen05.OperandSource.TMEM)
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)),
+                                         (tiled_mma_qk.thr_id.shape,))
+
+        sQ_layout = sm100_utils.make_smem_layout_a(
+            tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.q_stage)
+        sK_layout = sm100_utils.make_smem_layout_b(
+            tiled_mma_qk, self.mma_tiler_qk, self.dtype, self.kv_stage)
+        tP_layout = sm100_utils.make_smem_layout_a(
+            tiled_mma_pv, self.mma_tiler_pv, self.dtype, 1)
+        sV_layout = sm100_utils.make_smem_layout_b(
+            tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.kv_stage)
+        self.epi_tile = (self.m_block, self.head_dim_v)
+        sO_layout = sm100_utils.make_smem_layout_epi(
+            self.dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
+            tiled_mma_qk, cluster_vmnk.shape)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
+            tiled_mma_qk, cluster_vmnk.shape)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
+            tiled_mma_pv, cluster_vmnk.shape)
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+            self.epi_tile)
+        self.q_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.kv_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+
+        q_stage, kv_stage = self.q_stage, self.kv_stage
+
+        @cute.struct
+        class SharedStorage:
+            # In plan.smem's order (q, kv, o, stats, barriers, tmem_ptr): the 1024-byte aligned
+            # tiles first, so no padding lands between regions (the audit checks the size).
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+            # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
+            sScale: cute.struct.MemRange[Float32, q_stage * self.m_block * 2]
+            # mbarriers, full + empty per stage; see Note [sm100 barrier graph]
+            mbar_q: cute.struct.MemRange[Int64, q_stage * 2]
+            mbar_kv: cute.struct.MemRange[Int64, kv_stage * 2]
+            mbar_s: cute.struct.MemRange[Int64, q_stage * 2]
+            mbar_o: cute.struct.MemRange[Int64, q_stage * 2]
+            mbar_stats: cute.struct.MemRange[Int64, q_stage * 2]
+            mbar_epi: cute.struct.MemRange[Int64, q_stage * 2]
+            tmem_base: Int32
+
+        self.shared_storage = SharedStorage
+
+        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.cta_m), cute.size(mQ.shape[2]),
+                cute.size(mQ.shape[3]))
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            tma_atom_O, tma_O, mLSE, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+        ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,  # (seqlen_q, head_dim, heads_q, batch) TMA coordinates
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch)
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch)
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,  # (seqlen_q, head_dim_v, heads_q, batch)
+        mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+
+        if warp_idx == self.load_warp:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        group = lambda n: pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+        wg = 32 * len(self.correction_warps)
+        pipe_q = pipeline.PipelineTmaUmma.create(
+            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(1),
+            tx_count=self.q_tx_bytes, barrier_storage=storage.mbar_q.data_ptr(),
+            defer_sync=True)
+        pipe_kv = pipeline.PipelineTmaUmma.create(
+            num_stages=self.kv_stage, producer_group=group(1), consumer_group=group(1),
+            tx_count=self.kv_tx_bytes, barrier_storage=storage.mbar_kv.data_ptr(),
+            defer_sync=True)
+        pipe_s = pipeline.PipelineUmmaAsync.create(
+            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(wg),
+            barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
+        pipe_o = pipeline.PipelineUmmaAsync.create(
+            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(wg),
+            barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
+        pipe_stats = pipeline.PipelineAsync.create(
+            num_stages=self.q_stage, producer_group=group(wg), consumer_group=group(wg),
+            barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True)
+        pipe_epi = pipeline.PipelineAsync.create(
+            num_stages=self.q_stage, producer_group=group(wg), consumer_group=group(1),
+            barrier_storage=storage.mbar_epi.data_ptr(), defer_sync=True)
+        tmem_users = 32 * (1 + len(self.softmax_warps[0]) + len(self.softmax_warps[1])
+                           + len(self.correction_warps))
+        tmem_barrier = pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID,
+                                             num_threads=tmem_users)
+        tmem = utils.TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=tmem_barrier,
+                                   allocator_warp_id=self.mma_warp)
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        # V shares K's stage buffers (same shape for head_dim == head_dim_v).
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sScale = storage.sScale.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
+
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+
+        pipeline.pipeline_init_wait()
+
+        # ---------------------------------------------------------------- empty
+        for w in cutlass.range_constexpr(len(self.empty_warps)):
+            if warp_idx == self.empty_warps[w]:
+                cute.arch.setmaxregister_decrease(self.registers["empty"])
+        # ---------------------------------------------------------------- load
+        if warp_idx == self.load_warp:
+            cute.arch.setmaxregister_decrease(self.registers["load"])
+            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
+                      sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch,
+                      self.n_block_max(m_block, seqlen_q, seqlen_k))
+        # ---------------------------------------------------------------- epilogue (TMA store)
+        if warp_idx == self.epilogue_warp:
+            cute.arch.setmaxregister_decrease(self.registers["epilogue"])
+            self.epilogue(tma_atom_O, mO, sO, pipe_epi, m_block, head, batch)
+        # ---------------------------------------------------------------- softmax0 / softmax1
+        for stage in cutlass.range_constexpr(self.q_stage):
+            warps = self.softmax_warps[stage]
+            if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                cute.arch.setmaxregister_increase(self.registers[f"softmax{stage}"])
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
+                self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
+                             m_block, self.n_block_max(m_block, seqlen_q, seqlen_k),
+                             seqlen_q, seqlen_k)
+                tmem_barrier.arrive()
+        # ---------------------------------------------------------------- correction
+        warps = self.correction_warps
+        if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+            cute.arch.setmaxregister_decrease(self.registers["correction"])
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
+            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_s, pipe_o, pipe_stats,
+                            pipe_epi, m_block, head, batch,
+                            self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q)
+            tmem_barrier.arrive()
+
+        # ---------------------------------------------------------------- mma
+        # Last in program order: the MMA role updates the tiled MMAs' ACCUMULATE state.
+        if warp_idx == self.mma_warp:
+            cute.arch.setmaxregister_decrease(self.registers["mma"])
+            tmem.allocate(self.tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
+            self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
+                     pipe_q, pipe_kv, pipe_s, pipe_o,
+                     self.n_block_max(m_block, seqlen_q, seqlen_k))
+            tmem.relinquish_alloc_permit()
+            tmem_barrier.arrive_and_wait()
+            tmem.free(tmem_ptr)
+
+    @cute.jit
+    def n_block_max(self, m_block, seqlen_q, seqlen_k):
+        """This CTA visits K/V blocks [0, n_block_max): fa4lab.tiling.n_block_range for cta_m rows.
+
+        Each role computes it itself: a value computed before the role branches would live across
+        setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
+        """
+        n_block_max = cute.ceil_div(seqlen_k, self.n_block)
+        if cutlass.const_expr(self.causal):
+            reach = cutlass.max((m_block + 1) * self.cta_m + seqlen_k - seqlen_q, 0)
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(reach, self.n_block))
+        return n_block_max
+
+    @cute.jit
+    def tmem_tensors(self, thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr):
+        """S_i, O_i (fp32) and P_i (16-bit, A operand) views of TMEM at the plan's columns."""
+        tS = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C(self.mma_tiler_qk[:2]))
+        tO = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C(self.mma_tiler_pv[:2]))
+        tP = thr_mma_pv.make_fragment_A(cute.make_tensor(tS.iterator, tP_layout.outer))
+        tP = tP[None, None, None, 0]
+        tStS = [cute.make_tensor(tmem_ptr + self.tmem_s_offset[i], tS.layout)
+                for i in range(self.q_stage)]
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o_offset[i], tO.layout)
+                for i in range(self.q_stage)]
+        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p_offset[i],
+                                                 dtype=self.dtype), tP.layout)
+                for i in range(self.q_stage)]
+        return tStS, tOtO, tOrP
+
+    # ------------------------------------------------------------------ role: load
+    @cute.jit
+    def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
+             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, n_block_max):
+        """TMA: Q tile 0, K_last, Q tile 1, V_last, then (K_j, V_j) down to block 0."""
+        head_kv = head // self.qhead_per_kvhead
+        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
+                             (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch],
+                             cute.select(self.mma_tiler_qk, [1, 2]), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch],
+                             cute.select(self.mma_tiler_pv, [1, 2]), (0, None))
+        no_mcast = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.kv_stage)
+        if n_block_max > 0:
+            for stage in cutlass.range_constexpr(self.q_stage):
+                q_state = _phase_state(self.q_stage, stage, 1)
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + stage],
+                          tQsQ[None, stage], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                if cutlass.const_expr(stage == 0):
+                    pipe_kv.producer_acquire(kv_state)
+                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    kv_state.advance()
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            kv_state.advance()
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n = n_block_max - 2 - i
+                pipe_kv.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                kv_state.advance()
+                pipe_kv.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                kv_state.advance()
+
+    # ------------------------------------------------------------------ role: mma
+    @cute.jit
+    def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
+            pipe_q, pipe_kv, pipe_s, pipe_o, n_block_max):
+        """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j."""
+        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
+        tSrK = tiled_mma_qk.make_fragment_B(sK)
+        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.kv_stage)
+        if n_block_max > 0:
+            for stage in cutlass.range_constexpr(self.q_stage):
+                pipe_q.consumer_wait(_phase_state(self.q_stage, stage, 0))
+                if cutlass.const_expr(stage == 0):
+                    pipe_kv.consumer_wait(kv_state)
+                tiled_mma_qk = self.gemm(tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
+                          tSrK[None, None, None, kv_state.index], False)
+                pipe_s.producer_commit(_phase_state(self.q_stage, stage, 0))
+            pipe_kv.consumer_release(kv_state)
+            kv_state.advance()
+            p_phase = Int32(0)
+            o_phase = Int32(1)  # o_rescaled starts released: the first value MMA needs no wait
+            accumulate = Boolean(False)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                pipe_kv.consumer_wait(kv_state)  # V_j
+                v_state = kv_state.clone()
+                kv_state.advance()
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    # P_i(j) is in TMEM (p_ready) and O_i was rescaled (o_rescaled)
+                    pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
+                    pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
+                    tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO[stage], tOrP[stage],
+                              tOrV[None, None, None, v_state.index], accumulate)
+                    if cutlass.const_expr(stage == self.q_stage - 1):
+                        pipe_kv.consumer_release(v_state)
+                    if cutlass.const_expr(stage == 0):
+                        pipe_kv.consumer_wait(kv_state)  # K_{j-1}
+                    tiled_mma_qk = self.gemm(
+                        tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
+                        tSrK[None, None, None, kv_state.index], False)
+                    pipe_s.producer_commit(_phase_state(self.q_stage, stage, 0))
+                pipe_kv.consumer_release(kv_state)
+                kv_state.advance()
+                p_phase ^= 1
+                o_phase ^= 1
+                accumulate = Boolean(True)
+            pipe_kv.consumer_wait(kv_state)  # V of the last block
+            for stage in cutlass.range_constexpr(self.q_stage):
+                pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
+                pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
+                tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO[stage], tOrP[stage],
+                          tOrV[None, None, None, kv_state.index], accumulate)
+                pipe_o.producer_commit(_phase_state(self.q_stage, stage, 0))
+            pipe_kv.consumer_release(kv_state)
+            for stage in cutlass.range_constexpr(self.q_stage):
+                pipe_q.consumer_release(_phase_state(self.q_stage, stage, 0))
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, tA, tB, accumulate):
+        """acc (+)= A B over the K blocks of one tile; accumulate is a runtime flag."""
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+            cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
+        # Returned so callers rebind it: the ACCUMULATE field is traced state that must flow
+        # through the caller's staged loops and branches as a plain local variable.
+        return tiled_mma
+
+    # ------------------------------------------------------------------ role: softmax
+    @cute.jit
+    def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
+                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k):
+        """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, blocks high to low.
+
+        Masked blocks (causal diagonal or the seqlen_k tail) first, with the mask; then the
+        fully visible ones without it. See fa4lab.tiling.n_block_masked_range.
+        """
+        tidx = cute.arch.thread_idx()[0] % (32 * len(self.softmax_warps[stage]))
+        tSAcc = tStS[(None, None), 0, 0]  # (m_block, n_block) fp32 columns
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor(self.mma_tiler_qk[:2]))
+        tScS = tScS[(None, None), 0, 0]
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)),
+                                        Float32)
+        thr_load = tcgen05.make_tmem_copy(load_atom, tSAcc).get_slice(tidx)
+        tStS_t2r = thr_load.partition_S(tSAcc)
+        tScS_t2r = thr_load.partition_D(tScS)
+        # P: n_block 16-bit values per row = n_block // 2 fp32 columns at the plan's P offset.
+        p_cols = self.n_block * self.dtype.width // 32
+        tStP = cute.make_tensor(tSAcc.iterator + (self.tmem_p_offset[stage]
+                                                  - self.tmem_s_offset[stage]),
+                                cute.composition(tSAcc.layout,
+                                                 cute.make_layout((self.m_block, p_cols))))
+        store_atom = cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(16)),
+                                         Float32)
+        thr_store = tcgen05.make_tmem_copy(store_atom, tStP).get_slice(tidx)
+        tStP_r2t = thr_store.partition_D(tStP)
+        tScP_shape = thr_store.partition_S(
+            cute.make_identity_tensor((self.m_block, p_cols))).shape
+
+        row_start = (m_block * self.q_stage + stage) * self.m_block
+        # Blocks [mask_min, n_block_max) need the element mask (fa4lab.tiling rule, this tile).
+        mask_min = seqlen_k // self.n_block
+        if cutlass.const_expr(self.causal):
+            mask_min = cutlass.min(
+                mask_min, cutlass.max(row_start + seqlen_k - seqlen_q + 1, 0) // self.n_block)
+        mask_min = cutlass.min(mask_min, n_block_max)
+
+        row_max = -Float32.inf
+        row_sum = Float32(0.0)
+        s_phase = Int32(0)
+        stats_phase = Int32(1)
+        step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
+                pipe_s, pipe_stats, stage, tidx, row_start, seqlen_q, seqlen_k)
+        for i in cutlass.range(n_block_max - mask_min, unroll=1):
+            row_max, row_sum, s_phase, stats_phase = self.softmax_step(
+                n_block_max - 1 - i, True, row_max, row_sum, s_phase, stats_phase, *step)
+        for i in cutlass.range(mask_min, unroll=1):
+            row_max, row_sum, s_phase, stats_phase = self.softmax_step(
+                mask_min - 1 - i, False, row_max, row_sum, s_phase, stats_phase, *step)
+        if n_block_max > 0:
+            # Final statistics for the correction warpgroup's normalisation and LSE.
+            stats_state = _phase_state(self.q_stage, stage, stats_phase)
+            pipe_stats.producer_acquire(stats_state)
+            sScale[stage * self.m_block + tidx] = row_sum
+            sScale[(self.q_stage + stage) * self.m_block + tidx] = row_max
+            pipe_stats.producer_commit(stats_state)
+
+    @cute.jit
+    def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
+                     stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
+                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, row_start,
+                     seqlen_q, seqlen_k):
+        """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
+        scale_log2 = Float32(self.scale_log2)
+        s_state = _phase_state(self.q_stage, stage, s_phase)
+        pipe_s.consumer_wait(s_state)
+        tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
+        cute.copy(thr_load, tStS_t2r, tSrS)
+        if cutlass.const_expr(mask):
+            # First column (relative to this block) that this row may not see.
+            limit = seqlen_k - n_block * self.n_block
+            if cutlass.const_expr(self.causal):
+                row = row_start + tScS_t2r[0][0]
+                limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * self.n_block)
+            for j in cutlass.range_constexpr(cute.size(tSrS)):
+                tSrS[j] = -Float32.inf if tScS_t2r[j][1] >= limit else tSrS[j]
+        block_max = tSrS[0]
+        for j in cutlass.range_constexpr(1, cute.size(tSrS)):
+            block_max = cute.arch.fmax(block_max, tSrS[j])
+        # See Note [conditional rescale] in fa4lab.kernels.softmax.
+        m_new = cute.arch.fmax(row_max, block_max)
+        row_scale = Float32(1.0)
+        if (m_new - row_max) * scale_log2 > Float32(self.rescale_threshold):
+            if row_max != -Float32.inf:
+                row_scale = cute.math.exp2((row_max - m_new) * scale_log2, fastmath=True)
+            row_max = m_new
+        stats_state = _phase_state(self.q_stage, stage, stats_phase)
+        pipe_stats.producer_acquire(stats_state)
+        sScale[stage * self.m_block + tidx] = row_scale
+        pipe_stats.producer_commit(stats_state)
+
+        basis = Float32(0.0)
+        if row_max != -Float32.inf:
+            basis = row_max * scale_log2
+        neg_basis = -basis
+        # P in chunks of 32 columns: exp2, sum, cast, store to TMEM; the fp32 chunk then dies,
+        # which keeps the softmax within its register budget (plan.roles).
+        tSrP_f32 = cute.make_rmem_tensor(tScP_shape, Float32)
+        tSrP = cute.make_tensor(cute.recast_ptr(tSrP_f32.iterator, dtype=self.dtype),
+                                tSrS.layout)
+        chunk = 32
+        tSrS_c = cute.logical_divide(tSrS, cute.make_layout(chunk))
+        tSrP_c = cute.logical_divide(tSrP, cute.make_layout(chunk))
+        block_sum = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(tSrS) // chunk):
+            for k in cutlass.range_constexpr(0, chunk, 2):
+                j = c * chunk + k
+                tSrS[j], tSrS[j + 1] = cute.arch.fma_packed_f32x2(
+                    (tSrS[j], tSrS[j + 1]), (scale_log2, scale_log2), (neg_basis, neg_basis))
+                if cutlass.const_expr(self.emulated[j // 2]):
+                    tSrS[j] = exp2_poly3(tSrS[j])
+                    tSrS[j + 1] = exp2_poly3(tSrS[j + 1])
+                else:
+                    tSrS[j] = cute.math.exp2(tSrS[j], fastmath=True)
+                    tSrS[j + 1] = cute.math.exp2(tSrS[j + 1], fastmath=True)
+                block_sum = block_sum + (tSrS[j] + tSrS[j + 1])
+            tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
+            cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
+        cute.arch.fence_view_async_tmem_store()
+        pipe_s.consumer_release(s_state)  # P_i is in TMEM
+        row_sum = row_sum * row_scale + block_sum
+        return row_max, row_sum, s_phase ^ 1, stats_phase ^ 1
+
+    # ------------------------------------------------------------------ role: correction
+    @cute.jit
+    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_s, pipe_o, pipe_stats,
+                   pipe_epi, m_block, head, batch, n_block_max, seqlen_q):
+        """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO, and LSE."""
+        tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.q_stage)
+        for i in cutlass.range(n_block_max, unroll=1):
+            for stage in cutlass.range_constexpr(self.q_stage):
+                pipe_stats.consumer_wait(stats_state)
+                row_scale = sScale[stage * self.m_block + tidx]
+                pipe_stats.consumer_release(stats_state)
+                stats_state.advance()
+                if i > 0:  # before block 0 O_i holds nothing: the first value MMA overwrites it
+                    # A warp rescales only if one of its 32 rows moved its max past the threshold.
+                    if cute.arch.vote_ballot_sync(row_scale < Float32(1.0)) != 0:
+                        self.correction_rescale(thr_mma_pv, tOtO[stage], tidx, row_scale)
+                    pipe_o.consumer_release(_phase_state(self.q_stage, stage, 0))  # o_rescaled
+        for stage in cutlass.range_constexpr(self.q_stage):
+            row_sum = Float32(0.0)
+            row_max = -Float32.inf
+            if n_block_max > 0:
+                pipe_stats.consumer_wait(stats_state)
+                row_sum = sScale[stage * self.m_block + tidx]
+                row_max = sScale[(self.q_stage + stage) * self.m_block + tidx]
+                pipe_stats.consumer_release(stats_state)
+                stats_state.advance()
+                pipe_o.consumer_wait(_phase_state(self.q_stage, stage, 0))
+            empty_row = row_sum == Float32(0.0)
+            inv_sum = cute.arch.rcp_approx(Float32(1.0) if empty_row else row_sum)
+            if empty_row:
+                inv_sum = Float32(0.0)
+            epi_state = _phase_state(self.q_stage, stage, 1)
+            pipe_epi.producer_acquire(epi_state)
+            self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
+                                     inv_sum, n_block_max > 0)
+            cute.arch.fence_view_async_shared()
+            pipe_epi.producer_commit(epi_state)
+            if n_block_max > 0:
+                cute.arch.fence_view_async_tmem_load()
+                pipe_o.consumer_release(_phase_state(self.q_stage, stage, 0))  # O_i read
+            if cutlass.const_expr(self.return_lse):
+                row = (m_block * self.q_stage + stage) * self.m_block + tidx
+                if row < seqlen_q:
+                    lse = -Float32.inf
+                    if not empty_row:
+                        lse = (row_max * Float32(self.scale_log2)
+                               + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
+                    mLSE[row, head, batch] = lse
+
+    @cute.jit
+    def correction_rescale(self, thr_mma_pv, tOtO, tidx, row_scale):
+        """O_i[row, :] *= row_scale, 16 columns at a time through registers."""
+        cols = 16
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor(self.mma_tiler_pv[:2]))
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)),
+                                        Float32)
+        store_atom = cute.make_copy_atom(
+            tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cols)), Float32)
+        tOtO_c = cute.composition(tOtO, cute.make_layout((self.m_block, cols)))
+        tOcO_c = cute.composition(tOcO, cute.make_layout((self.m_block, cols)))
+        thr_load = tcgen05.make_tmem_copy(load_atom, tOtO_c).get_slice(tidx)
+        thr_store = tcgen05.make_tmem_copy(store_atom, tOtO_c).get_slice(tidx)
+        tOtO_t2r = thr_load.partition_S(tOtO_c)
+        tOtO_r2t = thr_store.partition_D(tOtO_c)
+        frag_shape = thr_load.partition_D(tOcO_c).shape
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            tOrO = cute.make_rmem_tensor(frag_shape, Float32)
+            cute.copy(thr_load, cute.make_tensor(tOtO_t2r.iterator + c * cols, tOtO_t2r.layout),
+                      tOrO)
+            for j in cutlass.range_constexpr(0, cute.size(tOrO), 2):
+                tOrO[j], tOrO[j + 1] = cute.arch.mul_packed_f32x2(
+                    (tOrO[j], tOrO[j + 1]), (row_scale, row_scale))
+            cute.copy(thr_store, tOrO,
+                      cute.make_tensor(tOtO_r2t.iterator + c * cols, tOtO_r2t.layout))
+        cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def correction_epilogue(self, thr_mma_pv, tOtO, sO, tidx, inv_sum, has_work):
+        """O_i * inv_sum, cast to 16 bits, into the swizzled sO staging tile for the TMA store."""
+        cols = 32 * 8 // self.dtype.width
+        tOsO = thr_mma_pv.partition_C(sO)
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor(self.mma_tiler_pv[:2]))
+        tOtO_c = cute.logical_divide(tOtO, cute.make_layout((self.m_block, cols)))
+        tOcO_c = cute.logical_divide(tOcO, cute.make_layout((self.m_block, cols)))
+        tOsO_c = cute.logical_divide(tOsO, cute.make_layout((self.m_block, cols)))
+        load_atom = sm100_utils.get_tmem_load_op(
+            self.mma_tiler_pv, utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32,
+            (self.m_block, cols), use_2cta_instrs=False)
+        tiled_load = tcgen05.make_tmem_copy(load_atom, tOtO_c[(None, None), 0])
+        thr_load = tiled_load.get_slice(tidx)
+        smem_atom = sm100_utils.get_smem_store_op(
+            utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_load)
+        tiled_smem_store = cute.make_tiled_copy_D(smem_atom, tiled_load)
+        tOtO_t2r = thr_load.partition_S(tOtO_c[(None, None), None])
+        tOsO_r2s = thr_load.partition_D(tOsO_c[(None, None), None])
+        tOcO_t2r = thr_load.partition_D(tOcO_c[(None, None), None])
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            tOrO = cute.make_rmem_tensor(tOcO_t2r[None, 0, 0, c].shape, Float32)
+            if has_work:
+                cute.copy(tiled_load, tOtO_t2r[None, 0, 0, c], tOrO)
+            else:
+                tOrO.fill(0.0)
+            for j in cutlass.range_constexpr(0, cute.size(tOrO), 2):
+                tOrO[j], tOrO[j + 1] = cute.arch.mul_packed_f32x2(
+                    (tOrO[j], tOrO[j + 1]), (inv_sum, inv_sum))
+            tOrO_16 = cute.make_rmem_tensor(tOrO.shape, self.dtype)
+            tOrO_16.store(tOrO.load().to(self.dtype))
+            cute.copy(tiled_smem_store, tOrO_16, tOsO_r2s[None, 0, 0, c])
+
+    # ------------------------------------------------------------------ role: epilogue
+    @cute.jit
+    def epilogue(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch):
+        """TMA store of each normalised O tile (rows past seqlen_q are clipped by the TMA)."""
+        gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                           cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        for stage in cutlass.range_constexpr(self.q_stage):
+            pipe_epi.consumer_wait(_phase_state(self.q_stage, stage, 0))
+            cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, m_block * self.q_stage + stage])
+            cute.arch.cp_async_bulk_commit_group()
+        for stage in cutlass.range_constexpr(self.q_stage):
+            # The smem tile may be reused once the TMA has read it; drain before exit.
+            cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
+            with cute.arch.elect_one():
+                pipe_epi.consumer_release(_phase_state(self.q_stage, stage, 0))
