@@ -110,37 +110,45 @@ def _fma_f32(a, b, c):
 
 
 @cache
-def fit_exp2_poly3(points: int = 4097, iterations: int = 300) -> tuple[float, ...]:
+def fit_exp2_poly3(points: int = 4097, iterations: int = 300, *,
+                   exact_at_zero: bool = False) -> tuple[float, ...]:
     """Coefficients (c0, c1, c2, c3) of the cubic closest to 2**f on [0, 1] in relative error.
 
     Lawson's algorithm: iteratively reweighted least squares whose weights grow where the
     error is large; it converges to the minimax (equi-oscillating) solution. The coefficients
-    are then rounded to float32, the precision the kernel holds them in.
+    are then rounded to float32, the precision the kernel holds them in. exact_at_zero pins
+    c0 = 1 so that p(0) = 1 bit for bit (2**n exact at integers, and a clamp at -127 then
+    yields +0.0 exactly); that costs a little accuracy (8.6e-5 instead of 7.5e-5), and is the
+    variant the sm100 kernel uses (`fa4lab.kernels.exp2_sm100`).
     """
     f = 0.5 - 0.5 * np.cos(np.linspace(0.0, math.pi, points))  # Chebyshev-spaced on [0, 1]
     target = np.exp2(f)
-    a = np.vander(f, 4, increasing=True) / target[:, None]  # rows: f**i / 2**f
+    powers = np.vander(f, 4, increasing=True) / target[:, None]  # rows: f**i / 2**f
+    # minimise |p(f) / 2**f - 1|: a @ c ~ b, with c0 moved to the right side when pinned
+    a, b = (powers[:, 1:], 1.0 - 1.0 / target) if exact_at_zero else (powers, np.ones(points))
     w = np.full(points, 1.0 / points)
-    coeffs = np.zeros(4)
+    coeffs = np.zeros(a.shape[1])
     for _ in range(iterations):
         sw = np.sqrt(w)
-        coeffs = np.linalg.lstsq(a * sw[:, None], sw, rcond=None)[0]
-        err = np.abs(a @ coeffs - 1.0)
-        w = w * err
+        coeffs = np.linalg.lstsq(a * sw[:, None], b * sw, rcond=None)[0]
+        w = w * np.abs(a @ coeffs - b)
         w /= w.sum()
+    if exact_at_zero:
+        coeffs = np.concatenate([[1.0], coeffs])
     return tuple(float(np.float32(c)) for c in coeffs)
 
 
-def exp2_poly3(x) -> np.ndarray:
+def exp2_poly3(x, *, exact_at_zero: bool = False) -> np.ndarray:
     """2**x in float32 arithmetic, as FA4 computes it on the FMA units. See Note [software exp2].
 
     Max relative error 7.5e-05 over x in [-125, 8] (the range P is evaluated on with
     rescale_threshold <= 8; measured by `exp2_poly3_max_rel_error()`, and checked by a test).
     Results below 2**-125 flush to 0 (a P that small is invisible beside the row max's
-    P = 1), -inf gives 0, and x >= 128 gives inf.
+    P = 1), -inf gives 0, and x >= 128 gives inf. exact_at_zero: the cubic with p(0) = 1
+    (max relative error 8.6e-05), see `fit_exp2_poly3`.
     """
     x = np.asarray(x, dtype=np.float32)
-    c0, c1, c2, c3 = (np.float32(c) for c in fit_exp2_poly3())
+    c0, c1, c2, c3 = (np.float32(c) for c in fit_exp2_poly3(exact_at_zero=exact_at_zero))
     xc = np.clip(x, np.float32(-126.0), np.float32(127.0))   # keeps n in int range, -inf -> 0
     n = np.floor(xc)
     f = xc - n                                                # exact in float32
@@ -155,7 +163,7 @@ def exp2_poly3(x) -> np.ndarray:
 
 
 def exp2_poly3_max_rel_error(lo: float = -125.0, hi: float = FA4_RESCALE_THRESHOLD,
-                             samples: int = 1 << 20) -> float:
+                             samples: int = 1 << 20, *, exact_at_zero: bool = False) -> float:
     """Measured max |exp2_poly3(x) / 2**x - 1| over float32 x in [lo, hi].
 
     Samples evenly over the range plus densely over one period of f (the error depends only
@@ -167,7 +175,8 @@ def exp2_poly3_max_rel_error(lo: float = -125.0, hi: float = FA4_RESCALE_THRESHO
     ]).astype(np.float32)
     x = x[(x >= lo) & (x <= hi)]
     exact = np.exp2(x.astype(np.float64))
-    return float(np.max(np.abs(exp2_poly3(x).astype(np.float64) / exact - 1.0)))
+    approx = exp2_poly3(x, exact_at_zero=exact_at_zero).astype(np.float64)
+    return float(np.max(np.abs(approx / exact - 1.0)))
 
 
 # The number quoted in exp2_poly3's docstring; tests check the measurement against it.

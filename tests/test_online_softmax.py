@@ -246,6 +246,18 @@ def test_exp2_poly3_values(rng):
     assert sum(c) == pytest.approx(2, abs=1e-3)           # p(1) ~ 2: continuous across n
 
 
+def test_exp2_poly3_exact_at_zero_variant(rng):
+    c = osm.fit_exp2_poly3(exact_at_zero=True)
+    assert c[0] == 1.0
+    x = np.arange(-120, 9).astype(np.float32)
+    np.testing.assert_array_equal(exp2_poly3(x, exact_at_zero=True), np.exp2(x))   # exact
+    err = osm.exp2_poly3_max_rel_error(exact_at_zero=True)
+    assert osm.EXP2_POLY3_MAX_REL_ERROR < err <= 8.6e-5 * 1.02     # pinning costs a little
+    y = rng.uniform(-100, 8, 1000).astype(np.float32)
+    exact = np.exp2(y.astype(np.float64))
+    assert np.abs(exp2_poly3(y, exact_at_zero=True) / exact - 1).max() <= err
+
+
 def test_online_with_exp2_poly3(rng):
     q, k, v = (rng.standard_normal(s) for s in ((2, 24, 4, 16), (2, 70, 2, 16), (2, 70, 2, 16)))
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
