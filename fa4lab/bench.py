@@ -267,6 +267,13 @@ def load_records(directory: str | os.PathLike | None = None) -> list[dict]:
     return sorted(records, key=lambda r: (r["date"], Path(r["path"]).name))
 
 
+def recorded_tflops(record: dict | None, key: tuple[int, bool, int]) -> dict[str, float]:
+    """{provider: TFLOP/s} of the record's 'ok' results at key = (head_dim, causal, seqlen)."""
+    if not record:
+        return {}
+    return {r.provider: r.tflops for r in results_of(record) if r.key == key and r.status == OK}
+
+
 def latest_record(records: Sequence[dict], *, gpu: str | None = None,
                   provider: str | None = None) -> dict | None:
     """The newest record whose GPU name contains `gpu` and, if given, that has at least one
@@ -398,7 +405,8 @@ class Provider:
         return self.runner is None
 
 
-def _sdpa_runner(backend_name: str) -> Runner:
+def sdpa_runner(backend_name: str) -> Runner:
+    """torch SDPA restricted to one backend ("FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH")."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -472,13 +480,13 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
             if name in ("sdpa-flash", "sdpa-cudnn") and not has_gpu:
                 raise RuntimeError("no CUDA GPU visible")
             if name == "sdpa-flash":
-                runner = _sdpa_runner("FLASH_ATTENTION")
+                runner = sdpa_runner("FLASH_ATTENTION")
             elif name == "sdpa-cudnn":
                 import torch
 
                 if not torch.backends.cudnn.is_available():
                     raise RuntimeError("this torch build has no cuDNN")
-                runner = _sdpa_runner("CUDNN_ATTENTION")
+                runner = sdpa_runner("CUDNN_ATTENTION")
             elif name == "fa4":
                 if _version("flash-attn-4") is None and _version("flash_attn_4") is None:
                     raise RuntimeError("flash-attn-4 is not installed (pip install flash-attn-4)")
@@ -762,6 +770,111 @@ def run_sweep(shapes: Sequence[BenchShape], providers: Sequence[Provider], *,
     return results
 
 
+# ---- one plan: simulated (any machine) and measured (GPU) -------------------------------------
+def simulated_tflops(shapes: Iterable[BenchShape], arch: str = "sm90",
+                     **overrides) -> dict[tuple[int, bool, int], float]:
+    """The planner's predicted TFLOP/s for each shape (`fa4lab.plan.simulate.predict` of
+    `plan_forward(shape.spec, arch, **overrides)`), keyed like Result.key."""
+    from fa4lab.plan import plan_forward
+    from fa4lab.plan.simulate import predict
+
+    return {s.key: predict(plan_forward(s.spec, arch, **overrides)).tflops for s in shapes}
+
+
+def shape_for(head_dim: int, seqlen: int, causal: bool, *, total_tokens: int = TOTAL_TOKENS,
+              hidden: int = HIDDEN, dtype: str = "bf16") -> BenchShape:
+    """The standard-sweep shape at (head_dim, seqlen, causal)."""
+    (shape,) = sweep([head_dim], [seqlen], [causal], total_tokens=total_tokens, hidden=hidden,
+                     dtype=dtype)
+    return shape
+
+
+def _kernel_class(arch: str):
+    if arch == "sm90":
+        from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
+
+        return FlashForwardSm90
+    from fa4lab.kernels.fwd_sm100 import FlashForwardSm100
+
+    return FlashForwardSm100
+
+
+def compile_plan(plan, example) -> tuple[Runner, float]:
+    """Compile `plan`'s kernel for this GPU with the tensors of `example` (q, k, v) and return
+    (runner, compile seconds). Unlike `fa4lab.attention`, whose cache is keyed by the spec and
+    always uses the default tiles, this builds exactly the tiles of `plan` (notebook 07)."""
+    import cutlass.cute as cute
+    import torch
+
+    from fa4lab.kernels import runtime
+
+    spec = plan.spec
+    kernel = _kernel_class(plan.arch)(plan)
+
+    def args_for(q, k, v):
+        b, sq, hq, _ = q.shape
+        out = torch.empty(b, sq, hq, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = (torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+               if spec.return_lse else None)
+        args = [runtime.to_cute(x) for x in (q, k, v, out)]
+        args.append(runtime.to_cute(lse, assumed_align=4) if lse is not None else None)
+        args.append(runtime.current_stream())
+        return out, args
+
+    q, k, v = example
+    runtime.check_cuda_inputs(q, k, v)
+    _, args = args_for(q, k, v)
+    t0 = time.perf_counter()
+    compiled = cute.compile(kernel, *args)
+    compile_s = time.perf_counter() - t0
+
+    def run(q, k, v, causal, softmax_scale):
+        if bool(causal) != spec.causal or not math.isclose(softmax_scale, spec.scale):
+            raise ValueError(f"this kernel was compiled for causal={spec.causal}, scale "
+                             f"{spec.scale:.4g}; got causal={causal}, scale {softmax_scale:.4g}")
+        out, call_args = args_for(q, k, v)
+        compiled(*call_args)
+        return out
+
+    return run, compile_s
+
+
+@dataclass
+class PlanMeasurement:
+    """What notebook 07's GPU widget shows: compile time, and every provider on one shape."""
+
+    shape: BenchShape
+    compile_s: float | None
+    results: list[Result]
+    error: str = ""
+
+
+def measure_plan(plan, peers: Sequence[str] = PEERS, *, warmup_ms: float = WARMUP_MS,
+                 rep_ms: float = REP_MS) -> PlanMeasurement:
+    """Compile `plan` (an sm90/sm100 Plan of a standard-sweep spec), check it against the
+    reference and time it beside `peers` on the plan's shape. Needs a CUDA GPU of the plan's
+    arch; a compile failure is reported in `.error` with fa4lab's result as 'error'."""
+    spec = plan.spec
+    shape = BenchShape(spec.head_dim, spec.seqlen_q, spec.causal, spec.batch, spec.heads_q,
+                       spec.dtype)
+    if spec.seqlen_q != spec.seqlen_k or spec.heads_q != spec.heads_kv:
+        raise ValueError("measure_plan takes the sweep's shapes: seqlen_q == seqlen_k, no GQA")
+    others = resolve_providers(peers, include_ours=False)
+    try:
+        example = make_inputs(shape, "cuda")
+        runner, compile_s = compile_plan(plan, example)
+        del example
+        ours = Provider(OURS, runner)
+    except Exception as err:
+        note = f"compile: {type(err).__name__}: {_short(err)}"
+        results = measure_shape(shape, others, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        return PlanMeasurement(shape, None,
+                               [Result.for_shape(OURS, shape, status=ERROR, note=note)] + results,
+                               note)
+    results = measure_shape(shape, [ours] + others, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return PlanMeasurement(shape, compile_s, results)
+
+
 # ---- record metadata -------------------------------------------------------------------------
 def git_commit(repo: Path | None = None) -> str | None:
     """`git rev-parse HEAD` of the repository fa4lab runs from ('+dirty' when it has changes)."""
@@ -991,8 +1104,9 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "BenchShape", "Provider", "Result", "TableRow", "format_table", "gemm_tflops",
-    "geomean_ratios", "latest_record", "load_record", "load_records", "make_record",
-    "measure_shape", "ratio_table", "resolve_providers", "run_sweep", "save_record",
-    "sweep", "validate_record",
+    "BenchShape", "PlanMeasurement", "Provider", "Result", "TableRow", "compile_plan",
+    "format_table", "gemm_tflops", "geomean_ratios", "latest_record", "load_record",
+    "load_records", "make_record", "measure_plan", "measure_shape", "ratio_table",
+    "recorded_tflops", "resolve_providers", "run_sweep", "save_record", "sdpa_runner",
+    "shape_for", "simulated_tflops", "sweep", "validate_record",
 ]

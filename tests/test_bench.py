@@ -229,8 +229,8 @@ def test_plot_returns_a_figure_and_names_missing_providers():
 
 # ---- providers and the check before timing (on the CPU) -------------------------------------
 def _cpu_providers():
-    good = Provider("sdpa-math", bench._sdpa_runner("MATH"))
-    scaled = bench._sdpa_runner("MATH")
+    good = Provider("sdpa-math", bench.sdpa_runner("MATH"))
+    scaled = bench.sdpa_runner("MATH")
 
     def wrong_scale(q, k, v, causal, softmax_scale):
         return scaled(q, k, v, causal, softmax_scale * 1.1)
@@ -264,10 +264,10 @@ def test_check_catches_a_missing_mask():
     shape = BenchShape(head_dim=64, seqlen=64, causal=True, batch=1, heads=2)
     q, k, v = bench.make_inputs(shape, "cpu")
     check = bench.reference_slice(q, k, v, shape)
-    full = bench._sdpa_runner("MATH")(q, k, v, False, shape.spec.scale)
+    full = bench.sdpa_runner("MATH")(q, k, v, False, shape.spec.scale)
     passed, err, note = bench.check_output(full, check, shape)
     assert not passed and "tolerance" in note
-    ok, err_ok, _ = bench.check_output(bench._sdpa_runner("MATH")(q, k, v, True,
+    ok, err_ok, _ = bench.check_output(bench.sdpa_runner("MATH")(q, k, v, True,
                                                                    shape.spec.scale),
                                        check, shape)
     assert ok and err_ok < err
@@ -344,3 +344,32 @@ def test_bad_arguments_exit_2_with_a_message(capsys):
 def test_cpu_path_with_no_records(tmp_path, capsys):
     assert bench.main(["--quick", "--records", str(tmp_path)]) == 0
     assert "no recorded H200 results" in capsys.readouterr().out
+
+
+# ---- the planner's prediction beside the records (notebook 07) ------------------------------
+def test_simulated_tflops_and_the_plan_figure():
+    import matplotlib.figure
+
+    from fa4lab.hardware import H200
+    from fa4lab.plan import plan_forward
+    from fa4lab.plan.simulate import simulate
+    from fa4lab.viz.bench import plot_plan_prediction
+
+    shapes = bench.sweep([64, 128], [1024, 8192], [False, True])
+    pred = bench.simulated_tflops(shapes, "sm90")
+    assert set(pred) == {s.key for s in shapes}
+    assert all(0 < t < H200.peak_mma_tflops for t in pred.values())
+    # causal at a short seqlen wastes more of each diagonal tile than at a long one
+    assert pred[(128, True, 1024)] < pred[(128, True, 8192)]
+    shape = bench.shape_for(128, 8192, False)
+    assert (shape.batch, shape.heads) == (2, 16)
+    recorded = bench.recorded_tflops(bench.latest_record(bench.load_records(), gpu="H200"),
+                                     shape.key)
+    assert recorded == {"fa4": 666, "sdpa-cudnn": 610, "sdpa-flash": 343}
+    assert bench.recorded_tflops(None, shape.key) == {}
+    sim = simulate(plan_forward(shape.spec, "sm90"), n_blocks=4, n_tiles=1)
+    fig = plot_plan_prediction(sim, pred.get(shape.key, 500.0), recorded=recorded,
+                               gemm_tflops=730.0)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    assert "simulated" in labels[0] and sum("recorded" in x for x in labels) == 3

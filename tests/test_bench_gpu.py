@@ -33,3 +33,19 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
         assert ours.status == OK, f"fa4lab: {ours.status}: {ours.note}"
         assert ours.max_err <= ours.tol
     assert out_png.stat().st_size > 0
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("n_block", [None, 64])
+def test_measure_plan_compiles_checks_and_times_these_tiles(n_block):
+    from fa4lab.plan import plan_forward
+
+    shape = bench.shape_for(128, 1024, True, total_tokens=2048)
+    overrides = {} if n_block is None else {"n_block": n_block}
+    plan = plan_forward(shape.spec, "sm90", **overrides)
+    m = bench.measure_plan(plan, peers=["sdpa-flash"], warmup_ms=5, rep_ms=20)
+    assert m.error == ""
+    assert m.compile_s and m.compile_s > 0
+    ours = {r.provider: r for r in m.results}["fa4lab"]
+    assert ours.status == OK, ours.note
+    assert ours.max_err <= ours.tol

@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from fa4lab.bench import OK, OURS, PROVIDER_LABELS, Result, providers_in, results_of  # noqa: E402
 
@@ -57,7 +58,7 @@ def plot_throughput(data, *, gemm_tflops: float | None = None, title: str | None
     gemm = gemm_tflops if gemm_tflops is not None else meta.get("gemm_tflops")
     head_dims = sorted({r.head_dim for r in results})
     causals = sorted({r.causal for r in results})
-    seqlens = sorted({r.seqlen for r in results})
+    seqlens = sorted({r.seqlen for r in results} | {k[2] for k in (predicted or {})})
     fig, axes = plt.subplots(len(head_dims), len(causals), squeeze=False, sharex=True,
                              figsize=(4.6 * len(causals), 2.9 * len(head_dims) + 0.6))
     provs = providers_in(results)
@@ -110,7 +111,8 @@ def plot_throughput(data, *, gemm_tflops: float | None = None, title: str | None
     fig.suptitle(title or (f"forward attention, {where} {when}".strip() if meta else
                            "forward attention throughput"), fontsize=11)
     rows = (len(labels) + 2) // 3
-    fig.tight_layout(rect=(0, 0.04 + 0.035 * rows, 1, 0.97))
+    inches = 0.25 + 0.18 * rows
+    fig.tight_layout(rect=(0, inches / fig.get_figheight(), 1, 0.97))
     return fig
 
 
@@ -147,5 +149,56 @@ def plot_sources(record: Mapping | None, published: Mapping, *, head_dim: int = 
     date = f", {record['date']}" if record else ""
     ax.set_title(f"published vs measured here (head_dim {head_dim}, "
                  f"{'causal' if causal else 'not causal'}{date})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+_KIND_COLOR = {"mma": "#d62728", "copy": "#1f77b4", "work": "#2ca02c", "wait": "#dddddd"}
+
+
+def plot_plan_prediction(sim, predicted_tflops: float, *, recorded: Mapping[str, float] | None
+                         = None, gemm_tflops: float | None = None, measured: Mapping[str, float]
+                         | None = None, title: str = ""):
+    """Left: the simulated timeline of one work tile (`fa4lab.plan.simulate.simulate`), one lane
+    per role or engine. Right: the planner's predicted TFLOP/s beside recorded (or, on a GPU,
+    just measured) numbers for the same shape, each bar labelled with where it comes from."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    lanes = sim.lanes()
+    for s in sim.spans:
+        y = lanes.index(s.lane)
+        ax.barh(y, s.end - s.start, left=s.start, height=0.6 if s.kind != "wait" else 0.25,
+                color=_KIND_COLOR.get(s.kind, "#999999"), edgecolor="none")
+    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("cycles (simulated)")
+    ax.set_title(f"simulated tile: {sim.n_blocks} K/V blocks, {sim.cycles:.0f} cycles",
+                 fontsize=9, loc="right")
+    kinds = [k for k in _KIND_COLOR if any(s.kind == k for s in sim.spans)]
+    ax.legend([Patch(color=_KIND_COLOR[k]) for k in kinds], kinds, fontsize=7, loc="lower left",
+              bbox_to_anchor=(0, 1.06), ncol=4, frameon=False)
+
+    names, values, colors, hatches = [f"{OURS}\n(simulated)"], [predicted_tflops], \
+        [STYLE[OURS]["color"]], ["//"]
+    for source, data in (("measured now", measured), ("recorded", recorded)):
+        for p, v in (data or {}).items():
+            names.append(f"{PROVIDER_LABELS.get(p, p)}\n({source})")
+            values.append(v)
+            colors.append(STYLE.get(p, {}).get("color", "#555555"))
+            hatches.append("")
+    bars = bx.barh(range(len(values)), values, color=colors)
+    for b, h, v in zip(bars, hatches, values):
+        b.set_hatch(h)
+        if h:
+            b.set_alpha(0.55)
+        bx.text(v, b.get_y() + b.get_height() / 2, f" {v:.0f}", va="center", fontsize=8)
+    if gemm_tflops:
+        bx.axvline(gemm_tflops, color="0.4", ls="--", lw=1)
+        bx.text(gemm_tflops, len(values) - 0.4, f" GEMM {gemm_tflops:.0f}", fontsize=7,
+                color="0.3")
+    bx.set_yticks(range(len(values)), names, fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlim(0, max(values + [gemm_tflops or 0]) * 1.2)
+    bx.set_xlabel("TFLOP/s")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
