@@ -7,8 +7,8 @@ What it computes, for an attention forward pass cut into (m_block, n_block) tile
   `n_block_masked_range`: the last of those that need an element mask (causal or seqlen_k bound);
 - `classify_tiles`: every tile as SKIP / FULL / MASKED / TAIL, with counts;
 - the GQA maps: query head -> KV head, and pack-GQA (query heads sharing a KV head folded into M);
-- three tile schedulers (grid, static persistent, LPT) and a cost model that gives each one's
-  makespan, per-SM busy time and load imbalance.
+- tile schedulers (grid, grid with m_blocks reversed, static persistent, LPT) and a cost
+  model that gives each one's makespan, per-SM busy time and load imbalance.
 
 The math contract (the same as `fa4lab.spec`): with `causal=True` the mask is bottom-right
 aligned, query i sees key j iff j <= i + seqlen_k - seqlen_q; without it every key j < seqlen_k
@@ -45,6 +45,8 @@ __all__ = [
     "kv_head_of",
     "lpt_order",
     "grid_order",
+    "grid_reversed_order",
+    "grid_reversed_order",
     "n_block_masked_range",
     "n_block_range",
     "num_m_blocks",
@@ -54,6 +56,7 @@ __all__ = [
     "query_to_kv_heads",
     "schedule",
     "schedule_grid",
+    "schedule_grid_reversed",
     "schedule_lpt",
     "schedule_static_persistent",
     "unpack_gqa_row",
@@ -488,6 +491,14 @@ def grid_order(work: Workload) -> np.ndarray:
     return np.stack([b.ravel(), h.ravel(), m.ravel()], axis=1)
 
 
+def grid_reversed_order(work: Workload) -> np.ndarray:
+    """Grid order with each head's m_blocks reversed (last first): what a one-CTA-per-tile
+    causal kernel gets by flipping blockIdx.x. Longest first within a head only."""
+    order = grid_order(work)
+    order[:, 2] = work.num_m_blocks - 1 - order[:, 2]
+    return order
+
+
 def lpt_order(work: Workload) -> np.ndarray:
     """(num_tiles, 3) rows (batch, head, m_block) in FA4's longest-processing-time-first order.
 
@@ -591,6 +602,13 @@ def schedule_grid(work: Workload, *, num_sms: int | None = None, arch: str = "sm
     return _greedy("grid", work, grid_order(work), _resolve_sms(num_sms, arch), cost)
 
 
+def schedule_grid_reversed(work: Workload, *, num_sms: int | None = None, arch: str = "sm100",
+                           cost: CostModel | None = None) -> Schedule:
+    """One CTA per tile, each head's m_blocks last-first; the first free SM takes the next."""
+    return _greedy("grid_reversed", work, grid_reversed_order(work), _resolve_sms(num_sms, arch),
+                   cost)
+
+
 def schedule_static_persistent(work: Workload, *, num_sms: int | None = None,
                                arch: str = "sm100", cost: CostModel | None = None) -> Schedule:
     """num_sms persistent CTAs; CTA i takes grid-order tiles i, i + num_sms, ... in turn."""
@@ -614,6 +632,7 @@ def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm1
 
 SCHEDULERS = {
     "grid": schedule_grid,
+    "grid_reversed": schedule_grid_reversed,
     "static": schedule_static_persistent,
     "lpt": schedule_lpt,
 }
@@ -621,7 +640,8 @@ SCHEDULERS = {
 
 def schedule(name: str, work: Workload, *, num_sms: int | None = None, arch: str = "sm100",
              cost: CostModel | None = None) -> Schedule:
-    """Run the scheduler called `name` ('grid', 'static' or 'lpt')."""
+    """Run the scheduler called `name`: one of `SCHEDULERS` ('grid', 'grid_reversed',
+    'static', 'lpt')."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}: choose one of {sorted(SCHEDULERS)}")
     return SCHEDULERS[name](work, num_sms=num_sms, arch=arch, cost=cost)

@@ -18,6 +18,7 @@ from fa4lab.tiling import (
     classify_tiles,
     gqa_group_size,
     grid_order,
+    grid_reversed_order,
     kv_head_of,
     lpt_order,
     n_block_masked_range,
@@ -224,8 +225,11 @@ def test_orders_are_permutations_of_the_grid():
     for swizzle_heads in (3, 8, 17):
         w = _work(heads=swizzle_heads, seqlen_k=40000, seqlen_q=700)
         grid = {tuple(x) for x in grid_order(w)}
-        lpt = [tuple(x) for x in lpt_order(w)]
-        assert len(lpt) == len(set(lpt)) == w.num_tiles and set(lpt) == grid
+        for order in (lpt_order(w), grid_reversed_order(w)):
+            tiles = [tuple(x) for x in order]
+            assert len(tiles) == len(set(tiles)) == w.num_tiles and set(tiles) == grid
+    rev = grid_reversed_order(_work(batch=1, heads=2))
+    assert list(rev[:, 2]) == [7, 6, 5, 4, 3, 2, 1, 0] * 2 and list(rev[:, 1]) == [0] * 8 + [1] * 8
 
 
 def test_lpt_order_longest_first_within_a_section():
@@ -301,8 +305,8 @@ def test_greedy_schedules_obey_grahams_bound(batch, heads, seqlen_q, seqlen_k, b
                  m_block_size=bm, n_block_size=bn, causal=causal)
     cm = CostModel(masked_block_cost=masked_cost, tile_overhead=overhead)
     longest = w.tile_costs(cm).max()
-    for s in (schedule_grid(w, num_sms=num_sms, cost=cm), schedule_lpt(w, num_sms=num_sms,
-                                                                          cost=cm)):
+    for name in ("grid", "grid_reversed", "lpt"):
+        s = schedule(name, w, num_sms=num_sms, cost=cm)
         bound = s.total_work / num_sms + (1 - 1 / num_sms) * longest
         assert s.lower_bound - 1e-9 <= s.makespan <= bound + 1e-9
     static = schedule_static_persistent(w, num_sms=num_sms, cost=cm)
@@ -431,3 +435,16 @@ def test_figures_and_widgets_render():
     assert "not a multiple" in tiles.text.value
     sched = schedule_widget(seqlen=1024, batch=1, heads=2, num_sms=16)
     assert "lpt: makespan" in sched.text.value and sched.image.value
+
+
+def test_kernel_scheduler_mirrors_the_tiling_rules():
+    # The device helpers take Python ints too: the kernels and this plan must agree exactly.
+    ks = pytest.importorskip("fa4lab.kernels.scheduler")
+    for sq, sk in itertools.product((1, 7, 64, 100, 129, 300, 513), (1, 5, 64, 127, 300, 640)):
+        for bm, bn, causal in itertools.product((64, 128), (64, 128), (False, True)):
+            kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal)
+            for m in range(-(-sq // bm)):
+                lo, hi = n_block_range(m, **kw)
+                mlo, _ = n_block_masked_range(m, **kw)
+                assert ks.n_block_max(m, bm, bn, sq, sk, causal) == hi, (kw, m)
+                assert min(ks.n_block_full_end(m, bm, bn, sq, sk, causal), hi) == mlo, (kw, m)

@@ -36,6 +36,7 @@ from fa4lab.tiling import (  # noqa: E402
 from fa4lab.viz._live import LiveFigure, View  # noqa: E402
 
 __all__ = [
+    "SCHEDULER_COLORS",
     "TILE_COLORS",
     "gqa_figure",
     "schedule_comparison_figure",
@@ -51,6 +52,8 @@ TILE_COLORS = {
     TileKind.MASKED: "#e8a33d",
     TileKind.TAIL: "#6d8fd0",
 }
+SCHEDULER_COLORS = {"grid": "#8c8c8c", "grid_reversed": "#6d8fd0", "static": "#e8a33d",
+                    "lpt": "#4c9f70"}
 _TILE_MEANING = {
     TileKind.SKIP: "SKIP: nothing visible, never computed",
     TileKind.FULL: "FULL: all visible, no mask",
@@ -193,8 +196,8 @@ def schedule_comparison_figure(schedules: list[Schedule], *, ax=None):
                                                                                   (ax, None))
     names = [s.name for s in schedules]
     spans = [s.makespan for s in schedules]
-    bars = ax0.bar(names, spans, color=["#8c8c8c", "#6d8fd0", "#4c9f70", "#e8a33d"][
-        :len(schedules)])
+    bars = ax0.bar(names, spans, color=[SCHEDULER_COLORS.get(n, "#555555") for n in names])
+    ax0.tick_params(axis="x", labelsize=8)
     for b, s in zip(bars, schedules):
         ax0.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{s.makespan:.0f}\n"
                  f"{s.efficiency:.0%}", ha="center", va="bottom", fontsize=8)
@@ -206,7 +209,8 @@ def schedule_comparison_figure(schedules: list[Schedule], *, ax=None):
     ax0.set_title("makespan (label: SM efficiency)", fontsize=10)
     if ax1 is not None:
         for s in schedules:
-            ax1.plot(np.sort(s.busy)[::-1], label=s.name, lw=1.4)
+            ax1.plot(np.sort(s.busy)[::-1], label=s.name, lw=1.4,
+                     color=SCHEDULER_COLORS.get(s.name, "#555555"))
         ax1.set_xlabel("SM (sorted by busy time)")
         ax1.set_ylabel("busy time")
         ax1.set_title("per-SM busy time", fontsize=10)
