@@ -15,10 +15,7 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 @dataclass
