@@ -1,0 +1,67 @@
+"""Plan figures and widgets: they draw every supported plan, and an over-budget widget choice
+shows the PlanError instead of a figure."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+
+from fa4lab.errors import PlanError
+from fa4lab.plan import plan_forward
+from fa4lab.plan.simulate import simulate
+from fa4lab.spec import AttentionSpec
+from fa4lab.viz import plan as vp
+
+
+def spec(hd=128):
+    return AttentionSpec(1, 2048, 2048, 8, 8, hd)
+
+
+@pytest.mark.parametrize("arch,hd", [("sm100", 64), ("sm100", 128), ("sm90", 128),
+                                     ("sm90", 256)])
+def test_figures_draw(arch, hd):
+    p = plan_forward(spec(hd), arch)
+    figs = [vp.draw_roles(p), vp.draw_barrier_graph(p, highlight=p.barriers.barriers[0].name),
+            vp.draw_timeline(simulate(p, 3, 2))]
+    if arch == "sm100":
+        figs.append(vp.draw_tmem(p))
+    else:
+        with pytest.raises(PlanError, match="no tensor memory"):
+            vp.draw_tmem(p)
+    for f in figs:
+        assert f.axes
+        plt.close(f)
+    assert "softmax" in vp.role_table_html(p) or "consumer" in vp.role_table_html(p)
+
+
+def test_tmem_map_labels_every_region():
+    fig = vp.draw_tmem(plan_forward(spec(128), "sm100"))
+    texts = " ".join(t.get_text() for t in fig.axes[0].texts)
+    for name in ("S0", "S1", "P0", "P1", "O0", "O1"):
+        assert name in texts
+    plt.close(fig)
+
+
+def test_tmem_widget_changes_and_shows_errors():
+    live = vp.tmem_widget()
+    assert "head_dim" in live.controls["head_dim"].description
+    assert "n_block" in live.controls["n_block"].description
+    first = live.image.value
+    live.controls["n_block"].value = 64
+    assert live.image.value and live.image.value != first
+    live.controls["head_dim"].value = 256
+    assert "fa4lab-error" in live.text.value and "TMEM" in live.text.value
+    assert live.image.layout.display == "none"
+
+
+def test_timeline_and_mutation_widgets():
+    live = vp.timeline_widget(n_blocks=3)
+    assert "no deadlock" in live.text.value
+    live.controls["arch"].value = "sm90"
+    assert "sm90" in live.text.value
+    mut = vp.mutation_widget()
+    assert "no deadlock" in mut.text.value
+    mut.controls["drop"].value = "p_ready"
+    assert "hazard" in mut.text.value
+    mut.controls["drop"].value = "mma_turn0"   # an sm90 barrier on the sm100 plan
+    assert "fa4lab-error" in mut.text.value
