@@ -111,6 +111,11 @@ class FlashForwardSm100:
         self.registers = {name: r.registers for name, r in roles.items()}
         self.threads_per_cta = plan.threads_per_cta
         self.rescale_threshold = plan.rescale_threshold
+        # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
+        # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
+        # step exists in a masked and an unmasked variant.
+        self.mma_sites = {"score": 2 * self.q_stage, "value": 2 * self.q_stage}
+        self.softmax_step_sites = 2 * self.q_stage
         # Compile-time choice of which exp2 pairs of a 128-wide row run on the FMA pipe.
         self.emulated = emulated_pairs(self.n_block, plan.exp2_emulation_fraction)
 
