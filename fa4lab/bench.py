@@ -396,31 +396,52 @@ Runner = Callable[..., Any]
 
 @dataclass(frozen=True)
 class Provider:
+    """A name and a runner, or the reason it is missing. `prepare(q, k, v)` (optional) turns
+    the sweep's (batch, seqlen, heads, head_dim) inputs into the provider's native layout once,
+    outside the timed region; the runner then takes those and still returns the output as
+    (batch, seqlen, heads, head_dim) (a view is enough)."""
+
     name: str
     runner: Runner | None      # None: missing
     why_missing: str = ""
+    prepare: Callable | None = None
 
     @property
     def missing(self) -> bool:
         return self.runner is None
 
 
-def sdpa_runner(backend_name: str) -> Runner:
-    """torch SDPA restricted to one backend ("FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH")."""
+# Note [SDPA layout]
+# SDPA takes (batch, heads, seqlen, head_dim). The bench gives it its own contiguous copies in
+# that layout, made once per shape outside the timed region (`to_bhsd`), so no backend pays
+# for a layout it would not see in a model, and none can refuse the strides of a transposed
+# view. seqlen_q == seqlen_k in the sweep, so SDPA's is_causal=True (top-left aligned) is the
+# same mask as fa4lab's bottom-right rule.
+def to_bhsd(q, k, v):
+    """(batch, seqlen, heads, d) -> contiguous (batch, heads, seqlen, d) copies, for SDPA."""
+    return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+
+def sdpa_runner(backend_name: str, *, layout: str = "bshd") -> Runner:
+    """torch SDPA restricted to one backend ("FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH").
+
+    layout "bshd": takes (batch, seqlen, heads, d) and passes transposed views; "bhsd": takes
+    SDPA's own layout (see `to_bhsd`). Either way the output comes back as (b, s, h, d).
+    """
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout {layout!r}: 'bshd' or 'bhsd'")
+    views = layout == "bshd"
 
     def run(q, k, v, causal, softmax_scale):
-        # Note [SDPA layout]: SDPA takes (batch, heads, seqlen, head_dim); the transposed views
-        # of our (batch, seqlen, heads, head_dim) tensors are that shape with the head_dim
-        # contiguous, which the flash and cuDNN backends read in place (no copy is timed).
-        # seqlen_q == seqlen_k here, so is_causal=True (top-left) equals bottom-right causal.
+        if views:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel([backend]):
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                scale=softmax_scale)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                 scale=softmax_scale)
         return o.transpose(1, 2)
 
     return run
@@ -445,7 +466,14 @@ def _fa4lab_runner(arch: str | None) -> Runner:
 
 
 def _fa4_runner() -> Runner:
-    from flash_attn.cute.interface import flash_attn_func
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError as err:
+        if _version("flash-attn-4") is None:
+            raise RuntimeError("flash-attn-4 is not installed (pip install flash-attn-4)") \
+                from None
+        raise RuntimeError(f"flash-attn-4 {_version('flash-attn-4')} is installed but "
+                           f"flash_attn.cute does not import: {_short(err)}") from None
 
     def run(q, k, v, causal, softmax_scale):
         out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
@@ -480,20 +508,19 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
             if name in ("sdpa-flash", "sdpa-cudnn") and not has_gpu:
                 raise RuntimeError("no CUDA GPU visible")
             if name == "sdpa-flash":
-                runner = sdpa_runner("FLASH_ATTENTION")
+                runner = sdpa_runner("FLASH_ATTENTION", layout="bhsd")
             elif name == "sdpa-cudnn":
                 import torch
 
                 if not torch.backends.cudnn.is_available():
                     raise RuntimeError("this torch build has no cuDNN")
-                runner = sdpa_runner("CUDNN_ATTENTION")
+                runner = sdpa_runner("CUDNN_ATTENTION", layout="bhsd")
             elif name == "fa4":
-                if _version("flash-attn-4") is None and _version("flash_attn_4") is None:
-                    raise RuntimeError("flash-attn-4 is not installed (pip install flash-attn-4)")
                 runner = _fa4_runner()
             else:
                 runner = _fa4lab_runner(arch)
-            out.append(Provider(name, runner))
+            prepare = to_bhsd if name.startswith("sdpa-") else None
+            out.append(Provider(name, runner, prepare=prepare))
         except Exception as err:   # a peer that cannot be imported is reported, not dropped
             out.append(Provider(name, None, f"{type(err).__name__}: {_short(err)}"))
     return out
@@ -691,13 +718,17 @@ def measure_shape(shape: BenchShape, providers: Sequence[Provider], *, device: s
     copies = [(q, k, v)] + [tuple(t.clone() for t in (q, k, v))
                             for _ in range(_rotation_copies(shape) - 1)]
     scale = shape.spec.scale
-    for p in providers:
+    # fa4lab last: if its kernel ever poisons the CUDA context, the peers of this shape are
+    # already measured (everything after it then reports the error and the sweep still ends).
+    for p in sorted(providers, key=lambda p: p.name == OURS):
         if p.missing:
             done(Result.for_shape(p.name, shape, status=MISSING, note=p.why_missing))
             continue
         try:
+            mine = [p.prepare(*c) for c in copies] if p.prepare else copies
+            sync()
             t0 = time.perf_counter()
-            out = p.runner(q, k, v, shape.causal, scale)
+            out = p.runner(*mine[0], shape.causal, scale)
             sync()
             first = time.perf_counter() - t0
             passed, err, note = check_output(out, check, shape)
@@ -706,7 +737,7 @@ def measure_shape(shape: BenchShape, providers: Sequence[Provider], *, device: s
                 done(Result.for_shape(p.name, shape, status=FAILED, max_err=_finite(err),
                                       tol=check.tol, first_call_s=first, note=note))
                 continue
-            call = _rotating_call(p.runner, copies, shape.causal, scale)
+            call = _rotating_call(p.runner, mine, shape.causal, scale)
             ms = time_ms(call, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device)
             done(Result.for_shape(p.name, shape, status=OK, ms=ms,
                                   tflops=shape.flops / (ms * 1e-3) / 1e12, max_err=err,
