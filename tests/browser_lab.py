@@ -118,10 +118,12 @@ class Lab:
             ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
             ", .jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
 
-    def live_panel(self, control_label: str):
-        """The LiveFigure panel (`.fa4lab-live`) whose controls include `control_label`."""
-        panel = self.page.locator(".fa4lab-live").filter(
-            has=self.page.locator(".widget-label", has_text=control_label))
+    def live_panel(self, *control_labels: str):
+        """The first LiveFigure panel (`.fa4lab-live`) with controls labelled by all of
+        `control_labels` (substrings of the labels)."""
+        panel = self.page.locator(".fa4lab-live")
+        for label in control_labels:
+            panel = panel.filter(has=self.page.locator(".widget-label", has_text=label))
         panel.first.wait_for(state="visible")
         panel.first.scroll_into_view_if_needed()
         return panel.first
@@ -150,14 +152,24 @@ class Lab:
             return None
         return image.evaluate(_IMAGE_DIGEST_JS)
 
+    def wait_kernel_idle(self) -> None:
+        self.page.wait_for_function(_KERNEL_IDLE_JS, timeout=TIMEOUT_MS)
+
     def settle(self, panel, previous_text: str, timeout_s: float = TIMEOUT_MS / 1000) -> str:
-        """Wait until the panel's text differs from `previous_text`; return the new text."""
+        """Wait until the panel's text differs from `previous_text` and the redraw is complete;
+        return the new text.
+
+        LiveFigure sets the text, then the image: two widget messages. The kernel's "idle"
+        status comes after both on the same channel, so text changed + kernel idle means the
+        image shown is the new one.
+        """
         text = panel.locator(".fa4lab-live-text")
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             now = text.inner_text()
             if now != previous_text:
-                return now
+                self.wait_kernel_idle()
+                return text.inner_text()
             self.page.wait_for_timeout(200)
         raise AssertionError(f"the panel text stayed {previous_text!r} for {timeout_s:.0f}s")
 

@@ -7,8 +7,9 @@ the kernel, then move a widget and check that what is shown changes accordingly:
 - a small generated notebook: the harness itself and `LiveFigure` (slider, dropdown, error);
 - 01_online_softmax: ArrowRight on the block stepper's slider advances "after block i" to
   i + 1 and redraws the plot;
-- 03_tmem_layout: another head_dim redraws the layout; head_dim 256 shows a PlanError instead
-  of a figure, and a fitting choice brings the figure back.
+- 03_tmem_layout: a smaller n_block or head_dim (fits, since the default does) redraws the
+  TMEM map; head_dim 256 shows a PlanError instead of a figure; back to the default brings
+  the default map back, byte for byte.
 
 Screenshots land in test-output/browser/ (git-ignored). The committed notebooks are never
 opened in place, and the last test checks they are unchanged on disk.
@@ -142,12 +143,9 @@ def _dropdown(panel, label: str):
 
 def _choose(lab: Lab, panel, label: str, option: str) -> str:
     """Select `option` in the dropdown labelled `label`; return the panel text once redrawn."""
-    before = panel.locator(".fa4lab-live-text").inner_html()
+    before = _text(panel)
     _dropdown(panel, label).select_option(label=option)
-    lab.page.wait_for_function(
-        "([el, old]) => el.innerHTML !== old",
-        arg=[panel.locator(".fa4lab-live-text").element_handle(), before])
-    return panel.locator(".fa4lab-live-text").inner_text()
+    return lab.settle(panel, before)
 
 
 def test_live_figure_redraws_in_lab(lab):
@@ -204,40 +202,64 @@ def test_online_softmax_block_stepper(lab):
 
 
 def test_tmem_layout_dropdowns(lab):
-    """Another head_dim redraws the TMEM layout; 256 columns of O per stage do not fit."""
+    """Smaller tiles redraw the TMEM map; head_dim 256 does not fit and shows a PlanError."""
     _need(TMEM)
     with lab.screenshot_on_failure("03"):
         _open_and_run_all(lab, TMEM)
-        panel = lab.live_panel("head_dim")
-        select = _dropdown(panel, "head_dim")
-        options = select.locator("option").all_inner_texts()
-        default = select.evaluate("s => s.options[s.selectedIndex].text")
-        assert any("256" in o for o in options), options
-        assert panel.locator(".fa4lab-error").count() == 0, "the default layout is an error"
-        image = lab.image_digest(panel)
-        assert image is not None, "the TMEM panel shows no figure at its default state"
+        panel = lab.live_panel("head_dim", "n_block")
+        default_image = lab.image_digest(panel)
+        assert panel.locator(".fa4lab-error").count() == 0, (
+            f"the default TMEM plan is an error: {_text(panel)}")
+        assert default_image is not None, "the TMEM panel shows no figure at its default state"
 
-        fitting = [o for o in options if o != default and "256" not in o]
-        if fitting:
-            _choose(lab, panel, "head_dim", fitting[0])
+        # A smaller n_block or head_dim needs fewer TMEM columns (and less SMEM) than the
+        # default, which fits: it must fit too, and draw a different map.
+        for label in ("n_block", "head_dim"):
+            default, options = _options(panel, label)
+            smaller = [o for o in options if _number(o) < _number(default)]
+            assert smaller, f"{label}: no option below the default {default} in {options}"
+            before = _text(panel)
+            assert _choose(lab, panel, label, smaller[-1]) != before
             assert panel.locator(".fa4lab-error").count() == 0, (
-                f"head_dim {fitting[0]} should fit in TMEM: "
-                f"{panel.locator('.fa4lab-live-text').inner_text()}")
-            assert lab.image_digest(panel) not in (None, image), (
-                f"head_dim {default} -> {fitting[0]} did not redraw the layout")
+                f"{label} {smaller[-1]} should fit (the default {default} does): {_text(panel)}")
+            assert lab.image_digest(panel) not in (None, default_image), (
+                f"{label} {default} -> {smaller[-1]} did not redraw the TMEM map")
+            lab.screenshot(f"03_tmem_layout-2-{label}-{smaller[-1]}")
+            _choose(lab, panel, label, default)
+            assert lab.image_digest(panel) == default_image, "the default map did not come back"
 
-        big = next(o for o in options if "256" in o)
-        text = _choose(lab, panel, "head_dim", big)
+        default, options = _options(panel, "head_dim")
+        big = next((o for o in options if _number(o) == 256), None)
+        assert big is not None, f"head_dim offers no 256: {options}"
+        _choose(lab, panel, "head_dim", big)
         error = panel.locator(".fa4lab-error")
-        assert error.is_visible(), f"head_dim 256 shows no error: {text!r}"
+        assert error.count() == 1 and error.is_visible(), (
+            f"head_dim 256 shows no error: {_text(panel)!r}")
         assert "PlanError" in error.inner_text(), error.inner_text()
         assert lab.image_digest(panel) is None, "a figure is still shown beside the error"
-        lab.screenshot("03_tmem_layout-2-over-budget")
+        lab.screenshot("03_tmem_layout-3-over-budget")
 
         _choose(lab, panel, "head_dim", default)
         assert panel.locator(".fa4lab-error").count() == 0
-        assert lab.image_digest(panel) is not None
-        lab.screenshot("03_tmem_layout-3-back")
+        assert lab.image_digest(panel) == default_image
+        lab.screenshot("03_tmem_layout-4-back")
+
+
+def _text(panel) -> str:
+    return panel.locator(".fa4lab-live-text").inner_text()
+
+
+def _number(option: str) -> float:
+    match = re.search(r"-?\d+(\.\d+)?", option)
+    assert match, f"option {option!r} has no number"
+    return float(match.group())
+
+
+def _options(panel, label: str) -> tuple[str, list[str]]:
+    """The selected option and all options of the dropdown labelled `label`."""
+    select = _dropdown(panel, label)
+    return (select.evaluate("s => s.options[s.selectedIndex].text"),
+            select.locator("option").all_inner_texts())
 
 
 def test_committed_notebooks_are_untouched(committed):
