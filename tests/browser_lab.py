@@ -114,9 +114,9 @@ class Lab:
         return self.page.evaluate(_UNEXECUTED_JS)
 
     def cell_errors(self) -> list[str]:
+        """Tracebacks shown in the notebook (stderr, a progress bar say, is not an error)."""
         return self.page.locator(
-            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-            ", .jp-RenderedText[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
+            "[data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
 
     def live_panel(self, *control_labels: str):
         """The first LiveFigure panel (`.fa4lab-live`) with controls labelled by all of

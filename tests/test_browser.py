@@ -112,7 +112,7 @@ def _open_and_run_all(lab: Lab, name: str) -> None:
     lab.screenshot(f"{Path(name).stem}-0-opened")
     lab.run_all()
     errors = lab.cell_errors()
-    assert not errors, f"{name}: cells raised or wrote to stderr under Run All:\n" + "\n".join(
+    assert not errors, f"{name}: cells raised under Run All:\n" + "\n".join(
         errors)
     assert not lab.unexecuted_cells(), f"{name}: Run All stopped at cells {lab.unexecuted_cells()}"
     lab.screenshot(f"{Path(name).stem}-1-ran")
