@@ -36,16 +36,18 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels import mask as mask_mod
 from fa4lab.kernels import scheduler
 from fa4lab.kernels.softmax import OnlineSoftmax
 
 _WG = 128  # threads per warpgroup
+_EPILOGUE_BARRIER = 1  # named barriers 1, 2: each consumer's epilogue
+_TURN_BARRIER = 3  # named barriers 3, 4: mma_turn0, mma_turn1 (the ping-pong)
 
 
 # ---- layouts of the wgmma accumulator (sm90-specific) ----
@@ -85,7 +87,7 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
     """(rows, cols, stages), cols contiguous, with the widest wgmma swizzle that fits."""
     atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
@@ -129,6 +131,20 @@ class FlashForwardSm90:
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         self.num_threads = _WG * (1 + self.num_consumers)
+        # Barrier arrive counts come from the plan's graph (the audit reads the same numbers).
+        graph = plan.barriers
+        self.q_arrivals = graph.barrier("q_full").arrive_count
+        self.kv_releases = graph.barrier("k_empty").arrive_count
+        consumer_threads = _WG * self.num_consumers
+        if self.kv_releases not in (consumer_threads, 4 * self.num_consumers):
+            raise ValueError(f"k_empty arrive_count {self.kv_releases}: the kernel releases "
+                             f"per consumer thread ({consumer_threads}) or per warp")
+        names = {b.name for b in graph.barriers}
+        # Note [ping-pong]: the two consumers take turns issuing wgmmas (named barriers
+        # mma_turn0/1), so one warpgroup's softmax overlaps the other's GEMMs.
+        self.pingpong = self.num_consumers == 2 and {"mma_turn0", "mma_turn1"} <= names
+        o_region = plan.smem.region("o")
+        self.o_in_q = o_region.alias_of == "q"
         self.buffer_align_bytes = 1024
 
     # ------------------------------------------------------------------ host
@@ -151,18 +167,17 @@ class FlashForwardSm90:
         if const_expr(mLSE is not None):
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
-        K_MAJOR = warpgroup.OperandMajorMode.K
+        K_MAJOR = OperandMajorMode.K
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (self.m_block, self.n_block))
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, K_MAJOR, warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1),
+            dtype, dtype, K_MAJOR, OperandMajorMode.MN, Float32, (1, 1, 1),
             (self.m_block, self.head_dim_v), warpgroup.OperandSource.RMEM)
 
         sQ_layout = _smem_layout(dtype, self.m_block, self.head_dim, self.q_stage)
         sK_layout = _smem_layout(dtype, self.n_block, self.head_dim, self.kv_stage)
         sV_layout = _smem_layout(dtype, self.n_block, self.head_dim_v, self.kv_stage)
-        # O goes out through each consumer's own Q slot (same shape since head_dim_v == head_dim).
-        sO_layout = sQ_layout
+        sO_layout = _smem_layout(dtype, self.m_block, self.head_dim_v, self.q_stage)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
@@ -174,21 +189,24 @@ class FlashForwardSm90:
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
             (self.m_block, self.head_dim_v))
-        self.q_bytes = cute.size_in_bytes(dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)  # all consumers' tiles, one phase
         self.k_bytes = cute.size_in_bytes(dtype, cute.select(sK_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(dtype, cute.select(sV_layout, mode=[0, 1]))
 
+        # Declared in the plan's SMEM order: q, k, v, [o], barriers (q_full, k_full, k_empty,
+        # v_full, v_empty). O staging has its own bytes unless the plan aliases it onto Q.
+        sO_elems = 0 if self.o_in_q else cute.cosize(sO_layout)
+        align = self.buffer_align_bytes
+
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, self.q_stage * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], align]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], align]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], align]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, sO_elems], align]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)],
-                                  self.buffer_align_bytes]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)],
-                                  self.buffer_align_bytes]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)],
-                                  self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]),
@@ -220,25 +238,23 @@ class FlashForwardSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        # ---- barriers: see the plan's BarrierGraph (q_full/q_empty, k_*, v_*) ----
+        # ---- barriers, as in the plan's BarrierGraph ----
+        mbar_q = storage.mbar_q.data_ptr()  # q_full: Q is loaded once, so no q_empty
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_q, self.q_arrivals)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # One release per consumer warp (the pipeline elects lane 0 of each warp).
-        consumers_kv = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_consumers)
-        consumer_q = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4)
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stage,
-            producer_group=producer, consumer_group=consumer_q, tx_count=self.q_bytes,
-            defer_sync=True)
+        releases = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.kv_releases)
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stage,
-            producer_group=producer, consumer_group=consumers_kv, tx_count=self.k_bytes,
+            producer_group=producer, consumer_group=releases, tx_count=self.k_bytes,
             defer_sync=True)
         pipeline_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stage,
-            producer_group=producer, consumer_group=consumers_kv, tx_count=self.v_bytes,
+            producer_group=producer, consumer_group=releases, tx_count=self.v_bytes,
             defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -246,25 +262,32 @@ class FlashForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if const_expr(self.o_in_q):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         if warp_idx < 4:
-            # ===================== producer warpgroup =====================
+            # ===================== producer warpgroup (role "load") =====================
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                          pipeline_q, pipeline_k, pipeline_v)
+                          mbar_q, pipeline_k, pipeline_v)
         else:
-            # ===================== consumer warpgroups =====================
+            # ============ consumer warpgroups (roles "consumer0", "consumer1") ============
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
-                         pipeline_q, pipeline_k, pipeline_v,
+                         mbar_q, pipeline_k, pipeline_v,
                          cute.size(mQ.shape[0]), cute.size(mK.shape[0]))
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-             pipeline_q, pipeline_k, pipeline_v):
-        """Producer warp: Q once per consumer, then K and V block by block, last block first."""
+             mbar_q, pipeline_k, pipeline_v):
+        """Producer warp: Q once, then K and V block by block from the last block down.
+
+        Order K_last, then (K_j, V_j+1) pairs, then V_first: a consumer issues the score wgmma
+        of block j before the value wgmma of block j+1 (see `consume`), so K runs one ahead.
+        """
         m_block, head, batch = scheduler.tile_coords(self.causal)
         head_kv = head // self.qhead_per_kvhead
         seqlen_q, seqlen_k = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
@@ -281,32 +304,36 @@ class FlashForwardSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stage)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_bytes)
         for w in cutlass.range_constexpr(self.q_stage):
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w],
-                      tQsQ[None, q_state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            q_state.advance()
+            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
+                      tma_bar_ptr=mbar_q)
 
         # See Note [fully masked CTAs] in consume().
         n_iter = cutlass.max(scheduler.n_block_max(
             m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                self.kv_stage)
-        for i in cutlass.range(n_iter, unroll=1):
-            n = n_iter - 1 - i
-            pipeline_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-            pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
+        pipeline_k.producer_acquire(state)
+        cute.copy(tma_atom_K, tKgK[None, n_iter - 1], tKsK[None, state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+        for i in cutlass.range(n_iter - 1, unroll=1):
+            n = n_iter - 2 - i
+            prev = state.clone()
+            state.advance()
+            pipeline_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+            pipeline_v.producer_acquire(prev)
+            cute.copy(tma_atom_V, tVgV[None, n + 1], tVsV[None, prev.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(prev))
+        pipeline_v.producer_acquire(state)
+        cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(state))
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
-                pipeline_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32):
+                mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32):
         """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1  # 0 .. q_stage-1
@@ -323,9 +350,14 @@ class FlashForwardSm90:
             (self.head_dim_v, self.n_block, self.kv_stage), order=(1, 0, 2)))
         tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.m_block, self.head_dim_v)))
-        acc_O_mn = acc_mn_view(acc_O)
+        acc_O.fill(0.0)
         tScS_mn = acc_mn_view(thr_qk.partition_C(
             cute.make_identity_tensor((self.m_block, self.n_block))))
+        # P stays in registers between its softmax and the next block's value wgmma.
+        tOrP = cute.make_rmem_tensor_like(
+            acc_as_operand_a(cute.make_rmem_tensor(
+                tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)),
+            self.dtype)
 
         softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), self.scale_log2,
                                 self.rescale_threshold, threads_per_row=4)
@@ -340,66 +372,112 @@ class FlashForwardSm90:
             m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), n_iter)
         n_masked = cutlass.max(n_iter - n_full, 1)  # the first block visited is always masked
 
-        pipeline_q.sync_object_full.wait(wg, 0)
+        if const_expr(self.pingpong):
+            if wg == 1:  # consumer0 takes the first turn
+                self.pass_turn(wg)
+        cute.arch.mbarrier_wait(mbar_q, 0)
         tSrQ_w = tSrQ[None, None, None, wg]
-        step = partial(
-            self.block_step, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
-            tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
-            softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v, m_offset=m_offset,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
+                      tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS_mn=tScS_mn,
+                      softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
+                      m_offset=m_offset, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
+        step = partial(self.block_step, **common)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                self.kv_stage)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         # MASKED / TAIL blocks (the diagonal and the key-length edge) first, then FULL ones.
-        kv_state = step(kv_state, n_iter - 1, masked=True, first=True)
+        self.first_block(state, n_iter - 1, **common)
         for i in cutlass.range(n_masked - 1, unroll=1):
-            kv_state = step(kv_state, n_iter - 2 - i, masked=True, first=False)
+            state = step(state, n_iter - 2 - i, masked=True)
         n_rest = n_iter - n_masked
         for i in cutlass.range(n_rest, unroll=1):
-            kv_state = step(kv_state, n_rest - 1 - i, masked=False, first=False)
+            state = step(state, n_rest - 1 - i, masked=False)
+        # The last block's value wgmma.
+        pipeline_v.consumer_wait(state)
+        _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
+        warpgroup.wait_group(0)
+        self.release(pipeline_v, state)
 
         inv_sum, lse = softmax.finalize()
-        softmax.rescale(acc_O_mn, inv_sum)
+        softmax.rescale(acc_mn_view(acc_O), inv_sum)
         self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
                       m_block, head, batch, m_offset, seqlen_q)
 
     @cute.jit
-    def block_step(self, kv_state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK,
-                   tOrVt, acc_O, acc_O_mn, tScS_mn, softmax: OnlineSoftmax, pipeline_k,
-                   pipeline_v, m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                   masked: cutlass.Constexpr[bool], first: cutlass.Constexpr[bool]):
-        """One key block: S = Q K^T, mask, softmax step, rescale O, O += P V."""
+    def first_block(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                    acc_O, tOrP, tScS_mn, softmax: OnlineSoftmax, pipeline_k, pipeline_v,
+                    m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32, wg: Int32):
+        """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
-        pipeline_k.consumer_wait(kv_state)
-        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], zero_init=True)
+        pipeline_k.consumer_wait(state)
+        if const_expr(self.pingpong):
+            self.wait_turn(wg)
+        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        if const_expr(self.pingpong):
+            self.pass_turn(wg)
         warpgroup.wait_group(0)
-        pipeline_k.consumer_release(kv_state)
+        self.release(pipeline_k, state)
+        acc_S_mn = acc_mn_view(acc_S)
+        mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block, seqlen_q,
+                            seqlen_k, self.causal)
+        softmax.step(acc_S_mn, is_first=True)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def block_step(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
+                   acc_O, tOrP, tScS_mn, softmax: OnlineSoftmax, pipeline_k, pipeline_v,
+                   m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32, wg: Int32,
+                   masked: cutlass.Constexpr[bool]):
+        """Block j with the previous block's P V in flight (FA3's intra-warpgroup overlap).
+
+        Issue S_j = Q K_j^T and O += P_{j+1} V_{j+1}; when S_j lands, mask and run the softmax
+        while the value wgmma still runs; then rescale O (basis of the new max) and keep P_j.
+        """
+        prev = state.clone()
+        state.advance()
+        acc_S = cute.make_rmem_tensor(
+            tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
+        pipeline_k.consumer_wait(state)
+        if const_expr(self.pingpong):
+            self.wait_turn(wg)
+        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        pipeline_v.consumer_wait(prev)
+        _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], zero_init=False)
+        if const_expr(self.pingpong):
+            self.pass_turn(wg)
+        warpgroup.wait_group(1)  # the score wgmma is done; the value wgmma may still run
+        self.release(pipeline_k, state)
 
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(masked):
             mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block,
                                 seqlen_q, seqlen_k, self.causal)
-        row_scale = softmax.step(acc_S_mn, is_first=first)
-        if const_expr(not first):
-            softmax.rescale(acc_O_mn, row_scale)
-
-        tOrP_f32 = acc_as_operand_a(acc_S)
-        tOrP = cute.make_rmem_tensor_like(tOrP_f32, self.dtype)
-        tOrP.store(tOrP_f32.load().to(self.dtype))
-
-        pipeline_v.consumer_wait(kv_state)
-        _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
-              zero_init=first)
+        row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
-        pipeline_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
+        self.release(pipeline_v, prev)
+        softmax.rescale(acc_mn_view(acc_O), row_scale)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        return state
+
+    @cute.jit
+    def release(self, pipe, state):
+        """Free a K or V slot: one arrive per consumer warp or per thread, as the plan counts."""
+        if const_expr(self.kv_releases == 4 * self.num_consumers):
+            pipe.consumer_release(state)
+        else:
+            cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
+
+    def wait_turn(self, wg):
+        """See Note [ping-pong]: block until the other consumer has issued its wgmmas."""
+        cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
+
+    def pass_turn(self, wg):
+        cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=2 * _WG)
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
                  m_block, head, batch, m_offset, seqlen_q):
-        """O (16-bit) -> this consumer's Q slot -> TMA store; LSE straight from registers."""
+        """O (16-bit) -> SMEM staging (stmatrix) -> TMA store; LSE straight from registers."""
         dtype = sO.element_type
         if const_expr(mLSE is not None):
             if tid % 4 == 0:  # the quad's first thread holds column 0 of its rows
@@ -414,10 +492,12 @@ class FlashForwardSm90:
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype),
             tiled_mma_pv)
         thr_r2s = r2s.get_slice(tid)
+        # Each consumer writes only its own slot; with O staged in Q's bytes that slot is the
+        # Q tile only this consumer read, and its last score wgmma has completed.
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
         # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=_WG)
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WG)
         if tid // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
                                  (None, 0))
@@ -427,6 +507,23 @@ class FlashForwardSm90:
             cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse."""
+    import torch
+
+    from fa4lab.errors import UnsupportedArchError
+    from fa4lab.kernels import runtime
+
+    runtime.check_cuda_inputs(q, k, v)
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != (9, 0):
+        raise UnsupportedArchError(
+            f"attention_sm90 needs a Hopper GPU (compute capability 9.0), {q.device} has {cc}; "
+            f"use fa4lab.attention, which picks the kernel for the GPU")
+    return runtime.run_forward("sm90", FlashForwardSm90, q, k, v, causal=causal,
+                               softmax_scale=softmax_scale, return_lse=return_lse)
 
 
 def _role_registers(plan) -> tuple[int, int]:

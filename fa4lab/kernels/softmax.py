@@ -112,7 +112,7 @@ class OnlineSoftmax:
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
         """O[r, :] *= row_scale[r] on a thread's (rows, cols) view of the O accumulator."""
         for r in cutlass.range_constexpr(self.num_rows):
-            for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+            for j in cutlass.range(cute.size(acc_o_mn, mode=[1]), unroll_full=True):
                 acc_o_mn[r, j] = acc_o_mn[r, j] * row_scale[r]
 
     @cute.jit

@@ -1,0 +1,91 @@
+"""`fa4lab.attention` on CPU: the labelled slow fallback to the reference, and input errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fa4lab  # noqa: E402
+from fa4lab.api import SlowReferenceWarning, _check_kernel_inputs  # noqa: E402
+from fa4lab.reference import attention_reference  # noqa: E402
+
+
+def _qkv(rng, b=2, sq=9, sk=13, hq=4, hkv=2, d=16, dtype=torch.float32):
+    q = torch.from_numpy(rng.standard_normal((b, sq, hq, d))).to(dtype)
+    k = torch.from_numpy(rng.standard_normal((b, sk, hkv, d))).to(dtype)
+    v = torch.from_numpy(rng.standard_normal((b, sk, hkv, d))).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_falls_back_to_reference_with_warning(rng, causal):
+    q, k, v = _qkv(rng, sq=17, sk=5)  # causal: the first 12 rows see no key
+    with pytest.warns(SlowReferenceWarning, match="SLOW"):
+        out, lse = fa4lab.attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert out.shape == (2, 17, 4, 16) and lse.shape == (2, 4, 17)
+    np.testing.assert_allclose(out.double().numpy(), ref.numpy(), atol=1e-6)
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), atol=1e-5)
+    assert not torch.isnan(out).any()
+    if causal:
+        assert (lse[:, :, :12] == -math.inf).all() and (out[:, :12] == 0).all()
+
+
+def test_cpu_bf16_and_scale(rng):
+    q, k, v = _qkv(rng, dtype=torch.bfloat16)
+    with pytest.warns(SlowReferenceWarning):
+        out = fa4lab.attention(q, k, v, softmax_scale=0.5)
+    ref = attention_reference(q, k, v, softmax_scale=0.5)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() < 2e-2  # one bf16 rounding of values ~1
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda q, k, v: (q[0], k, v), ValueError, "expected 4 dims"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),
+    (lambda q, k, v: (q, k, v[:, :3]), ValueError, "seqlen_k"),
+    (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "multiple"),
+    (lambda q, k, v: (q, k[..., :8], v), ValueError, "head_dim"),
+    (lambda q, k, v: (q, k.double(), v), TypeError, "dtype"),
+    (lambda q, k, v: (q.long(), k.long(), v.long()), TypeError, "floating"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, "torch.Tensor"),
+])
+def test_bad_inputs_raise_clear_errors(rng, make, exc, words):
+    q, k, v = make(*_qkv(rng))
+    with pytest.raises(exc, match=words):
+        fa4lab.attention(q, k, v)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_softmax_scale(rng, scale):
+    with pytest.raises(ValueError, match="softmax_scale"):
+        fa4lab.attention(*_qkv(rng), softmax_scale=scale)
+
+
+def test_kernel_input_checks(rng):
+    """What the GPU kernels need beyond the math: checked before any launch."""
+    q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
+    _check_kernel_inputs(q, k, v)  # fine
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        _check_kernel_inputs(q.float(), k.float(), v.float())
+    q96, k96, v96 = _qkv(rng, d=96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"head_dim 96.*\(64, 128, 256\)"):
+        _check_kernel_inputs(q96, k96, v96)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        _check_kernel_inputs(q, k, v[..., :32].contiguous())
+    qt = q.transpose(1, 3).contiguous().transpose(1, 3)  # same values, last dim strided
+    with pytest.raises(ValueError, match=r"\.contiguous\(\)"):
+        _check_kernel_inputs(qt, k, v)
+
+
+def test_runtime_checks_cuda_inputs(rng):
+    from fa4lab.kernels.runtime import check_cuda_inputs
+
+    q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\.cuda\(\)"):
+        check_cuda_inputs(q, k, v)

@@ -1,0 +1,179 @@
+"""The sm90 kernel on a Hopper GPU against the float64 reference (marker `sm90`).
+
+FA4's acceptance rule: the kernel's max error against the float64 reference is at most twice
+PyTorch's own same-dtype attention error (F.scaled_dot_product_attention on the same 16-bit
+inputs, GQA through enable_gqa, causal through an explicit bottom-right bool mask) plus
+ATOL = 1e-3. The atol is a floor for cases where SDPA happens to be exact (seqlen_k = 1, or
+one-hot rows at extreme logits): it is below half a bf16 ulp at magnitude 0.5 (2**-9 ~ 2e-3),
+so it absorbs fp32 summation-order noise but not one output rounded the wrong way.
+Rows that see no key must give exactly 0 and LSE -inf; nothing may be NaN; LSE must match the
+reference to 1e-3 + 1e-5 * |lse| (fp32 accumulation of 16-bit products); and two runs on the
+same inputs must agree bit for bit.
+
+Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is one compile):
+* bf16: head_dim {64, 128, 256} x causal {no, yes} x GQA ratio {1, 2, 8}, each with the
+  seqlen pairs (1, 1), (17, 1000), (1000, 17) and (1000, 4097) -- tails on both sides, the
+  single-key and single-query rows, seqlen_q != seqlen_k both ways (causal with
+  seqlen_q > seqlen_k has fully masked rows); (4097, 4097) only at head_dim 128;
+* fp16: head_dim {64, 128, 256} x causal, GQA 2, the same seqlen pairs;
+* logits of magnitude 1e4 (q scaled), both dtypes; a custom softmax_scale; return_lse=False;
+  q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.sm90
+
+ATOL = 1e-3
+SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, device="cuda", generator=g) * q_scale
+    k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    v = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _sdpa(q, k, v, causal, scale):
+    """PyTorch's same-dtype attention: the error yardstick."""
+    import torch.nn.functional as F
+
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + sk - sq
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.reference import attention_reference
+
+    out, lse = attention_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              return_lse=True)
+    out2, lse2 = attention_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=True)
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+    seen = torch.isfinite(ref_lse)                      # (b, h, sq): rows that see a key
+    seen_rows = seen.transpose(1, 2)                    # (b, sq, h)
+    # Rows that see no key: exactly 0 and -inf.
+    assert (out[~seen_rows] == 0).all()
+    assert (lse[~seen] == -math.inf).all()
+    if not seen.any():
+        return
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
+    pt = _sdpa(q, k, v, causal, scale)
+    err = (out.double() - ref)[seen_rows].abs().max().item()
+    pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
+    assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
+    lse_err = (lse.double() - ref_lse)[seen].abs()
+    lse_tol = 1e-3 + 1e-5 * ref_lse[seen].abs()
+    assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bf16_matrix(head_dim, causal, gqa):
+    heads_q = 8
+    pairs = SEQLENS + ([(4097, 4097)] if head_dim == 128 else [])
+    for i, (sq, sk) in enumerate(pairs):
+        batch = 2 if sq * sk < 10**6 else 1
+        q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
+                          seed=1000 * head_dim + 10 * gqa + i)
+        _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp16(head_dim, causal):
+    for i, (sq, sk) in enumerate(SEQLENS):
+        q, k, v = _inputs(2, sq, sk, 4, 2, head_dim, torch.float16, seed=77 + i)
+        _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits(dtype, causal):
+    """q scaled so the scaled logits reach ~1e4: the max subtraction must keep exp2 finite.
+
+    Rows are then nearly one-hot. SDPA's largest P is exactly 1, so it returns v exactly; with
+    FA4's conditional rescale the kept (stale) max may sit up to 8 log2 units below the row max,
+    so the largest P is up to 2**8 and is itself rounded to 16 bits before P V: the output can
+    land one rounding step (one ulp of the dtype at the output's magnitude) away. That ulp is
+    the atol here; a wrong max, a lost rescale or an overflow would be off by O(|v|).
+    """
+    q, k, v = _inputs(1, 300, 555, 4, 4, 128, DTYPES[dtype], seed=5, q_scale=1e4)
+    mantissa = {"bf16": 7, "fp16": 10}[dtype]
+    top = v.abs().max().item()
+    ulp = 2.0 ** (math.floor(math.log2(top)) - mantissa)
+    _check(q, k, v, causal=causal, atol=max(ATOL, ulp))
+
+
+def test_softmax_scale_and_no_lse():
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.reference import attention_reference
+
+    q, k, v = _inputs(2, 129, 383, 4, 1, 64, torch.bfloat16, seed=9)
+    _check(q, k, v, causal=True, softmax_scale=0.3)
+    out = attention_sm90(q, k, v, causal=False)
+    assert isinstance(out, torch.Tensor)
+    ref = attention_reference(q, k, v)
+    pt = _sdpa(q, k, v, False, 1 / 8)
+    assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max() + ATOL
+
+
+def test_packed_qkv_strides():
+    """q, k, v as views into one (b, s, 3, h, d) tensor: strides the kernel reads at runtime."""
+    qkv = torch.randn(2, 333, 3, 4, 128, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    _check(q, k, v, causal=True)
+
+
+def test_compiles_once_per_configuration():
+    from fa4lab.kernels import runtime
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+
+    q, k, v = _inputs(1, 100, 100, 2, 2, 64, torch.bfloat16, seed=1)
+    attention_sm90(q, k, v, causal=True)
+    before = runtime.compile_count()
+    for b, sq, sk, h in [(3, 17, 900, 2), (1, 2000, 64, 6), (2, 1, 1, 4)]:
+        q, k, v = _inputs(b, sq, sk, h, h, 64, torch.bfloat16, seed=2)
+        attention_sm90(q, k, v, causal=True)
+    assert runtime.compile_count() == before, "a new batch/seqlen/head count recompiled"
+    q, k, v = _inputs(1, 100, 100, 2, 2, 64, torch.bfloat16, seed=1)
+    attention_sm90(q, k, v, causal=False)
+    assert runtime.compile_count() == before + 1
+
+
+def test_fa4lab_attention_dispatches_to_sm90():
+    import fa4lab
+    from fa4lab.kernels import runtime
+
+    q, k, v = _inputs(1, 64, 64, 2, 2, 128, torch.bfloat16, seed=3)
+    before = runtime.compile_count()
+    out = fa4lab.attention(q, k, v, causal=True)
+    out2 = fa4lab.attention(q, k, v, causal=True)
+    assert runtime.compile_count() <= before + 1
+    assert torch.equal(out, out2) and out.is_cuda
