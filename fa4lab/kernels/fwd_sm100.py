@@ -8,7 +8,8 @@ LSE = -inf.
 
 Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No pack-GQA
 (each CTA serves one query head), no persistent scheduler (one CTA per 2 x m_block query rows,
-per head, per batch), no split-KV, no varlen.
+per head, per batch; causal grids start with the longest tiles, fa4lab.kernels.scheduler), no
+split-KV, no varlen.
 
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
   * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages");
@@ -50,7 +51,9 @@ import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
+from fa4lab.kernels import scheduler
 from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
 
 LN2 = math.log(2.0)
@@ -159,7 +162,7 @@ class FlashForwardSm100:
             tiled_mma_pv, self.mma_tiler_pv, self.dtype, self.kv_stage)
         self.epi_tile = (self.m_block, self.head_dim_v)
         sO_layout = sm100_utils.make_smem_layout_epi(
-            self.dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
+            self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
@@ -229,7 +232,7 @@ class FlashForwardSm100:
         sO_layout: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        m_block, head, batch = cute.arch.block_idx()
+        m_block, head, batch = scheduler.tile_coords(self.causal)
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
 
@@ -335,16 +338,13 @@ class FlashForwardSm100:
 
     @cute.jit
     def n_block_max(self, m_block, seqlen_q, seqlen_k):
-        """This CTA visits K/V blocks [0, n_block_max): fa4lab.tiling.n_block_range for cta_m rows.
+        """This CTA visits K/V blocks [0, n_block_max) (fa4lab.kernels.scheduler).
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
         """
-        n_block_max = cute.ceil_div(seqlen_k, self.n_block)
-        if cutlass.const_expr(self.causal):
-            reach = cutlass.max((m_block + 1) * self.cta_m + seqlen_k - seqlen_q, 0)
-            n_block_max = cutlass.min(n_block_max, cute.ceil_div(reach, self.n_block))
-        return n_block_max
+        return scheduler.n_block_max(m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k,
+                                     self.causal)
 
     @cute.jit
     def tmem_tensors(self, thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr):
@@ -508,11 +508,10 @@ class FlashForwardSm100:
             cute.make_identity_tensor((self.m_block, p_cols))).shape
 
         row_start = (m_block * self.q_stage + stage) * self.m_block
-        # Blocks [mask_min, n_block_max) need the element mask (fa4lab.tiling rule, this tile).
-        mask_min = seqlen_k // self.n_block
-        if cutlass.const_expr(self.causal):
-            mask_min = cutlass.min(
-                mask_min, cutlass.max(row_start + seqlen_k - seqlen_q + 1, 0) // self.n_block)
+        # Blocks [mask_min, n_block_max) need the element mask: the fa4lab.tiling rule for this
+        # Q tile (its first row), not for the whole CTA.
+        mask_min = scheduler.n_block_full_end(m_block * self.q_stage + stage, self.m_block,
+                                              self.n_block, seqlen_q, seqlen_k, self.causal)
         mask_min = cutlass.min(mask_min, n_block_max)
 
         row_max = -Float32.inf
@@ -689,12 +688,12 @@ class FlashForwardSm100:
         tOcO_c = cute.logical_divide(tOcO, cute.make_layout((self.m_block, cols)))
         tOsO_c = cute.logical_divide(tOsO, cute.make_layout((self.m_block, cols)))
         load_atom = sm100_utils.get_tmem_load_op(
-            self.mma_tiler_pv, utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32,
+            self.mma_tiler_pv, LayoutEnum.ROW_MAJOR, self.dtype, Float32,
             (self.m_block, cols), use_2cta_instrs=False)
         tiled_load = tcgen05.make_tmem_copy(load_atom, tOtO_c[(None, None), 0])
         thr_load = tiled_load.get_slice(tidx)
         smem_atom = sm100_utils.get_smem_store_op(
-            utils.LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_load)
+            LayoutEnum.ROW_MAJOR, self.dtype, Float32, tiled_load)
         tiled_smem_store = cute.make_tiled_copy_D(smem_atom, tiled_load)
         tOtO_t2r = thr_load.partition_S(tOtO_c[(None, None), None])
         tOsO_r2s = thr_load.partition_D(tOsO_c[(None, None), None])
@@ -728,3 +727,32 @@ class FlashForwardSm100:
             cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
             with cute.arch.elect_one():
                 pipe_epi.consumer_release(_phase_state(self.q_stage, stage, 0))
+
+
+def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+    """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
+
+    q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim), bf16 or
+    fp16, head_dim 64 or 128; lse is (batch, heads_q, seqlen_q) float32, natural log.
+    """
+    import torch
+
+    from fa4lab.errors import UnsupportedArchError
+    from fa4lab.kernels import runtime
+
+    where = "no CUDA GPU is visible"
+    if getattr(q, "is_cuda", False):
+        cc = torch.cuda.get_device_capability(q.device)
+        if cc[0] == 10:
+            runtime.check_cuda_inputs(q, k, v, head_dims=(64, 128))
+            return runtime.run_forward("sm100", FlashForwardSm100, q, k, v, causal=causal,
+                                       softmax_scale=softmax_scale, return_lse=return_lse)
+        where = f"{q.device} is {torch.cuda.get_device_name(q.device)} (compute capability " \
+                f"{cc[0]}.{cc[1]})"
+    elif torch.cuda.is_available():
+        where = f"q is on {getattr(q, 'device', type(q).__name__)}, not on a CUDA GPU"
+    raise UnsupportedArchError(
+        f"attention_sm100 runs only on a compute-capability-10 GPU (B200/GB200); {where}. "
+        f"Use fa4lab.kernels.fwd_sm90.attention_sm90 on Hopper (H100/H200), fa4lab.attention "
+        f"(which picks the kernel for the GPU it finds), or fa4lab.reference.attention_reference "
+        f"(float64, any device)")
