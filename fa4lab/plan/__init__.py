@@ -3,8 +3,9 @@
     from fa4lab.plan import plan_forward
     plan = plan_forward(spec, arch="sm100")   # or "sm90"; overrides: n_block=..., kv_stage=...
 
-`simulate(plan)` runs the roles' programs against the barrier graph (timeline, deadlocks,
-hazards, predicted throughput); `fa4lab plan` prints the report.
+`fa4lab.plan.simulate.simulate(plan)` runs the roles' programs against the barrier graph
+(timeline, deadlocks, hazards) and `fa4lab.plan.simulate.predict(plan)` the throughput;
+`fa4lab plan` prints the report.
 """
 
 from fa4lab.plan.barriers import Barrier, BarrierGraph
@@ -18,13 +19,4 @@ from fa4lab.plan.tmem import TmemPlan, TmemRegion
 __all__ = [
     "DEFAULT_COSTS", "OVERRIDES", "Barrier", "BarrierGraph", "CostModel", "MmaPlan", "Plan",
     "Role", "SmemPlan", "SmemRegion", "Tiles", "TmemPlan", "TmemRegion", "plan_forward",
-    "simulate",
 ]
-
-
-def __getattr__(name):
-    if name == "simulate":
-        from fa4lab.plan.simulate import simulate
-
-        return simulate
-    raise AttributeError(f"module 'fa4lab.plan' has no attribute {name!r}")

@@ -152,9 +152,12 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
         return build(spec, **ov)
     except PlanError as err:
         fits = fitting_overrides(build, spec, ov)
-        hint = ("overrides that fit: " + "; ".join(fits)) if fits else (
-            "no single change of q_stage, n_block or kv_stage fits")
-        raise PlanError(f"{err} [{key}: {hint}]") from None
+        if fits:
+            raise PlanError(f"{err} [{key}: overrides that fit: {'; '.join(fits)}]") from None
+        if " over" in str(err) or "> setmaxnreg" in str(err):
+            raise PlanError(f"{err} [{key}: no single change of q_stage, n_block or kv_stage "
+                            f"fits]") from None
+        raise
 
 
 # Alternatives tried when a plan does not fit, in order of preference (least design change).

@@ -64,6 +64,11 @@ class Wait:
     stage: int
     k: int              # wait for this stage's k-th phase completion (k < 0: passes at once)
 
+    def __str__(self) -> str:
+        if self.k < 0:
+            return f"wait  {self.barrier}[{self.stage}] (released at start: passes)"
+        return f"wait  {self.barrier}[{self.stage}] phase {self.k} (parity {self.k % 2})"
+
 
 @dataclass(frozen=True)
 class Arrive:
@@ -71,6 +76,10 @@ class Arrive:
     stage: int
     count: int
     expect_tx: int = 0
+
+    def __str__(self) -> str:
+        tx = f" + expect {self.expect_tx} bytes" if self.expect_tx else ""
+        return f"arrive {self.barrier}[{self.stage}] x{self.count}{tx}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,23 @@ class Work:
     unit: str | None = None          # shared execution unit held for the duration ("mufu", ...)
     reads: tuple[Ref, ...] = ()
     writes: tuple[Ref, ...] = ()
+
+    def __str__(self) -> str:
+        return f"work  {self.label!r} {self.cycles:.0f} cycles{_unit(self.unit)}" \
+               f"{_touch(self.reads, self.writes)}"
+
+
+def _unit(unit) -> str:
+    return f" on {unit}" if unit else ""
+
+
+def _touch(reads, writes) -> str:
+    out = ""
+    if reads:
+        out += " reads " + ", ".join(map(str, reads))
+    if writes:
+        out += " writes " + ", ".join(map(str, writes))
+    return out
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,12 @@ class Issue:
     writes: tuple[Ref, ...] = ()
     complete_tx: tuple[str, int, int] | None = None   # (barrier, stage, bytes) on completion
 
+    def __str__(self) -> str:
+        done = (f"; lands on {self.complete_tx[0]}[{self.complete_tx[1]}]"
+                if self.complete_tx else "")
+        return f"issue {self.engine}: {self.label!r} {self.cycles:.0f} cycles" \
+               f"{_touch(self.reads, self.writes)}{done}"
+
 
 @dataclass(frozen=True)
 class Commit:
@@ -103,12 +135,18 @@ class Commit:
     stage: int
     count: int = 1
 
+    def __str__(self) -> str:
+        return f"commit {self.engine} -> {self.barrier}[{self.stage}]"
+
 
 @dataclass(frozen=True)
 class WaitEngine:
     """Wait until this role's ops on an engine completed (cp.async.bulk.wait_group.read)."""
 
     engine: str
+
+    def __str__(self) -> str:
+        return f"wait  until this role's {self.engine} ops are done"
 
 
 Op = Wait | Arrive | Work | Issue | Commit | WaitEngine

@@ -106,12 +106,13 @@ def draw_tmem_budget(spec, n_blocks=(64, 128), head_dims=(64, 128, 192, 256), q_
             b.set_color("#d62728" if v > 512 else b.get_facecolor())
             ax.text(b.get_x() + b.get_width() / 2, v + 8, str(v), ha="center", fontsize=7)
     ax.axhline(512, color="black", ls="--", lw=1)
-    ax.text(len(head_dims) - 0.6, 520, "512 columns per SM", fontsize=8, ha="right")
+    ax.text(-0.45, 522, "512 columns per SM", fontsize=8, ha="left")
     ax.set_xticks([i + width * (len(n_blocks) - 1) / 2 for i in range(len(head_dims))],
                   [f"head_dim {d}" for d in head_dims])
     ax.set_ylabel(f"TMEM columns (q_stage {q_stage})")
-    ax.set_title("S + O per Q stage: red does not fit", fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    ax.set_title(f"S + O for {q_stage} Q stage(s), P inside S: red does not fit", fontsize=10)
+    ax.set_ylim(0, 900)
+    ax.legend(fontsize=8, frameon=False, loc="upper center")
     fig.tight_layout()
     return fig
 
