@@ -820,6 +820,20 @@ def shape_for(head_dim: int, seqlen: int, causal: bool, *, total_tokens: int = T
     return shape
 
 
+def compile_anywhere(plan) -> tuple[float | None, str]:
+    """Compile `plan`'s kernel for its arch with fake tensors (`fa4lab.kernels.compile`; no GPU
+    needed). Returns (seconds, a one-line report); a failure is reported, not raised, so a
+    widget can show it beside the plan."""
+    try:
+        from fa4lab.kernels.compile import compile_forward
+
+        cf = compile_forward(plan, plan.arch + "a")
+    except Exception as err:
+        return None, f"compile for {plan.arch}a failed: {type(err).__name__}: {_short(err)}"
+    return cf.seconds, (f"compiled for {plan.arch}a in {cf.seconds:.1f} s; the kernel's "
+                        f"dynamic SMEM {cf.smem_bytes} B")
+
+
 def _kernel_class(arch: str):
     if arch == "sm90":
         from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
@@ -1135,7 +1149,8 @@ if __name__ == "__main__":
 
 
 __all__ = [
-    "BenchShape", "PlanMeasurement", "Provider", "Result", "TableRow", "compile_plan",
+    "BenchShape", "PlanMeasurement", "Provider", "Result", "TableRow", "compile_anywhere",
+    "compile_plan",
     "format_table", "gemm_tflops", "geomean_ratios", "latest_record", "load_record",
     "load_records", "make_record", "measure_plan", "measure_shape", "ratio_table",
     "recorded_tflops", "resolve_providers", "run_sweep", "save_record", "sdpa_runner",

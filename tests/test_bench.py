@@ -380,3 +380,20 @@ def test_simulated_tflops_and_the_plan_figure():
     assert isinstance(fig, matplotlib.figure.Figure)
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
     assert "simulated" in labels[0] and sum("recorded" in x for x in labels) == 3
+
+
+def test_compile_anywhere_reports_time_or_the_failure():
+    pytest.importorskip("cutlass")
+    from fa4lab.plan import plan_forward
+
+    plan = plan_forward(bench.shape_for(128, 1024, True).spec, "sm90", n_block=64)
+    seconds, text = bench.compile_anywhere(plan)
+    assert seconds and seconds > 0, text
+    assert "compiled for sm90a" in text
+
+    class NotAPlan:
+        arch = "sm90"
+        spec = None
+
+    seconds, text = bench.compile_anywhere(NotAPlan())
+    assert seconds is None and "failed" in text

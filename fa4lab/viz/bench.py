@@ -12,13 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from fa4lab.bench import OK, OURS, PROVIDER_LABELS, Result, providers_in, results_of  # noqa: E402
+from fa4lab.bench import OK, OURS, PROVIDER_LABELS, Result, providers_in, results_of
 
 STYLE = {
     OURS: dict(color="#d62728", marker="o", lw=2.2),
@@ -153,30 +149,18 @@ def plot_sources(record: Mapping | None, published: Mapping, *, head_dim: int = 
     return fig
 
 
-_KIND_COLOR = {"mma": "#d62728", "copy": "#1f77b4", "work": "#2ca02c", "wait": "#dddddd"}
-
-
 def plot_plan_prediction(sim, predicted_tflops: float, *, recorded: Mapping[str, float] | None
                          = None, gemm_tflops: float | None = None, measured: Mapping[str, float]
                          | None = None, title: str = ""):
-    """Left: the simulated timeline of one work tile (`fa4lab.plan.simulate.simulate`), one lane
-    per role or engine. Right: the planner's predicted TFLOP/s beside recorded (or, on a GPU,
-    just measured) numbers for the same shape, each bar labelled with where it comes from."""
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 2]})
-    lanes = sim.lanes()
-    for s in sim.spans:
-        y = lanes.index(s.lane)
-        ax.barh(y, s.end - s.start, left=s.start, height=0.6 if s.kind != "wait" else 0.25,
-                color=_KIND_COLOR.get(s.kind, "#999999"), edgecolor="none")
-    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("cycles (simulated)")
-    ax.set_title(f"simulated tile: {sim.n_blocks} K/V blocks, {sim.cycles:.0f} cycles",
-                 fontsize=9, loc="right")
-    kinds = [k for k in _KIND_COLOR if any(s.kind == k for s in sim.spans)]
-    ax.legend([Patch(color=_KIND_COLOR[k]) for k in kinds], kinds, fontsize=7, loc="lower left",
-              bbox_to_anchor=(0, 1.06), ncol=4, frameon=False)
+    """Left: the simulated timeline of one work tile (`fa4lab.plan.simulate.simulate`, drawn by
+    `fa4lab.viz.plan.draw_timeline`). Right: the planner's predicted TFLOP/s beside recorded
+    (or, on a GPU, just measured) numbers for the same shape, each bar labelled with where it
+    comes from."""
+    from fa4lab.viz.plan import draw_timeline
 
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    draw_timeline(sim, ax=ax, title=f"one simulated tile: {sim.n_blocks} K/V blocks, "
+                                    f"{sim.cycles:.0f} cycles")
     names, values, colors, hatches = [f"{OURS}\n(simulated)"], [predicted_tflops], \
         [STYLE[OURS]["color"]], ["//"]
     for source, data in (("measured now", measured), ("recorded", recorded)):
