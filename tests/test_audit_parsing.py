@@ -1,0 +1,73 @@
+"""The audit's readers of PTX / SASS / cuobjdump text, on small hand-written samples (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fa4lab.kernels import audit as A
+
+PTX = """
+    mbarrier.init.shared.b64 	[%r5389], %r118;
+    mbarrier.init.shared.b64 	[%r5389+8], %r118;
+    fence.mbarrier_init.release.cluster;
+    setmaxnreg.dec.sync.aligned.u32 	48;
+    setmaxnreg.inc.sync.aligned.u32 	192;
+    setmaxnreg.dec.sync.aligned.u32 	80;
+    mov.b32 	%r77, 256;
+    mov.b32 	%r5382, 512;
+    tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 	[%r5389+208], %r5382;
+    tcgen05.mma.cta_group::1.kind::f16 	[%r1], %rd2, %rd3, %r4, %p5;
+"""
+
+SASS = """
+        /*3360*/                   MUFU.EX2 R72, R72 ;
+        /*3370*/              @!P0 MUFU.EX2 R73, R73 ;
+        /*2c80*/                   FFMA.FTZ R134, R143, R70.reuse, 0.22764569520950317383 ;
+        /*2ce0*/                   FFMA.FTZ R56, R143, R134, 0.69511663913726806641 ;
+        /*2cf0*/                   FFMA2 R56, R143, R134, R2 ;
+        /*2d00*/              @UP1 UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10] ;
+        /*2d10*/                   STL [R1], R0 ;
+"""
+
+
+def test_ptx_readers():
+    assert A.ptx_count(PTX, r"\bmbarrier\.init\.") == 2  # the fence does not count
+    assert A.setmaxnreg_values(PTX) == [48, 80, 192]
+    assert A.tmem_alloc_columns(PTX) == [512]
+    assert A.tmem_alloc_columns("tcgen05.alloc.cta_group::1.sync.aligned.b32 [%r1], 128;") == [128]
+
+
+def test_sass_readers():
+    ops = A.sass_opcodes(SASS)
+    assert A.count_prefix(ops, "MUFU.EX2") == 2          # predicated one included
+    assert A.count_prefix(ops, "FFMA") == 2 and ops["FFMA2"] == 1  # FFMA2 is its own opcode
+    assert A.count_prefix(ops, "UTCHMMA") == 1
+    assert A.count_prefix(ops, "STL") == 1
+    assert A.count_ffma_immediate(SASS, 0.2276457) == 1  # compared as float32
+    assert A.count_ffma_immediate(SASS, 0.5) == 0
+
+
+def test_tables_show_both_numbers():
+    audit = A.Audit("t", (A.AuditRow("x", 1, 1, True), A.AuditRow("smem", 100, 124, False)))
+    assert not audit.ok and [r.name for r in audit.failures()] == ["smem"]
+    md = audit.to_markdown()
+    assert "| smem | 100 | 124 | **NO** |" in md
+    assert json.loads(json.dumps(audit.to_dict()))["rows"][1]["found"] == 124
+    with pytest.raises(KeyError, match="smem"):
+        audit.row("nope")
+
+
+@pytest.mark.parametrize("tool", ["ptxas", "cuobjdump", "nvdisasm"])
+def test_tools_come_from_pip(tool):
+    path = A.cuda_tool(tool)
+    assert path.is_file() and "nvidia" in path.parts
+
+
+def test_cli_arguments():
+    args = A._parse(["--arch", "sm90a", "--head-dim", "64", "--causal", "--gqa", "4", "--lse",
+                     "--dtype", "fp16", "--format", "json"])
+    spec = A._spec_from_args(args)
+    assert (args.arch, spec.head_dim, spec.causal, spec.qhead_per_kvhead, spec.return_lse,
+            spec.dtype, args.format) == ("sm90a", 64, True, 4, True, "fp16", "json")

@@ -1,0 +1,129 @@
+"""The sm100 kernel on a B200-class GPU against the float64 reference (marker `sm100`).
+
+Everywhere else these tests skip with the reason (tests/conftest.py); the CPU side of the kernel
+(compile for sm_100a, binary audit) is tests/test_compile_sm100.py.
+
+FA4's acceptance rule: the kernel's max error against the float64 reference is at most twice
+PyTorch's own same-dtype attention error (F.scaled_dot_product_attention on the same 16-bit
+inputs, GQA through enable_gqa, causal through an explicit bottom-right bool mask) plus
+ATOL = 1e-3 (a floor for the cases where SDPA is exact, e.g. seqlen_k = 1; below half a bf16 ulp
+at 0.5). Rows that see no key must be exactly 0 with LSE -inf; nothing may be NaN; LSE within
+1e-3 + 1e-5 |lse| of the reference; two runs bit-identical.
+
+Grid (trimmed: each (head_dim, dtype, causal, GQA) is one compile): head_dim {64, 128} x
+causal x GQA {1, 4} in bf16 with seqlen pairs (1, 1), (17, 1000), (1000, 17), (1000, 4097)
+-- tails on both sides, one key, one query, causal with seqlen_q > seqlen_k (fully masked rows
+and whole CTAs that see nothing); fp16 at both head dims; logits of magnitude 1e4 (the
+conditional rescale and the exp2 polynomial at their extremes); a custom softmax_scale and
+return_lse=False.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.sm100
+
+ATOL = 1e-3
+SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, device="cuda", generator=g) * q_scale
+    k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    v = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _sdpa(q, k, v, causal, scale):
+    import torch.nn.functional as F
+
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + sk - sq
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.reference import attention_reference
+
+    out, lse = attention_sm100(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               return_lse=True)
+    out2, lse2 = attention_sm100(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                 return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ"
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=True)
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    seen = torch.isfinite(ref_lse)
+    seen_rows = seen.transpose(1, 2)
+    assert (out[~seen_rows] == 0).all(), "a row that sees no key must be exactly 0"
+    assert (lse[~seen] == -math.inf).all(), "a row that sees no key must have LSE -inf"
+    if not seen.any():
+        return
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
+    pt = _sdpa(q, k, v, causal, scale)
+    err = (out.double() - ref)[seen_rows].abs().max().item()
+    pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
+    assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
+    lse_err = (lse.double() - ref_lse)[seen].abs()
+    assert (lse_err <= 1e-3 + 1e-5 * ref_lse[seen].abs()).all(), \
+        f"LSE error up to {lse_err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_matrix(head_dim, causal, gqa):
+    for i, (sq, sk) in enumerate(SEQLENS):
+        q, k, v = _inputs(2, sq, sk, 8, 8 // gqa, head_dim, torch.bfloat16, seed=i)
+        _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp16(head_dim, causal):
+    for i, (sq, sk) in enumerate(SEQLENS):
+        q, k, v = _inputs(1, sq, sk, 4, 2, head_dim, torch.float16, seed=10 + i)
+        _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_extreme_logits(dtype, causal):
+    """Scores of magnitude ~1e4: one-hot rows, maxima that jump by far more than the threshold."""
+    q, k, v = _inputs(1, 300, 700, 4, 4, 128, DTYPES[dtype], seed=7, q_scale=1e3)
+    _check(q, k, v, causal=causal)
+
+
+def test_fully_masked_rows_and_empty_ctas():
+    """causal, seqlen_q >> seqlen_k: the first 3000 rows (whole CTAs) see no key at all."""
+    q, k, v = _inputs(1, 3100, 100, 2, 1, 64, torch.bfloat16, seed=3)
+    _check(q, k, v, causal=True)
+
+
+def test_softmax_scale_and_no_lse():
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.reference import attention_reference
+
+    q, k, v = _inputs(1, 257, 513, 4, 2, 64, torch.bfloat16, seed=5)
+    out = attention_sm100(q, k, v, softmax_scale=0.3)
+    assert isinstance(out, torch.Tensor)
+    ref = attention_reference(q, k, v, softmax_scale=0.3)
+    pt = _sdpa(q, k, v, False, 0.3)
+    assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max() + ATOL
