@@ -69,19 +69,14 @@ def _bottleneck(plan, costs, per_block: float) -> dict:
 
 def build_report(plan, costs=None) -> dict:
     from fa4lab.plan.costs import DEFAULT_COSTS
-    from fa4lab.plan.simulate import predict, simulate
+    from fa4lab.plan.simulate import mutation_check, predict, simulate
 
     costs = costs or DEFAULT_COSTS
     pred = predict(plan, costs)
     fixed, per = pred.tile_cycles
     n_sim = 6
     sim = simulate(plan, n_sim, 2, costs)
-    mutations = {}
-    for b in plan.barriers.barriers:
-        r = simulate(plan, n_sim, 2, costs, drop=b.name)
-        mutations[b.name] = ("deadlock" if r.deadlock else "") + (
-            (" + " if r.deadlock and r.hazards else "") + f"{len(r.hazards)} hazard(s)"
-            if r.hazards else "") or "NOT CAUGHT"
+    mutations = {k: v or "NOT CAUGHT" for k, v in mutation_check(plan, costs=costs).items()}
     alt = {"kv_stage": 2} if plan.arch == "sm100" else {"n_block": 64}
     try:
         from fa4lab.plan import plan_forward

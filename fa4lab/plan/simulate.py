@@ -547,6 +547,32 @@ def simulate(plan, n_blocks: int = 6, n_tiles: int = 2, costs: CostModel = DEFAU
     return Simulator(progs, needed, costs, plan.arch, n_blocks, n_tiles).run(label)
 
 
+def edge_check(plan, barrier: str, n_blocks=(1, 6), n_tiles: int = 2,
+               costs: CostModel = DEFAULT_COSTS) -> str:
+    """What removing one barrier breaks, over short and long work tiles: "" if nothing.
+
+    Both lengths matter: with a two-buffer K/V ring and tiles of several blocks, the ring's
+    own release happens to order the next tile's Q load after the last score MMA, so q_empty
+    only shows its worth on a one-block tile (a causal tile near the diagonal).
+    """
+    found = []
+    for n in n_blocks:
+        r = simulate(plan, n, n_tiles, costs, drop=barrier)
+        if r.deadlock and "deadlock" not in found:
+            found.append("deadlock")
+        for h in r.hazards:
+            if h.kind not in found:
+                found.append(h.kind)
+    return " + ".join(found)
+
+
+def mutation_check(plan, n_blocks=(1, 6), n_tiles: int = 2,
+                   costs: CostModel = DEFAULT_COSTS) -> dict[str, str]:
+    """Each barrier -> what its removal breaks ("" would mean the edge is redundant)."""
+    return {b.name: edge_check(plan, b.name, n_blocks, n_tiles, costs)
+            for b in plan.barriers.barriers}
+
+
 # ---- throughput ----
 def _blocks_per_tile(spec, cta_m: int, n_block: int) -> list[int]:
     """K/V blocks each work tile visits (bottom-right causal alignment, as in fa4lab.spec)."""
