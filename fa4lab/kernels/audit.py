@@ -235,6 +235,7 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
     rows.append(_row("MUFU.EX2", f"{mufu_p}..{mufu_p + steps}", mufu,
                      mufu_p <= mufu <= mufu_p + steps,
                      note="P on MUFU, plus at most one row-scale exp2 per site"))
+    rows.append(AuditRow("FFMA2 (SASS)", "-", ops["FFMA2"], True, "packed FMAs, shown"))
     found_fraction = poly / max(poly + mufu, 1)
     rows.append(AuditRow("emulated exp2 fraction", plan.exp2_emulation_fraction,
                          round(found_fraction, 4),
@@ -289,11 +290,11 @@ def _main(args) -> int:
     audits = [result]
     peer_note = None
     if args.peer:
-        from fa4lab.kernels import audit_peer
+        from fa4lab.kernels import peer_sm100
 
         try:
-            audits.append(audit_peer.audit_flash_attn4(spec, keep_dir=args.keep_dir))
-        except audit_peer.PeerUnavailable as exc:
+            audits.append(peer_sm100.audit_flash_attn4(spec, keep_dir=args.keep_dir))
+        except peer_sm100.PeerUnavailable as exc:
             peer_note = str(exc)
     if args.format == "json":
         print(json.dumps({"audits": [a.to_dict() for a in audits], "peer": peer_note},
