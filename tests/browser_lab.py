@@ -101,6 +101,15 @@ class Lab:
                      has_text=re.compile(r"^Run All Cells$")).click()
         self.wait_done()
 
+    def save(self) -> None:
+        """Ctrl+S, as a person would; wait until the notebook is no longer marked dirty."""
+        self.page.locator(".jp-NotebookPanel .jp-Notebook").first.click(
+            position={"x": 5, "y": 5})
+        self.page.keyboard.press("Control+s")
+        self.page.wait_for_function(
+            "() => !window.jupyterapp.shell.currentWidget.context.model.dirty",
+            timeout=TIMEOUT_MS)
+
     def wait_done(self) -> None:
         """Wait until no cell is queued or running and the kernel is idle, twice in a row
         half a second apart (a kernel goes idle between two queued cells)."""
