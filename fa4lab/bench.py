@@ -339,7 +339,7 @@ def _cell(r: Result | None) -> str:
     if r is None:
         return "-"
     if r.status == OK:
-        return f"{r.tflops:.0f}"
+        return f"{r.tflops:.0f}" if r.tflops >= 10 else f"{r.tflops:.3g}"
     return r.status
 
 

@@ -397,3 +397,43 @@ def test_compile_anywhere_reports_time_or_the_failure():
 
     seconds, text = bench.compile_anywhere(NotAPlan())
     assert seconds is None and "failed" in text
+
+
+def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_path, capsys):
+    """The GPU path of `fa4lab bench` (providers, table, record, plot) with the device faked:
+    the runs happen on CPU tensors, so the flow is tested here, not the speed."""
+    import warnings
+
+    from fa4lab import environment
+
+    fake = environment.GpuInfo("Fake H200", (9, 0))
+    monkeypatch.setattr(environment, "gpu", lambda: fake)
+    monkeypatch.setattr(bench, "gemm_tflops", lambda **kw: 700.0)
+    real_run_sweep = bench.run_sweep
+    monkeypatch.setattr(bench, "run_sweep",
+                        lambda shapes, providers, **kw: real_run_sweep(
+                            shapes, providers, **{**kw, "device": "cpu", "progress": False}))
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # fa4lab.attention on CPU tensors warns: reference
+        rc = bench.main(["--head-dim", "64", "--seqlen", "64", "--causal", "both",
+                         "--total-tokens", "128", "--hidden", "128", "--rep-ms", "1",
+                         "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "fa4lab bench on Fake H200" in text and "record saved" in text
+    rec = bench.load_record(out_json)
+    assert rec["gpu"] == "Fake H200" and rec["arch"] == "sm90" and rec["gemm_tflops"] == 700.0
+    assert rec["command"].startswith("fa4lab bench --head-dim 64")
+    res = bench.results_of(rec)
+    assert {r.provider for r in res} == {"fa4lab", "sdpa-flash", "sdpa-cudnn", "fa4"}
+    assert len(res) == 2 * 4
+    # every provider has a status for every shape; none was dropped
+    for r in res:
+        assert r.status in bench.STATUSES
+        assert r.status == OK or r.note
+    assert out_png.stat().st_size > 0
+    assert bench.main(["--head-dim", "64", "--seqlen", "64", "--total-tokens", "128",
+                       "--hidden", "128", "--rep-ms", "1", "--no-save", "--no-gemm",
+                       "--arch", "sm100"]) == 0
+    assert "not --arch sm100" in capsys.readouterr().err
