@@ -122,4 +122,61 @@ def _reference(q, k, v, *, causal, softmax_scale, return_lse):
     return (out, lse.to(torch.float32)) if return_lse else out
 
 
-__all__ = ["SlowReferenceWarning", "UnsupportedArchError", "attention"]
+def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None):
+    """PyTorch's own attention in the inputs' dtype: the yardstick for the kernels' error.
+
+    GQA through `enable_gqa`, causal through an explicit bottom-right bool mask (SDPA's
+    `is_causal` is top-left aligned). Rows that see no key come out NaN here; callers drop them.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + sk - sq
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def error_vs_reference(q, k, v, *, causal=False, softmax_scale=None) -> dict:
+    """Run `attention` and measure it against the float64 reference, beside SDPA's error.
+
+    Returns max abs errors over rows that see a key ("kernel", "sdpa", "lse"), and whether rows
+    that see no key came out exactly 0 with LSE -inf ("empty_rows_ok") and nothing is NaN
+    ("no_nan"). FA4's acceptance rule is kernel <= 2 * sdpa + a small atol.
+    """
+    import math
+
+    import torch
+
+    from fa4lab.reference import attention_reference
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                             return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=True)
+    seen = torch.isfinite(ref_lse)                   # (b, h, sq)
+    rows = seen.transpose(1, 2)                      # (b, sq, h)
+    pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    def worst(x):
+        return x.abs().max().item() if x.numel() else 0.0
+
+    return {
+        "kernel": worst((out.double() - ref)[rows]),
+        "sdpa": worst((pt.double() - ref)[rows]),
+        "lse": worst((lse.double() - ref_lse)[seen]),
+        "empty_rows_ok": bool((out[~rows] == 0).all() and (lse[~seen] == -math.inf).all()),
+        "no_nan": not (torch.isnan(out).any() or torch.isnan(lse).any()),
+    }
+
+
+__all__ = ["SlowReferenceWarning", "UnsupportedArchError", "attention", "error_vs_reference",
+           "sdpa_same_dtype"]
