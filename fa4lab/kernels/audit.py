@@ -169,6 +169,35 @@ def setmaxnreg_values(ptx: str) -> list[int]:
                                              ptx))
 
 
+# Where each sm100 role shows up in the binary: (PTX regex, SASS regex), for notebook excerpts.
+SM100_MARKERS = {
+    "setup: mbarriers": (r"mbarrier\.init\.", r"SYNCS\.EXCH"),
+    "setup: TMEM alloc, register budgets": (r"tcgen05\.alloc", r"USETMAXREG"),
+    "load: TMA of Q/K/V": (r"cp\.async\.bulk\.tensor\.\dd\.shared", r"UTMALDG"),
+    "mma: S = Q K^T and O += P V": (r"tcgen05\.mma\.", r"UTCHMMA"),
+    "mma: commit to an mbarrier": (r"tcgen05\.commit\.", r"UTCBAR"),
+    "softmax: S from TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32", r"LDTM"),
+    "softmax: exp2 on MUFU": (r"ex2\.approx", r"MUFU\.EX2"),
+    "softmax: exp2 polynomial on FMA": (r"add\.rm\.ftz\.f32", r"FFMA\.FTZ.*0\.2276"),
+    "softmax: P to TMEM": (r"tcgen05\.st\.sync\.aligned\.32x32b\.x16", r"STTM"),
+    "epilogue: TMA store of O": (r"cp\.async\.bulk\.tensor\.\dd\.global", r"UTMASTG"),
+}
+
+
+def excerpt(text: str, pattern: str, before: int = 2, after: int = 4, max_width: int = 110,
+            occurrence: int = 0) -> str:
+    """The lines around the `occurrence`-th line matching `pattern` (blank lines dropped)."""
+    lines = [re.sub(r"\s*/\* 0x[0-9a-f]+ \*/", "", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    hits = [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+    if len(hits) <= occurrence:
+        return f"(no line matches {pattern!r})"
+    i = hits[occurrence]
+    out = [ln if len(ln) <= max_width else ln[: max_width - 3] + "..."
+           for ln in lines[max(i - before, 0): i + after + 1]]
+    return "\n".join(out)
+
+
 def _row(name, expected, found, ok=None, note=""):
     return AuditRow(name, expected, found, expected == found if ok is None else bool(ok), note)
 
