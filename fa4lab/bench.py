@@ -448,18 +448,24 @@ def sdpa_runner(backend_name: str, *, layout: str = "bshd") -> Runner:
 
 
 def _fa4lab_runner(arch: str | None) -> Runner:
-    try:
-        from fa4lab.api import attention
-    except ImportError as err:
-        if arch not in (None, "sm90"):
-            raise
-        try:
-            from fa4lab.kernels.fwd_sm90 import attention_sm90 as attention
-        except ImportError:
-            raise err from None
+    """`fa4lab.attention`, refusing its float64 fallback: where no kernel runs, `attention`
+    computes the reference (with a SlowReferenceWarning), which must never be timed as fa4lab.
+    The warning is an error on the first call (the check call); later calls take the same
+    dispatch, so they pay no extra cost."""
+    import warnings
+
+    from fa4lab.api import SlowReferenceWarning, attention
+
+    first = [True]
 
     def run(q, k, v, causal, softmax_scale):
-        out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=False)
+        if first[0]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", SlowReferenceWarning)
+                out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            first[0] = False
+        else:
+            out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
         return out[0] if isinstance(out, tuple) else out
 
     return run

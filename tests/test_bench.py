@@ -415,7 +415,7 @@ def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_pa
                             shapes, providers, **{**kw, "device": "cpu", "progress": False}))
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # fa4lab.attention on CPU tensors warns: reference
+        warnings.simplefilter("ignore", DeprecationWarning)
         rc = bench.main(["--head-dim", "64", "--seqlen", "64", "--causal", "both",
                          "--total-tokens", "128", "--hidden", "128", "--rep-ms", "1",
                          "--json", str(out_json), "--plot", str(out_png)])
@@ -432,6 +432,10 @@ def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_pa
     for r in res:
         assert r.status in bench.STATUSES
         assert r.status == OK or r.note
+    # on CPU tensors fa4lab.attention would fall back to the float64 reference: never timed
+    ours = [r for r in res if r.provider == "fa4lab"]
+    assert all(r.status == ERROR and "SlowReferenceWarning" in r.note for r in ours)
+    assert all(r.status == OK for r in res if r.provider == "sdpa-flash")   # torch's CPU flash
     assert out_png.stat().st_size > 0
     assert bench.main(["--head-dim", "64", "--seqlen", "64", "--total-tokens", "128",
                        "--hidden", "128", "--rep-ms", "1", "--no-save", "--no-gemm",
