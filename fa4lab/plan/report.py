@@ -55,8 +55,7 @@ def _bottleneck(plan, costs, per_block: float) -> dict:
     t, hw = plan.tiles, plan.hardware
     eb = plan.spec.element_bytes
     demand = {
-        "tensor": t.q_stage * (costs.mma_cycles(hw, t.m_block, t.n_block, t.head_dim)
-                               + costs.mma_cycles(hw, t.m_block, t.head_dim_v, t.n_block)),
+        "tensor": t.q_stage * sum(costs.mma_op_cycles(hw, m, eb) for m in plan.mmas),
         "exp2 (MUFU/FMA)": t.q_stage * costs.softmax_cycles(
             hw, t.m_block * t.n_block, plan.exp2_emulation_fraction),
         "TMA K+V": costs.tma_cycles(t.n_block * (t.head_dim + t.head_dim_v) * eb),

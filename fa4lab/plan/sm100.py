@@ -226,8 +226,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
         return Ref("smem", name, i)
 
     q_bytes, kv_bytes = m * d * eb, n * d * eb
-    qk = costs.mma_cycles(hw, m, n, d)
-    pv = costs.mma_cycles(hw, m, dv, n)
+    qk = costs.mma_op_cycles(hw, plan.mma("score"), eb)
+    pv = costs.mma_op_cycles(hw, plan.mma("value"), eb)
     rescale_at = costs.rescale_blocks(N)
 
     def masked(j):

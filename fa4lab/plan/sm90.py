@@ -167,6 +167,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
     o_region = plan.smem.region("o")
     turn = Ref("turn", "tensor-core turn", 0)
     rescale_at = costs.rescale_blocks(N)
+    qk = costs.mma_op_cycles(hw, plan.mma("score"), eb)
+    pv = costs.mma_op_cycles(hw, plan.mma("value"), eb)
 
     def sref(name, i):
         if name == "o" and o_region.alias_of:
@@ -201,10 +203,10 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
             if q == 2:
                 prog.append(Wait(f"mma_turn{c}", 0, s))
             if s < N:
-                prog.append(Work(f"S{c}=Q{c}K{s}", costs.mma_cycles(hw, m, n, d), unit="tensor",
+                prog.append(Work(f"S{c}=Q{c}K{s}", qk, unit="tensor",
                                  reads=(sref("q", c), sref("k", s % S)), writes=(turn,)))
             if s >= 1:
-                prog.append(Work(f"O{c}+=P{c}V{s - 1}", costs.mma_cycles(hw, m, dv, n),
+                prog.append(Work(f"O{c}+=P{c}V{s - 1}", pv,
                                  unit="tensor", reads=(sref("v", (s - 1) % S),), writes=(turn,)))
             if q == 2 and not (c == 1 and s == N):   # consumer0 takes no turn after its last
                 prog.append(Arrive(f"mma_turn{1 - c}", 0, threads))
