@@ -111,8 +111,8 @@ def lab(browser, lab_server, request):
 
 
 def _need(name: str) -> None:
-    if not (NOTEBOOKS / name).exists():
-        pytest.skip(f"notebooks/{name} does not exist yet")
+    assert (NOTEBOOKS / name).exists(), (
+        f"notebooks/{name} is missing: it is a lesson (fa4lab/lessons.py)")
 
 
 def _open_and_run_all(lab: Lab, name: str) -> None:

@@ -99,8 +99,7 @@ def figures_missing_from_html(nb, html: str) -> list[int]:
 @pytest.mark.parametrize("name", WITH_WIDGETS)
 def test_widget_sections_have_a_static_figure(name, tmp_path):
     source = NOTEBOOKS / name
-    if not source.exists():
-        pytest.skip(f"notebooks/{name} does not exist yet")
+    assert source.exists(), f"notebooks/{name} is missing: it is a lesson (fa4lab/lessons.py)"
     nb = execute_copy(source, tmp_path / "work")
     sections = widget_outputs(nb)
     assert sections, f"{name}: no widget section was displayed (expected LiveFigure outputs)"
