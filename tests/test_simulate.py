@@ -22,6 +22,7 @@ from fa4lab.plan.simulate import (
     mutation_check,
     predict,
     simulate,
+    useful_flops,
 )
 from fa4lab.spec import AttentionSpec
 
@@ -187,3 +188,23 @@ def test_prediction_is_bounded_and_counts_causal_work():
         assert 0.2 < causal.utilization < 1.0
         # Causal skips about half the blocks: it takes less time, not more.
         assert causal.seconds < full.seconds
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 3), (3, 7), (5, 5), (1, 9)])
+def test_useful_flops_counts_visible_scores(sq, sk):
+    import numpy as np
+
+    s = AttentionSpec(2, sq, sk, 3, 3, 16, causal=True)
+    i, j = np.meshgrid(np.arange(sq), np.arange(sk), indexing="ij")
+    visible = int((j <= i + sk - sq).sum())   # bottom-right causal, as in fa4lab.spec
+    expected = 2.0 * 2 * 3 * visible * 32
+    got = useful_flops(s)
+    if sq == sk:   # the benchmark convention (halved) is used: within one diagonal
+        assert abs(got - expected) <= 2.0 * 2 * 3 * sq * 32
+    else:
+        assert got == expected
+
+
+def test_prediction_never_beats_peak_on_lopsided_causal():
+    p = plan_forward(AttentionSpec(1, 5000, 100, 16, 16, 128, causal=True), "sm100")
+    assert 0 < predict(p).utilization < 1

@@ -637,5 +637,15 @@ def predict(plan, costs: CostModel = DEFAULT_COSTS, spec=None) -> Prediction:
             heapq.heapreplace(sms, sms[0] + t)
     cycles = max(sms)
     seconds = cycles / (hw.clock_ghz * 1e9)
-    return Prediction(spec.flops() / seconds / 1e12, seconds, (fixed, per),
+    return Prediction(useful_flops(spec) / seconds / 1e12, seconds, (fixed, per),
                       reps * len(times), hw.peak_mma_tflops, hw.name)
+
+
+def useful_flops(spec) -> float:
+    """FLOPs of the visible scores: spec.flops() (4·B·H·Sq·Sk·D, halved for causal) when that
+    convention is exact enough (not causal, or seqlen_q == seqlen_k), else the exact count."""
+    if not spec.causal or spec.seqlen_q == spec.seqlen_k:
+        return spec.flops()
+    offset = spec.seqlen_k - spec.seqlen_q
+    pairs = sum(min(spec.seqlen_k, max(0, i + offset + 1)) for i in range(spec.seqlen_q))
+    return 2.0 * spec.batch * spec.heads_q * pairs * (spec.head_dim + spec.head_dim_v)
