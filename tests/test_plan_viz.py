@@ -65,3 +65,15 @@ def test_timeline_and_mutation_widgets():
     assert "hazard" in mut.text.value
     mut.controls["drop"].value = "mma_turn0"   # an sm90 barrier on the sm100 plan
     assert "fa4lab-error" in mut.text.value
+
+
+def test_phase_bits_flip_once_per_completion():
+    sim = simulate(plan_forward(spec(128), "sm100"), 4, 2)
+    fig = vp.draw_phase_bits(sim, ["kv_full"])
+    lines = fig.axes[0].lines
+    assert len(lines) == 3                                  # one per K/V ring stage
+    for line, key in zip(lines, ["kv_full[0]", "kv_full[1]", "kv_full[2]"]):
+        ys = line.get_ydata()
+        flips = sum(1 for a, b in zip(ys, ys[1:]) if a != b)
+        assert flips == len(sim.phase_times[key]) == sim.completions[key]
+    plt.close(fig)

@@ -189,6 +189,7 @@ class SimResult:
     mutation: str | None = None
     completions: dict = field(default_factory=dict)
     leftover: dict = field(default_factory=dict)   # stage -> (arrivals, tx) of an open phase
+    phase_times: dict = field(default_factory=dict)  # "name[stage]" -> cycle of each completion
 
     @property
     def ok(self) -> bool:
@@ -309,8 +310,10 @@ class Simulator:
         done = {f"{k[0]}[{k[1]}]": len(b.completions) for k, b in self.barriers.items()}
         left = {b.name: (b.phase.arrivals, b.phase.tx) for b in self.barriers.values()
                 if b.phase.arrivals or b.phase.tx}
+        times = {f"{k[0]}[{k[1]}]": [t for t, _ in b.completions]
+                 for k, b in self.barriers.items()}
         return SimResult(arch, n_blocks, n_tiles, self.spans, self.hazards, deadlock, end,
-                         mutation, done, left)
+                         mutation, done, left, times)
 
     # barriers
     def _arrive(self, key, count: int, tx: int, clock: dict, t: float) -> None:

@@ -268,6 +268,32 @@ def draw_timeline(sim, ax=None, max_cycles: float | None = None, title: str | No
     return fig
 
 
+def draw_phase_bits(sim, names=("kv_full", "kv_empty"), max_cycles: float | None = None):
+    """The phase bit of each stage of the named barriers over simulated time: it flips at every
+    completed phase; a waiter for its k-th use of a stage waits for parity k % 2 to complete."""
+    rows = [(k, v) for n in names for k, v in sim.phase_times.items() if k.startswith(n + "[")]
+    fig, ax = plt.subplots(figsize=(11, 0.5 * max(3, len(rows)) + 1))
+    end = max_cycles or sim.cycles
+    for y, (_, times) in enumerate(rows):
+        xs, bits, bit, t0 = [], [], 0, 0.0
+        for t in times + [end]:
+            xs += [t0, t]
+            bits += [bit, bit]
+            bit, t0 = 1 - bit, t
+        # The y axis is inverted (first row on top): bit 1 is drawn up.
+        ax.plot(xs, [y + 0.3 - 0.6 * b for b in bits], color="#1f77b4", lw=1.2)
+        for k, t in enumerate(times):
+            ax.text(t, y + 0.47, str(k), fontsize=6, ha="center", color="#555555")
+    ax.set_yticks(range(len(rows)), [k for k, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel("cycles (simulated); each step = one completed phase (its index above)")
+    ax.set_title("mbarrier phase bits: low while a phase of parity 0 is pending, high for parity 1",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def sim_summary_html(sim) -> str:
     lines = [html.escape(sim.summary().splitlines()[0])]
     if sim.deadlock:
