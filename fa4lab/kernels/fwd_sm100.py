@@ -316,7 +316,7 @@ class FlashForwardSm100:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
-            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_s, pipe_o, pipe_stats,
+            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
                             pipe_epi, m_block, head, batch,
                             self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q)
             tmem_barrier.arrive()
@@ -424,8 +424,9 @@ class FlashForwardSm100:
                 pipe_q.consumer_wait(_phase_state(self.q_stage, stage, 0))
                 if cutlass.const_expr(stage == 0):
                     pipe_kv.consumer_wait(kv_state)
-                tiled_mma_qk = self.gemm(tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
-                          tSrK[None, None, None, kv_state.index], False)
+                tiled_mma_qk = self.gemm(
+                    tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
+                    tSrK[None, None, None, kv_state.index], False)
                 pipe_s.producer_commit(_phase_state(self.q_stage, stage, 0))
             pipe_kv.consumer_release(kv_state)
             kv_state.advance()
@@ -440,8 +441,9 @@ class FlashForwardSm100:
                     # P_i(j) is in TMEM (p_ready) and O_i was rescaled (o_rescaled)
                     pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
                     pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
-                    tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO[stage], tOrP[stage],
-                              tOrV[None, None, None, v_state.index], accumulate)
+                    tiled_mma_pv = self.gemm(
+                        tiled_mma_pv, tOtO[stage], tOrP[stage],
+                        tOrV[None, None, None, v_state.index], accumulate)
                     if cutlass.const_expr(stage == self.q_stage - 1):
                         pipe_kv.consumer_release(v_state)
                     if cutlass.const_expr(stage == 0):
@@ -459,8 +461,9 @@ class FlashForwardSm100:
             for stage in cutlass.range_constexpr(self.q_stage):
                 pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
                 pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
-                tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO[stage], tOrP[stage],
-                          tOrV[None, None, None, kv_state.index], accumulate)
+                tiled_mma_pv = self.gemm(
+                    tiled_mma_pv, tOtO[stage], tOrP[stage],
+                    tOrV[None, None, None, kv_state.index], accumulate)
                 pipe_o.producer_commit(_phase_state(self.q_stage, stage, 0))
             pipe_kv.consumer_release(kv_state)
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -602,7 +605,7 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: correction
     @cute.jit
-    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_s, pipe_o, pipe_stats,
+    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
                    pipe_epi, m_block, head, batch, n_block_max, seqlen_q):
         """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO, and LSE."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
