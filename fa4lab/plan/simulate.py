@@ -422,7 +422,9 @@ class Simulator:
                 self._access(role, ev, self.clocks[role], op.label, op.reads, op.writes, start)
                 if start > t:
                     self.spans.append(Span(role, f"wait {op.unit}", t, start, "wait"))
-                self.spans.append(Span(role, op.label, start, end, "work"))
+                # A role that runs the MMA itself (sm90 wgmma) shows it as an MMA span.
+                self.spans.append(Span(role, op.label, start, end,
+                                       "mma" if op.unit == "tensor" else "work"))
                 self.pc[role] += 1
                 self._push(end, "step", role)
                 return

@@ -238,7 +238,7 @@ KIND_STYLE = {"work": 0.62, "mma": 0.62, "copy": 0.62, "wait": 0.22}
 
 
 def draw_timeline(sim, ax=None, max_cycles: float | None = None, title: str | None = None):
-    """Gantt chart by role and engine; waits thin and grey; hazards as red marks."""
+    """Gantt chart by role and engine; MMAs red, waits thin and grey, hazards as red lines."""
     own = ax is None
     if own:
         fig, ax = plt.subplots(figsize=(11, 0.42 * max(4, len(sim.lanes())) + 1.2))
@@ -247,7 +247,8 @@ def draw_timeline(sim, ax=None, max_cycles: float | None = None, title: str | No
     lanes = sorted(sim.lanes(), key=lambda n: LANE_ORDER.index(n) if n in LANE_ORDER else 99)
     for s in sim.spans:
         y = lanes.index(s.lane)
-        color = "#dddddd" if s.kind == "wait" else _role_color(s.lane)
+        color = {"wait": "#dddddd", "mma": ROLE_COLORS["tensor"]}.get(s.kind,
+                                                                       _role_color(s.lane))
         ax.barh(y, s.end - s.start, left=s.start, height=KIND_STYLE[s.kind], color=color,
                 edgecolor="white" if s.kind != "wait" else "none", lw=0.3)
     for h in sim.hazards:
