@@ -43,7 +43,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels import mask as mask_mod
 from fa4lab.kernels import scheduler
-from fa4lab.kernels.softmax import OnlineSoftmax
+from fa4lab.kernels.softmax import OnlineSoftmax, rescale_rows
 
 _WG = 128  # threads per warpgroup
 _EPILOGUE_BARRIER = 1  # named barriers 1, 2: each consumer's epilogue
@@ -109,6 +109,9 @@ class FlashForwardSm90:
     """The sm90 forward kernel, configured once from a frozen `Plan`; no DSL code here."""
 
     arch = "sm90a"
+    # Skip the O multiply when none of a thread's rows changed its max (FA4's point of the
+    # conditional rescale); a class knob so a benchmark can compare both.
+    skip_unneeded_rescale = True
 
     def __init__(self, plan):
         spec = plan.spec
@@ -455,7 +458,13 @@ class FlashForwardSm90:
         row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
         self.release(pipeline_v, prev)
-        softmax.rescale(acc_mn_view(acc_O), row_scale)
+        acc_O_mn = acc_mn_view(acc_O)
+        if const_expr(self.skip_unneeded_rescale):
+            need = softmax.needs_rescale(row_scale)
+            if need:
+                rescale_rows(acc_O_mn, row_scale)
+        else:
+            rescale_rows(acc_O_mn, row_scale)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         return state
 

@@ -50,6 +50,14 @@ def _row_reduce_max(row: cute.Tensor, threads_per_row: cutlass.Constexpr[int]) -
     return m
 
 
+@cute.jit
+def rescale_rows(acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
+    """O[r, :] *= row_scale[r] on a thread's (rows, cols) view of the O accumulator."""
+    for r in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[0])):
+        for j in cutlass.range(cute.size(acc_o_mn, mode=[1]), unroll_full=True):
+            acc_o_mn[r, j] = acc_o_mn[r, j] * row_scale[r]
+
+
 class OnlineSoftmax:
     """Row max / row sum registers and the three steps: `step`, `rescale`, `finalize`.
 
@@ -109,11 +117,19 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
+    def needs_rescale(self, row_scale: cute.Tensor):
+        """True when any of this thread's rows changed its max (a row_scale other than 1).
+
+        With the conditional rescale most blocks change no max, so the O multiply can be
+        skipped; the branch is per thread (the rows' quads agree on their own scales).
+        """
+        need = row_scale[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, self.num_rows):
+            need = need or row_scale[r] != Float32(1.0)
+        return need
+
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
-        """O[r, :] *= row_scale[r] on a thread's (rows, cols) view of the O accumulator."""
-        for r in cutlass.range_constexpr(self.num_rows):
-            for j in cutlass.range(cute.size(acc_o_mn, mode=[1]), unroll_full=True):
-                acc_o_mn[r, j] = acc_o_mn[r, j] * row_scale[r]
+        rescale_rows(acc_o_mn, row_scale)
 
     @cute.jit
     def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
