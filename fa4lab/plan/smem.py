@@ -1,8 +1,9 @@
 """Shared memory: the Q, K/V and O staging buffers, the statistics mailbox and the barriers.
 
 Regions are laid out in the order listed, each at its alignment (1024 bytes for swizzled
-tiles), so `total_bytes` is the size of the kernel's shared-storage struct declared in the same
-order. A region with `alias_of` reuses another region's bytes and adds nothing.
+tiles), and the total is rounded up to the largest alignment, as a C struct (and the CuTe DSL's
+`@cute.struct`) is: `total_bytes` is the size of the kernel's shared-storage struct declared in
+the same order. A region with `alias_of` reuses another region's bytes and adds nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class SmemPlan:
         for r in regions:
             if r.alias_of is not None:
                 offsets[r.name] = offsets[r.alias_of]
-        offsets["_end"] = end
+        # The struct's size is a multiple of its strictest member alignment.
+        offsets["_end"] = _round_up(end, max((r.align for r in regions), default=1))
         return offsets
 
     @classmethod
