@@ -70,10 +70,11 @@ def lab_config(folder: Path) -> tuple[dict, str]:
 
 
 class Lab:
-    """One Chromium page on a running JupyterLab; screenshots go to `shots`."""
+    """One Chromium page on a running JupyterLab; screenshots go to `shots`; `work` is the
+    folder the server serves."""
 
-    def __init__(self, page, url: str, token: str, shots: Path):
-        self.page, self.url, self.token, self.shots = page, url, token, shots
+    def __init__(self, page, url: str, token: str, shots: Path, work: Path | None = None):
+        self.page, self.url, self.token, self.shots, self.work = page, url, token, shots, work
         self.shots.mkdir(parents=True, exist_ok=True)
         page.set_default_timeout(TIMEOUT_MS)
 
@@ -121,6 +122,11 @@ class Lab:
     def unexecuted_cells(self) -> list[int]:
         """Indices of code cells without an execution count (a run all stopped early)."""
         return self.page.evaluate(_UNEXECUTED_JS)
+
+    def disabled_extensions(self) -> list[str]:
+        """The plugins this JupyterLab page has disabled (from its page config)."""
+        config = json.loads(self.page.locator("#jupyter-config-data").text_content())
+        return list(config.get("disabledExtensions", []))
 
     def cell_errors(self) -> list[str]:
         """Tracebacks shown in the notebook (stderr, a progress bar say, is not an error)."""

@@ -14,7 +14,7 @@ the kernel, then move a widget and check that what is shown changes accordingly:
 Screenshots land in test-output/browser/ (git-ignored). The committed notebooks are never
 opened in place, and the last test checks that they are still free of outputs on disk.
 
-Run: `.venv/bin/pytest -q tests/test_browser.py` (about a minute on two cores). Without
+Run: `.venv/bin/pytest -q tests/test_browser.py` (under two minutes on two cores). Without
 Chromium or Playwright it skips, except under CI, where it fails: `make test` installs both.
 """
 
@@ -99,13 +99,11 @@ def lab_server(browser, committed, tmp_path_factory, request):
 
 
 @pytest.fixture
-def lab(browser, lab_server, request):
+def lab(browser, lab_server):
     """A fresh page; its notebook's kernel is shut down afterwards."""
     url, token, work = lab_server
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    lab = Lab(page, url, token, SHOTS)
-    lab.work = work
-    yield lab
+    yield Lab(page, url, token, SHOTS, work=work)
     page.close()
     shutdown_kernels(url, token)
 
@@ -166,6 +164,9 @@ def test_live_figure_redraws_in_lab(lab):
     name = "widget_check.ipynb"
     with lab.screenshot_on_failure("widget_check"):
         _open_and_run_all(lab, name)
+        # The test config took effect: no news toast over the widgets.
+        assert "@jupyterlab/apputils-extension:announcements" in lab.disabled_extensions()
+        assert lab.page.locator(".Toastify__toast").count() == 0
         stepper = lab.live_panel("step")
         assert stepper.locator(".fa4lab-live-text").inner_text() == "after block 0"
         first = lab.image_digest(stepper)
