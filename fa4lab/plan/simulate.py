@@ -408,8 +408,7 @@ class Simulator:
                     self._push(ready, "step", role)
                     return
             elif isinstance(op, Arrive):
-                ev = self._tick(role)
-                del ev
+                self._tick(role)
                 self.pc[role] += 1
                 self._arrive((op.barrier, op.stage), op.count, op.expect_tx,
                              self.clocks[role], t)
