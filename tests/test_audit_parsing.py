@@ -71,3 +71,12 @@ def test_cli_arguments():
     spec = A._spec_from_args(args)
     assert (args.arch, spec.head_dim, spec.causal, spec.qhead_per_kvhead, spec.return_lse,
             spec.dtype, args.format) == ("sm90a", 64, True, 4, True, "fp16", "json")
+
+
+def test_smem_alignment_diagnosis():
+    from types import SimpleNamespace as NS
+
+    plan = NS(smem=NS(total_bytes=231636, regions=(NS(align=1024), NS(align=8))))
+    assert A.smem_gap_is_alignment(plan, 232448)
+    assert not A.smem_gap_is_alignment(plan, 231636)
+    assert not A.smem_gap_is_alignment(plan, 233472)

@@ -202,6 +202,14 @@ def _row(name, expected, found, ok=None, note=""):
     return AuditRow(name, expected, found, expected == found if ok is None else bool(ok), note)
 
 
+def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
+    """True when the struct is exactly plan.smem.total_bytes rounded up to the largest region
+    alignment: a struct's size, like C's sizeof, is a multiple of its alignment."""
+    align = max(r.align for r in plan.smem.regions)
+    rounded = -(-plan.smem.total_bytes // align) * align
+    return struct_bytes != plan.smem.total_bytes and struct_bytes == rounded
+
+
 # ---------------------------------------------------------------- audits
 def _common_rows(cf, ops: Counter, use_ptxas: bool) -> list[AuditRow]:
     plan = cf.plan
@@ -217,12 +225,19 @@ def _common_rows(cf, ops: Counter, use_ptxas: bool) -> list[AuditRow]:
         _row("spill instructions (STL/LDL)", 0, spill_instr),
         _row("stack frame bytes", 0, res["stack"]),
         _row("dynamic SMEM bytes", plan.smem.total_bytes, cf.smem_bytes,
-             note="SharedStorage struct size (not in the cubin)"),
-        _row("setmaxnreg values", sorted(r.registers for r in plan.roles),
-             setmaxnreg_values(cf.ptx), note="one per role branch"),
+             note="SharedStorage struct size (not in the cubin)"
+             + ("; the plan's total lacks the struct's round-up to its largest alignment"
+                if smem_gap_is_alignment(plan, cf.smem_bytes) else "")),
         _row("mbarrier.init", plan.barriers.mbarrier_count,
              ptx_count(cf.ptx, r"\bmbarrier\.init\.")),
     ]
+    found_nreg = setmaxnreg_values(cf.ptx)
+    if cf.arch == "sm100a":  # the sm100 kernel has one setmaxnreg per role branch
+        rows.append(_row("setmaxnreg values", sorted(r.registers for r in plan.roles),
+                         found_nreg, note="one per role branch"))
+    else:  # the sm90 kernel's consumer warpgroups share one branch
+        rows.append(_row("setmaxnreg values (distinct)",
+                         sorted({r.registers for r in plan.roles}), sorted(set(found_nreg))))
     if use_ptxas:
         rep = ptxas_report(cf.ptx_path, cf.arch)
         rows.append(_row("ptxas spill bytes (stores + loads)", 0,
