@@ -226,8 +226,9 @@ def render_markdown(plan, rep: dict) -> str:
               f"{_fixed_text(pred['tile_cycles']['fixed'])}; demand per block: {demand} cycles: "
               f"bound by {b['bound']} ({b['efficiency_vs_bound']:.0%} of it used).",
               "- Busy: " + ", ".join(f"{k} {v:.0%}" for k, v in sim["busy"].items()) + ".",
-              "- Single-edge removals: " + "; ".join(
-                  f"`{k}` {v}" for k, v in rep["simulation"]["mutations"].items()) + "."]
+              "- Single-edge removals (first finding): " + "; ".join(
+                  f"`{k}` {v.split(' + ')[0]}" for k, v in rep["simulation"]["mutations"].items())
+              + "."]
     if not clean:
         lines += [f"- DEADLOCK: {d}" for d in sim["deadlock"]]
         lines += [f"- HAZARD: {h}" for h in sim["hazards"]]
