@@ -55,7 +55,8 @@ class LiveFigure:
         self.title = title
         self.text = widgets.HTML(layout=widgets.Layout(min_height="1.5em"))
         self.text.add_class("fa4lab-live-text")
-        self.image = widgets.Image(format="png")
+        self.image = widgets.Image(
+            format="png", layout=widgets.Layout(align_self="flex-start", max_width="100%"))
         self.image.add_class("fa4lab-live-image")
         self.renders = 0
         for control in controls.values():
