@@ -1107,6 +1107,7 @@ def main_args(args) -> int:
         providers[0] = Provider(OURS, None, f"no fa4lab kernel for {g.name} with --arch {arch}")
     print(f"fa4lab bench on {g.name}")
     print(describe_run(shapes, providers))
+    started = time.perf_counter()
     gemm = None
     if not args.no_gemm:
         try:
@@ -1115,13 +1116,16 @@ def main_args(args) -> int:
             print(f"GEMM ceiling not measured: {type(err).__name__}: {_short(err)}",
                   file=sys.stderr)
     results = run_sweep(shapes, providers, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    wall_s = time.perf_counter() - started
     print()
+    print(f"measured in {wall_s:.0f} s")
     print(format_table(results, gemm_tflops=gemm))
     config = {"total_tokens": args.total_tokens, "hidden": args.hidden, "dtype": args.dtype,
               "timer": timer_name(), "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
               "check": f"batch 0, heads 0..{CHECK_HEADS - 1}, float64 reference, tol = 2 x "
                        f"same-dtype PyTorch error + {ATOL[args.dtype]:.1e}",
-              "providers": {p.name: PROVIDER_LABELS.get(p.name, p.name) for p in providers}}
+              "providers": {p.name: PROVIDER_LABELS.get(p.name, p.name) for p in providers},
+              "wall_s": round(wall_s, 1)}
     record = make_record(results, gemm=gemm, gpu_name=g.name, arch=arch, command=command,
                          config=config, label=args.label)
     if not args.no_save:
