@@ -16,13 +16,21 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   `m_block` = 64 rows (one wgmma M), so a CTA covers `cta_m` = 128 query rows. On B200 the same
   work is split over softmax, correction, MMA and load warps because S/P/O live in TMEM; on
   Hopper the accumulators live in the consumers' registers, so one warpgroup does it all.
-* Pipelines (mbarriers): `pipeline_q` (q_stage slots, one per consumer), `pipeline_k` and
-  `pipeline_v` (kv_stage slots each; full = TMA bytes landed, empty = both consumers done).
+* Barriers (the plan's BarrierGraph): `q_full` (one phase, both consumers' Q tiles; Q is loaded
+  once, so no q_empty), `pipeline_k` / `pipeline_v` (k_full/k_empty, v_full/v_empty, kv_stage
+  slots each: full = TMA bytes landed, empty = every consumer released the slot, per thread or
+  per warp as the plan counts), and two named barriers `mma_turn0/1` for the ping-pong.
 * Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
   or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.softmax`),
   P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
-* Epilogue: O / row_sum into the consumer's own Q slot in SMEM (stmatrix), TMA store to global
-  (out-of-range rows are clipped by TMA); LSE written directly from registers.
+  Intra-warpgroup overlap (FA3): the value wgmma of block j+1 runs while the softmax of block j
+  does; the ping-pong hands the tensor core between the two consumers; O is multiplied only
+  when some row's max grew past the threshold (the point of the conditional rescale).
+* Epilogue: O / row_sum to SMEM (stmatrix; in Q's bytes when the plan aliases them), TMA store
+  to global (out-of-range rows are clipped by TMA); LSE written directly from registers.
+
+Not done yet (notebook 06 lists them): a persistent LPT scheduler for causal, 3 consumer
+warpgroups (192-row tiles) for head_dim 64, pack-GQA, cluster multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
 machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
