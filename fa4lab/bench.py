@@ -777,6 +777,36 @@ def _sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
+class _PlainBar:
+    """Where tqdm is not installed: one line per finished run on stderr."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.n, self.enabled, self.where = total, 0, enabled, ""
+
+    def set_postfix_str(self, text: str) -> None:
+        self.where = text
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.enabled:
+            print(f"bench {self.n}/{self.total} {self.where}", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _PlainBar(total, enabled)
+    return tqdm(total=total, desc="bench", unit="run", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True)
+
+
 def _tick(bar, r: Result) -> None:
     bar.update(1)
     if r.status not in (OK, MISSING):
@@ -788,11 +818,8 @@ def run_sweep(shapes: Sequence[BenchShape], providers: Sequence[Provider], *,
               device: str = "cuda", warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
               progress: bool = True) -> list[Result]:
     """Every provider on every shape, in one process, with a tqdm bar over (shape, provider)."""
-    from tqdm.auto import tqdm
-
     results: list[Result] = []
-    bar = tqdm(total=len(shapes) * len(providers), desc="bench", unit="run",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = _progress_bar(len(shapes) * len(providers), progress)
     try:
         for shape in shapes:
             bar.set_postfix_str(shape.label())
@@ -928,18 +955,22 @@ def measure_plan(plan, peers: Sequence[str] = PEERS, *, warmup_ms: float = WARMU
 
 # ---- record metadata -------------------------------------------------------------------------
 def git_commit(repo: Path | None = None) -> str | None:
-    """`git rev-parse HEAD` of the repository fa4lab runs from ('+dirty' when it has changes)."""
+    """`git rev-parse HEAD` of the repository fa4lab runs from ('+dirty' when it has changes).
+
+    Where the code is not a git checkout (a copy shipped to a GPU host), FA4LAB_COMMIT names
+    the commit it was copied from; otherwise None."""
     repo = repo or Path(__file__).resolve().parents[1]
+    fallback = os.environ.get("FA4LAB_COMMIT") or None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                               text=True, timeout=10)
         if head.returncode:
-            return None
+            return fallback
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=repo, capture_output=True, text=True, timeout=10)
         return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        return fallback
 
 
 def versions() -> dict[str, str | None]:
@@ -1133,11 +1164,14 @@ def main_args(args) -> int:
         save_record(record, path)
         print(f"record saved: {path}")
     if args.plot:
-        from fa4lab.viz.bench import plot_throughput
+        try:
+            from fa4lab.viz.bench import plot_throughput
 
-        fig = plot_throughput(record)
-        fig.savefig(args.plot, dpi=110, bbox_inches="tight")
-        print(f"plot saved: {args.plot}")
+            fig = plot_throughput(record)
+            fig.savefig(args.plot, dpi=110, bbox_inches="tight")
+            print(f"plot saved: {args.plot}")
+        except Exception as err:   # the record is saved; a plot can be drawn from it later
+            print(f"plot not saved: {type(err).__name__}: {_short(err)}", file=sys.stderr)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
     if bad:
         print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")

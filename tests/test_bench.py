@@ -441,3 +441,15 @@ def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_pa
                        "--hidden", "128", "--rep-ms", "1", "--no-save", "--no-gemm",
                        "--arch", "sm100"]) == 0
     assert "not --arch sm100" in capsys.readouterr().err
+
+
+def test_runs_without_tqdm_and_names_the_commit_outside_git(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    shapes = bench.sweep([64], [32], [True], total_tokens=64, hidden=128)
+    results = bench.run_sweep(shapes, _cpu_providers()[:1], device="cpu", rep_ms=1)
+    assert [r.status for r in results] == [OK]
+    assert "bench 1/1 hd64 causal s32" in capsys.readouterr().err
+    monkeypatch.setenv("FA4LAB_COMMIT", "abc1234")
+    assert bench.git_commit(tmp_path) == "abc1234"      # tmp_path is no git checkout
+    monkeypatch.delenv("FA4LAB_COMMIT")
+    assert bench.git_commit(tmp_path) is None
