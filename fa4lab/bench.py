@@ -79,7 +79,9 @@ STATUSES = (OK, FAILED, ERROR, MISSING)
 SCHEMA = "fa4lab.bench/1"
 RECORD_KINDS = ("measured", "reference-peers")
 GEMM_SIZE = 8192
-L2_BYTES = 60 * 1024 * 1024   # H200 (and H100) L2: 60 MB (50 MB on H100 PCIe)
+# Hopper's L2: 50 MB enabled on H100/H200 products, 60 MB on the full GH100 die; the larger is
+# used so the rotation rule (see Note [cold L2]) errs on the safe side.
+L2_BYTES = 60 * 1024 * 1024
 
 # Timing knobs (triton's defaults; the standard sweep finishes in a few minutes with them).
 WARMUP_MS = 25
@@ -607,11 +609,12 @@ def check_output(out, check: CheckSlice, shape: BenchShape) -> tuple[bool, float
 # ---- timing ----------------------------------------------------------------------------------
 # Note [cold L2]
 # One call of the standard sweep reads q, k, v and writes o: 4 x 64 MiB = 256 MiB, four times
-# the H200's 60 MB L2, so the inputs are not rotated among copies: nothing a call leaves in L2
-# is a meaningful head start for the next. On top of that `triton.testing.do_bench` writes a
-# 256 MB buffer before every timed call (outside the timed region), so every call starts with
-# a cold L2; the CUDA-event fallback below does the same. For shapes smaller than 2 x L2
-# (custom --total-tokens/--hidden), `make_inputs` makes enough copies to rotate through.
+# or more the L2 (50 MB on an H100/H200), so the inputs are not rotated among copies: nothing a
+# call leaves in L2 is a meaningful head start for the next. On top of that
+# `triton.testing.do_bench` writes a 256 MB buffer before every timed call (outside the timed
+# region), so every call starts with a cold L2; the CUDA-event fallback below does the same.
+# For custom shapes smaller than 2 x L2 (--total-tokens/--hidden), `measure_shape` makes enough
+# copies (`_rotation_copies`) and each timed call takes the next one.
 def timer_name() -> str:
     try:
         import triton  # noqa: F401
