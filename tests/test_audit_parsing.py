@@ -80,3 +80,31 @@ def test_smem_alignment_diagnosis():
     assert A.smem_gap_is_alignment(plan, 232448)
     assert not A.smem_gap_is_alignment(plan, 231636)
     assert not A.smem_gap_is_alignment(plan, 233472)
+
+
+def test_peer_says_not_installed(monkeypatch):
+    import importlib.metadata as md
+
+    from fa4lab.kernels import peer_sm100
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "version", missing)
+    with pytest.raises(peer_sm100.PeerUnavailable, match="flash-attn-4 not installed"):
+        peer_sm100._import_fa4()
+
+
+@pytest.mark.slow
+def test_cli_json_end_to_end(capsys):
+    pytest.importorskip("cutlass")
+    from fa4lab.cli import main
+
+    rc = main(["audit", "--arch", "sm100a", "--head-dim", "64", "--gqa", "2", "--lse",
+               "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    mine = out["audits"][0]
+    assert rc == 0 and mine["ok"], [r for r in mine["rows"] if not r["ok"]]
+    assert "head_dim 64" in mine["title"] and "GQA 2" in mine["title"]
+    # the peer: its table where flash-attn-4 imports, else a note saying why not
+    assert len(out["audits"]) == 2 or "flash-attn-4" in out["peer"]

@@ -13,7 +13,8 @@ What is checked (each an `AuditRow(name, expected, found, ok)`; any `ok=False` i
     the plan's role registers; MUFU.EX2 vs polynomial exp2 (SASS) vs
     plan.exp2_emulation_fraction; tcgen05.ld / st / commit counts (shown);
   * sm90a: wgmma count, setmaxnreg, mbarrier inits, registers, spills, SMEM.
-Where flash-attn-4 imports, `--peer` adds its sm100 forward compiled the same way, side by side.
+For sm100a, where flash-attn-4 imports, its sm100 forward compiled the same way is audited side
+by side (`--no-peer` skips it); otherwise the audit says "flash-attn-4 not installed".
 
 The CUDA tools come from pip's nvidia packages (nvidia-cuda-nvcc, -cuobjdump, -nvdisasm): the DSL
 emits PTX ISA 9.4, which a system ptxas 13.0 rejects. FA4LAB_CUDA_BIN overrides the folder.
@@ -333,7 +334,7 @@ def _main(args) -> int:
     result = audit(spec, args.arch, keep_dir=args.keep_dir, use_ptxas=args.ptxas)
     audits = [result]
     peer_note = None
-    if args.peer:
+    if args.peer and args.arch == "sm100a":
         from fa4lab.kernels import peer_sm100
 
         try:
@@ -361,8 +362,9 @@ def add_cli(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--format", choices=("md", "json"), default="md")
     p.add_argument("--ptxas", action="store_true", help="also run ptxas -v on the PTX (slow)")
-    p.add_argument("--peer", action="store_true",
-                   help="side by side with flash-attn-4's sm100 forward, if installed")
+    p.add_argument("--no-peer", dest="peer", action="store_false",
+                   help="skip the side-by-side with flash-attn-4's sm100 forward (compiled "
+                        "the same way when it is installed)")
     p.add_argument("--keep-dir", default=None, help="where PTX and cubin are kept")
     p.set_defaults(func=_main)
 

@@ -64,12 +64,19 @@ def _triton_placeholder():
 
 
 def _import_fa4():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("flash-attn-4")
+    except PackageNotFoundError:
+        raise PeerUnavailable("flash-attn-4 not installed (optional peer: pip install "
+                              "flash-attn-4 quack-kernels einops apache-tvm-ffi)") from None
     try:
         with _triton_placeholder():
             return importlib.import_module("flash_attn.cute.flash_fwd_sm100")
-    except Exception as exc:  # ImportError, or quack/tvm-ffi missing pieces
-        raise PeerUnavailable(f"flash-attn-4 not installed or not importable here "
-                              f"({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # a missing dependency of flash_attn.cute or quack
+        raise PeerUnavailable(f"flash-attn-4 {installed} is installed but its sm100 forward "
+                              f"does not import here ({type(exc).__name__}: {exc})") from exc
 
 
 @dataclass(frozen=True)
