@@ -261,12 +261,14 @@ def load_record(path: str | os.PathLike) -> dict:
 
 def load_records(directory: str | os.PathLike | None = None) -> list[dict]:
     """Every `*.json` record in `directory` (default: the repository's benchmarks/), oldest
-    first (by date, then file name). An unreadable record is an error naming the file."""
+    first (by date, time of day where recorded, file name). An unreadable record is an error
+    naming the file."""
     directory = BENCHMARKS_DIR if directory is None else Path(directory)
     if not directory.is_dir():
         return []
     records = [load_record(p) for p in sorted(directory.glob("*.json"))]
-    return sorted(records, key=lambda r: (r["date"], Path(r["path"]).name))
+    return sorted(records, key=lambda r: (r["date"], r.get("time_utc") or "",
+                                          Path(r["path"]).name))
 
 
 def recorded_tflops(record: dict | None, key: tuple[int, bool, int]) -> dict[str, float]:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -156,8 +157,10 @@ def test_record_round_trip(tmp_path):
     assert back["gemm_tflops"] == 712.5
     assert back["gpu"] == "Test GPU"
     (tmp_path / "older.json").write_text(json.dumps({**rec, "date": "2000-01-01"}))
+    # same date: a record without a time of day (a reference) sorts before a timed run
+    (tmp_path / "zz-reference.json").write_text(json.dumps({**rec, "time_utc": None}))
     recs = bench.load_records(tmp_path)
-    assert [r["date"] for r in recs] == ["2000-01-01", rec["date"]]
+    assert [Path(r["path"]).name for r in recs] == ["older.json", "zz-reference.json", "r.json"]
 
 
 def test_bad_record_names_the_file(tmp_path):

@@ -27,7 +27,7 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert set(res) == {"fa4lab", "sdpa-flash", "sdpa-cudnn"}
     flash = res["sdpa-flash"]
     assert flash.status == OK and flash.tflops > 0 and flash.max_err <= flash.tol
-    assert res["sdpa-cudnn"].status in (OK, "error")     # cuDNN may lack this config
+    assert res["sdpa-cudnn"].status in (OK, "error", "missing")   # cuDNN may lack it
     if importlib.util.find_spec("fa4lab.api") is not None and rec["arch"] in ("sm90", "sm100"):
         ours = res["fa4lab"]
         assert ours.status == OK, f"fa4lab: {ours.status}: {ours.note}"
