@@ -456,3 +456,12 @@ def test_runs_without_tqdm_and_names_the_commit_outside_git(monkeypatch, tmp_pat
     assert bench.git_commit(tmp_path) == "abc1234"      # tmp_path is no git checkout
     monkeypatch.delenv("FA4LAB_COMMIT")
     assert bench.git_commit(tmp_path) is None
+
+
+def test_benchmarks_loader_script_prints_every_record():
+    script = bench.BENCHMARKS_DIR / "load.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "2026-11-29_nvidia-h200_reference-peers.json" in res.stdout
+    assert "| 128 | yes | 8192 | 315 | 539 | 602 |" in res.stdout
