@@ -1154,7 +1154,10 @@ def main_args(args) -> int:
     results = run_sweep(shapes, providers, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     wall_s = time.perf_counter() - started
     print()
-    print(f"measured in {wall_s:.0f} s")
+    firsts = {p: sum(r.first_call_s or 0 for r in results if r.provider == p)
+              for p in providers_in(results)}
+    print(f"measured in {wall_s:.0f} s; first calls (compiles included): "
+          + ", ".join(f"{p} {t:.0f} s" for p, t in firsts.items()))
     print(format_table(results, gemm_tflops=gemm))
     config = {"total_tokens": args.total_tokens, "hidden": args.hidden, "dtype": args.dtype,
               "timer": timer_name(), "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
