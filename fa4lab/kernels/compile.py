@@ -7,8 +7,8 @@
 No GPU is needed: the tensors are `cute.runtime.make_fake_tensor`s with symbolic batch, sequence
 lengths, head counts and strides (one compile serves every problem size, as on the GPU), and the
 stream is `make_fake_stream()`. The DSL's target comes from CUTE_DSL_ARCH, set for the duration of
-the compile. The artifacts (PTX, cubin) land in `keep_dir` (a fresh temporary directory by
-default) for `fa4lab.kernels.audit` to read back.
+the compile. The artifacts (PTX, cubin) land in `keep_dir/<configuration>/` (under a fresh
+temporary directory by default) for `fa4lab.kernels.audit` to read back.
 
 sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForwardSm90`
 (fwd_sm90.py), imported only when asked for.
@@ -16,7 +16,6 @@ sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForward
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -71,6 +70,13 @@ def _plan_of(spec_or_plan, plan_arch: str):
     return plan
 
 
+def config_name(spec: AttentionSpec, arch: str) -> str:
+    """e.g. "sm100a-hd128-causal-gqa4-lse-bf16": what a compiled kernel bakes in."""
+    s = spec
+    return (f"{arch}-hd{s.head_dim}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
+            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}")
+
+
 def kernel_class(arch: str):
     """The kernel class for "sm100a" / "sm90a" (imports the DSL)."""
     arch = _normalize_arch(arch)
@@ -102,7 +108,10 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> Compil
 
     arch = _normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
-    keep = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
+    # One folder per configuration: the DSL names artifacts after the kernel class and the
+    # fake tensors' types, so two configurations would overwrite each other in one folder.
+    root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
+    keep = root / config_name(plan.spec, arch)
     keep.mkdir(parents=True, exist_ok=True)
     kernel = kernel_class(arch)(plan)
     args = runtime.fake_args(plan.spec)
@@ -119,7 +128,3 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> Compil
         keep_dir=keep, ptx_path=_newest(keep, ".ptx", start_wall),
         cubin_path=_newest(keep, ".cubin", start_wall), smem_bytes=smem)
 
-
-def artifact_env() -> dict:
-    """Where the DSL would dump without options (for notebooks that explain the knobs)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("CUTE_DSL_")}

@@ -105,10 +105,11 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
     import cutlass.cute as cute
 
     from fa4lab.kernels import runtime
-    from fa4lab.kernels.compile import _newest
+    from fa4lab.kernels.compile import _newest, config_name
 
     fa4 = _import_fa4()
-    keep = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="fa4lab-peer-"))
+    root = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="fa4lab-peer-"))
+    keep = root / ("flash-attn-4-" + config_name(spec, "sm100a"))
     keep.mkdir(parents=True, exist_ok=True)
     with runtime.target_arch("sm_100a"):
         kernel = fa4.FlashAttentionForwardSm100(
