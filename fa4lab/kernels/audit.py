@@ -181,6 +181,9 @@ SM100_MARKERS = {
     "softmax: exp2 on MUFU": (r"ex2\.approx", r"MUFU\.EX2"),
     "softmax: exp2 polynomial on FMA": (r"add\.rm\.ftz\.f32", r"FFMA\.FTZ.*0\.2276"),
     "softmax: P to TMEM": (r"tcgen05\.st\.sync\.aligned\.32x32b\.x16", r"STTM"),
+    "correction: rescale O_i in TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x16",
+                                        r"LDTM\.x16"),
+    "correction: O_i / row_sum into sO": (r"st\.shared\.v4", r"STS\.128"),
     "epilogue: TMA store of O": (r"cp\.async\.bulk\.tensor\.\dd\.global", r"UTMASTG"),
 }
 
