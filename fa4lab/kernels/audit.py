@@ -358,7 +358,8 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("audit", help="compile a kernel on CPU and check it against the plan",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=("sm100a", "sm90a"), default="sm100a")
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                   help="64 or 128 (sm100a); 64, 128 or 256 (sm90a)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head (1, 2, 4, 8)")
     p.add_argument("--lse", action="store_true", help="also write the log-sum-exp")
