@@ -333,8 +333,14 @@ def _spec_from_args(args):
 
 
 def _main(args) -> int:
-    spec = _spec_from_args(args)
-    result = audit(spec, args.arch, keep_dir=args.keep_dir, use_ptxas=args.ptxas)
+    from fa4lab.errors import Fa4labError
+
+    try:
+        spec = _spec_from_args(args)
+        result = audit(spec, args.arch, keep_dir=args.keep_dir, use_ptxas=args.ptxas)
+    except (Fa4labError, ValueError, FileNotFoundError) as exc:
+        print(f"fa4lab audit: {exc}")
+        return 2
     audits = [result]
     peer_note = None
     if args.peer and args.arch == "sm100a":
