@@ -22,73 +22,28 @@ Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is on
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from kernel_checks import (  # noqa: E402
+    ATOL,
+    DTYPES,
+    SEQLENS,
+    check_kernel,
+    output_ulp_atol,
+)
+from kernel_checks import make_inputs as _inputs  # noqa: E402
+
+from fa4lab.api import sdpa_same_dtype  # noqa: E402
+
 pytestmark = pytest.mark.sm90
-
-ATOL = 1e-3
-SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, sq, hq, d, device="cuda", generator=g) * q_scale
-    k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
-    v = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def _sdpa(q, k, v, causal, scale):
-    """PyTorch's same-dtype attention: the error yardstick."""
-    import torch.nn.functional as F
-
-    sq, sk = q.shape[1], k.shape[1]
-    mask = None
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        mask = j <= i + sk - sq
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
     from fa4lab.kernels.fwd_sm90 import attention_sm90
-    from fa4lab.reference import attention_reference
 
-    out, lse = attention_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              return_lse=True)
-    out2, lse2 = attention_sm90(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                return_lse=True)
-    assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
-    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                       return_lse=True)
-    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-
-    seen = torch.isfinite(ref_lse)                      # (b, h, sq): rows that see a key
-    seen_rows = seen.transpose(1, 2)                    # (b, sq, h)
-    # Rows that see no key: exactly 0 and -inf.
-    assert (out[~seen_rows] == 0).all()
-    assert (lse[~seen] == -math.inf).all()
-    if not seen.any():
-        return
-    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
-    pt = _sdpa(q, k, v, causal, scale)
-    err = (out.double() - ref)[seen_rows].abs().max().item()
-    pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
-    assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
-    lse_err = (lse.double() - ref_lse)[seen].abs()
-    lse_tol = 1e-3 + 1e-5 * ref_lse[seen].abs()
-    assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"
+    check_kernel(attention_sm90, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 8])
@@ -115,19 +70,10 @@ def test_fp16(head_dim, causal):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_extreme_logits(dtype, causal):
-    """q scaled so the scaled logits reach ~1e4: the max subtraction must keep exp2 finite.
-
-    Rows are then nearly one-hot. SDPA's largest P is exactly 1, so it returns v exactly; with
-    FA4's conditional rescale the kept (stale) max may sit up to 8 log2 units below the row max,
-    so the largest P is up to 2**8 and is itself rounded to 16 bits before P V: the output can
-    land one rounding step (one ulp of the dtype at the output's magnitude) away. That ulp is
-    the atol here; a wrong max, a lost rescale or an overflow would be off by O(|v|).
-    """
+    """q scaled so the scaled logits reach ~1e4: the max subtraction must keep exp2 finite;
+    atol one output ulp (see Note [extreme logits] in tests/kernel_checks.py)."""
     q, k, v = _inputs(1, 300, 555, 4, 4, 128, DTYPES[dtype], seed=5, q_scale=1e4)
-    mantissa = {"bf16": 7, "fp16": 10}[dtype]
-    top = v.abs().max().item()
-    ulp = 2.0 ** (math.floor(math.log2(top)) - mantissa)
-    _check(q, k, v, causal=causal, atol=max(ATOL, ulp))
+    _check(q, k, v, causal=causal, atol=output_ulp_atol(v, dtype))
 
 
 def test_softmax_scale_and_no_lse():
@@ -139,7 +85,7 @@ def test_softmax_scale_and_no_lse():
     out = attention_sm90(q, k, v, causal=False)
     assert isinstance(out, torch.Tensor)
     ref = attention_reference(q, k, v)
-    pt = _sdpa(q, k, v, False, 1 / 8)
+    pt = sdpa_same_dtype(q, k, v)
     assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max() + ATOL
 
 

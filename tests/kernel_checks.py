@@ -1,0 +1,71 @@
+"""The acceptance check both GPU kernels share (tests/test_sm90.py, tests/test_sm100.py).
+
+FA4's rule: the kernel's max error against the float64 reference is at most twice PyTorch's own
+same-dtype attention error (`fa4lab.api.sdpa_same_dtype`) plus ATOL = 1e-3. The atol is a floor
+for cases where SDPA happens to be exact (seqlen_k = 1, or one-hot rows at extreme logits): it
+is below half a bf16 ulp at magnitude 0.5 (2**-9 ~ 2e-3), so it absorbs fp32 summation-order
+noise but not one output rounded the wrong way. Rows that see no key must give exactly 0 and
+LSE -inf; nothing may be NaN; LSE must match the reference to 1e-3 + 1e-5 * |lse| (fp32
+accumulation of 16-bit products); two runs on the same inputs must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ATOL = 1e-3
+SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, device="cuda", generator=g) * q_scale
+    k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    v = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def output_ulp_atol(v, dtype: str) -> float:
+    """One ulp of `dtype` at the output's magnitude (at least ATOL). See Note [extreme logits].
+
+    Note [extreme logits]: with logits ~1e4 rows are nearly one-hot and SDPA's largest P is
+    exactly 1, so it returns v exactly. With FA4's conditional rescale the kept (stale) max may
+    sit up to 8 log2 units below the row max, so the largest P is up to 2**8 and is itself
+    rounded to 16 bits before P V: the output can land one rounding step away. A wrong max, a
+    lost rescale or an overflow would be off by O(|v|), far beyond this.
+    """
+    mantissa = {"bf16": 7, "fp16": 10}[dtype]
+    top = v.abs().max().item()
+    return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - mantissa))
+
+
+def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+    """Run `attn(q, k, v, ...)` twice and hold it to the acceptance rule above."""
+    from fa4lab.api import sdpa_same_dtype
+    from fa4lab.reference import attention_reference
+
+    out, lse = attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    out2, lse2 = attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=True)
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+    seen = torch.isfinite(ref_lse)                      # (b, h, sq): rows that see a key
+    seen_rows = seen.transpose(1, 2)                    # (b, sq, h)
+    assert (out[~seen_rows] == 0).all(), "a row that sees no key must be exactly 0"
+    assert (lse[~seen] == -math.inf).all(), "a row that sees no key must have LSE -inf"
+    if not seen.any():
+        return
+    pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    err = (out.double() - ref)[seen_rows].abs().max().item()
+    pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
+    assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
+    lse_err = (lse.double() - ref_lse)[seen].abs()
+    lse_tol = 1e-3 + 1e-5 * ref_lse[seen].abs()
+    assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"
