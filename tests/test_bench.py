@@ -373,16 +373,19 @@ def test_simulated_tflops_and_the_plan_figure():
     assert pred[(128, True, 1024)] < pred[(128, True, 8192)]
     shape = bench.shape_for(128, 8192, False)
     assert (shape.batch, shape.heads) == (2, 16)
-    recorded = bench.recorded_tflops(bench.latest_record(bench.load_records(), gpu="H200"),
-                                     shape.key)
-    assert recorded == {"fa4": 666, "sdpa-cudnn": 610, "sdpa-flash": 343}
+    latest = bench.latest_record(bench.load_records(), gpu="H200")
+    recorded = bench.recorded_tflops(latest, shape.key)
+    expected = {r.provider: r.tflops for r in bench.results_of(latest)
+                if (r.head_dim, r.causal, r.seqlen) == shape.key and r.tflops}
+    assert recorded == expected and {"fa4", "sdpa-cudnn", "sdpa-flash"} <= set(recorded)
     assert bench.recorded_tflops(None, shape.key) == {}
     sim = simulate(plan_forward(shape.spec, "sm90"), n_blocks=4, n_tiles=1)
     fig = plot_plan_prediction(sim, pred.get(shape.key, 500.0), recorded=recorded,
                                gemm_tflops=730.0)
     assert isinstance(fig, matplotlib.figure.Figure)
     labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
-    assert "simulated" in labels[0] and sum("recorded" in x for x in labels) == 3
+    assert "simulated" in labels[0]
+    assert sum("recorded" in x for x in labels) == len(recorded)
 
 
 def test_compile_anywhere_reports_time_or_the_failure():
