@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 
 @dataclass
@@ -24,6 +25,17 @@ class View:
 
     figure: object | None = None
     html: str = ""
+
+
+def subplots(*args, figsize=None, dpi=None, **kwargs):
+    """`plt.subplots` without registering the figure with pyplot.
+
+    A notebook cell that returns such a figure shows it once (pyplot's inline backend would
+    show a registered figure a second time at the end of the cell), and nothing leaks into
+    pyplot's figure list when a widget redraws.
+    """
+    fig = Figure(figsize=figsize, dpi=dpi)
+    return fig, fig.subplots(*args, **kwargs)
 
 
 def figure_png(fig) -> bytes:

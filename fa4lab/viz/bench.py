@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import matplotlib.pyplot as plt
-
 from fa4lab.bench import OK, OURS, PROVIDER_LABELS, Result, providers_in, results_of
+from fa4lab.viz._live import subplots
 
 STYLE = {
     OURS: dict(color="#d62728", marker="o", lw=2.2),
@@ -55,7 +54,7 @@ def plot_throughput(data, *, gemm_tflops: float | None = None, title: str | None
     head_dims = sorted({r.head_dim for r in results})
     causals = sorted({r.causal for r in results})
     seqlens = sorted({r.seqlen for r in results} | {k[2] for k in (predicted or {})})
-    fig, axes = plt.subplots(len(head_dims), len(causals), squeeze=False, sharex=True,
+    fig, axes = subplots(len(head_dims), len(causals), squeeze=False, sharex=True,
                              figsize=(4.6 * len(causals), 2.9 * len(head_dims) + 0.6))
     provs = providers_in(results)
     top = max([r.tflops for r in results if r.status == OK and r.tflops] + [gemm or 0, 1])
@@ -117,7 +116,7 @@ def plot_sources(record: Mapping | None, published: Mapping, *, head_dim: int = 
     """Where each number comes from: the published FA4 B200 peak (labelled published, never
     measured here) beside the best measured value per provider in `record` for one
     (head_dim, causal), and the GEMM ceiling of the same run."""
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    fig, ax = subplots(figsize=(7.5, 3.2))
     names, values, colors = [], [], []
     names.append(f"FA4 on B200\n(published: {published.get('source', '?').split(',')[0]})")
     values.append(float(published["peak_bf16_tflops"]))
@@ -158,7 +157,7 @@ def plot_plan_prediction(sim, predicted_tflops: float, *, recorded: Mapping[str,
     comes from."""
     from fa4lab.viz.plan import draw_timeline
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, bx) = subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 2]})
     draw_timeline(sim, ax=ax, title=f"one simulated tile: {sim.n_blocks} K/V blocks, "
                                     f"{sim.cycles:.0f} cycles")
     names, values, colors, hatches = [f"{OURS}\n(simulated)"], [predicted_tflops], \

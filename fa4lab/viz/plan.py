@@ -18,10 +18,11 @@ import matplotlib
 
 matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 from fa4lab.errors import PlanError  # noqa: E402
-from fa4lab.viz._live import LiveFigure, View  # noqa: E402
+from fa4lab.viz._live import LiveFigure, View, subplots  # noqa: E402
 
 ROLE_COLORS = {
     "softmax0": "#1f77b4", "softmax1": "#17becf", "correction": "#9467bd", "mma": "#d62728",
@@ -45,7 +46,7 @@ def draw_tmem(plan, ax=None):
                         f"warpgroups' registers (plan.tmem is None)")
     own = ax is None
     if own:
-        fig, ax = plt.subplots(figsize=(10, 3.2))
+        fig, ax = subplots(figsize=(10, 3.2))
     else:
         fig = ax.figure
     lanes, cap = tm.lanes, tm.capacity_cols
@@ -96,7 +97,7 @@ def draw_tmem_budget(spec, n_blocks=(64, 128), head_dims=(64, 128, 192, 256), q_
     """Columns S + O need per head_dim, against the 512-column budget (P costs nothing)."""
     from fa4lab.plan.sm100 import tmem_columns
 
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = subplots(figsize=(7, 3))
     width = 0.8 / len(n_blocks)
     for k, nb in enumerate(n_blocks):
         need = [tmem_columns(q_stage, nb, d) for d in head_dims]
@@ -120,7 +121,7 @@ def draw_tmem_budget(spec, n_blocks=(64, 128), head_dims=(64, 128, 192, 256), q_
 # ---- roles ----
 def draw_roles(plan):
     """One column per warp, colored by role, height = registers per thread (setmaxnreg)."""
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = subplots(figsize=(9, 3.2))
     warp_role = {w: r for r in plan.roles for w in r.warps}
     for w in sorted(warp_role):
         r = warp_role[w]
@@ -171,7 +172,7 @@ def draw_barrier_graph(plan, highlight: str | None = None):
     mailbox = [b for b in bars if b.group == "mailbox"]
     main = [b for b in bars if b.group != "mailbox"]
     ncols = 2 if mailbox else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(12 if mailbox else 8, 4.2),
+    fig, axes = subplots(1, ncols, figsize=(12 if mailbox else 8, 4.2),
                              gridspec_kw={"width_ratios": [3, 1.4]} if mailbox else None)
     axes = list(axes) if mailbox else [axes]
     pos = _node_positions(plan)
@@ -241,7 +242,7 @@ def draw_timeline(sim, ax=None, max_cycles: float | None = None, title: str | No
     """Gantt chart by role and engine; MMAs red, waits thin and grey, hazards as red lines."""
     own = ax is None
     if own:
-        fig, ax = plt.subplots(figsize=(11, 0.42 * max(4, len(sim.lanes())) + 1.2))
+        fig, ax = subplots(figsize=(11, 0.42 * max(4, len(sim.lanes())) + 1.2))
     else:
         fig = ax.figure
     lanes = sorted(sim.lanes(), key=lambda n: LANE_ORDER.index(n) if n in LANE_ORDER else 99)
@@ -273,7 +274,7 @@ def draw_phase_bits(sim, names=("kv_full", "kv_empty"), max_cycles: float | None
     """The phase bit of each stage of the named barriers over simulated time: it flips at every
     completed phase; a waiter for its k-th use of a stage waits for parity k % 2 to complete."""
     rows = [(k, v) for n in names for k, v in sim.phase_times.items() if k.startswith(n + "[")]
-    fig, ax = plt.subplots(figsize=(11, 0.5 * max(3, len(rows)) + 1))
+    fig, ax = subplots(figsize=(11, 0.5 * max(3, len(rows)) + 1))
     end = max_cycles or sim.cycles
     for y, (_, times) in enumerate(rows):
         xs, bits, bit, t0 = [], [], 0, 0.0
@@ -415,7 +416,7 @@ def _stack(*figs):
         images.append(mpimg.imread(buf))
     width = max(im.shape[1] for im in images)
     height = sum(im.shape[0] for im in images)
-    fig = plt.figure(figsize=(width / 80, height / 80), dpi=80)
+    fig = Figure(figsize=(width / 80, height / 80), dpi=80)
     y = 1.0
     for im in images:
         h = im.shape[0] / height

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 from fa4lab.online_softmax import (
@@ -21,7 +20,7 @@ from fa4lab.online_softmax import (
     exp2_poly3,
     online_attention,
 )
-from fa4lab.viz._live import LiveFigure, View
+from fa4lab.viz._live import LiveFigure, View, subplots
 
 __all__ = ["plot_row_max", "plot_variant_errors", "plot_exp2_poly3_error", "BlockStepper"]
 
@@ -33,7 +32,7 @@ def plot_row_max(trace: OnlineTrace, *, rows: Sequence[int] = (0, 1, 2), batch: 
                  head: int = 0, title: str | None = None):
     """The basis row_max (solid) against the true running max (dashed) after each block, in
     log2 units, with a marker where the state was rescaled."""
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig, ax = subplots(figsize=(7, 3.4))
     steps = np.arange(len(trace.steps))
     for c, r in enumerate(rows):
         color = f"C{c}"
@@ -66,7 +65,7 @@ def plot_variant_errors(errors: Mapping[str, Mapping[str, float]], *, tolerance:
     """
     inputs = list(errors)
     variants = list(dict.fromkeys(v for e in errors.values() for v in e))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = subplots(figsize=(8, 3.6))
     width = 0.8 / max(1, len(inputs))
     x = np.arange(len(variants))
     hatches = ["", "//", "..", "xx"]
@@ -93,7 +92,7 @@ def plot_exp2_poly3_error(samples: int = 4096):
     exact = np.exp2(x.astype(np.float64))
     rel = exp2_poly3(x).astype(np.float64) / exact - 1.0
     pinned = exp2_poly3(x, exact_at_zero=True).astype(np.float64) / exact - 1.0
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = subplots(figsize=(7, 3.2))
     ax.plot(x, rel, lw=1, label="exp2_poly3 (float32, 3 FMAs + exponent add)")
     ax.plot(x, pinned, lw=1, alpha=0.7, label="exact_at_zero=True (p(0) = 1, sm100 kernel)")
     for y in (EXP2_POLY3_MAX_REL_ERROR, -EXP2_POLY3_MAX_REL_ERROR):
@@ -160,7 +159,7 @@ class BlockStepper(LiveFigure):
             raise ValueError(f"block {block} is out of range 0..{len(t.steps) - 1}")
         partial = t.partial_out(block)[b, :, h]          # (seqlen_q, head_dim_v)
         final = t.out[b, :, h]
-        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9, 3.0))
+        fig, (ax0, ax1) = subplots(1, 2, figsize=(9, 3.0))
         dims = np.arange(final.shape[-1])
         for c, r in enumerate(self.rows[:3]):
             ax0.plot(dims, final[r], color=f"C{c}", ls="--", lw=1, label=f"row {r} final")

@@ -33,7 +33,7 @@ from fa4lab.tiling import (  # noqa: E402
     schedule,
     unpack_gqa_row,
 )
-from fa4lab.viz._live import LiveFigure, View  # noqa: E402
+from fa4lab.viz._live import LiveFigure, View, subplots  # noqa: E402
 
 __all__ = [
     "SCHEDULER_COLORS",
@@ -65,7 +65,7 @@ _TILE_MEANING = {
 def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
     """The (m_block, n_block) grid coloured by tile kind, with the causal diagonal and the
     seqlen bounds drawn in element coordinates (rows are packed rows under pack-GQA)."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.2, 6.4))
+    fig, ax = (ax.figure, ax) if ax is not None else subplots(figsize=(7.2, 6.4))
     n_m, n_n = tiles.shape
     bm, bn = tiles.m_block_size, tiles.n_block_size
     rows = tiles.seqlen_q * tiles.qhead_per_kvhead
@@ -110,7 +110,7 @@ def gqa_figure(heads_q: int, heads_kv: int, *, seqlen_q: int = 4, max_rows: int 
     """Left: which KV head each query head reads. Right: the packed M rows of KV head 0 under
     pack-GQA, labelled (query head, position)."""
     group = gqa_group_size(heads_q, heads_kv)
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9.0, 4.2),
+    fig, (ax0, ax1) = subplots(1, 2, figsize=(9.0, 4.2),
                                    gridspec_kw={"width_ratios": [1.3, 1.0]})
     colors = plt.get_cmap("tab10")
     yq = np.linspace(1, 0, heads_q) if heads_q > 1 else np.array([0.5])
@@ -156,7 +156,7 @@ def gqa_figure(heads_q: int, heads_kv: int, *, seqlen_q: int = 4, max_rows: int 
 def schedule_gantt_figure(sched: Schedule, *, max_sms: int = 24, ax=None, color_by="m_block"):
     """Per-SM timeline of a schedule (the first `max_sms` SMs), each tile a bar coloured by its
     m_block (or head); the makespan and the lower bound drawn as vertical lines."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8.0, 4.6))
+    fig, ax = (ax.figure, ax) if ax is not None else subplots(figsize=(8.0, 4.6))
     # the first max_sms - 1 SMs, plus the one that finishes last (it sets the makespan)
     finish = np.zeros(sched.num_sms)
     np.maximum.at(finish, sched.sm, sched.end)
@@ -192,7 +192,7 @@ def schedule_gantt_figure(sched: Schedule, *, max_sms: int = 24, ax=None, color_
 
 def schedule_comparison_figure(schedules: list[Schedule], *, ax=None):
     """Makespan of each schedule beside the common lower bound, with each SM's busy time."""
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9.0, 3.6)) if ax is None else (ax.figure,
+    fig, (ax0, ax1) = subplots(1, 2, figsize=(9.0, 3.6)) if ax is None else (ax.figure,
                                                                                   (ax, None))
     names = [s.name for s in schedules]
     spans = [s.makespan for s in schedules]
@@ -263,7 +263,7 @@ def _schedule_view(scheduler, batch, heads, seqlen, m_block_size, causal, num_sm
                     m_block_size=m_block_size, n_block_size=128, causal=causal)
     cost = CostModel(masked_block_cost=masked_block_cost)
     all_scheds = {name: schedule(name, work, num_sms=num_sms, cost=cost) for name in SCHEDULERS}
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11.0, 4.4),
+    fig, (ax0, ax1) = subplots(1, 2, figsize=(11.0, 4.4),
                                    gridspec_kw={"width_ratios": [2.2, 1.0]})
     schedule_gantt_figure(all_scheds[scheduler], max_sms=max_sms, ax=ax0)
     schedule_comparison_figure(list(all_scheds.values()), ax=ax1)
