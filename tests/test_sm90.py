@@ -17,7 +17,10 @@ Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is on
   seqlen_q > seqlen_k has fully masked rows); (4097, 4097) only at head_dim 128;
 * fp16: head_dim {64, 128, 256} x causal, GQA 2, the same seqlen pairs;
 * logits of magnitude 1e4 (q scaled), both dtypes; a custom softmax_scale; return_lse=False;
-  q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching.
+  q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching;
+* pack-GQA (`pack_gqa=True`): head_dim {64, 128} x causal x GQA ratio {2, 8}, seqlen pairs
+  (1, 1000), (17, 1000), (1000, 17), (1000, 4097), held to the same rule (its summation order
+  may differ from the unpacked kernel's, so the two are not compared bit for bit).
 """
 
 from __future__ import annotations
@@ -44,6 +47,15 @@ def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
     check_kernel(attention_sm90, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
+
+
+def _check_packed(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+
+    def packed(*args, **kw):
+        return attention_sm90(*args, pack_gqa=True, **kw)
+
+    check_kernel(packed, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 8])
@@ -123,3 +135,29 @@ def test_fa4lab_attention_dispatches_to_sm90():
     out2 = fa4lab.attention(q, k, v, causal=True)
     assert runtime.compile_count() <= before + 1
     assert torch.equal(out, out2) and out.is_cuda
+
+
+@pytest.mark.parametrize("gqa", [2, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pack_gqa(head_dim, causal, gqa):
+    """One CTA per (KV head, packed row tile); 16 query heads so several KV heads exist."""
+    heads_q = 16
+    for i, (sq, sk) in enumerate([(1, 1000), (17, 1000), (1000, 17), (1000, 4097)]):
+        batch = 2 if sq * sk < 10**6 else 1
+        q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
+                          seed=3000 + 100 * head_dim + 10 * gqa + i)
+        _check_packed(q, k, v, causal=causal)
+
+
+def test_pack_gqa_through_fa4lab_attention():
+    import fa4lab
+    from fa4lab.kernels import runtime
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+
+    q, k, v = _inputs(2, 33, 513, 8, 2, 128, torch.bfloat16, seed=11)
+    out = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)
+    before = runtime.compile_count()
+    assert torch.equal(out, attention_sm90(q, k, v, causal=True, pack_gqa=True))
+    assert runtime.compile_count() == before, "the packed kernel was not cached"
+    _check_packed(q, k, v, causal=True, softmax_scale=0.2)

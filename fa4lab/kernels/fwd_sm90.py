@@ -28,9 +28,12 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   when some row's max grew past the threshold (the point of the conditional rescale).
 * Epilogue: O / row_sum to SMEM (stmatrix; in Q's bytes when the plan aliases them), TMA store
   to global (out-of-range rows are clipped by TMA); LSE written directly from registers.
+* pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
+  qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
+  the grid, the block ranges and the causal row index change.
 
 Not done yet (notebook 06 lists them): a persistent LPT scheduler for causal, 3 consumer
-warpgroups (192-row tiles) for head_dim 64, pack-GQA, cluster multicast of K/V.
+warpgroups (192-row tiles) for head_dim 64, cluster multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
 machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
@@ -92,6 +95,44 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, view)
 
 
+# Note [sm90 pack-GQA kernel]
+# With g = qhead_per_kvhead query heads per KV head packed into M (fa4lab.tiling's Note
+# [pack-GQA rows]: packed row r is position r // g of query head kv * g + r % g), the grid's
+# head axis runs over KV heads and its row axis over ceil(seqlen_q * g / cta_m) tiles. Q and O
+# keep their TMA: the (seqlen, d, heads, batch) tensor is viewed as ((heads, seqlen), d, batch)
+# and tiled by ((g, m_block / g), d), i.e. a TMA box of g heads x m_block / g positions whose
+# SMEM rows come out head-fastest -- exactly the packed order (the plan checks g | m_block).
+# The TMA coordinate tensor is then re-split into ((g, seqlen), d, heads_kv, batch), so a
+# consumer's 64-row tile is local_tile over the packed mode and the KV head picks the group.
+# Since g | m_block, every tile starts at head 0 of a position: rows past seqlen_q * g are
+# positions past seqlen_q, which TMA zero-fills on load and clips on store, as without packing.
+# The causal mask compares keys with the position (m_offset + row) // g, and the block ranges
+# are the unpacked formulas over positions: a CTA covers positions
+# [m_block * cta_m / g, (m_block + 1) * cta_m / g), so scheduler.n_block_max/full_end with
+# cta_m / g rows per tile are exactly fa4lab.tiling's packed ranges. LSE is written per
+# (position, query head) from the same r -> (r // g, kv * g + r % g) map.
+
+
+def _packed_tma(op, mX: cute.Tensor, smem_layout, tile: tuple[int, int], g: int):
+    """TMA atom and coordinate tensor over packed rows, for (seqlen, d, heads, batch) `mX`.
+
+    Returns the atom and a tensor ((g, seqlen), d, heads_kv, batch): mode 0 is the packed row
+    (query head within the group fastest). See Note [sm90 pack-GQA kernel].
+    """
+    rows, cols = tile
+    # (s, d, h, b) -> ((h, s), d, b): heads and positions as one mode, so the box stays 4-D.
+    hs = cute.make_layout(
+        ((mX.shape[2], mX.shape[0]), mX.shape[1], mX.shape[3]),
+        stride=((mX.stride[2], mX.stride[0]), mX.stride[1], mX.stride[3]))
+    atom, coords = cpasync.make_tiled_tma_atom(
+        op, cute.make_tensor(mX.iterator, hs), smem_layout, ((g, rows // g), cols))
+    sh, st = coords.shape, coords.stride
+    packed = cute.make_layout(
+        ((g, sh[0][1]), sh[1], sh[0][0] // g, sh[2]),
+        stride=((st[0][0], st[0][1]), st[1], st[0][0] * g, st[2]))
+    return atom, cute.make_tensor(coords.iterator, packed)
+
+
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
     """(rows, cols, stages), cols contiguous, with the widest wgmma swizzle that fits."""
     atom = warpgroup.make_smem_layout_atom(
@@ -137,6 +178,12 @@ class FlashForwardSm90:
         self.causal = spec.causal
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
+        # See Note [sm90 pack-GQA kernel]: g query heads per CTA row group, else 1.
+        self.pack_gqa = bool(getattr(t, "pack_gqa", False))
+        self.pack = self.qhead_per_kvhead if self.pack_gqa else 1
+        if self.m_block % self.pack:
+            raise ValueError(f"pack-GQA needs qhead_per_kvhead ({self.pack}) to divide m_block "
+                             f"({self.m_block})")
         self.scale_log2 = spec.scale_log2
         self.rescale_threshold = float(plan.rescale_threshold)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
@@ -191,15 +238,21 @@ class FlashForwardSm90:
         sO_layout = _smem_layout(dtype, self.m_block, self.head_dim_v, self.q_stage)
 
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.m_block, self.head_dim))
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        if const_expr(self.pack_gqa):
+            tma_atom_Q, tma_Q = _packed_tma(load, mQ, cute.select(sQ_layout, mode=[0, 1]),
+                                            (self.m_block, self.head_dim), self.pack)
+            tma_atom_O, tma_O = _packed_tma(store, mO, cute.select(sO_layout, mode=[0, 1]),
+                                            (self.m_block, self.head_dim_v), self.pack)
+        else:
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.m_block, self.head_dim))
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                store, mO, cute.select(sO_layout, mode=[0, 1]), (self.m_block, self.head_dim_v))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             load, mK, cute.select(sK_layout, mode=[0, 1]), (self.n_block, self.head_dim))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             load, mV, cute.select(sV_layout, mode=[0, 1]), (self.n_block, self.head_dim_v))
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
-            (self.m_block, self.head_dim_v))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)  # all consumers' tiles, one phase
         self.k_bytes = cute.size_in_bytes(dtype, cute.select(sK_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -220,7 +273,9 @@ class FlashForwardSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
 
         self.shared_storage = SharedStorage
-        grid = scheduler.grid_shape(cute.size(mQ.shape[0]), cute.size(mQ.shape[2]),
+        # With pack-GQA: seqlen_q * g packed rows per KV head (Note [sm90 pack-GQA kernel]).
+        heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
+        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
                                     cute.size(mQ.shape[3]), self.cta_m)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
@@ -234,10 +289,11 @@ class FlashForwardSm90:
         self,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
-        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,   # (seqlen_q, d, heads_q, batch)
+        # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
+        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
         tma_atom_K: cute.CopyAtom, mK: cute.Tensor,   # (seqlen_k, d, heads_kv, batch)
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,   # (seqlen_k, dv, heads_kv, batch)
-        tma_atom_O: cute.CopyAtom, mO: cute.Tensor,   # (seqlen_q, dv, heads_q, batch)
+        tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -289,7 +345,17 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                          mbar_q, pipeline_k, pipeline_v,
-                         cute.size(mQ.shape[0]), cute.size(mK.shape[0]))
+                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]))
+
+    def seqlen_q_of(self, mQ):
+        """Query positions (not packed rows) of the Q coordinate tensor."""
+        if const_expr(self.pack_gqa):
+            return cute.size(mQ.shape[0][1])
+        return cute.size(mQ.shape[0])
+
+    def cta_positions(self) -> int:
+        """Query positions one CTA covers: cta_m, or cta_m / g packed (g divides m_block)."""
+        return self.cta_m // self.pack
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
@@ -300,9 +366,11 @@ class FlashForwardSm90:
         of block j before the value wgmma of block j+1 (see `consume`), so K runs one ahead.
         """
         m_block, head, batch = scheduler.tile_coords(self.causal)
-        head_kv = head // self.qhead_per_kvhead
-        seqlen_q, seqlen_k = cute.size(mQ.shape[0]), cute.size(mK.shape[0])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.m_block, self.head_dim), (None, 0))
+        # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
+        head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
+        seqlen_q, seqlen_k = self.seqlen_q_of(mQ), cute.size(mK.shape[0])
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.m_block, self.head_dim),
+                             (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.n_block, self.head_dim),
                              (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.n_block, self.head_dim_v),
@@ -323,7 +391,7 @@ class FlashForwardSm90:
 
         # See Note [fully masked CTAs] in consume().
         n_iter = cutlass.max(scheduler.n_block_max(
-            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), 1)
+            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         pipeline_k.producer_acquire(state)
         cute.copy(tma_atom_K, tKgK[None, n_iter - 1], tKsK[None, state.index],
@@ -378,9 +446,9 @@ class FlashForwardSm90:
         # a CTA whose rows all see none still visits block 0 fully masked, which yields O = 0 and
         # LSE = -inf through the normal path (no special case, no uninitialised output).
         n_iter = cutlass.max(scheduler.n_block_max(
-            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), 1)
+            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), 1)
         n_full = cutlass.min(scheduler.n_block_full_end(
-            m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k, self.causal), n_iter)
+            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), n_iter)
         n_masked = cutlass.max(n_iter - n_full, 1)  # the first block visited is always masked
 
         if const_expr(self.pingpong):
@@ -430,7 +498,7 @@ class FlashForwardSm90:
         self.release(pipeline_k, state)
         acc_S_mn = acc_mn_view(acc_S)
         mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block, seqlen_q,
-                            seqlen_k, self.causal)
+                            seqlen_k, self.causal, self.pack)
         softmax.step(acc_S_mn, is_first=True)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
@@ -462,7 +530,7 @@ class FlashForwardSm90:
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(masked):
             mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block,
-                                seqlen_q, seqlen_k, self.causal)
+                                seqlen_q, seqlen_k, self.causal, self.pack)
         row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
         self.release(pipeline_v, prev)
@@ -500,8 +568,13 @@ class FlashForwardSm90:
             if tid % 4 == 0:  # the quad's first thread holds column 0 of its rows
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = m_offset + tScS_mn[r, 0][0]
-                    if row < seqlen_q:
-                        mLSE[row, head, batch] = lse[r]
+                    if const_expr(self.pack_gqa):  # packed row -> (position, query head)
+                        if row < seqlen_q * self.pack:
+                            pos = row // self.pack
+                            mLSE[pos, head * self.pack + (row - pos * self.pack), batch] = lse[r]
+                    else:
+                        if row < seqlen_q:
+                            mLSE[row, head, batch] = lse[r]
 
         rO = cute.make_rmem_tensor_like(acc_O, dtype)
         rO.store(acc_O.load().to(dtype))
@@ -587,13 +660,21 @@ def port_table(spec) -> list[tuple[str, str, str]]:
     return rows
 
 
-def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
-    """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse."""
+def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                   pack_gqa=False):
+    """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
+
+    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
+    kernel]); it needs qhead_per_kvhead to divide 64 (else PlanError) and changes nothing when
+    heads_q == heads_kv.
+    """
     import torch
 
     from fa4lab.errors import UnsupportedArchError
     from fa4lab.kernels import runtime
 
+    if not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
     runtime.check_cuda_inputs(q, k, v)
     cc = torch.cuda.get_device_capability(q.device)
     if cc != (9, 0):
@@ -601,7 +682,8 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
             f"attention_sm90 needs a Hopper GPU (compute capability 9.0), {q.device} has {cc}; "
             f"use fa4lab.attention, which picks the kernel for the GPU")
     return runtime.run_forward("sm90", FlashForwardSm90, q, k, v, causal=causal,
-                               softmax_scale=softmax_scale, return_lse=return_lse)
+                               softmax_scale=softmax_scale, return_lse=return_lse,
+                               pack_gqa=pack_gqa)
 
 
 def _role_registers(plan) -> tuple[int, int]:

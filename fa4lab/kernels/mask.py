@@ -10,6 +10,9 @@ j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q. Masked scores becom
 softmax step gives them probability exactly 0; a row with no visible key stays at -inf and the
 softmax's finalize turns it into output 0 and LSE -inf.
 
+With pack-GQA (sm90, `qhead_per_kvhead` = g > 1) a tile row is a packed row: the causal rule
+compares keys with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
+
 Which blocks need this at all comes from the tile kinds (`fa4lab.tiling`, see
 `fa4lab.kernels.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_mask`.
 """
@@ -30,6 +33,7 @@ def apply_mask(
     seqlen_q: Int32,
     seqlen_k: Int32,
     causal: cutlass.Constexpr[bool],
+    qhead_per_kvhead: cutlass.Constexpr[int] = 1,  # g > 1: rows are packed rows (pack-GQA)
 ) -> None:
     """Set to -inf every score whose key is past seqlen_k or, if causal, right of the diagonal."""
     num_rows = cute.size(acc_mn, mode=[0])
@@ -39,6 +43,8 @@ def apply_mask(
         limit = seqlen_k - n_offset
         if cutlass.const_expr(causal):
             row = m_offset + coord_mn[r, 0][0]
+            if cutlass.const_expr(qhead_per_kvhead > 1):
+                row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
             limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_offset)
         for c in cutlass.range_constexpr(num_cols):
             if coord_mn[r, c][1] >= limit:

@@ -3,8 +3,8 @@
 Used by `attention_sm90` and `attention_sm100`. One compiled kernel serves every batch size,
 sequence length and head count: the tensors are passed with dynamic layouts
 (`mark_layout_dynamic`, last dim stride 1), so only what the kernel bakes in at compile time keys
-the cache -- head_dim, dtype, causal, softmax scale, GQA ratio, whether LSE is returned
-(`kernel_key`). `compile_count()` lets tests prove a second call does not recompile.
+the cache -- head_dim, dtype, causal, softmax scale, GQA ratio, whether LSE is returned,
+pack-GQA (`kernel_key`). `compile_count()` lets tests prove a second call does not recompile.
 
 Also here: `fake_compile`, a CPU-only compile of any kernel class for its arch with fake tensors
 (no GPU needed), used by the tests; `fa4lab.kernels.compile` is the full tool (artifacts, audit).
@@ -38,19 +38,22 @@ def clear_cache() -> None:
         _compiles = 0
 
 
-def kernel_key(spec: AttentionSpec, arch: str) -> tuple:
+def kernel_key(spec: AttentionSpec, arch: str, pack_gqa: bool = False) -> tuple:
     """What a compiled kernel depends on; batch, seqlens and head counts are runtime values."""
+    packed = bool(pack_gqa) and spec.qhead_per_kvhead > 1  # one query head per KV head: no-op
     return (arch, spec.head_dim, spec.head_dim_v, spec.dtype, spec.causal, spec.scale_log2,
-            spec.qhead_per_kvhead, spec.return_lse)
+            spec.qhead_per_kvhead, spec.return_lse, packed)
 
 
 # ---------------------------------------------------------------- plans
-def plan_for(spec: AttentionSpec, arch: str):
+def plan_for(spec: AttentionSpec, arch: str, pack_gqa: bool = False):
     """`plan_forward(spec, arch)` -- the one source of every number a kernel uses."""
     try:
         from fa4lab.plan import plan_forward
     except ImportError:
         return _interim_plan(spec, arch)
+    if pack_gqa:
+        return plan_forward(spec, arch=arch, pack_gqa=True)
     return plan_forward(spec, arch=arch)
 
 
@@ -130,17 +133,18 @@ class Launch:
     plan: object
 
 
-def get_compiled(spec: AttentionSpec, arch: str, kernel_cls, example_args) -> Launch:
+def get_compiled(spec: AttentionSpec, arch: str, kernel_cls, example_args,
+                 pack_gqa: bool = False) -> Launch:
     """The compiled kernel for `spec` on `arch`, compiling (once) with `example_args`."""
     global _compiles
-    key = kernel_key(spec, arch)
+    key = kernel_key(spec, arch, pack_gqa)
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
             return hit
         import cutlass.cute as cute
 
-        plan = plan_for(spec, arch)
+        plan = plan_for(spec, arch, pack_gqa)
         kernel = kernel_cls(plan)
         compiled = cute.compile(kernel, *example_args)
         _compiles += 1
@@ -149,8 +153,11 @@ def get_compiled(spec: AttentionSpec, arch: str, kernel_cls, example_args) -> La
 
 
 def run_forward(arch: str, kernel_cls, q, k, v, *, causal=False, softmax_scale=None,
-                return_lse=False):
-    """Allocate out (and lse), compile or fetch the kernel, launch it on the current stream."""
+                return_lse=False, pack_gqa=False):
+    """Allocate out (and lse), compile or fetch the kernel, launch it on the current stream.
+
+    `pack_gqa` (sm90) plans the kernel with the query heads of a KV head packed into M.
+    """
     import torch
 
     spec = AttentionSpec.from_tensors(q, k, v, causal=causal, softmax_scale=softmax_scale,
@@ -162,7 +169,7 @@ def run_forward(arch: str, kernel_cls, q, k, v, *, causal=False, softmax_scale=N
         args = [to_cute(x) for x in (q, k, v, out)]
         args.append(to_cute(lse, assumed_align=4) if lse is not None else None)
         args.append(current_stream())
-        launch = get_compiled(spec, arch, kernel_cls, args)
+        launch = get_compiled(spec, arch, kernel_cls, args, pack_gqa=pack_gqa)
         launch.compiled(*args)
     return (out, lse) if return_lse else out
 

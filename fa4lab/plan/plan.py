@@ -134,8 +134,10 @@ def check_overrides(arch: str, overrides: dict[str, Any]) -> dict[str, int]:
 def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
     """The frozen plan of the forward kernel for `spec` on `arch` ("sm100" B200, "sm90" H200).
 
-    Overrides (all optional): m_block, n_block, q_stage, kv_stage. A plan that does not fit
-    TMEM, SMEM or the register file raises PlanError saying what is over and what would fit.
+    Overrides (all optional): m_block, n_block, q_stage, kv_stage, and the switch pack_gqa
+    (bool, sm90 only: fold the query heads of a KV head into M; see `fa4lab.plan.sm90`). A plan
+    that does not fit TMEM, SMEM or the register file raises PlanError saying what is over and
+    what would fit.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"plan_forward takes an AttentionSpec, got {type(spec).__name__}")
@@ -143,11 +145,20 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
     if key not in ARCHS:
         raise PlanError(f"unknown arch {arch!r}: plan for 'sm100' (B200, tcgen05 + TMEM) or "
                         f"'sm90' (H100/H200, wgmma)")
+    pack_gqa = overrides.pop("pack_gqa", False)
+    if not isinstance(pack_gqa, bool):
+        raise PlanError(f"override pack_gqa={pack_gqa!r} must be True or False")
     ov = check_overrides(key, overrides)
     if key == "sm100":
+        if pack_gqa:
+            raise PlanError("pack_gqa=True: the sm100 kernel does not pack GQA heads yet; plan "
+                            "with pack_gqa=False (each query head reads its KV head) or for "
+                            "arch='sm90'")
         from fa4lab.plan.sm100 import build_sm100 as build
     else:
         from fa4lab.plan.sm90 import build_sm90 as build
+        if pack_gqa:
+            ov["pack_gqa"] = True
     try:
         return build(spec, **ov)
     except PlanError as err:

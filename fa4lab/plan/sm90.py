@@ -7,6 +7,8 @@ issues its wgmmas the other runs its softmax. No TMEM: `plan.tmem` is None.
 
 The tuning numbers live in the single table `SM90_TUNING` below, keyed by head_dim; the sm90
 kernel reads them only through the plan. Supported head_dim: 64, 128, 256 (== head_dim_v).
+
+`pack_gqa=True` (see Note [sm90 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
 
 from __future__ import annotations
@@ -46,6 +48,29 @@ SM90_TUNING = {
 M_BLOCK = 64      # wgmma M: one consumer warpgroup's Q tile
 Q_STAGE = 2       # consumer warpgroups
 CONSUMER_REG_OVERHEAD = 40
+
+
+# Note [sm90 pack-GQA]
+# With pack_gqa the qhead_per_kvhead (g) query heads of a KV head share one CTA: its M rows are
+# packed rows (position * g + head within the group, Note [pack-GQA rows] in fa4lab.tiling), so
+# the grid has heads_kv columns and ceil(seqlen_q * g / cta_m) row tiles, and K/V are loaded once
+# per group instead of g times (what decode and short seqlen_q need). The kernel keeps TMA for
+# Q and O: a 64-row tile is a (g, 64 / g) box over (head, position), which needs g to divide
+# m_block; the SMEM, barriers and MMAs are the same as without packing. With g == 1 there is
+# nothing to pack, and the plan records pack_gqa=False.
+
+
+def check_pack_gqa(spec, m_block: int, pack_gqa: bool) -> bool:
+    """The pack_gqa the plan records (False when there is one query head per KV head)."""
+    g = spec.qhead_per_kvhead
+    if not pack_gqa or g == 1:
+        return False
+    if m_block % g:
+        raise PlanError(f"pack_gqa=True with qhead_per_kvhead={g}: the sm90 kernel loads a "
+                        f"{m_block}-row tile as a (heads, positions) TMA box, so "
+                        f"qhead_per_kvhead must divide m_block={m_block} (1, 2, 4, 8, 16, 32, "
+                        f"64); use pack_gqa=False for this head ratio")
+    return True
 
 
 def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
@@ -93,7 +118,8 @@ def build_roles(tiles: Tiles, tuning: Sm90Tuning) -> tuple[Role, ...]:
     return tuple(roles)
 
 
-def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=None) -> Plan:
+def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=None,
+               pack_gqa: bool = False) -> Plan:
     hw = H200
     d, dv = spec.head_dim, spec.head_dim_v
     if d != dv or d not in SM90_TUNING:
@@ -111,7 +137,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
                         f"and K of the value wgmma)")
     if kv_stage < 1:
         raise PlanError(f"kv_stage={kv_stage} must be >= 1")
-    tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv)
+    tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa))
     need = consumer_registers_needed(n_block, dv)
     if need > tuning.consumer_registers:
         raise PlanError(
@@ -145,7 +172,9 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
         "The ping-pong named barriers order the two consumers' wgmma issue; the simulator "
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
-    )
+    ) + ((f"pack-GQA: each CTA serves the {spec.qhead_per_kvhead} query heads of one KV head "
+          f"(M rows = position * {spec.qhead_per_kvhead} + head in group).",)
+         if tiles.pack_gqa else ())
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles, barriers,
                 RESCALE_THRESHOLD, 0.0, notes)
 

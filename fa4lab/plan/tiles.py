@@ -4,6 +4,9 @@
 ping-pong between the softmax roles), swept over key/value blocks of `n_block` rows that stream
 through `kv_stage` shared-memory buffers. `MmaPlan` describes the two matrix products of one
 K/V block for one Q tile: the score MMA S = Q K^T and the value MMA O += P V.
+
+`pack_gqa` (sm90 only) folds the query heads that share a KV head into M: a tile's rows are
+packed rows (see Note [pack-GQA rows] in `fa4lab.tiling`), so K/V are loaded once for them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class Tiles:
     kv_stage: int     # K/V shared-memory buffers (see SmemPlan)
     head_dim: int
     head_dim_v: int
+    pack_gqa: bool = False  # M rows are packed (position, query head) rows of one KV head
 
     @property
     def cta_m(self) -> int:

@@ -1,0 +1,255 @@
+"""pack-GQA on sm90 without a GPU: the plan switch, the kernel's index maps, compile and audit.
+
+The GPU half (the kernel's numbers against the float64 reference) is `test_pack_gqa` in
+tests/test_sm90.py. Here, tier 1:
+* `plan_forward(spec, "sm90", pack_gqa=True)` records the switch, round-trips through JSON,
+  and refuses what the kernel cannot do (sm100, a head ratio that does not divide m_block);
+* the kernel's packed row map and its block ranges (scheduler formulas over positions, see
+  Note [sm90 pack-GQA kernel] in fa4lab/kernels/fwd_sm90.py) agree with `fa4lab.tiling`, and
+  a numpy emulation of the tile loop covers every (position, head) row exactly once, skips
+  only invisible keys and leaves unmasked only fully visible blocks;
+* the Q/O TMA view maps tile rows to the right (head, position) coordinates (traced, static
+  shapes), and the kernel compiles for sm_90a and passes the binary audit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fa4lab import tiling
+from fa4lab.errors import PlanError
+from fa4lab.kernels import scheduler
+from fa4lab.plan import Plan, plan_forward
+from fa4lab.spec import AttentionSpec
+
+M_BLOCK, Q_STAGE = 64, 2   # the sm90 plan's consumer tile and consumer count
+
+
+def spec(hd=128, causal=False, hq=8, hkv=2, sq=300, sk=700, lse=True):
+    return AttentionSpec(2, sq, sk, hq, hkv, hd, causal=causal, return_lse=lse)
+
+
+# ------------------------------------------------------------------------------ the plan
+
+def test_plan_default_is_unpacked():
+    assert plan_forward(spec(), "sm90").tiles.pack_gqa is False
+    assert plan_forward(spec(), "sm100").tiles.pack_gqa is False
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_override_round_trips(causal):
+    p = plan_forward(spec(causal=causal), "sm90", pack_gqa=True)
+    assert p.tiles.pack_gqa is True
+    assert p != plan_forward(spec(causal=causal), "sm90")
+    d = json.loads(p.to_json())
+    assert d["tiles"]["pack_gqa"] is True
+    assert Plan.from_dict(d) == p and Plan.from_json(p.to_json()) == p
+    # A plan written before the switch existed reads back unpacked.
+    del d["tiles"]["pack_gqa"]
+    assert Plan.from_dict(d).tiles.pack_gqa is False
+    # Packing changes only which rows a CTA owns: same SMEM, barriers and MMAs.
+    q = plan_forward(spec(causal=causal), "sm90")
+    assert (p.smem, p.barriers, p.mmas, p.roles) == (q.smem, q.barriers, q.mmas, q.roles)
+
+
+def test_plan_pack_without_gqa_is_a_no_op():
+    assert plan_forward(spec(hq=4, hkv=4), "sm90", pack_gqa=True).tiles.pack_gqa is False
+
+
+def test_plan_rejects_sm100_bad_ratio_and_non_bool():
+    with pytest.raises(PlanError, match="sm100 kernel does not pack"):
+        plan_forward(spec(), "sm100", pack_gqa=True)
+    with pytest.raises(PlanError, match="qhead_per_kvhead must divide m_block"):
+        plan_forward(spec(hq=12, hkv=4), "sm90", pack_gqa=True)
+    with pytest.raises(PlanError, match="True or False"):
+        plan_forward(spec(), "sm90", pack_gqa=1)
+    assert plan_forward(spec(), "sm100", pack_gqa=False).tiles.pack_gqa is False
+
+
+def test_kernel_key_tells_packed_from_unpacked():
+    from fa4lab.kernels.runtime import kernel_key
+
+    s = spec()
+    assert kernel_key(s, "sm90", True) != kernel_key(s, "sm90")
+    assert kernel_key(s, "sm90", False) == kernel_key(s, "sm90")
+    one = spec(hq=4, hkv=4)  # nothing to pack: one kernel
+    assert kernel_key(one, "sm90", True) == kernel_key(one, "sm90")
+
+
+# ------------------------------------------------------- the kernel's index maps (emulated)
+
+def kernel_row_map(m_block, wg, r, kv_head, g):
+    """What the kernel computes for row r of consumer wg's tile (see fwd_sm90.epilogue)."""
+    row = (m_block * Q_STAGE + wg) * M_BLOCK + r
+    pos = row // g
+    return row, kv_head * g + (row - pos * g), pos
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_row_map_matches_tiling(g):
+    hkv, sq = 3, 70
+    hq = hkv * g
+    n_m = scheduler.num_m_blocks(sq * g, M_BLOCK * Q_STAGE)
+    for kv in range(hkv):
+        for m in range(n_m):
+            for wg in range(Q_STAGE):
+                for r in range(M_BLOCK):
+                    row, head, pos = kernel_row_map(m, wg, r, kv, g)
+                    if row >= sq * g:
+                        continue
+                    assert (head, pos) == tiling.unpack_gqa_row(
+                        kv, row, heads_q=hq, heads_kv=hkv, seqlen_q=sq)
+                    assert tiling.pack_gqa_row(head, pos, heads_q=hq, heads_kv=hkv,
+                                               seqlen_q=sq) == (kv, row)
+
+
+@given(sq=st.integers(1, 1500), sk=st.integers(1, 3000), g=st.sampled_from([2, 4, 8, 16]),
+       q_stage=st.sampled_from([1, 2]), n=st.sampled_from([80, 128]), causal=st.booleans(),
+       data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_packed_block_ranges_match_tiling(sq, sk, g, q_stage, n, causal, data):
+    """The kernel calls the unpacked formulas with cta_m / g positions per CTA."""
+    cta_m = M_BLOCK * q_stage
+    m = data.draw(st.integers(0, tiling.num_m_blocks(sq, cta_m, g) - 1))
+    kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=cta_m, n_block_size=n, causal=causal,
+              qhead_per_kvhead=g)
+    lo, hi = tiling.n_block_range(m, **kw)
+    mask_lo, _ = tiling.n_block_masked_range(m, **kw)
+    assert lo == 0
+    assert scheduler.n_block_max(m, cta_m // g, n, sq, sk, causal) == hi
+    assert min(scheduler.n_block_full_end(m, cta_m // g, n, sq, sk, causal), hi) == mask_lo
+
+
+def emulate_mask(rows, cols, m_offset, n_offset, sq, sk, causal, g):
+    """numpy twin of fa4lab.kernels.mask.apply_mask with qhead_per_kvhead = g: True = keep."""
+    limit = np.full(rows, sk - n_offset)
+    if causal:
+        pos = (m_offset + np.arange(rows)) // g
+        limit = np.minimum(limit, pos + sk - sq + 1 - n_offset)
+    return np.arange(cols)[None, :] < limit[:, None]
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1000), (17, 1000), (1000, 17), (300, 301), (5, 3)])
+@pytest.mark.parametrize("g", [2, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_tile_loop(sq, sk, g, causal):
+    """Every packed tile as the kernel walks it: the rows it stores, the blocks it visits,
+    the ones it masks. Compared with the brute-force visibility of each (position, key)."""
+    n = 128
+    hkv, cta_m = 2, M_BLOCK * Q_STAGE
+    visible = np.ones((sq, sk), dtype=bool)
+    if causal:
+        visible &= np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
+    stored = np.zeros((sq, hkv * g), dtype=int)
+    for kv in range(hkv):
+        for m in range(scheduler.num_m_blocks(sq * g, cta_m)):
+            n_iter = max(scheduler.n_block_max(m, cta_m // g, n, sq, sk, causal), 1)
+            n_full = min(scheduler.n_block_full_end(m, cta_m // g, n, sq, sk, causal), n_iter)
+            n_masked = max(n_iter - n_full, 1)
+            masked_blocks = set(range(n_iter - n_masked, n_iter))
+            for wg in range(Q_STAGE):
+                m_offset = (m * Q_STAGE + wg) * M_BLOCK
+                seen = np.zeros((M_BLOCK, sk), dtype=bool)
+                for j in range(n_iter):
+                    cols = np.arange(j * n, (j + 1) * n)
+                    if j in masked_blocks:
+                        keep = emulate_mask(M_BLOCK, n, m_offset, j * n, sq, sk, causal, g)
+                    else:
+                        keep = np.ones((M_BLOCK, n), dtype=bool)
+                    inside = cols < sk
+                    seen[:, cols[inside]] = keep[:, inside]
+                    # A block visited without a mask must be fully visible to every real row.
+                    for r in range(M_BLOCK):
+                        row, head, pos = kernel_row_map(m, wg, r, kv, g)
+                        if row < sq * g and j not in masked_blocks:
+                            assert inside.all() and visible[pos, cols].all()
+                for r in range(M_BLOCK):
+                    row, head, pos = kernel_row_map(m, wg, r, kv, g)
+                    if row >= sq * g:
+                        continue  # past seqlen_q: TMA clips the store, LSE is guarded
+                    stored[pos, head] += 1
+                    # Exactly the visible keys: none skipped, none leaked through a mask.
+                    assert (seen[r] == visible[pos]).all(), (kv, m, wg, r)
+    assert (stored == 1).all()
+
+
+# --------------------------------------------------------------- traced TMA view, compile
+
+def test_packed_tma_view_coordinates():
+    """`_packed_tma`'s view, tiled as the kernel tiles it: row r of tile t of KV head kv is
+    TMA coordinate (col, kv * g + r % g, t * 64 / g + r // g, batch)."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import cpasync
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from fa4lab.kernels.fwd_sm90 import _packed_tma, _smem_layout
+    from fa4lab.kernels.runtime import target_arch
+
+    g, sq, hq, d, kv, batch = 4, 300, 8, 128, 1, 1
+    seen = {}
+
+    @cute.jit
+    def trace(mQ):  # no annotation: postponed ones would not resolve in the DSL
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        sQ = _smem_layout(cutlass.BFloat16, M_BLOCK, d, Q_STAGE)
+        _, coords = _packed_tma(cpasync.CopyBulkTensorTileG2SOp(), mQ,
+                                cute.select(sQ, mode=[0, 1]), (M_BLOCK, d), g)
+        gQ = cute.local_tile(coords[None, None, kv, batch], (M_BLOCK, d), (None, 0))
+        seen["tiles"] = cute.size(gQ, mode=[2])
+        for t in (0, 3, 18):
+            for r in tuple(range(M_BLOCK)):  # a Python loop: static coordinates
+                seen[(t, r)] = tuple(int(x) for x in gQ[(r, 5, t)])
+
+    q = make_fake_tensor(cutlass.BFloat16, (2, sq, hq, d), (sq * hq * d, hq * d, d, 1),
+                         assumed_align=16)
+    with target_arch("sm_90a"):
+        cute.compile(trace, q)
+    assert seen["tiles"] == tiling.ceil_div(sq * g, M_BLOCK)
+    for t in (0, 3, 18):
+        for r in range(M_BLOCK):
+            head, pos = tiling.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq,
+                                              heads_kv=hq // g, seqlen_q=sq + M_BLOCK)
+            assert seen[(t, r)] == (5, head, pos, batch), (t, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_packed_kernel_compiles_and_passes_audit(head_dim, causal, tmp_path):
+    pytest.importorskip("cutlass")
+    audit = pytest.importorskip("fa4lab.kernels.audit")
+    from fa4lab.kernels import compile_forward
+
+    plan = plan_forward(spec(head_dim, causal, hq=8, hkv=2, lse=causal), "sm90", pack_gqa=True)
+    assert plan.tiles.pack_gqa and plan.spec.qhead_per_kvhead == 4
+    cf = compile_forward(plan, arch="sm90a", keep_dir=tmp_path)
+    assert cf.kernel.pack == 4 and cf.smem_bytes == plan.smem.total_bytes
+    try:
+        result = audit.audit_compiled(cf)
+    except FileNotFoundError as e:
+        pytest.skip(f"CUDA binary tools missing: {e}")
+    assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
+                       for r in result.failures()]
+    assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+
+
+def test_api_reference_ignores_pack_gqa():
+    torch = pytest.importorskip("torch")
+    import fa4lab
+    from fa4lab.api import SlowReferenceWarning
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, h, 64, generator=g) for n, h in ((5, 4), (9, 2), (9, 2)))
+    with pytest.warns(SlowReferenceWarning):
+        packed = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)
+    with pytest.warns(SlowReferenceWarning):
+        assert torch.equal(packed, fa4lab.attention(q, k, v, causal=True))
+    with pytest.raises(TypeError, match="pack_gqa must be True or False"):
+        fa4lab.attention(q, k, v, pack_gqa="yes")
