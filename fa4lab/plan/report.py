@@ -128,7 +128,8 @@ def _alternatives(plan, costs) -> list[dict]:
 
 def _overrides_of(plan) -> dict:
     t = plan.tiles
-    return {"n_block": t.n_block, "q_stage": t.q_stage, "kv_stage": t.kv_stage}
+    packed = {"pack_gqa": True} if getattr(t, "pack_gqa", False) else {}
+    return {"n_block": t.n_block, "q_stage": t.q_stage, "kv_stage": t.kv_stage, **packed}
 
 
 # ---- Markdown ----
