@@ -111,7 +111,8 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> Compil
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
     root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
-    keep = root / config_name(plan.spec, arch)
+    keep = root / (config_name(plan.spec, arch)
+                   + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else ""))
     keep.mkdir(parents=True, exist_ok=True)
     kernel = kernel_class(arch)(plan)
     args = runtime.fake_args(plan.spec)
