@@ -13,9 +13,10 @@ Dispatch:
 * anything else (CPU tensors, other GPUs): the float64 reference, with a `SlowReferenceWarning`
   -- correct but slow, so you always know when no kernel ran.
 
-`pack_gqa=True` (Hopper only) folds the query heads that share a KV head into one CTA's rows,
-so K/V are read once per group (decode and short seqlen_q); it needs heads_q / heads_kv to
-divide 64. The B200 kernel does not pack yet (UnsupportedArchError); the reference ignores it.
+`pack_gqa=True` folds the query heads that share a KV head into one CTA's rows, so K/V are read
+once per group (decode and short seqlen_q); it needs heads_q / heads_kv to divide 64 on Hopper
+and 128 on the B200 (else PlanError). The B200 packed kernel is compiled and audited but not yet
+run on a B200. The reference ignores it.
 
 Bad inputs raise before anything runs, with what is wrong and what to do. Compiled kernels are
 cached per configuration (`fa4lab.kernels.runtime`): the second call with the same head_dim,
@@ -106,14 +107,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         fn = _kernel_for(q.device)
     if fn is not None:
         _check_kernel_inputs(q, k, v)
-        if pack_gqa:
-            if fn.__name__ != "attention_sm90":
-                raise UnsupportedArchError(
-                    f"pack_gqa=True: only the Hopper (sm90) kernel packs GQA heads; the kernel "
-                    f"for {q.device} ({fn.__name__}) does not yet. Call with pack_gqa=False")
-            return fn(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                      return_lse=return_lse, pack_gqa=True)
-        return fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+        return fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                  pack_gqa=pack_gqa)
     return _reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
                       return_lse=return_lse)
 

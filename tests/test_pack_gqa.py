@@ -3,7 +3,7 @@
 The GPU half (the kernel's numbers against the float64 reference) is `test_pack_gqa` in
 tests/test_sm90.py. Here, tier 1:
 * `plan_forward(spec, "sm90", pack_gqa=True)` records the switch, round-trips through JSON,
-  and refuses what the kernel cannot do (sm100, a head ratio that does not divide m_block);
+  and refuses what the kernel cannot do (a head ratio that does not divide m_block);
 * the kernel's packed row map and its block ranges (scheduler formulas over positions, see
   Note [sm90 pack-GQA kernel] in fa4lab/kernels/fwd_sm90.py) agree with `fa4lab.tiling`, and
   a numpy emulation of the tile loop covers every (position, head) row exactly once, skips
@@ -61,9 +61,9 @@ def test_plan_pack_without_gqa_is_a_no_op():
     assert plan_forward(spec(hq=4, hkv=4), "sm90", pack_gqa=True).tiles.pack_gqa is False
 
 
-def test_plan_rejects_sm100_bad_ratio_and_non_bool():
-    with pytest.raises(PlanError, match="sm100 kernel does not pack"):
-        plan_forward(spec(), "sm100", pack_gqa=True)
+def test_plan_rejects_bad_ratio_and_non_bool():
+    # sm100 packs too (tests/test_pack_gqa_sm100.py).
+    assert plan_forward(spec(), "sm100", pack_gqa=True).tiles.pack_gqa is True
     with pytest.raises(PlanError, match="qhead_per_kvhead must divide m_block"):
         plan_forward(spec(hq=12, hkv=4), "sm90", pack_gqa=True)
     with pytest.raises(PlanError, match="True or False"):

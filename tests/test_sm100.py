@@ -16,6 +16,11 @@ causal x GQA {1, 4} in bf16 with seqlen pairs (1, 1), (17, 1000), (1000, 17), (1
 and whole CTAs that see nothing); fp16 at both head dims; logits of magnitude 1e4 (the
 conditional rescale and the exp2 polynomial at their extremes); a custom softmax_scale and
 return_lse=False.
+
+pack-GQA (`pack_gqa=True`, Note [sm100 pack-GQA kernel]): head_dim {64, 128} x causal x GQA
+ratio {2, 8} on the same seqlen pairs, judged by the same rule; and the same through
+fa4lab.attention, cached. Its CPU side (plan, block ranges, TMA views, compile + audit) is
+tests/test_pack_gqa_sm100.py.
 """
 
 from __future__ import annotations
@@ -42,6 +47,15 @@ def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
     from fa4lab.kernels.fwd_sm100 import attention_sm100
 
     check_kernel(attention_sm100, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
+
+
+def _check_packed(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+
+    def packed(*args, **kw):
+        return attention_sm100(*args, pack_gqa=True, **kw)
+
+    check_kernel(packed, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
 
 
 @pytest.mark.parametrize("gqa", [1, 4])
@@ -86,3 +100,29 @@ def test_softmax_scale_and_no_lse():
     ref = attention_reference(q, k, v, softmax_scale=0.3)
     pt = sdpa_same_dtype(q, k, v, softmax_scale=0.3)
     assert (out.double() - ref).abs().max() <= 2 * (pt.double() - ref).abs().max() + ATOL
+
+
+@pytest.mark.parametrize("gqa", [2, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pack_gqa(head_dim, causal, gqa):
+    """One CTA per (KV head, packed row tile); 16 query heads so several KV heads exist."""
+    heads_q = 16
+    for i, (sq, sk) in enumerate(SEQLENS):
+        batch = 2 if sq * sk < 10**6 else 1
+        q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
+                          seed=4000 + 100 * head_dim + 10 * gqa + i)
+        _check_packed(q, k, v, causal=causal)
+
+
+def test_pack_gqa_through_fa4lab_attention():
+    import fa4lab
+    from fa4lab.kernels import runtime
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+
+    q, k, v = _inputs(2, 33, 513, 8, 2, 128, torch.bfloat16, seed=12)
+    out = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)
+    before = runtime.compile_count()
+    assert torch.equal(out, attention_sm100(q, k, v, causal=True, pack_gqa=True))
+    assert runtime.compile_count() == before, "the packed kernel was not cached"
+    _check_packed(q, k, v, causal=True, softmax_scale=0.2)

@@ -6,10 +6,14 @@ GQA (query head h reads KV head h // (heads_q // heads_kv)), any seqlen_q >= 1 a
 seqlen_k >= 1 (tails), causal bottom-right aligned; a row that sees no key gives O = 0 and
 LSE = -inf.
 
-Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No pack-GQA
-(each CTA serves one query head), no persistent scheduler (one CTA per 2 x m_block query rows,
-per head, per batch; causal grids start with the longest tiles, fa4lab.kernels.scheduler), no
-split-KV, no varlen.
+Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No
+persistent scheduler (one CTA per 2 x m_block query rows, per head, per batch; causal grids start
+with the longest tiles, fa4lab.kernels.scheduler), no split-KV, no varlen.
+
+pack-GQA (`plan.tiles.pack_gqa`, Note [sm100 pack-GQA kernel]): optionally a CTA serves the
+qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O TMA views,
+the grid, the block ranges, the causal row index and the LSE address change. Compiled and
+audited for sm_100a on CPU; not yet run on a B200.
 
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
   * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages");
@@ -55,11 +59,26 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels import scheduler
 from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
+from fa4lab.kernels.pack_gqa import heads_positions, packed_tma, split_packed
 
 LN2 = math.log(2.0)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # Named barrier ids (0 is __syncthreads).
 _TMEM_ALLOC_BARRIER_ID = 1
+
+
+# Note [sm100 pack-GQA kernel]
+# The sm90 kernel's rule (Note [sm90 pack-GQA kernel] in fwd_sm90.py) on this kernel: with
+# g = qhead_per_kvhead query heads packed into M, the grid's head axis runs over KV heads and its
+# row axis over ceil(seqlen_q * g / cta_m) tiles. Q (both Q tiles) and O keep their TMA through
+# the views of fa4lab.kernels.pack_gqa: Q's atom is the tcgen05 A-operand atom with the M tile
+# (g, m_block / g), O's the plain store atom with the same box; local_tile over the packed mode
+# then gives Q tile / O tile i exactly as without packing. A CTA covers positions
+# [m * cta_m / g, (m + 1) * cta_m / g) and Q tile i positions from (m * q_stage + i) * m_block / g,
+# so the scheduler formulas with cta_m / g (n_block_max) and m_block / g (the softmax's
+# mask_min) rows per tile are fa4lab.tiling's packed ranges. The softmax's mask compares keys
+# with the position (row_start + row) // g; the correction writes LSE at
+# (position, kv * g + row % g). TMEM, SMEM, barriers and the MMAs do not change.
 
 
 def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
@@ -68,6 +87,23 @@ def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
     The per-Q-tile pipelines (s, o, stats, epi) are indexed by the Q tile, not round robin.
     """
     return pipeline.PipelineState(num_stages, Int32(0), Int32(index), Int32(phase))
+
+
+def _q_tma(op, mQ: cute.Tensor, sQ_layout, tiled_mma_qk, mma_tiler_qk, cluster_shape, g: int):
+    """TMA of the Q tiles (the score MMA's A operand) for (seqlen_q, d, heads_q, batch) `mQ`.
+
+    Returns the atom and its coordinates: (seqlen_q, d, heads_q, batch), or with g > 1
+    (pack-GQA) ((g, seqlen_q), d, heads_kv, batch), the M tile being (g heads, m_block / g
+    positions). See Note [sm100 pack-GQA kernel].
+    """
+    smem = cute.select(sQ_layout, mode=[0, 1, 2])
+    if g == 1:
+        return cute.nvgpu.make_tiled_tma_atom_A(op, mQ, smem, mma_tiler_qk, tiled_mma_qk,
+                                                cluster_shape)
+    m, n, k = mma_tiler_qk
+    atom, coords = cute.nvgpu.make_tiled_tma_atom_A(
+        op, heads_positions(mQ), smem, ((g, m // g), n, k), tiled_mma_qk, cluster_shape)
+    return atom, split_packed(coords, g)
 
 
 class FlashForwardSm100:
@@ -90,6 +126,12 @@ class FlashForwardSm100:
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         self.scale_log2 = spec.scale_log2
         tiles = plan.tiles
+        # See Note [sm100 pack-GQA kernel]: g query heads per CTA row group, else 1.
+        self.pack_gqa = bool(getattr(tiles, "pack_gqa", False))
+        self.pack = self.qhead_per_kvhead if self.pack_gqa else 1
+        if tiles.m_block % self.pack:
+            raise ValueError(f"pack-GQA needs qhead_per_kvhead ({self.pack}) to divide m_block "
+                             f"({tiles.m_block})")
         self.m_block = tiles.m_block
         self.n_block = tiles.n_block
         self.q_stage = tiles.q_stage
@@ -165,18 +207,22 @@ class FlashForwardSm100:
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
-        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
-            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
-            tiled_mma_qk, cluster_vmnk.shape)
+        tma_atom_Q, tma_Q = _q_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
+                                   cluster_vmnk.shape, self.pack)
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
             tiled_mma_qk, cluster_vmnk.shape)
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
             tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
             tiled_mma_pv, cluster_vmnk.shape)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
-            self.epi_tile)
+        if cutlass.const_expr(self.pack_gqa):
+            tma_atom_O, tma_O = packed_tma(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+                self.epi_tile, self.pack)
+        else:
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
+                self.epi_tile)
         self.q_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.kv_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
 
@@ -202,8 +248,13 @@ class FlashForwardSm100:
 
         self.shared_storage = SharedStorage
 
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.cta_m), cute.size(mQ.shape[2]),
-                cute.size(mQ.shape[3]))
+        if cutlass.const_expr(self.pack_gqa):
+            # seqlen_q * g packed rows per KV head (Note [sm100 pack-GQA kernel]).
+            grid = (cute.ceil_div(cute.size(mQ.shape[0]) * self.pack, self.cta_m),
+                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
+        else:
+            grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.cta_m), cute.size(mQ.shape[2]),
+                    cute.size(mQ.shape[3]))
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
@@ -217,13 +268,14 @@ class FlashForwardSm100:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tma_atom_Q: cute.CopyAtom,
-        mQ: cute.Tensor,  # (seqlen_q, head_dim, heads_q, batch) TMA coordinates
+        # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
+        mQ: cute.Tensor,  # TMA coordinates
         tma_atom_K: cute.CopyAtom,
         mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch)
         tma_atom_V: cute.CopyAtom,
         mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch)
         tma_atom_O: cute.CopyAtom,
-        mO: cute.Tensor,  # (seqlen_q, head_dim_v, heads_q, batch)
+        mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -232,8 +284,11 @@ class FlashForwardSm100:
         sO_layout: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # Packed: `head` is the KV head and seqlen_q counts positions, not packed rows.
         m_block, head, batch = scheduler.tile_coords(self.causal)
         seqlen_q = mQ.shape[0]
+        if cutlass.const_expr(self.pack_gqa):
+            seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
 
         if warp_idx == self.load_warp:
@@ -343,8 +398,8 @@ class FlashForwardSm100:
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
         """
-        return scheduler.n_block_max(m_block, self.cta_m, self.n_block, seqlen_q, seqlen_k,
-                                     self.causal)
+        return scheduler.n_block_max(m_block, self.cta_m // self.pack, self.n_block, seqlen_q,
+                                     seqlen_k, self.causal)
 
     @cute.jit
     def tmem_tensors(self, thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr):
@@ -367,7 +422,8 @@ class FlashForwardSm100:
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
              sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, n_block_max):
         """TMA: Q tile 0, K_last, Q tile 1, V_last, then (K_j, V_j) down to block 0."""
-        head_kv = head // self.qhead_per_kvhead
+        # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
+        head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch],
@@ -513,8 +569,10 @@ class FlashForwardSm100:
         row_start = (m_block * self.q_stage + stage) * self.m_block
         # Blocks [mask_min, n_block_max) need the element mask: the fa4lab.tiling rule for this
         # Q tile (its first row), not for the whole CTA.
-        mask_min = scheduler.n_block_full_end(m_block * self.q_stage + stage, self.m_block,
-                                              self.n_block, seqlen_q, seqlen_k, self.causal)
+        # Packed: the tile's first position is its first row / g (Note [sm100 pack-GQA kernel]).
+        mask_min = scheduler.n_block_full_end(m_block * self.q_stage + stage,
+                                              self.m_block // self.pack, self.n_block, seqlen_q,
+                                              seqlen_k, self.causal)
         mask_min = cutlass.min(mask_min, n_block_max)
 
         row_max = -Float32.inf
@@ -553,6 +611,8 @@ class FlashForwardSm100:
             limit = seqlen_k - n_block * self.n_block
             if cutlass.const_expr(self.causal):
                 row = row_start + tScS_t2r[0][0]
+                if cutlass.const_expr(self.pack_gqa):
+                    row = row // self.pack  # the position; row >= 0, so // floors
                 limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * self.n_block)
             for j in cutlass.range_constexpr(cute.size(tSrS)):
                 tSrS[j] = -Float32.inf if tScS_t2r[j][1] >= limit else tSrS[j]
@@ -647,12 +707,21 @@ class FlashForwardSm100:
                 pipe_o.consumer_release(_phase_state(self.q_stage, stage, 0))  # O_i read
             if cutlass.const_expr(self.return_lse):
                 row = (m_block * self.q_stage + stage) * self.m_block + tidx
-                if row < seqlen_q:
-                    lse = -Float32.inf
-                    if not empty_row:
-                        lse = (row_max * Float32(self.scale_log2)
-                               + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
-                    mLSE[row, head, batch] = lse
+                if cutlass.const_expr(self.pack_gqa):  # packed row -> (position, query head)
+                    if row < seqlen_q * self.pack:
+                        lse = -Float32.inf
+                        if not empty_row:
+                            lse = (row_max * Float32(self.scale_log2)
+                                   + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
+                        pos = row // self.pack
+                        mLSE[pos, head * self.pack + (row - pos * self.pack), batch] = lse
+                else:
+                    if row < seqlen_q:
+                        lse = -Float32.inf
+                        if not empty_row:
+                            lse = (row_max * Float32(self.scale_log2)
+                                   + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
+                        mLSE[row, head, batch] = lse
 
     @cute.jit
     def correction_rescale(self, thr_mma_pv, tOtO, tidx, row_scale):
@@ -732,24 +801,31 @@ class FlashForwardSm100:
                 pipe_epi.consumer_release(_phase_state(self.q_stage, stage, 0))
 
 
-def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                    pack_gqa=False):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim), bf16 or
     fp16, head_dim 64 or 128; lse is (batch, heads_q, seqlen_q) float32, natural log.
+    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
+    kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
+    heads_q == heads_kv.
     """
     import torch
 
     from fa4lab.errors import UnsupportedArchError
     from fa4lab.kernels import runtime
 
+    if not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
     where = "no CUDA GPU is visible"
     if getattr(q, "is_cuda", False):
         cc = torch.cuda.get_device_capability(q.device)
         if cc[0] == 10:
             runtime.check_cuda_inputs(q, k, v, head_dims=(64, 128))
             return runtime.run_forward("sm100", FlashForwardSm100, q, k, v, causal=causal,
-                                       softmax_scale=softmax_scale, return_lse=return_lse)
+                                       softmax_scale=softmax_scale, return_lse=return_lse,
+                                       pack_gqa=pack_gqa)
         where = f"{q.device} is {torch.cuda.get_device_name(q.device)} (compute capability " \
                 f"{cc[0]}.{cc[1]})"
     elif torch.cuda.is_available():

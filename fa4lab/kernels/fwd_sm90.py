@@ -54,6 +54,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels import mask as mask_mod
 from fa4lab.kernels import scheduler
+from fa4lab.kernels.pack_gqa import packed_tma as _packed_tma
 from fa4lab.kernels.softmax import OnlineSoftmax, rescale_rows
 
 _WG = 128  # threads per warpgroup
@@ -110,27 +111,8 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 # are the unpacked formulas over positions: a CTA covers positions
 # [m_block * cta_m / g, (m_block + 1) * cta_m / g), so scheduler.n_block_max/full_end with
 # cta_m / g rows per tile are exactly fa4lab.tiling's packed ranges. LSE is written per
-# (position, query head) from the same r -> (r // g, kv * g + r % g) map.
-
-
-def _packed_tma(op, mX: cute.Tensor, smem_layout, tile: tuple[int, int], g: int):
-    """TMA atom and coordinate tensor over packed rows, for (seqlen, d, heads, batch) `mX`.
-
-    Returns the atom and a tensor ((g, seqlen), d, heads_kv, batch): mode 0 is the packed row
-    (query head within the group fastest). See Note [sm90 pack-GQA kernel].
-    """
-    rows, cols = tile
-    # (s, d, h, b) -> ((h, s), d, b): heads and positions as one mode, so the box stays 4-D.
-    hs = cute.make_layout(
-        ((mX.shape[2], mX.shape[0]), mX.shape[1], mX.shape[3]),
-        stride=((mX.stride[2], mX.stride[0]), mX.stride[1], mX.stride[3]))
-    atom, coords = cpasync.make_tiled_tma_atom(
-        op, cute.make_tensor(mX.iterator, hs), smem_layout, ((g, rows // g), cols))
-    sh, st = coords.shape, coords.stride
-    packed = cute.make_layout(
-        ((g, sh[0][1]), sh[1], sh[0][0] // g, sh[2]),
-        stride=((st[0][0], st[0][1]), st[1], st[0][0] * g, st[2]))
-    return atom, cute.make_tensor(coords.iterator, packed)
+# (position, query head) from the same r -> (r // g, kv * g + r % g) map. The views are
+# fa4lab.kernels.pack_gqa's (`packed_tma`), shared with the sm100 kernel.
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):

@@ -156,7 +156,7 @@ def run_forward(arch: str, kernel_cls, q, k, v, *, causal=False, softmax_scale=N
                 return_lse=False, pack_gqa=False):
     """Allocate out (and lse), compile or fetch the kernel, launch it on the current stream.
 
-    `pack_gqa` (sm90) plans the kernel with the query heads of a KV head packed into M.
+    `pack_gqa` (sm90, sm100) plans the kernel with the query heads of a KV head packed into M.
     """
     import torch
 

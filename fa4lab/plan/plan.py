@@ -135,9 +135,9 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
     """The frozen plan of the forward kernel for `spec` on `arch` ("sm100" B200, "sm90" H200).
 
     Overrides (all optional): m_block, n_block, q_stage, kv_stage, and the switch pack_gqa
-    (bool, sm90 only: fold the query heads of a KV head into M; see `fa4lab.plan.sm90`). A plan
-    that does not fit TMEM, SMEM or the register file raises PlanError saying what is over and
-    what would fit.
+    (bool: fold the query heads of a KV head into M; see `fa4lab.plan.sm90` and
+    `fa4lab.plan.sm100`). A plan that does not fit TMEM, SMEM or the register file raises
+    PlanError saying what is over and what would fit.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"plan_forward takes an AttentionSpec, got {type(spec).__name__}")
@@ -150,15 +150,11 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
         raise PlanError(f"override pack_gqa={pack_gqa!r} must be True or False")
     ov = check_overrides(key, overrides)
     if key == "sm100":
-        if pack_gqa:
-            raise PlanError("pack_gqa=True: the sm100 kernel does not pack GQA heads yet; plan "
-                            "with pack_gqa=False (each query head reads its KV head) or for "
-                            "arch='sm90'")
         from fa4lab.plan.sm100 import build_sm100 as build
     else:
         from fa4lab.plan.sm90 import build_sm90 as build
-        if pack_gqa:
-            ov["pack_gqa"] = True
+    if pack_gqa:
+        ov["pack_gqa"] = True
     try:
         return build(spec, **ov)
     except PlanError as err:

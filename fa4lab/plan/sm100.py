@@ -8,6 +8,8 @@ threshold and runs the epilogue, and single warps issue the TMA loads and stores
 Constraints: head_dim == head_dim_v, a multiple of 16; S + O of every Q stage within the 512
 TMEM columns (head_dim 64 and 128 with q_stage 2; head_dim 256 needs q_stage 1); SMEM within
 the per-CTA limit. The role programs for the protocol simulator live here too (`programs`).
+
+`pack_gqa=True` (see Note [sm100 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
 
 from __future__ import annotations
@@ -30,6 +32,31 @@ KV_STAGE = 3             # K and V share one ring of buffers (K_j, V_j, K_j+1, .
 REGISTERS = {"softmax": 192, "correction": 80, "other": 48}
 SOFTMAX_REG_OVERHEAD = 48   # registers a softmax thread needs besides its row of S
 SUPPORTED_HEAD_DIMS = (64, 128)   # what the sm100 kernel builds; the planner plans any that fit
+
+
+# Note [sm100 pack-GQA]
+# As on sm90 (Note [sm90 pack-GQA] in fa4lab.plan.sm90): with pack_gqa the qhead_per_kvhead (g)
+# query heads of a KV head share one CTA, whose 2 x 128 M rows are packed rows (position * g +
+# head within the group, Note [pack-GQA rows] in fa4lab.tiling). The grid has heads_kv columns
+# and ceil(seqlen_q * g / cta_m) row tiles; K/V are loaded once per group. Q and O keep their
+# TMA: a 128-row tile is a (g, 128 / g) box over (head, position), so g must divide m_block.
+# TMEM, SMEM, barriers, roles and MMAs are those of the unpacked plan. With g == 1 there is
+# nothing to pack, and the plan records pack_gqa=False.
+
+
+def check_pack_gqa(spec, m_block: int, pack_gqa: bool) -> bool:
+    """The pack_gqa the plan records (False when there is one query head per KV head)."""
+    g = spec.qhead_per_kvhead
+    if not pack_gqa or g == 1:
+        return False
+    if m_block % g:
+        divisors = ", ".join(str(d) for d in range(1, m_block + 1) if m_block % d == 0)
+        raise PlanError(f"pack_gqa=True with qhead_per_kvhead={g} (heads_q={spec.heads_q}, "
+                        f"heads_kv={spec.heads_kv}): the sm100 kernel loads a {m_block}-row "
+                        f"Q tile as a (heads, positions) TMA box, so qhead_per_kvhead must "
+                        f"divide m_block={m_block} ({divisors}); use pack_gqa=False for this "
+                        f"head ratio (each query head reads its KV head)")
+    return True
 
 
 def tmem_columns(q_stage: int, n_block: int, head_dim_v: int) -> int:
@@ -141,7 +168,7 @@ def build_roles(q_stage: int) -> tuple[Role, ...]:
 
 
 def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
-                kv_stage=KV_STAGE) -> Plan:
+                kv_stage=KV_STAGE, pack_gqa: bool = False) -> Plan:
     hw = B200
     d, dv = spec.head_dim, spec.head_dim_v
     if d != dv:
@@ -159,7 +186,8 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
     if kv_stage < 2:
         raise PlanError(f"kv_stage={kv_stage}: the K/V ring needs >= 2 buffers (K and V of "
                         f"one block)")
-    tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv)
+    tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa))
     need = n_block + SOFTMAX_REG_OVERHEAD
     if need > REGISTERS["softmax"]:
         raise PlanError(f"n_block={n_block}: a softmax thread holds its row of S ({n_block} "
@@ -195,7 +223,9 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
         "tcgen05 MMAs complete in order, so S_i never overwrites P_i before it is read.",
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
         f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts.",
-    )
+    ) + ((f"pack-GQA: each CTA serves the {spec.qhead_per_kvhead} query heads of one KV head "
+          f"(M rows = position * {spec.qhead_per_kvhead} + head in group).",)
+         if tiles.pack_gqa else ())
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles, barriers,
                 RESCALE_THRESHOLD, balanced_exp2_fraction(hw), notes)
 

@@ -5,7 +5,7 @@ ping-pong between the softmax roles), swept over key/value blocks of `n_block` r
 through `kv_stage` shared-memory buffers. `MmaPlan` describes the two matrix products of one
 K/V block for one Q tile: the score MMA S = Q K^T and the value MMA O += P V.
 
-`pack_gqa` (sm90 only) folds the query heads that share a KV head into M: a tile's rows are
+`pack_gqa` (both archs) folds the query heads that share a KV head into M: a tile's rows are
 packed rows (see Note [pack-GQA rows] in `fa4lab.tiling`), so K/V are loaded once for them.
 """
 

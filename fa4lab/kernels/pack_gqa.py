@@ -1,0 +1,49 @@
+"""pack-GQA views for TMA: Q and O addressed by packed rows (host-side layout code, both archs).
+
+Shared by the sm90 and sm100 kernels. With g = qhead_per_kvhead query heads per KV head packed
+into M (Note [pack-GQA rows] in fa4lab.tiling: packed row r is position r // g of query head
+kv * g + r % g), a tile of `rows` packed rows is a TMA box of g heads x rows / g positions whose
+SMEM rows come out head-fastest -- exactly the packed order. That needs g to divide `rows`
+(the plans check it: `fa4lab.plan.sm90.check_pack_gqa`, `fa4lab.plan.sm100.check_pack_gqa`).
+
+How: the (seqlen, d, heads, batch) tensor is viewed as ((heads, seqlen), d, batch)
+(`heads_positions`: heads and positions as one mode, so the TMA box stays 4-D), the atom is made
+over that view with the tile ((g, rows / g), cols), and the atom's coordinate tensor is re-split
+into ((g, seqlen), d, heads_kv, batch) (`split_packed`), so a kernel tiles mode 0 with
+local_tile and picks the group with the KV head. Rows past seqlen * g are positions past seqlen,
+which TMA zero-fills on load and clips on store, as without packing.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+
+def heads_positions(mX: cute.Tensor) -> cute.Tensor:
+    """(seqlen, d, heads, batch) -> ((heads, seqlen), d, batch), same memory."""
+    hs = cute.make_layout(
+        ((mX.shape[2], mX.shape[0]), mX.shape[1], mX.shape[3]),
+        stride=((mX.stride[2], mX.stride[0]), mX.stride[1], mX.stride[3]))
+    return cute.make_tensor(mX.iterator, hs)
+
+
+def split_packed(coords: cute.Tensor, g: int) -> cute.Tensor:
+    """TMA coordinates over ((heads, seqlen), d, batch) -> ((g, seqlen), d, heads_kv, batch).
+
+    Mode 0 is the packed row (query head within the group fastest); mode 2 the KV head.
+    """
+    sh, st = coords.shape, coords.stride
+    packed = cute.make_layout(
+        ((g, sh[0][1]), sh[1], sh[0][0] // g, sh[2]),
+        stride=((st[0][0], st[0][1]), st[1], st[0][0] * g, st[2]))
+    return cute.make_tensor(coords.iterator, packed)
+
+
+def packed_tma(op, mX: cute.Tensor, smem_layout, tile: tuple[int, int], g: int):
+    """TMA atom and ((g, seqlen), d, heads_kv, batch) coordinates for (seqlen, d, heads, batch)
+    `mX`, tiled by `tile` = (rows, cols) packed rows x columns."""
+    rows, cols = tile
+    atom, coords = cpasync.make_tiled_tma_atom(op, heads_positions(mX), smem_layout,
+                                               ((g, rows // g), cols))
+    return atom, split_packed(coords, g)

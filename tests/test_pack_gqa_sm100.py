@@ -1,0 +1,323 @@
+"""pack-GQA on sm100 without a GPU: the plan switch, the kernel's index maps, compile and audit.
+
+The GPU half (the kernel's numbers against the float64 reference) is `test_pack_gqa` in
+tests/test_sm100.py, which needs a B200. Here, tier 0 and 1:
+* `plan_forward(spec, "sm100", pack_gqa=True)` records the switch, round-trips through JSON,
+  keeps TMEM, SMEM, barriers, roles and MMAs of the unpacked plan, and refuses a head ratio that
+  does not divide m_block = 128;
+* the kernel's block ranges (scheduler formulas over positions: cta_m / g per CTA, m_block / g
+  per Q tile for the softmax's mask_min, see Note [sm100 pack-GQA kernel] in
+  fa4lab/kernels/fwd_sm100.py) agree with `fa4lab.tiling`, and a numpy emulation of the
+  kernel's tile loop (softmax mask on row // g, LSE address) covers every (position, head) row
+  exactly once, sees exactly its visible keys and leaves unmasked only fully visible blocks;
+* the Q TMA view (the score MMA's A-operand atom) and the O view map tile rows to the right
+  (head, position) coordinates (traced, static shapes), and the packed kernel compiles for
+  sm_100a and passes the binary audit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fa4lab import tiling
+from fa4lab.errors import PlanError, UnsupportedArchError
+from fa4lab.kernels import scheduler
+from fa4lab.plan import Plan, plan_forward
+from fa4lab.spec import AttentionSpec
+
+M_BLOCK, Q_STAGE = 128, 2   # the sm100 plan's Q tile (one TMEM lane per row) and Q tiles per CTA
+CTA_M = M_BLOCK * Q_STAGE
+
+
+def spec(hd=128, causal=False, hq=8, hkv=2, sq=300, sk=700, lse=True):
+    return AttentionSpec(2, sq, sk, hq, hkv, hd, causal=causal, return_lse=lse)
+
+
+# ------------------------------------------------------------------------------ the plan
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (16, 2), (128, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_accepts_and_round_trips(causal, hq, hkv):
+    p = plan_forward(spec(causal=causal, hq=hq, hkv=hkv), "sm100", pack_gqa=True)
+    q = plan_forward(spec(causal=causal, hq=hq, hkv=hkv), "sm100")
+    assert p.tiles.pack_gqa is True and q.tiles.pack_gqa is False
+    assert p != q
+    d = json.loads(p.to_json())
+    assert d["tiles"]["pack_gqa"] is True
+    assert Plan.from_dict(d) == p and Plan.from_json(p.to_json()) == p
+    # Packing changes only which rows a CTA owns.
+    assert (p.tmem, p.smem, p.barriers, p.mmas, p.roles) == (q.tmem, q.smem, q.barriers,
+                                                              q.mmas, q.roles)
+    assert p.tiles.m_block % (hq // hkv) == 0
+    assert any("pack-GQA" in n for n in p.notes)
+
+
+def test_plan_pack_without_gqa_is_a_no_op():
+    p = plan_forward(spec(hq=4, hkv=4), "sm100", pack_gqa=True)
+    assert p.tiles.pack_gqa is False and p == plan_forward(spec(hq=4, hkv=4), "sm100")
+
+
+@pytest.mark.parametrize("hq,hkv", [(12, 4), (6, 2), (10, 2), (48, 1)])
+def test_plan_rejects_a_ratio_that_does_not_divide_m_block(hq, hkv):
+    with pytest.raises(PlanError) as info:
+        plan_forward(spec(hq=hq, hkv=hkv), "sm100", pack_gqa=True)
+    msg = str(info.value)
+    assert f"qhead_per_kvhead={hq // hkv}" in msg and "divide m_block=128" in msg
+    assert "pack_gqa=False" in msg  # the alternative
+    assert plan_forward(spec(hq=hq, hkv=hkv), "sm100").tiles.pack_gqa is False
+
+
+def test_plan_rejects_non_bool():
+    with pytest.raises(PlanError, match="True or False"):
+        plan_forward(spec(), "sm100", pack_gqa=1)
+
+
+def test_kernel_key_tells_packed_from_unpacked():
+    from fa4lab.kernels.runtime import kernel_key
+
+    s = spec()
+    assert kernel_key(s, "sm100", True) != kernel_key(s, "sm100")
+    assert kernel_key(s, "sm100", True) != kernel_key(s, "sm90", True)
+    one = spec(hq=4, hkv=4)
+    assert kernel_key(one, "sm100", True) == kernel_key(one, "sm100")
+
+
+# ------------------------------------------------------- the kernel's index maps (emulated)
+
+def kernel_row_map(m_block, stage, r, kv_head, g):
+    """What the kernel computes for row r (= TMEM lane) of Q tile `stage` (fwd_sm100's
+    softmax row_start and correction's LSE address)."""
+    row = (m_block * Q_STAGE + stage) * M_BLOCK + r
+    pos = row // g
+    return row, kv_head * g + (row - pos * g), pos
+
+
+@pytest.mark.parametrize("g", [2, 4, 8, 16])
+def test_row_map_matches_tiling(g):
+    hkv, sq = 3, 70
+    hq = hkv * g
+    for kv in range(hkv):
+        for m in range(scheduler.num_m_blocks(sq * g, CTA_M)):
+            for stage in range(Q_STAGE):
+                for r in range(M_BLOCK):
+                    row, head, pos = kernel_row_map(m, stage, r, kv, g)
+                    if row >= sq * g:
+                        continue
+                    assert (head, pos) == tiling.unpack_gqa_row(
+                        kv, row, heads_q=hq, heads_kv=hkv, seqlen_q=sq)
+
+
+@given(sq=st.integers(1, 1500), sk=st.integers(1, 3000), g=st.sampled_from([2, 4, 8, 16, 128]),
+       causal=st.booleans(), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_packed_block_ranges_match_tiling(sq, sk, g, causal, data):
+    """n_block_max per CTA (cta_m / g positions) and mask_min per Q tile (m_block / g)."""
+    n = 128
+    m = data.draw(st.integers(0, tiling.num_m_blocks(sq, CTA_M, g) - 1))
+    kw = dict(seqlen_q=sq, seqlen_k=sk, n_block_size=n, causal=causal, qhead_per_kvhead=g)
+    lo, hi = tiling.n_block_range(m, m_block_size=CTA_M, **kw)
+    assert lo == 0
+    n_max = scheduler.n_block_max(m, CTA_M // g, n, sq, sk, causal)
+    assert n_max == hi
+    for stage in range(Q_STAGE):
+        tile = m * Q_STAGE + stage
+        if tile >= tiling.num_m_blocks(sq, M_BLOCK, g):
+            continue  # a Q tile wholly past seqlen_q * g: its rows are never stored
+        mask_lo, mask_hi = tiling.n_block_masked_range(tile, m_block_size=M_BLOCK, **kw)
+        mask_min = min(scheduler.n_block_full_end(tile, M_BLOCK // g, n, sq, sk, causal), n_max)
+        # The tile's masked range starts at mask_min; the CTA's n_max may reach past the tile's
+        # own range (the other Q tile's rows see more keys): those blocks are masked too.
+        assert mask_min == mask_lo and mask_hi <= n_max
+
+
+def emulate_softmax_mask(m_block_rows, n, row_start, n_offset, sq, sk, causal, g):
+    """numpy twin of FlashForwardSm100.softmax_step's mask: True = keep."""
+    limit = np.full(m_block_rows, sk - n_offset)
+    if causal:
+        pos = (row_start + np.arange(m_block_rows)) // g
+        limit = np.minimum(limit, pos + sk - sq + 1 - n_offset)
+    return np.arange(n)[None, :] < limit[:, None]
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 1000), (17, 1000), (1000, 17), (300, 301),
+                                   (5, 3), (129, 128)])
+@pytest.mark.parametrize("g", [2, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_tile_loop(sq, sk, g, causal):
+    """Every packed CTA as the sm100 kernel walks it: the blocks each Q tile visits (masked ones
+    first, down from n_block_max; then unmasked ones below mask_min), the rows it stores and
+    the LSE address. Compared with the brute-force visibility of each (position, key)."""
+    n = 128
+    hkv = 2
+    visible = np.ones((sq, sk), dtype=bool)
+    if causal:
+        visible &= np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
+    stored = np.zeros((sq, hkv * g), dtype=int)
+    for kv in range(hkv):
+        for m in range(scheduler.num_m_blocks(sq * g, CTA_M)):
+            n_max = scheduler.n_block_max(m, CTA_M // g, n, sq, sk, causal)
+            for stage in range(Q_STAGE):
+                row_start = (m * Q_STAGE + stage) * M_BLOCK
+                mask_min = min(scheduler.n_block_full_end(m * Q_STAGE + stage, M_BLOCK // g, n,
+                                                          sq, sk, causal), n_max)
+                seen = np.zeros((M_BLOCK, sk), dtype=bool)
+                for j in range(n_max):
+                    cols = np.arange(j * n, (j + 1) * n)
+                    inside = cols < sk
+                    if j >= mask_min:
+                        keep = emulate_softmax_mask(M_BLOCK, n, row_start, j * n, sq, sk,
+                                                    causal, g)
+                    else:
+                        keep = np.ones((M_BLOCK, n), dtype=bool)
+                        for r in range(M_BLOCK):  # unmasked: fully visible to every real row
+                            row, _, pos = kernel_row_map(m, stage, r, kv, g)
+                            if row < sq * g:
+                                assert inside.all() and visible[pos, cols].all()
+                    seen[:, cols[inside]] = keep[:, inside]
+                for r in range(M_BLOCK):
+                    row, head, pos = kernel_row_map(m, stage, r, kv, g)
+                    if row >= sq * g:
+                        continue  # past seqlen_q: TMA clips the store, the LSE store is guarded
+                    stored[pos, head] += 1
+                    # Exactly the visible keys; n_max == 0 leaves the row empty (O 0, LSE -inf).
+                    assert (seen[r] == visible[pos]).all(), (kv, m, stage, r)
+    assert (stored == 1).all()
+
+
+# --------------------------------------------------------------- traced TMA views, compile
+
+def _fake_q(sq, hq, d, batch=2):
+    import cutlass
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.BFloat16, (batch, sq, hq, d), (sq * hq * d, hq * d, d, 1),
+                            assumed_align=16)
+
+
+@pytest.mark.parametrize("g", [4, 8])
+def test_packed_q_and_o_tma_views(g):
+    """Q through the kernel's `_q_tma` (tcgen05 A-operand atom) and O through `packed_tma`,
+    tiled as the kernel tiles them: row r of tile t of KV head kv is TMA coordinate
+    (col, kv * g + r % g, t * 128 / g + r // g, batch); the Q view also partitions for TMA."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.cute.nvgpu import cpasync, tcgen05
+    from cutlass.tensor_utils import LayoutEnum
+
+    from fa4lab.kernels.fwd_sm100 import _q_tma
+    from fa4lab.kernels.pack_gqa import packed_tma
+    from fa4lab.kernels.runtime import target_arch
+
+    sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
+    tiler = (M_BLOCK, 128, d)
+    n_tiles = tiling.ceil_div(sq * g, M_BLOCK)
+    picks = (0, 3, n_tiles - 1)  # the first, one inside, the tail tile (past seqlen_q)
+    seen = {}
+
+    @cute.jit
+    def trace(mQ, mO):  # no annotation: postponed ones would not resolve in the DSL
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mma = sm100_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, cutlass.Float32, tcgen05.CtaGroup.ONE, tiler[:2])
+        cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma.thr_id.shape,))
+        sQ = sm100_utils.make_smem_layout_a(mma, tiler, cutlass.BFloat16, Q_STAGE)
+        atom, q_coords = _q_tma(cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE), mQ,
+                                sQ, mma, tiler, cluster.shape, g)
+        sO = sm100_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
+                                              (M_BLOCK, d), Q_STAGE)
+        _, o_coords = packed_tma(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                 cute.select(sO, mode=[0, 1]), (M_BLOCK, d), g)
+        gQ = cute.local_tile(q_coords[None, None, kv, batch], (M_BLOCK, d), (None, 0))
+        gO = cute.local_tile(o_coords[None, None, kv, batch], (M_BLOCK, d), (None, 0))
+        # The load role's partition: one TMA copy per Q tile, as many tiles as rows allow.
+        smem = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=1024)
+        sQ_tile = cute.make_tensor(smem, cute.select(sQ, mode=[0, 1, 2]))
+        _, tQgQ = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sQ_tile, 0, 3),
+            cute.group_modes(mma.get_slice(0).partition_A(gQ), 0, 3))
+        seen["tiles"] = (cute.size(gQ, mode=[2]), cute.size(gO, mode=[2]),
+                         cute.size(tQgQ, mode=[1]))
+        for t in picks:
+            for r in tuple(range(M_BLOCK)):  # a Python loop: static coordinates
+                seen[("q", t, r)] = tuple(int(x) for x in gQ[(r, 5, t)])
+                seen[("o", t, r)] = tuple(int(x) for x in gO[(r, 5, t)])
+
+    with target_arch("sm_100a"):
+        cute.compile(trace, _fake_q(sq, hq, d), _fake_q(sq, hq, d))
+    assert seen["tiles"] == (n_tiles,) * 3
+    for t in picks:
+        for r in range(M_BLOCK):
+            head, pos = tiling.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq, heads_kv=hq // g,
+                                              seqlen_q=sq + M_BLOCK)
+            assert seen[("q", t, r)] == (5, head, pos, batch), (t, r)
+            assert seen[("o", t, r)] == (5, head, pos, batch), (t, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_packed_kernel_compiles_and_passes_audit(gqa, head_dim, causal, tmp_path):
+    pytest.importorskip("cutlass")
+    audit = pytest.importorskip("fa4lab.kernels.audit")
+    from fa4lab.kernels import compile_forward
+
+    plan = plan_forward(spec(head_dim, causal, hq=16, hkv=16 // gqa, lse=causal), "sm100",
+                        pack_gqa=True)
+    assert plan.tiles.pack_gqa and plan.spec.qhead_per_kvhead == gqa
+    cf = compile_forward(plan, arch="sm100a", keep_dir=tmp_path)
+    assert cf.kernel.pack == gqa and cf.smem_bytes == plan.smem.total_bytes
+    assert cf.keep_dir.name.endswith("-packgqa")
+    try:
+        result = audit.audit_compiled(cf)
+    except FileNotFoundError as e:
+        pytest.skip(f"CUDA binary tools missing: {e}")
+    assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
+                       for r in result.failures()]
+    assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+
+
+# ------------------------------------------------------------------------------ the API
+
+def test_attention_sm100_checks_pack_gqa_off_a_b200():
+    torch = pytest.importorskip("torch")
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+
+    q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="pack_gqa must be True or False"):
+        attention_sm100(q, k, v, pack_gqa="yes")
+    with pytest.raises(UnsupportedArchError, match="compute-capability-10"):
+        attention_sm100(q, k, v, pack_gqa=True)
+
+
+def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
+    """On a cc-10 GPU fa4lab.attention hands pack_gqa to attention_sm100 (faked here: no GPU)."""
+    torch = pytest.importorskip("torch")
+    import fa4lab
+    from fa4lab import api
+
+    calls = []
+
+    def attention_sm100(q, k, v, **kw):
+        calls.append(kw)
+        return q
+
+    q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(api, "_kernel_for", lambda device: attention_sm100)
+    monkeypatch.setattr(api, "_check_kernel_inputs", lambda q, k, v: None)
+    for pack in (True, False):
+        fa4lab.attention(q, k, v, causal=True, pack_gqa=pack)
+        assert calls[-1] == dict(causal=True, softmax_scale=None, return_lse=False,
+                                 pack_gqa=pack)
