@@ -18,6 +18,7 @@ import json
 
 import numpy as np
 import pytest
+from audit_checks import compile_and_audit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,21 +224,10 @@ def test_packed_tma_view_coordinates():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_packed_kernel_compiles_and_passes_audit(head_dim, causal, tmp_path):
-    pytest.importorskip("cutlass")
-    audit = pytest.importorskip("fa4lab.kernels.audit")
-    from fa4lab.kernels import compile_forward
-
     plan = plan_forward(spec(head_dim, causal, hq=8, hkv=2, lse=causal), "sm90", pack_gqa=True)
     assert plan.tiles.pack_gqa and plan.spec.qhead_per_kvhead == 4
-    cf = compile_forward(plan, arch="sm90a", keep_dir=tmp_path)
-    assert cf.kernel.pack == 4 and cf.smem_bytes == plan.smem.total_bytes
-    try:
-        result = audit.audit_compiled(cf)
-    except FileNotFoundError as e:
-        pytest.skip(f"CUDA binary tools missing: {e}")
-    assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
-                       for r in result.failures()]
-    assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+    cf = compile_and_audit(plan, "sm90a", tmp_path)
+    assert cf.kernel.pack == 4
 
 
 def test_api_reference_ignores_pack_gqa():

@@ -21,6 +21,7 @@ import json
 
 import numpy as np
 import pytest
+from audit_checks import compile_and_audit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -267,23 +268,11 @@ def test_packed_q_and_o_tma_views(g):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [4, 8])
 def test_packed_kernel_compiles_and_passes_audit(gqa, head_dim, causal, tmp_path):
-    pytest.importorskip("cutlass")
-    audit = pytest.importorskip("fa4lab.kernels.audit")
-    from fa4lab.kernels import compile_forward
-
     plan = plan_forward(spec(head_dim, causal, hq=16, hkv=16 // gqa, lse=causal), "sm100",
                         pack_gqa=True)
     assert plan.tiles.pack_gqa and plan.spec.qhead_per_kvhead == gqa
-    cf = compile_forward(plan, arch="sm100a", keep_dir=tmp_path)
-    assert cf.kernel.pack == gqa and cf.smem_bytes == plan.smem.total_bytes
-    assert cf.keep_dir.name.endswith("-packgqa")
-    try:
-        result = audit.audit_compiled(cf)
-    except FileNotFoundError as e:
-        pytest.skip(f"CUDA binary tools missing: {e}")
-    assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
-                       for r in result.failures()]
-    assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+    cf = compile_and_audit(plan, "sm100a", tmp_path)
+    assert cf.kernel.pack == gqa and cf.keep_dir.name.endswith("-packgqa")
 
 
 # ------------------------------------------------------------------------------ the API

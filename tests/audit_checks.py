@@ -1,0 +1,26 @@
+"""Compile a plan's kernel on the CPU and hold the binary to the plan (shared by the tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def compile_and_audit(plan, arch: str, keep_dir):
+    """compile_forward + audit_compiled; every audit row must pass. Returns the compiled kernel.
+
+    Skips (with the reason) where the CuTe DSL or pip's CUDA binary tools are missing.
+    """
+    pytest.importorskip("cutlass")
+    audit = pytest.importorskip("fa4lab.kernels.audit")
+    from fa4lab.kernels import compile_forward
+
+    cf = compile_forward(plan, arch=arch, keep_dir=keep_dir)
+    assert cf.smem_bytes == plan.smem.total_bytes
+    try:
+        result = audit.audit_compiled(cf)
+    except FileNotFoundError as e:
+        pytest.skip(f"CUDA binary tools missing: {e}")
+    assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
+                       for r in result.failures()]
+    assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+    return cf
