@@ -42,13 +42,16 @@ def output_ulp_atol(v, dtype: str) -> float:
     return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - mantissa))
 
 
-def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL):
-    """Run `attn(q, k, v, ...)` twice and hold it to the acceptance rule above."""
+def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, **kernel_options):
+    """Run `attn(q, k, v, ..., **kernel_options)` twice and hold it to the rule above."""
     from fa4lab.api import sdpa_same_dtype
     from fa4lab.reference import attention_reference
 
-    out, lse = attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-    out2, lse2 = attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    def run():
+        return attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                    **kernel_options)
+
+    (out, lse), (out2, lse2) = run(), run()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                        return_lse=True)

@@ -43,19 +43,14 @@ from fa4lab.api import sdpa_same_dtype  # noqa: E402
 pytestmark = pytest.mark.sm90
 
 
-def _check(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
+def _check(q, k, v, **checks):
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
-    check_kernel(attention_sm90, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
+    check_kernel(attention_sm90, q, k, v, **checks)
 
 
-def _check_packed(q, k, v, *, causal, softmax_scale=None, atol=ATOL):
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
-
-    def packed(*args, **kw):
-        return attention_sm90(*args, pack_gqa=True, **kw)
-
-    check_kernel(packed, q, k, v, causal=causal, softmax_scale=softmax_scale, atol=atol)
+def _check_packed(q, k, v, **checks):
+    _check(q, k, v, pack_gqa=True, **checks)
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 8])
