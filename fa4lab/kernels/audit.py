@@ -130,6 +130,46 @@ def sass_opcodes(text: str) -> Counter:
     return ops
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_instructions(text: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every SASS instruction, in address order; a guarded
+    instruction's opcode keeps its predicate in front ("@P0 BRA")."""
+    return [(int(m.group(1), 16), (m.group(2) or "") + m.group(3), m.group(4).strip())
+            for m in _SASS_LINE.finditer(text)]
+
+
+def steady_loop(text: str) -> tuple[int, int] | None:
+    """Address range [start, end] of the kernel's last loop that issues MMAs (HGMMA / UTCHMMA).
+
+    A loop is a conditional backward branch (the unconditional ones jump back from the
+    out-of-line retry stubs of barrier waits); in the sm90 kernel the last loop with MMAs in
+    its body is the FULL-block loop, where the time goes.
+    """
+    insts = sass_instructions(text)
+    best = None
+    for addr, op, args in insts:
+        if not (op.startswith("@") and op.endswith(" BRA")):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", args)
+        if not target or int(target.group(1), 16) >= addr:
+            continue
+        start = int(target.group(1), 16)
+        if any(start <= a <= addr and o.split()[-1].startswith(("HGMMA", "UTCHMMA"))
+               for a, o, _ in insts):
+            best = (start, addr) if best is None or addr > best[1] else best
+    return best
+
+
+def spills_in(text: str, span: tuple[int, int] | None) -> int:
+    """STL/LDL instructions inside the address range `span` (0 for None)."""
+    if span is None:
+        return 0
+    return sum(1 for a, o, _ in sass_instructions(text)
+               if span[0] <= a <= span[1] and o.split()[-1].split(".")[0] in ("STL", "LDL"))
+
+
 def count_prefix(ops: Counter, prefix: str) -> int:
     return sum(n for op, n in ops.items() if op == prefix or op.startswith(prefix + "."))
 
@@ -215,19 +255,48 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
 
 
 # ---------------------------------------------------------------- audits
-def _common_rows(cf, ops: Counter, use_ptxas: bool) -> list[AuditRow]:
+# Note [spill allowance]
+# Every kernel must keep its steady-state (FULL-block) loop free of local-memory traffic. The
+# sm90 kernel with three consumer warpgroups runs each consumer at 160 registers, of which
+# S, P and O take 128 at head_dim 64; ptxas keeps a few loop bounds in local memory outside
+# that loop (a handful of L1-resident loads per masked block). Those plans may spill at most
+# SPILL_ALLOWANCE instructions / STACK_ALLOWANCE bytes, all outside the steady loop; every
+# other plan must not spill at all.
+SPILL_ALLOWANCE = 16
+STACK_ALLOWANCE = 32
+TIGHT_CONSUMER_REGISTERS = 160
+
+
+def spill_budget(plan) -> tuple[int, int]:
+    """(spill instructions, stack bytes) the plan's kernel may use; see Note [spill allowance]."""
+    consumers = [r.registers for r in plan.roles if r.name.startswith("consumer")]
+    if plan.arch == "sm90" and consumers and max(consumers) <= TIGHT_CONSUMER_REGISTERS:
+        return SPILL_ALLOWANCE, STACK_ALLOWANCE
+    return 0, 0
+
+
+def _common_rows(cf, ops: Counter, use_ptxas: bool, sass_text: str) -> list[AuditRow]:
     plan = cf.plan
     res = resource_usage(cf.cubin_path)
     budget = plan.hardware.registers_per_sm // plan.threads_per_cta
     spill_instr = count_prefix(ops, "STL") + count_prefix(ops, "LDL")
+    max_spills, max_stack = spill_budget(plan)
+    why = "3 consumers at 160 registers: see Note [spill allowance]" if max_spills else ""
+    loop = steady_loop(sass_text)
     rows = [
         AuditRow("compile seconds", "-", round(cf.seconds, 1), True, "cute.compile, fake tensors"),
         _row("registers per thread (launch)", f"<= {budget}", res["registers"],
              res["registers"] <= budget,
              f"{plan.hardware.registers_per_sm} / {plan.threads_per_cta} threads; roles then "
              f"rebalance with setmaxnreg"),
-        _row("spill instructions (STL/LDL)", 0, spill_instr),
-        _row("stack frame bytes", 0, res["stack"]),
+        _row("spill instructions (STL/LDL)", f"<= {max_spills}" if max_spills else 0,
+             spill_instr, spill_instr <= max_spills, why),
+        _row("spills in the steady-state loop", 0, spills_in(sass_text, loop),
+             spills_in(sass_text, loop) == 0,
+             f"SASS {loop[0]:#x}-{loop[1]:#x}: the last loop with MMAs" if loop
+             else "no conditional loop around the MMAs (the whole kernel is counted above)"),
+        _row("stack frame bytes", f"<= {max_stack}" if max_stack else 0, res["stack"],
+             res["stack"] <= max_stack, why),
         _row("dynamic SMEM bytes", plan.smem.total_bytes, cf.smem_bytes,
              note="SharedStorage struct size (not in the cubin)"
              + ("; the plan's total lacks the struct's round-up to its largest alignment"
@@ -244,8 +313,10 @@ def _common_rows(cf, ops: Counter, use_ptxas: bool) -> list[AuditRow]:
                          sorted({r.registers for r in plan.roles}), sorted(set(found_nreg))))
     if use_ptxas:
         rep = ptxas_report(cf.ptx_path, cf.arch)
-        rows.append(_row("ptxas spill bytes (stores + loads)", 0,
-                         rep["spill_stores"] + rep["spill_loads"], note="ptxas -v"))
+        spilled = rep["spill_stores"] + rep["spill_loads"]
+        rows.append(_row("ptxas spill bytes (stores + loads)",
+                         f"<= {2 * max_stack}" if max_stack else 0, spilled,
+                         spilled <= 2 * max_stack, "ptxas -v"))
     return rows
 
 
@@ -255,7 +326,7 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
     plan, kernel = cf.plan, cf.kernel
     text = sass(cf.cubin_path)
     ops = sass_opcodes(text)
-    rows = _common_rows(cf, ops, use_ptxas)
+    rows = _common_rows(cf, ops, use_ptxas, text)
     allocs = tmem_alloc_columns(cf.ptx)
     rows.append(_row("TMEM columns (tcgen05.alloc)", [plan.tmem.alloc_cols], allocs))
     # MMA instructions: each MMA of the plan is k/16 tcgen05.mma (16-bit inputs: K = 16 per
@@ -295,8 +366,9 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
 
 def audit_sm90(cf, *, use_ptxas: bool = False) -> Audit:
     plan = cf.plan
-    ops = sass_opcodes(sass(cf.cubin_path))
-    rows = _common_rows(cf, ops, use_ptxas)
+    text = sass(cf.cubin_path)
+    ops = sass_opcodes(text)
+    rows = _common_rows(cf, ops, use_ptxas, text)
     n = ptx_count(cf.ptx, r"\bwgmma\.mma_async\.")
     rows.append(AuditRow("wgmma.mma_async (PTX)", "> 0", n, n > 0, "static count, shown"))
     rows.append(AuditRow("HGMMA (SASS)", "> 0", count_prefix(ops, "HGMMA"),

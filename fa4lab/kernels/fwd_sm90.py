@@ -12,19 +12,21 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
 
 * Roles (warpgroups of 128 threads): WG0 is the producer -- it gives registers away
   (`setmaxnreg` down) and its warp 0 issues TMA loads of Q (once) and K, V (per key block);
-  WG1 and WG2 are consumers -- they take registers (`setmaxnreg` up) and each owns one Q tile of
-  `m_block` = 64 rows (one wgmma M), so a CTA covers `cta_m` = 128 query rows. On B200 the same
-  work is split over softmax, correction, MMA and load warps because S/P/O live in TMEM; on
-  Hopper the accumulators live in the consumers' registers, so one warpgroup does it all.
-* Barriers (the plan's BarrierGraph): `q_full` (one phase, both consumers' Q tiles; Q is loaded
+  WG1, WG2 (and WG3 for head_dim 64) are consumers -- they take registers (`setmaxnreg` up) and
+  each owns one Q tile of `m_block` = 64 rows (one wgmma M), so a CTA covers `cta_m` = 128
+  (192) query rows. On B200 the same work is split over softmax, correction, MMA and load
+  warps because S/P/O live in TMEM; on Hopper the accumulators live in the consumers'
+  registers, so one warpgroup does it all.
+* Barriers (the plan's BarrierGraph): `q_full` (one phase, every consumer's Q tile; Q is loaded
   once, so no q_empty), `pipeline_k` / `pipeline_v` (k_full/k_empty, v_full/v_empty, kv_stage
   slots each: full = TMA bytes landed, empty = every consumer released the slot, per thread or
-  per warp as the plan counts), and two named barriers `mma_turn0/1` for the ping-pong.
+  per warp as the plan counts), and one named barrier `mma_turn<i>` per consumer for the
+  ping-pong (a ring: consumer i passes the turn to consumer i + 1 mod q_stage).
 * Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
   or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.softmax`),
   P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
   Intra-warpgroup overlap (FA3): the value wgmma of block j+1 runs while the softmax of block j
-  does; the ping-pong hands the tensor core between the two consumers; O is multiplied only
+  does; the ping-pong hands the tensor core round the consumers; O is multiplied only
   when some row's max grew past the threshold (the point of the conditional rescale).
 * Epilogue: O / row_sum to SMEM (stmatrix; in Q's bytes when the plan aliases them), TMA store
   to global (out-of-range rows are clipped by TMA); LSE written directly from registers.
@@ -32,8 +34,8 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges and the causal row index change.
 
-Not done yet (notebook 06 lists them): a persistent LPT scheduler for causal, 3 consumer
-warpgroups (192-row tiles) for head_dim 64, cluster multicast of K/V.
+Not done yet (notebook 06 lists them): a persistent LPT scheduler for causal, cluster
+multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
 machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
@@ -58,8 +60,9 @@ from fa4lab.kernels.pack_gqa import packed_tma as _packed_tma
 from fa4lab.kernels.softmax import OnlineSoftmax, rescale_rows
 
 _WG = 128  # threads per warpgroup
-_EPILOGUE_BARRIER = 1  # named barriers 1, 2: each consumer's epilogue
-_TURN_BARRIER = 3  # named barriers 3, 4: mma_turn0, mma_turn1 (the ping-pong)
+_MAX_CONSUMERS = 3
+_EPILOGUE_BARRIER = 1  # named barriers 1 .. 3: each consumer's epilogue
+_TURN_BARRIER = _EPILOGUE_BARRIER + _MAX_CONSUMERS  # 4 .. 6: mma_turn0 .. 2 (the ping-pong)
 
 
 # ---- layouts of the wgmma accumulator (sm90-specific) ----
@@ -170,6 +173,9 @@ class FlashForwardSm90:
         self.rescale_threshold = float(plan.rescale_threshold)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
+        if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
+            raise ValueError(f"q_stage={self.num_consumers}: the sm90 kernel runs 1 to "
+                             f"{_MAX_CONSUMERS} consumer warpgroups")
         self.num_threads = _WG * (1 + self.num_consumers)
         # Barrier arrive counts come from the plan's graph (the audit reads the same numbers).
         graph = plan.barriers
@@ -180,9 +186,10 @@ class FlashForwardSm90:
             raise ValueError(f"k_empty arrive_count {self.kv_releases}: the kernel releases "
                              f"per consumer thread ({consumer_threads}) or per warp")
         names = {b.name for b in graph.barriers}
-        # Note [ping-pong]: the two consumers take turns issuing wgmmas (named barriers
-        # mma_turn0/1), so one warpgroup's softmax overlaps the other's GEMMs.
-        self.pingpong = self.num_consumers == 2 and {"mma_turn0", "mma_turn1"} <= names
+        # Note [ping-pong]: the consumers take turns issuing wgmmas (named barrier mma_turn<i>
+        # is consumer i's turn), so one warpgroup's softmax overlaps the others' GEMMs.
+        turns = {f"mma_turn{i}" for i in range(self.num_consumers)}
+        self.pingpong = self.num_consumers >= 2 and turns <= names
         o_region = plan.smem.region("o")
         self.o_in_q = o_region.alias_of == "q"
         self.buffer_align_bytes = 1024
@@ -323,7 +330,7 @@ class FlashForwardSm90:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                           mbar_q, pipeline_k, pipeline_v)
         else:
-            # ============ consumer warpgroups (roles "consumer0", "consumer1") ============
+            # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                          mbar_q, pipeline_k, pipeline_v,
@@ -412,8 +419,13 @@ class FlashForwardSm90:
         tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.m_block, self.head_dim_v)))
         acc_O.fill(0.0)
-        tScS_mn = acc_mn_view(thr_qk.partition_C(
-            cute.make_identity_tensor((self.m_block, self.n_block))))
+        cS = cute.make_identity_tensor((self.m_block, self.n_block))
+        tScS_mn = acc_mn_view(thr_qk.partition_C(cS))
+        # Thread 0's coordinates are compile-time constants (Note [static columns] in mask).
+        tScS0_mn = acc_mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        # Each row's first hidden key, once per tile (masked blocks then only compare).
+        limits = mask_mod.row_limits(tScS_mn, tScS0_mn, m_offset, seqlen_q, seqlen_k,
+                                     self.causal, self.pack)
         # P stays in registers between its softmax and the next block's value wgmma.
         tOrP = cute.make_rmem_tensor_like(
             acc_as_operand_a(cute.make_rmem_tensor(
@@ -434,24 +446,26 @@ class FlashForwardSm90:
         n_masked = cutlass.max(n_iter - n_full, 1)  # the first block visited is always masked
 
         if const_expr(self.pingpong):
-            if wg == 1:  # consumer0 takes the first turn
-                self.pass_turn(wg)
+            if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
+                self.pass_turn()
         cute.arch.mbarrier_wait(mbar_q, 0)
         tSrQ_w = tSrQ[None, None, None, wg]
         common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
-                      tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS_mn=tScS_mn,
-                      softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v,
-                      m_offset=m_offset, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
+                      tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS0_mn=tScS0_mn,
+                      limits=limits, softmax=softmax, pipeline_k=pipeline_k,
+                      pipeline_v=pipeline_v)
         step = partial(self.block_step, **common)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         # MASKED / TAIL blocks (the diagonal and the key-length edge) first, then FULL ones.
         self.first_block(state, n_iter - 1, **common)
-        for i in cutlass.range(n_masked - 1, unroll=1):
-            state = step(state, n_iter - 2 - i, masked=True)
+        # The loops count the block index itself down to one bound each: blocks [0, n_rest)
+        # are FULL, [n_rest, n_iter - 1) masked.
         n_rest = n_iter - n_masked
-        for i in cutlass.range(n_rest, unroll=1):
-            state = step(state, n_rest - 1 - i, masked=False)
+        for n in cutlass.range(n_iter - 2, n_rest - 1, -1, unroll=1):
+            state = step(state, n, masked=True)
+        for n in cutlass.range(n_rest - 1, -1, -1, unroll=1):
+            state = step(state, n, masked=False)
         # The last block's value wgmma.
         pipeline_v.consumer_wait(state)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
@@ -460,35 +474,38 @@ class FlashForwardSm90:
 
         inv_sum, lse = softmax.finalize()
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
-        self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
-                      m_block, head, batch, m_offset, seqlen_q)
+        # The tile's coordinates are read again rather than kept live through the block loop
+        # (registers are the scarce resource there; these reads are cheap special registers).
+        m_block, head, batch = scheduler.tile_coords(self.causal)
+        wg = self._consumer_index()
+        m_offset = (m_block * self.q_stage + wg) * self.m_block
+        self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
+                      tidx % _WG, m_block, head, batch, m_offset, seqlen_q)
 
     @cute.jit
     def first_block(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                    acc_O, tOrP, tScS_mn, softmax: OnlineSoftmax, pipeline_k, pipeline_v,
-                    m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32, wg: Int32):
+                    acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
+                    pipeline_v):
         """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
         pipeline_k.consumer_wait(state)
         if const_expr(self.pingpong):
-            self.wait_turn(wg)
+            self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         if const_expr(self.pingpong):
-            self.pass_turn(wg)
+            self.pass_turn()
         warpgroup.wait_group(0)
         self.release(pipeline_k, state)
         acc_S_mn = acc_mn_view(acc_S)
-        mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block, seqlen_q,
-                            seqlen_k, self.causal, self.pack)
+        mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         softmax.step(acc_S_mn, is_first=True)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
     def block_step(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
-                   acc_O, tOrP, tScS_mn, softmax: OnlineSoftmax, pipeline_k, pipeline_v,
-                   m_offset: Int32, seqlen_q: Int32, seqlen_k: Int32, wg: Int32,
-                   masked: cutlass.Constexpr[bool]):
+                   acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
+                   pipeline_v, masked: cutlass.Constexpr[bool]):
         """Block j with the previous block's P V in flight (FA3's intra-warpgroup overlap).
 
         Issue S_j = Q K_j^T and O += P_{j+1} V_{j+1}; when S_j lands, mask and run the softmax
@@ -500,19 +517,18 @@ class FlashForwardSm90:
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
         pipeline_k.consumer_wait(state)
         if const_expr(self.pingpong):
-            self.wait_turn(wg)
+            self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         pipeline_v.consumer_wait(prev)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], zero_init=False)
         if const_expr(self.pingpong):
-            self.pass_turn(wg)
+            self.pass_turn()
         warpgroup.wait_group(1)  # the score wgmma is done; the value wgmma may still run
         self.release(pipeline_k, state)
 
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(masked):
-            mask_mod.apply_mask(acc_S_mn, tScS_mn, m_offset, n_block * self.n_block,
-                                seqlen_q, seqlen_k, self.causal, self.pack)
+            mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
         self.release(pipeline_v, prev)
@@ -534,12 +550,29 @@ class FlashForwardSm90:
         else:
             cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
 
-    def wait_turn(self, wg):
-        """See Note [ping-pong]: block until the other consumer has issued its wgmmas."""
-        cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=2 * _WG)
+    # The consumer index is re-read from the thread index at each turn, and each consumer's
+    # barrier ids are immediates in their own branch, rather than two ids kept live across the
+    # block loop: with three consumers at 160 registers a thread has none to spare.
+    @staticmethod
+    def _consumer_index():
+        return cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
 
-    def pass_turn(self, wg):
-        cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=2 * _WG)
+    @cute.jit
+    def wait_turn(self):
+        """See Note [ping-pong]: block until the previous consumer has issued its wgmmas."""
+        wg = self._consumer_index()
+        for c in cutlass.range_constexpr(self.num_consumers):
+            if wg == c:
+                cute.arch.barrier(barrier_id=_TURN_BARRIER + c, number_of_threads=2 * _WG)
+
+    @cute.jit
+    def pass_turn(self):
+        """Hand the turn to the next consumer of the ring (wg + 1 mod num_consumers)."""
+        wg = self._consumer_index()
+        for c in cutlass.range_constexpr(self.num_consumers):
+            if wg == c:
+                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (c + 1) % self.num_consumers,
+                                         number_of_threads=2 * _WG)
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,

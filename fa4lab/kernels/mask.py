@@ -3,7 +3,8 @@
 Shared by the sm90 and sm100 kernels. Inputs are arch-neutral: a thread's scores in an
 (rows, cols) view and the matching view of an identity (coordinate) tensor, which tells each
 register which (row, col) of the tile it holds. The caller offsets the tile into the whole
-problem with `m_offset` (first query row of the tile) and `n_offset` (first key of the block).
+problem with `m_offset` (first query row of the tile) and `n_offset` (first key of the block):
+`row_limits` turns the rows into one limit each, once per tile; `apply_limits` masks a block.
 
 The rule (bottom-right aligned causal, the contract in `fa4lab.spec`): query i sees key j iff
 j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q. Masked scores become -inf so the
@@ -14,7 +15,7 @@ With pack-GQA (sm90, `qhead_per_kvhead` = g > 1) a tile row is a packed row: the
 compares keys with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
 
 Which blocks need this at all comes from the tile kinds (`fa4lab.tiling`, see
-`fa4lab.kernels.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_mask`.
+`fa4lab.kernels.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_limits`.
 """
 
 from __future__ import annotations
@@ -25,27 +26,72 @@ from cutlass import Float32, Int32
 
 
 @cute.jit
+def row_limits(
+    coord_mn: cute.Tensor,  # (rows, cols) -> (row, col) inside the tile
+    coord0_mn: cute.Tensor,  # the same view for thread 0: see Note [static columns]
+    m_offset: Int32,        # query index of tile row 0
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr[bool],
+    qhead_per_kvhead: cutlass.Constexpr[int] = 1,  # g > 1: rows are packed rows (pack-GQA)
+) -> cute.Tensor:
+    """Per row of this thread: the first key index it may NOT see, in thread 0's column frame.
+
+    Computed once per tile, so a masked block costs one subtraction per row and one compare
+    with an immediate per score (`apply_limits`).
+    """
+    # Note [static columns]
+    # In an MMA accumulator a thread's column coordinates are thread 0's plus one offset per
+    # thread (the layout is affine in the thread index). Comparing thread 0's columns --
+    # compile-time constants -- against (limit - offset) makes each test one compare with an
+    # immediate; comparing the thread's own coordinates keeps one live register per column,
+    # which a 160-register consumer (three sm90 warpgroups) cannot afford.
+    num_rows = cute.size(coord_mn, mode=[0])
+    col_offset = coord_mn[0, 0][1] - coord0_mn[0, 0][1]
+    limits = cute.make_rmem_tensor(num_rows, Int32)
+    for r in cutlass.range_constexpr(num_rows):
+        limit = seqlen_k
+        if cutlass.const_expr(causal):
+            row = m_offset + coord_mn[r, 0][0]
+            if cutlass.const_expr(qhead_per_kvhead > 1):
+                row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
+            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1)
+        limits[r] = limit - col_offset
+    return limits
+
+
+@cute.jit
+def apply_limits(
+    acc_mn: cute.Tensor,     # (rows, cols) scores of one thread
+    coord0_mn: cute.Tensor,  # thread 0's (row, col) coordinates (compile-time)
+    limits: cute.Tensor,     # from row_limits
+    n_offset: Int32,         # key index of tile column 0
+) -> None:
+    """Set to -inf every score whose key index is at or past its row's limit."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        limit = limits[r] - n_offset
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            if coord0_mn[r, c][1] >= limit:
+                acc_mn[r, c] = -Float32.inf
+
+
+@cute.jit
 def apply_mask(
     acc_mn: cute.Tensor,    # (rows, cols) scores of one thread
     coord_mn: cute.Tensor,  # (rows, cols) -> (row, col) inside the tile
+    coord0_mn: cute.Tensor,  # the same view for thread 0
     m_offset: Int32,        # query index of tile row 0
     n_offset: Int32,        # key index of tile column 0
     seqlen_q: Int32,
     seqlen_k: Int32,
     causal: cutlass.Constexpr[bool],
-    qhead_per_kvhead: cutlass.Constexpr[int] = 1,  # g > 1: rows are packed rows (pack-GQA)
+    qhead_per_kvhead: cutlass.Constexpr[int] = 1,
 ) -> None:
-    """Set to -inf every score whose key is past seqlen_k or, if causal, right of the diagonal."""
-    num_rows = cute.size(acc_mn, mode=[0])
-    num_cols = cute.size(acc_mn, mode=[1])
-    for r in cutlass.range_constexpr(num_rows):
-        # First key index (relative to the tile) this row may NOT see.
-        limit = seqlen_k - n_offset
-        if cutlass.const_expr(causal):
-            row = m_offset + coord_mn[r, 0][0]
-            if cutlass.const_expr(qhead_per_kvhead > 1):
-                row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
-            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_offset)
-        for c in cutlass.range_constexpr(num_cols):
-            if coord_mn[r, c][1] >= limit:
-                acc_mn[r, c] = -Float32.inf
+    """Set to -inf every score whose key is past seqlen_k or, if causal, right of the diagonal.
+
+    `row_limits` + `apply_limits` in one call; a kernel that masks several blocks of one tile
+    computes the limits once instead.
+    """
+    limits = row_limits(coord_mn, coord0_mn, m_offset, seqlen_q, seqlen_k, causal,
+                        qhead_per_kvhead)
+    apply_limits(acc_mn, coord0_mn, limits, n_offset)

@@ -115,7 +115,7 @@ def _alternatives(plan, costs) -> list[dict]:
     t = plan.tiles
     changes = [{"kv_stage": t.kv_stage - 1}, {"kv_stage": t.kv_stage + 1},
                {"n_block": t.n_block // 2}, {"n_block": t.n_block // 2, "kv_stage": t.kv_stage + 1},
-               {"q_stage": 3 - t.q_stage}]
+               {"q_stage": t.q_stage - 1}, {"q_stage": t.q_stage + 1}]
     out = []
     for ch in changes:
         try:

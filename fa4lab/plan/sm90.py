@@ -1,9 +1,10 @@
 """The Hopper (sm90) plan: the same design with S, P and O in registers (FA3-style).
 
 One producer warpgroup (warp 0 issues the TMA loads; the group gives its registers away with
-setmaxnreg) and two consumer warpgroups, each owning one Q tile of 64 rows (wgmma M = 64). The
-consumers take turns at the tensor core through two named barriers (the ping-pong): while one
-issues its wgmmas the other runs its softmax. No TMEM: `plan.tmem` is None.
+setmaxnreg) and two or three consumer warpgroups, each owning one Q tile of 64 rows (wgmma
+M = 64). The consumers take turns at the tensor core through one named barrier each (the
+ping-pong, a ring with three): while one issues its wgmmas the others run their softmax. No
+TMEM: `plan.tmem` is None.
 
 The tuning numbers live in the single table `SM90_TUNING` below, keyed by head_dim; the sm90
 kernel reads them only through the plan. Supported head_dim: 64, 128, 256 (== head_dim_v).
@@ -28,26 +29,29 @@ from fa4lab.plan.tiles import MmaPlan, Tiles
 class Sm90Tuning:
     n_block: int
     kv_stage: int
-    producer_registers: int    # setmaxnreg of the producer warpgroup
-    consumer_registers: int    # setmaxnreg of each consumer warpgroup
+    q_stage: int               # consumer warpgroups (64 query rows each)
     o_in_q: bool               # stage O for the TMA store in Q's SMEM (Q is dead by then)
 
 
 # Note [sm90 tuning table]
-# The only numbers of the Hopper plan that are choices rather than consequences. Each row must
-# keep 128 * producer + 256 * consumer <= 65536 registers and the consumer's registers above
-# its accumulators: O (head_dim / 2 per thread), S (n_block / 2), P (n_block / 4) + ~40.
+# The only numbers of the Hopper plan that are choices rather than consequences. head_dim 64
+# runs three consumers (a 192-row CTA, as upstream FA4's Hopper path does): its per-block
+# GEMMs are short, so a third warpgroup's softmax is needed to keep the tensor core fed, and
+# its small accumulators fit the 160 registers three consumers leave each thread.
 SM90_TUNING = {
-    64: Sm90Tuning(n_block=128, kv_stage=2, producer_registers=24, consumer_registers=240,
-                   o_in_q=False),
-    128: Sm90Tuning(n_block=128, kv_stage=2, producer_registers=24, consumer_registers=240,
-                    o_in_q=False),
-    256: Sm90Tuning(n_block=80, kv_stage=2, producer_registers=24, consumer_registers=240,
-                    o_in_q=True),
+    64: Sm90Tuning(n_block=128, kv_stage=2, q_stage=3, o_in_q=False),
+    128: Sm90Tuning(n_block=128, kv_stage=2, q_stage=2, o_in_q=False),
+    256: Sm90Tuning(n_block=80, kv_stage=2, q_stage=2, o_in_q=True),
 }
+# setmaxnreg (producer, each consumer) by consumer count. Each pair keeps
+# 128 * producer + 128 * consumers * consumer <= 65536 (the SM's register file, one CTA per SM)
+# and is a multiple of 8, as setmaxnreg needs.
+SM90_REGISTERS = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 M_BLOCK = 64      # wgmma M: one consumer warpgroup's Q tile
-Q_STAGE = 2       # consumer warpgroups
-CONSUMER_REG_OVERHEAD = 40
+# Besides O (head_dim_v / 2 fp32 per thread), S (n_block / 2) and P (n_block / 4 packed
+# pairs), a consumer thread needs about this many registers for addresses, row statistics and
+# loop state (ptxas's count for the head_dim 64 three-consumer kernel: 160 with no spills).
+CONSUMER_REG_OVERHEAD = 32
 
 
 # Note [sm90 pack-GQA]
@@ -97,28 +101,30 @@ def build_barriers(tiles: Tiles) -> BarrierGraph:
                 "every consumer finished the value wgmma on V_j before TMA refills the buffer",
                 starts_released=True),
     ]
-    if q == 2:
-        for i in range(2):
+    if q >= 2:
+        for i in range(q):
+            prev = (i - 1) % q
             b.append(Barrier(
-                f"mma_turn{i}", f"consumer{1 - i}", f"consumer{i}", 256, 1, 0, PHASE_NAMED,
-                f"consumer{i} issues its wgmmas only after consumer{1 - i} finished issuing "
-                f"its own (warp-scheduler ping-pong: one softmax overlaps the other's GEMMs)",
+                f"mma_turn{i}", f"consumer{prev}", f"consumer{i}", 256, 1, 0, PHASE_NAMED,
+                f"consumer{i} issues its wgmmas only after consumer{prev} finished issuing "
+                f"its own (warp-scheduler ping-pong: softmax overlaps the others' GEMMs)",
                 kind="named", group="named"))
     return BarrierGraph(tuple(b))
 
 
-def build_roles(tiles: Tiles, tuning: Sm90Tuning) -> tuple[Role, ...]:
-    roles = [Role("load", (0, 1, 2, 3), tuning.producer_registers,
+def build_roles(tiles: Tiles) -> tuple[Role, ...]:
+    producer_regs, consumer_regs = SM90_REGISTERS[tiles.q_stage]
+    roles = [Role("load", (0, 1, 2, 3), producer_regs,
                   "producer warpgroup: warp 0 issues the TMA loads of Q, K, V; warps 1-3 idle")]
     for i in range(tiles.q_stage):
         roles.append(Role(f"consumer{i}", tuple(range(4 + 4 * i, 8 + 4 * i)),
-                          tuning.consumer_registers,
+                          consumer_regs,
                           f"Q rows {64 * i}-{64 * i + 63}: wgmma S = Q K^T, softmax in registers "
                           f"(rescale O when needed), wgmma O += P V, epilogue and TMA store"))
     return tuple(roles)
 
 
-def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=None,
+def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                pack_gqa: bool = False) -> Plan:
     hw = H200
     d, dv = spec.head_dim, spec.head_dim_v
@@ -128,10 +134,16 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
     tuning = SM90_TUNING[d]
     n_block = tuning.n_block if n_block is None else n_block
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
+    if q_stage is None:
+        # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third
+        # 64-row tile would mostly be padding; they keep two consumers.
+        q_stage = min(tuning.q_stage, 2) if pack_gqa and spec.qhead_per_kvhead > 1 \
+            else tuning.q_stage
     if m_block != 64:
         raise PlanError(f"m_block={m_block}: sm90 consumers own 64 rows each (wgmma M = 64)")
-    if q_stage not in (1, 2):
-        raise PlanError(f"q_stage={q_stage}: 1 or 2 consumer warpgroups")
+    if q_stage not in SM90_REGISTERS:
+        raise PlanError(f"q_stage={q_stage}: 1, 2 or 3 consumer warpgroups (4 warpgroups, 512 "
+                        f"threads, is the most one CTA can run with registers to spare)")
     if n_block % 16 or not 16 <= n_block <= 256:
         raise PlanError(f"n_block={n_block} must be a multiple of 16 in [16, 256] (wgmma N, "
                         f"and K of the value wgmma)")
@@ -140,11 +152,12 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa))
     need = consumer_registers_needed(n_block, dv)
-    if need > tuning.consumer_registers:
+    consumer_regs = SM90_REGISTERS[q_stage][1]
+    if need > consumer_regs:
         raise PlanError(
             f"registers: a consumer thread holds O ({dv // 2}), S ({n_block // 2}), P "
             f"({n_block // 4}) + ~{CONSUMER_REG_OVERHEAD} = {need} > setmaxnreg "
-            f"{tuning.consumer_registers}; lower n_block (e.g. {SM90_TUNING[d].n_block})")
+            f"{consumer_regs} with {q_stage} consumers; lower n_block or q_stage")
     barriers = build_barriers(tiles)
     eb = spec.element_bytes
     q_region = SmemRegion("q", m_block * d * eb, q_stage, what="Q tile per consumer")
@@ -159,7 +172,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
                    what="mbarriers"),
     ]
     smem = SmemPlan.build(tuple(regions), hw.smem_per_cta)
-    roles = build_roles(tiles, tuning)
+    roles = build_roles(tiles)
     check_roles(roles, hw.registers_per_sm)
     mmas = (
         MmaPlan("score", m_block, n_block, d, spec.dtype, spec.dtype, "fp32", "smem", "smem",
@@ -169,7 +182,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
     )
     notes = (
         "One work tile per CTA (not persistent): Q is loaded once, so it needs no empty barrier.",
-        "The ping-pong named barriers order the two consumers' wgmma issue; the simulator "
+        "The ping-pong named barriers order the consumers' wgmma issue; the simulator "
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
     ) + ((f"pack-GQA: each CTA serves the {spec.qhead_per_kvhead} query heads of one KV head "
@@ -181,11 +194,11 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=Q_STAGE, kv_stage=No
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
 def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
-    """The producer and the two consumers over one work tile of `n_blocks` K/V blocks.
+    """The producer and the consumers over one work tile of `n_blocks` K/V blocks.
 
     Consumer c's section s issues S = Q_c K_s (s < N) and O += P V_s-1 (s >= 1) while holding
-    the tensor-core turn; the named barriers pass the turn c0 -> c1 -> c0 ... and consumer1
-    arrives once at the start so consumer0 goes first. `n_tiles` is ignored (one tile per CTA).
+    the tensor-core turn; the named barriers pass the turn round the ring c0 -> c1 (-> c2)
+    -> c0 ... and the last consumer arrives once at the start so consumer0 goes first. `n_tiles` is ignored (one tile per CTA).
     """
     from fa4lab.plan.simulate import Arrive, Issue, Ref, Wait, WaitEngine, Work
 
@@ -221,7 +234,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
     threads = 128
     for c in range(q):
         prog = []
-        if q == 2 and c == 1:
+        pingpong = q >= 2
+        if pingpong and c == q - 1:    # the last consumer lets consumer0 go first
             prog.append(Arrive("mma_turn0", 0, threads))
         prog.append(Wait("q_full", 0, 0))
         for s in range(N + 1):
@@ -229,7 +243,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
                 prog.append(Wait("k_full", s % S, s // S))
             if s >= 1:
                 prog.append(Wait("v_full", (s - 1) % S, (s - 1) // S))
-            if q == 2:
+            if pingpong:
                 prog.append(Wait(f"mma_turn{c}", 0, s))
             if s < N:
                 prog.append(Work(f"S{c}=Q{c}K{s}", qk, unit="tensor",
@@ -237,8 +251,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
             if s >= 1:
                 prog.append(Work(f"O{c}+=P{c}V{s - 1}", pv,
                                  unit="tensor", reads=(sref("v", (s - 1) % S),), writes=(turn,)))
-            if q == 2 and not (c == 1 and s == N):   # consumer0 takes no turn after its last
-                prog.append(Arrive(f"mma_turn{1 - c}", 0, threads))
+            if pingpong and not (c == q - 1 and s == N):  # nobody takes a turn after it
+                prog.append(Arrive(f"mma_turn{(c + 1) % q}", 0, threads))
             if s < N:
                 prog.append(Arrive("k_empty", s % S, threads))
             if s >= 1:
