@@ -198,7 +198,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
 
     Consumer c's section s issues S = Q_c K_s (s < N) and O += P V_s-1 (s >= 1) while holding
     the tensor-core turn; the named barriers pass the turn round the ring c0 -> c1 (-> c2)
-    -> c0 ... and the last consumer arrives once at the start so consumer0 goes first. `n_tiles` is ignored (one tile per CTA).
+    -> c0 ... and the last consumer arrives once at the start so consumer0 goes first.
+    `n_tiles` is ignored (one tile per CTA).
     """
     from fa4lab.plan.simulate import Arrive, Issue, Ref, Wait, WaitEngine, Work
 
