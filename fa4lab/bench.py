@@ -962,10 +962,12 @@ def measure_plan(plan, peers: Sequence[str] = PEERS, *, warmup_ms: float = WARMU
 def git_commit(repo: Path | None = None) -> str | None:
     """`git rev-parse HEAD` of the repository fa4lab runs from ('+dirty' when it has changes).
 
-    Where the code is not a git checkout (a copy shipped to a GPU host), FA4LAB_COMMIT names
-    the commit it was copied from; otherwise None."""
+    FA4LAB_COMMIT, when set, names the commit instead: a copy shipped to a GPU host may carry
+    a stale or no git directory, and whoever copied it knows what it is. Otherwise None."""
     repo = repo or Path(__file__).resolve().parents[1]
     fallback = os.environ.get("FA4LAB_COMMIT") or None
+    if fallback:
+        return fallback
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                               text=True, timeout=10)

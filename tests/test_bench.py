@@ -457,6 +457,8 @@ def test_runs_without_tqdm_and_names_the_commit_outside_git(monkeypatch, tmp_pat
     assert "bench 1/1 hd64 causal s32" in capsys.readouterr().err
     monkeypatch.setenv("FA4LAB_COMMIT", "abc1234")
     assert bench.git_commit(tmp_path) == "abc1234"      # tmp_path is no git checkout
+    repo = bench.Path(bench.__file__).resolve().parents[1]
+    assert bench.git_commit(repo) == "abc1234"          # it also wins over a git checkout
     monkeypatch.delenv("FA4LAB_COMMIT")
     assert bench.git_commit(tmp_path) is None
 
