@@ -127,7 +127,9 @@ def test_packed_block_ranges_match_tiling(sq, sk, g, q_stage, n, causal, data):
 
 
 def emulate_mask(rows, cols, m_offset, n_offset, sq, sk, causal, g):
-    """numpy twin of fa4lab.kernels.mask.apply_mask with qhead_per_kvhead = g: True = keep."""
+    """numpy twin of fa4lab.kernels.mask.row_limits + apply_limits (g = qhead_per_kvhead).
+
+    True = keep."""
     limit = np.full(rows, sk - n_offset)
     if causal:
         pos = (m_offset + np.arange(rows)) // g

@@ -73,25 +73,3 @@ def apply_limits(
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             if coord0_mn[r, c][1] >= limit:
                 acc_mn[r, c] = -Float32.inf
-
-
-@cute.jit
-def apply_mask(
-    acc_mn: cute.Tensor,    # (rows, cols) scores of one thread
-    coord_mn: cute.Tensor,  # (rows, cols) -> (row, col) inside the tile
-    coord0_mn: cute.Tensor,  # the same view for thread 0
-    m_offset: Int32,        # query index of tile row 0
-    n_offset: Int32,        # key index of tile column 0
-    seqlen_q: Int32,
-    seqlen_k: Int32,
-    causal: cutlass.Constexpr[bool],
-    qhead_per_kvhead: cutlass.Constexpr[int] = 1,
-) -> None:
-    """Set to -inf every score whose key is past seqlen_k or, if causal, right of the diagonal.
-
-    `row_limits` + `apply_limits` in one call; a kernel that masks several blocks of one tile
-    computes the limits once instead.
-    """
-    limits = row_limits(coord_mn, coord0_mn, m_offset, seqlen_q, seqlen_k, causal,
-                        qhead_per_kvhead)
-    apply_limits(acc_mn, coord0_mn, limits, n_offset)
