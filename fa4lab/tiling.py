@@ -630,6 +630,15 @@ def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm1
     return _greedy("lpt", work, lpt_order(work), _resolve_sms(num_sms, arch), cost)
 
 
+def kernel_tile_order(causal: bool, arch: str) -> str:
+    """The order fa4lab's `arch` kernel dispatches tiles in (a key of SCHEDULERS): the plain
+    grid where tile costs are equal (not causal); for causal, LPT on sm90 and the grid with
+    each head's m_blocks reversed on sm100. See Note [tile order] in `fa4lab.kernels.scheduler`."""
+    if not causal:
+        return "grid"
+    return "lpt" if arch == "sm90" else "grid_reversed"
+
+
 SCHEDULERS = {
     "grid": schedule_grid,
     "grid_reversed": schedule_grid_reversed,

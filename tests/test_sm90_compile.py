@@ -26,6 +26,44 @@ def test_block_ranges_match_tiling(sq, sk, cta_m, n, causal, data):
     assert full == mask_lo
 
 
+@given(batch=st.integers(1, 6), heads=st.integers(1, 40), sq=st.integers(1, 5000),
+       sk=st.sampled_from([1, 100, 4096, 50_000, 400_000, 3_000_000]),
+       cta_m=st.sampled_from([64, 128, 192]), head_dim=st.sampled_from([64, 128, 256]))
+@settings(max_examples=150, deadline=None)
+def test_lpt_coords_follow_tiling_lpt_order(batch, heads, sq, sk, cta_m, head_dim):
+    # The kernel's device formula (run here on Python ints) against the numpy order notebook 02
+    # teaches: same tile at every linear index, so every tile exactly once.
+    work = tiling.Workload(batch=batch, heads=heads, seqlen_q=sq, seqlen_k=sk,
+                           m_block_size=cta_m, n_block_size=128, causal=True, head_dim=head_dim)
+    swizzle = scheduler.l2_swizzle(sk, 4 * head_dim, tiling.L2_KV_BUDGET_BYTES)
+    assert swizzle == work.l2_swizzle
+    n_m = scheduler.num_m_blocks(sq, cta_m)
+    grid = scheduler.grid_shape(sq, heads, batch, cta_m, "lpt")
+    assert grid == (work.num_tiles, 1, 1)
+    got = [scheduler.lpt_coords(t, n_m, heads, batch, swizzle) for t in range(grid[0])]
+    want = [(m, h, b) for b, h, m in tiling.lpt_order(work).tolist()]
+    assert got == want
+
+
+def test_pow2_floor_and_orders():
+    assert [scheduler.pow2_floor(x) for x in (1, 2, 3, 4, 5, 1023, 1024, 2**31 - 1)] == [
+        1, 2, 2, 4, 4, 512, 1024, 2**30]
+    assert scheduler.grid_shape(1000, 8, 2, 128, "grid") == (8, 8, 2)
+    assert scheduler.grid_shape(1000, 8, 2, 128, "grid_reversed") == (8, 8, 2)
+    with pytest.raises(ValueError, match="unknown tile order"):
+        scheduler.grid_shape(1000, 8, 2, 128, "spiral")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plans_name_their_tile_order(causal):
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 1000, 1000, 8, 8, 128, causal=causal)
+    assert plan_forward(spec, "sm90").tiles.order == ("lpt" if causal else "grid")
+    assert plan_forward(spec, "sm100").tiles.order == ("grid_reversed" if causal else "grid")
+    assert plan_forward(spec, "sm90").tiles.order in tiling.SCHEDULERS
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_compiles_for_sm90a(head_dim, causal):

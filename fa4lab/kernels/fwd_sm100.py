@@ -122,6 +122,8 @@ class FlashForwardSm100:
         self.head_dim = spec.head_dim
         self.head_dim_v = spec.head_dim_v
         self.causal = spec.causal
+        self.tile_order = plan.tiles.order  # Note [tile order] in fa4lab.kernels.scheduler
+        self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         self.scale_log2 = spec.scale_log2
@@ -248,13 +250,11 @@ class FlashForwardSm100:
 
         self.shared_storage = SharedStorage
 
-        if cutlass.const_expr(self.pack_gqa):
-            # seqlen_q * g packed rows per KV head (Note [sm100 pack-GQA kernel]).
-            grid = (cute.ceil_div(cute.size(mQ.shape[0]) * self.pack, self.cta_m),
-                    cute.size(mK.shape[2]), cute.size(mQ.shape[3]))
-        else:
-            grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.cta_m), cute.size(mQ.shape[2]),
-                    cute.size(mQ.shape[3]))
+        # seqlen_q * g packed rows per KV head with pack-GQA (Note [sm100 pack-GQA kernel]).
+        heads = cute.size(mK.shape[2]) if cutlass.const_expr(self.pack_gqa) else cute.size(
+            mQ.shape[2])
+        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
+                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
@@ -285,11 +285,12 @@ class FlashForwardSm100:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # Packed: `head` is the KV head and seqlen_q counts positions, not packed rows.
-        m_block, head, batch = scheduler.tile_coords(self.causal)
         seqlen_q = mQ.shape[0]
         if cutlass.const_expr(self.pack_gqa):
             seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
+                                                     self.bytes_per_key)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):

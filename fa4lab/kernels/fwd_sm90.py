@@ -161,7 +161,8 @@ class FlashForwardSm90:
         self.n_block = t.n_block
         self.kv_stage = t.kv_stage
         self.causal = spec.causal
-        self.return_lse = spec.return_lse
+        self.tile_order = t.order  # Note [tile order] in fa4lab.kernels.scheduler
+        self.bytes_per_key = 2 * (t.head_dim + t.head_dim_v)  # K + V rows, 16-bit
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         # See Note [sm90 pack-GQA kernel]: g query heads per CTA row group, else 1.
         self.pack_gqa = bool(getattr(t, "pack_gqa", False))
@@ -265,7 +266,7 @@ class FlashForwardSm90:
         # With pack-GQA: seqlen_q * g packed rows per KV head (Note [sm90 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m)
+                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
@@ -354,7 +355,8 @@ class FlashForwardSm90:
         Order K_last, then (K_j, V_j+1) pairs, then V_first: a consumer issues the score wgmma
         of block j before the value wgmma of block j+1 (see `consume`), so K runs one ahead.
         """
-        m_block, head, batch = scheduler.tile_coords(self.causal)
+        m_block, head, batch = scheduler.tile_coords(
+            self.tile_order, mQ, cute.size(mK.shape[0]), self.cta_m, self.bytes_per_key)
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         seqlen_q, seqlen_k = self.seqlen_q_of(mQ), cute.size(mK.shape[0])
@@ -406,7 +408,8 @@ class FlashForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
-        m_block, head, batch = scheduler.tile_coords(self.causal)
+        m_block, head, batch = scheduler.tile_coords(
+            self.tile_order, mO, seqlen_k, self.cta_m, self.bytes_per_key)
         m_offset = (m_block * self.q_stage + wg) * self.m_block
 
         thr_qk = tiled_mma_qk.get_slice(tid)
@@ -477,7 +480,8 @@ class FlashForwardSm90:
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch = scheduler.tile_coords(self.causal)
+        m_block, head, batch = scheduler.tile_coords(
+            self.tile_order, mO, seqlen_k, self.cta_m, self.bytes_per_key)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,

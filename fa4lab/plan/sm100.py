@@ -23,6 +23,7 @@ from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles
 from fa4lab.plan.tmem import TmemPlan, TmemRegion, alloc_columns
+from fa4lab.tiling import kernel_tile_order
 
 # Defaults (FA4 on B200). Tuning knobs sit together.
 M_BLOCK = 128            # one TMEM lane per query row: the MMA's M and a softmax warpgroup
@@ -187,7 +188,8 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
         raise PlanError(f"kv_stage={kv_stage}: the K/V ring needs >= 2 buffers (K and V of "
                         f"one block)")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
-                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa))
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa),
+                  order=kernel_tile_order(spec.causal, "sm100"))
     need = n_block + SOFTMAX_REG_OVERHEAD
     if need > REGISTERS["softmax"]:
         raise PlanError(f"n_block={n_block}: a softmax thread holds its row of S ({n_block} "

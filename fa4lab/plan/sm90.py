@@ -23,6 +23,7 @@ from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles
+from fa4lab.tiling import kernel_tile_order
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if kv_stage < 1:
         raise PlanError(f"kv_stage={kv_stage} must be >= 1")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
-                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa))
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa),
+                  order=kernel_tile_order(spec.causal, "sm90"))
     need = consumer_registers_needed(n_block, dv)
     consumer_regs = SM90_REGISTERS[q_stage][1]
     if need > consumer_regs:

@@ -23,6 +23,7 @@ class Tiles:
     head_dim: int
     head_dim_v: int
     pack_gqa: bool = False  # M rows are packed (position, query head) rows of one KV head
+    order: str = "grid"     # tile dispatch order, "grid" or "lpt" (fa4lab.tiling.SCHEDULERS)
 
     @property
     def cta_m(self) -> int:
