@@ -1181,6 +1181,7 @@ def main_args(args) -> int:
     print(format_table(results, gemm_tflops=gemm))
     config = {"total_tokens": args.total_tokens, "hidden": args.hidden, "dtype": args.dtype,
               "timer": timer_name(), "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+              "spin_up_s": SPIN_UP_S,
               "check": f"batch 0, heads 0..{CHECK_HEADS - 1}, float64 reference, tol = 2 x "
                        f"same-dtype PyTorch error + {ATOL[args.dtype]:.1e}",
               "providers": {p.name: PROVIDER_LABELS.get(p.name, p.name) for p in providers},

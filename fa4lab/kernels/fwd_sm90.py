@@ -34,8 +34,9 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges and the causal row index change.
 
-Not done yet (notebook 06 lists them): a persistent LPT scheduler for causal, cluster
-multicast of K/V.
+Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.scheduler`): causal tiles
+run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
+scheduler that overlaps one tile's epilogue with the next tile's loads, cluster multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
 machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
