@@ -142,8 +142,10 @@ def _table(head: list[str], rows: list[list]) -> str:
 def contract_tables(plan) -> str:
     t = plan.tiles
     parts = ["### Tiles", _table(
-        ["m_block", "n_block", "q_stage", "kv_stage", "cta_m", "head_dim", "head_dim_v"],
-        [[t.m_block, t.n_block, t.q_stage, t.kv_stage, t.cta_m, t.head_dim, t.head_dim_v]])]
+        ["m_block", "n_block", "q_stage", "kv_stage", "cta_m", "head_dim", "head_dim_v",
+         "tile order"],
+        [[t.m_block, t.n_block, t.q_stage, t.kv_stage, t.cta_m, t.head_dim, t.head_dim_v,
+          t.order]])]
     parts += ["### MMAs (per Q tile, per K/V block)", _table(
         ["name", "m x n x k", "A", "B", "acc", "out", "instruction"],
         [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",

@@ -20,7 +20,6 @@ Run it:  `simulate(plan_forward(spec, "sm100"), n_blocks=6, n_tiles=2).summary()
 from __future__ import annotations
 
 import heapq
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -578,20 +577,6 @@ def mutation_check(plan, n_blocks=(1, 6), n_tiles: int = 2,
 
 
 # ---- throughput ----
-def _blocks_per_tile(spec, cta_m: int, n_block: int) -> list[int]:
-    """K/V blocks each work tile visits (bottom-right causal alignment, as in fa4lab.spec)."""
-    n_all = math.ceil(spec.seqlen_k / n_block)
-    out = []
-    for m0 in range(0, spec.seqlen_q, cta_m):
-        if spec.causal:
-            last_key = min(m0 + cta_m, spec.seqlen_q) - 1 + spec.seqlen_k - spec.seqlen_q
-            n = max(0, min(n_all, last_key // n_block + 1)) if last_key >= 0 else 0
-        else:
-            n = n_all
-        out.append(n)
-    return out
-
-
 @dataclass(frozen=True)
 class Prediction:
     tflops: float
@@ -628,21 +613,26 @@ def tile_cost(plan, costs: CostModel = DEFAULT_COSTS, causal: bool | None = None
 
 
 def predict(plan, costs: CostModel = DEFAULT_COSTS, spec=None) -> Prediction:
-    """Predicted forward TFLOP/s: every work tile's simulated time, longest first onto the SMs."""
+    """Predicted forward TFLOP/s: every work tile's simulated time (fixed + per K/V block),
+    dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
+    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`)."""
+    from fa4lab import tiling
+
     spec = spec or plan.spec
     hw = plan.hardware
     fixed, per = tile_cost(plan, costs, spec.causal)
-    per_head = _blocks_per_tile(spec, plan.tiles.cta_m, plan.tiles.n_block)
-    times = sorted((fixed + per * n for n in per_head if n > 0), reverse=True)
-    reps = spec.batch * spec.heads_q
-    sms = [0.0] * hw.num_sms
-    for t in times:
-        for _ in range(reps):
-            heapq.heapreplace(sms, sms[0] + t)
-    cycles = max(sms)
-    seconds = cycles / (hw.clock_ghz * 1e9)
+    work = tiling.Workload(batch=spec.batch, heads=spec.heads_q, seqlen_q=spec.seqlen_q,
+                           seqlen_k=spec.seqlen_k, m_block_size=plan.tiles.cta_m,
+                           n_block_size=plan.tiles.n_block, causal=spec.causal,
+                           head_dim=spec.head_dim, head_dim_v=spec.head_dim_v)
+    # tiling counts work in K/V blocks: a tile's fixed cycles become `fixed / per` blocks (a
+    # fit on two tile lengths can dip below 0 for persistent sm100 tiles; no tile costs less
+    # than its blocks). Masked blocks cost what the simulated tile says, hence 1.0 here.
+    unit = tiling.CostModel(masked_block_cost=1.0, tile_overhead=max(fixed, 0.0) / per)
+    sched = tiling.schedule(plan.tiles.order, work, num_sms=hw.num_sms, cost=unit)
+    seconds = sched.makespan * per / (hw.clock_ghz * 1e9)
     return Prediction(useful_flops(spec) / seconds / 1e12, seconds, (fixed, per),
-                      reps * len(times), hw.peak_mma_tflops, hw.name)
+                      len(sched.order), hw.peak_mma_tflops, hw.name)
 
 
 def useful_flops(spec) -> float:
