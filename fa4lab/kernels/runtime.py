@@ -48,28 +48,11 @@ def kernel_key(spec: AttentionSpec, arch: str, pack_gqa: bool = False) -> tuple:
 # ---------------------------------------------------------------- plans
 def plan_for(spec: AttentionSpec, arch: str, pack_gqa: bool = False):
     """`plan_forward(spec, arch)` -- the one source of every number a kernel uses."""
-    try:
-        from fa4lab.plan import plan_forward
-    except ImportError:
-        return _interim_plan(spec, arch)
+    from fa4lab.plan import plan_forward
+
     if pack_gqa:
         return plan_forward(spec, arch=arch, pack_gqa=True)
     return plan_forward(spec, arch=arch)
-
-
-def _interim_plan(spec: AttentionSpec, arch: str):
-    """Stand-in with the Plan attribute names, until fa4lab.plan exports plan_forward."""
-    from types import SimpleNamespace as NS
-
-    if arch != "sm90":
-        raise ImportError("fa4lab.plan.plan_forward is not available")
-    hd = spec.head_dim
-    tiles = NS(m_block=64, q_stage=2, n_block=80 if hd > 128 else 128, kv_stage=2,
-               head_dim=hd, head_dim_v=spec.head_dim_v)
-    roles = (NS(name="producer", warps=(0, 1, 2, 3), registers=24),
-             NS(name="consumer0", warps=(4, 5, 6, 7), registers=240),
-             NS(name="consumer1", warps=(8, 9, 10, 11), registers=240))
-    return NS(spec=spec, arch=arch, tiles=tiles, roles=roles, rescale_threshold=8.0)
 
 
 # ---------------------------------------------------------------- inputs
