@@ -783,8 +783,8 @@ def _finite(x: float) -> float | None:
 # in the records before this note, the first shape of a (head_dim, causal) group, where
 # fa4lab compiled, measured as low as 57 % of a repeat run. Every provider therefore runs
 # back to back for SPIN_UP_S before its timing starts, compiled or not, so all are treated
-# alike. It has not removed every dip: a shape right after a compile still measured low once
-# per record in the two sweeps since, and at parity when timed again (benchmarks/README.md).
+# alike. It has not removed every dip: short shapes right after a compile still measured low
+# in both sweeps since, and at parity when timed again (benchmarks/README.md).
 def _spin_up(call: Callable[[], Any], sync: Callable[[], None], seconds: float = SPIN_UP_S):
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
