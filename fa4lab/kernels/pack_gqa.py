@@ -4,7 +4,7 @@ Shared by the sm90 and sm100 kernels. With g = qhead_per_kvhead query heads per 
 into M (Note [pack-GQA rows] in fa4lab.tiling: packed row r is position r // g of query head
 kv * g + r % g), a tile of `rows` packed rows is a TMA box of g heads x rows / g positions whose
 SMEM rows come out head-fastest -- exactly the packed order. That needs g to divide `rows`
-(the plans check it: `fa4lab.plan.sm90.check_pack_gqa`, `fa4lab.plan.sm100.check_pack_gqa`).
+(the plans check it: `fa4lab.plan.tiles.check_pack_gqa`).
 
 How: the (seqlen, d, heads, batch) tensor is viewed as ((heads, seqlen), d, batch)
 (`heads_positions`: heads and positions as one mode, so the TMA box stays 4-D), the atom is made

@@ -21,7 +21,7 @@ from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
-from fa4lab.plan.tiles import MmaPlan, Tiles
+from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
 from fa4lab.plan.tmem import TmemPlan, TmemRegion, alloc_columns
 from fa4lab.tiling import kernel_tile_order
 
@@ -43,21 +43,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)   # what the sm100 kernel builds; the planner pl
 # TMA: a 128-row tile is a (g, 128 / g) box over (head, position), so g must divide m_block.
 # TMEM, SMEM, barriers, roles and MMAs are those of the unpacked plan. With g == 1 there is
 # nothing to pack, and the plan records pack_gqa=False.
-
-
-def check_pack_gqa(spec, m_block: int, pack_gqa: bool) -> bool:
-    """The pack_gqa the plan records (False when there is one query head per KV head)."""
-    g = spec.qhead_per_kvhead
-    if not pack_gqa or g == 1:
-        return False
-    if m_block % g:
-        divisors = ", ".join(str(d) for d in range(1, m_block + 1) if m_block % d == 0)
-        raise PlanError(f"pack_gqa=True with qhead_per_kvhead={g} (heads_q={spec.heads_q}, "
-                        f"heads_kv={spec.heads_kv}): the sm100 kernel loads a {m_block}-row "
-                        f"Q tile as a (heads, positions) TMA box, so qhead_per_kvhead must "
-                        f"divide m_block={m_block} ({divisors}); use pack_gqa=False for this "
-                        f"head ratio (each query head reads its KV head)")
-    return True
 
 
 def tmem_columns(q_stage: int, n_block: int, head_dim_v: int) -> int:
@@ -188,7 +173,7 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
         raise PlanError(f"kv_stage={kv_stage}: the K/V ring needs >= 2 buffers (K and V of "
                         f"one block)")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
-                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa),
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm100"),
                   order=kernel_tile_order(spec.causal, "sm100"))
     need = n_block + SOFTMAX_REG_OVERHEAD
     if need > REGISTERS["softmax"]:
@@ -225,9 +210,7 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
         "tcgen05 MMAs complete in order, so S_i never overwrites P_i before it is read.",
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
         f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts.",
-    ) + ((f"pack-GQA: each CTA serves the {spec.qhead_per_kvhead} query heads of one KV head "
-          f"(M rows = position * {spec.qhead_per_kvhead} + head in group).",)
-         if tiles.pack_gqa else ())
+    ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles, barriers,
                 RESCALE_THRESHOLD, balanced_exp2_fraction(hw), notes)
 

@@ -22,7 +22,7 @@ from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, 
 from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
-from fa4lab.plan.tiles import MmaPlan, Tiles
+from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
 from fa4lab.tiling import kernel_tile_order
 
 
@@ -63,19 +63,6 @@ CONSUMER_REG_OVERHEAD = 32
 # Q and O: a 64-row tile is a (g, 64 / g) box over (head, position), which needs g to divide
 # m_block; the SMEM, barriers and MMAs are the same as without packing. With g == 1 there is
 # nothing to pack, and the plan records pack_gqa=False.
-
-
-def check_pack_gqa(spec, m_block: int, pack_gqa: bool) -> bool:
-    """The pack_gqa the plan records (False when there is one query head per KV head)."""
-    g = spec.qhead_per_kvhead
-    if not pack_gqa or g == 1:
-        return False
-    if m_block % g:
-        raise PlanError(f"pack_gqa=True with qhead_per_kvhead={g}: the sm90 kernel loads a "
-                        f"{m_block}-row tile as a (heads, positions) TMA box, so "
-                        f"qhead_per_kvhead must divide m_block={m_block} (1, 2, 4, 8, 16, 32, "
-                        f"64); use pack_gqa=False for this head ratio")
-    return True
 
 
 def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
@@ -151,7 +138,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if kv_stage < 1:
         raise PlanError(f"kv_stage={kv_stage} must be >= 1")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
-                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa),
+                  pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm90"),
                   order=kernel_tile_order(spec.causal, "sm90"))
     need = consumer_registers_needed(n_block, dv)
     consumer_regs = SM90_REGISTERS[q_stage][1]
@@ -187,9 +174,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         "The ping-pong named barriers order the consumers' wgmma issue; the simulator "
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
-    ) + ((f"pack-GQA: each CTA serves the {spec.qhead_per_kvhead} query heads of one KV head "
-          f"(M rows = position * {spec.qhead_per_kvhead} + head in group).",)
-         if tiles.pack_gqa else ())
+    ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles, barriers,
                 RESCALE_THRESHOLD, 0.0, notes)
 

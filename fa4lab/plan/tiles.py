@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fa4lab.errors import PlanError
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -50,3 +52,30 @@ class MmaPlan:
     @property
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
+
+
+def check_pack_gqa(spec, m_block: int, pack_gqa: bool, arch: str) -> bool:
+    """The pack_gqa the plan records (False when there is one query head per KV head).
+
+    Both kernels load a packed Q tile as one (heads, positions) TMA box of m_block rows, so the
+    head ratio g must divide m_block."""
+    g = spec.qhead_per_kvhead
+    if not pack_gqa or g == 1:
+        return False
+    if m_block % g:
+        divisors = ", ".join(str(d) for d in range(1, m_block + 1) if m_block % d == 0)
+        raise PlanError(f"pack_gqa=True with qhead_per_kvhead={g} (heads_q={spec.heads_q}, "
+                        f"heads_kv={spec.heads_kv}): the {arch} kernel loads a {m_block}-row "
+                        f"Q tile as a (heads, positions) TMA box, so qhead_per_kvhead must "
+                        f"divide m_block={m_block} ({divisors}); use pack_gqa=False for this "
+                        f"head ratio (each query head reads its KV head)")
+    return True
+
+
+def pack_gqa_notes(spec, tiles: Tiles) -> tuple[str, ...]:
+    """The plan note a packed plan carries (none otherwise)."""
+    if not tiles.pack_gqa:
+        return ()
+    g = spec.qhead_per_kvhead
+    return (f"pack-GQA: each CTA serves the {g} query heads of one KV head "
+            f"(M rows = position * {g} + head in group).",)
