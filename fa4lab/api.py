@@ -18,104 +18,122 @@ once per group (decode and short seqlen_q); it needs heads_q / heads_kv to divid
 and 128 on the B200 (else PlanError). The B200 packed kernel is compiled and audited but not yet
 run on a B200. The reference ignores it.
 
-Bad inputs raise before anything runs, with what is wrong and what to do. Compiled kernels are
-cached per configuration (`fa4lab.kernels.runtime`): the second call with the same head_dim,
-dtype, causal flag, scale, GQA ratio and LSE flag does not compile again, whatever the batch or
-sequence lengths.
+Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
+`fa4lab.spec.check_inputs`). Inputs that require grad raise `GradientNotSupportedError` while
+grad mode is on: there is no backward pass yet, and a silently dropped gradient is worse than
+an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) and on disk
+(`fa4lab.kernels.cache`, shared across processes): the same head_dim, dtype, causal flag, scale,
+GQA ratio and LSE flag never compile twice, whatever the batch or sequence lengths.
+
+torch.compile and CUDA graphs: `attention` is backed by the custom op
+`torch.ops.fa4lab.attention_forward` (Note [the attention op]).
 """
 
 from __future__ import annotations
 
 import warnings
 
-from fa4lab.errors import UnsupportedArchError
-from fa4lab.spec import check_qkv_shapes
+import torch
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+from fa4lab.errors import UnsupportedArchError
+from fa4lab.kernels import launch
+from fa4lab.spec import check_inputs, check_qkv_shapes
 
 
 class SlowReferenceWarning(UserWarning):
     """No fa4lab kernel runs on these tensors; the float64 reference computed the answer."""
 
 
-def _validate(q, k, v, softmax_scale) -> None:
-    import torch
+class GradientNotSupportedError(RuntimeError):
+    """fa4lab has a forward pass only: an input that needs a gradient would silently lose it."""
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; "
-                            f"wrap numpy arrays with torch.from_numpy({name})")
+
+# Note [the attention op]
+# `fa4lab::attention_forward` is a torch custom op (torch.library.custom_op) with a fake
+# implementation, so torch.compile (fullgraph too) treats a call as one opaque node with known
+# output shapes, and CUDA graphs capture the launch. Eager calls of `attention` skip the
+# dispatcher and call the same implementation directly (`_forward`): the dispatcher's Python
+# round trip costs as much as the rest of the host work. The op is used whenever something
+# sits between the caller and the tensors: torch.compile tracing, a dispatch or function mode
+# (FakeTensorMode, FlopCounterMode, ...), or a tensor subclass.
+#
+# Gradients: `attention` raises before launch when an input requires grad and grad mode is on
+# (the alternative is named in the error); the op's autograd formula raises the same error, so
+# calling the op directly cannot drop a gradient silently either.
+
+
+def _grad_error() -> GradientNotSupportedError:
+    return GradientNotSupportedError(
+        "fa4lab.attention has no backward pass yet, and an input requires grad: the gradient "
+        "would be lost. For training use torch.nn.functional.scaled_dot_product_attention (or "
+        "upstream flash_attn.cute.flash_attn_func); for inference call fa4lab.attention under "
+        "torch.no_grad() / torch.inference_mode(), or pass q.detach(), k.detach(), v.detach().")
+
+
+def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool):
+    """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
+    arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
+        else None
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch)
+    if arch is not None:
+        return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa)
+    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return out, (lse if return_lse else None)
+
+
+@torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      softmax_scale: float | None, return_lse: bool,
+                      pack_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
+    out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa)
+    if lse is None:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa):
     check_qkv_shapes(q, k, v)
-    if not q.is_floating_point():
-        raise TypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
-                        f"with q.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-                        f"cast them, e.g. k.to(q.dtype)")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
-                         f"{v.device}); move them to one device with .to(q.device)")
-    if softmax_scale is not None:
-        s = float(softmax_scale)
-        if not s > 0 or s == float("inf"):
-            raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
+    b, sq, hq, _ = q.shape
+    lse_shape = (b, hq, sq) if return_lse else (0,)
+    return (q.new_empty((b, sq, hq, v.shape[3])),
+            q.new_empty(lse_shape, dtype=torch.float32))
 
 
-def _check_kernel_inputs(q, k, v) -> None:
-    """What the GPU kernels additionally need: 16-bit dtype, head_dim, stride-1 last dim."""
-    import torch
-
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
-                        f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
-    d, dv = q.shape[-1], v.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported by the kernels: use one of "
-                         f"{SUPPORTED_HEAD_DIMS} (pad q and k with zeros to the next one)")
-    if dv != d:
-        raise ValueError(f"head_dim_v {dv} != head_dim {d}: the kernels need them equal")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} has strides {tuple(t.stride())}: the last dim must be "
-                             f"contiguous (stride 1); pass {name}.contiguous()")
+def _no_backward(ctx, grad_out, grad_lse):
+    raise _grad_error()
 
 
-def _kernel_for(device):
-    """The forward function for this CUDA device, or None where no kernel exists."""
-    import torch
+attention_forward.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
 
-    major, minor = torch.cuda.get_device_capability(device)
-    if major == 10:
-        from fa4lab.kernels.fwd_sm100 import attention_sm100
 
-        return attention_sm100
-    if (major, minor) == (9, 0):
-        from fa4lab.kernels.fwd_sm90 import attention_sm90
-
-        return attention_sm90
-    return None
+def _intercepted(q, k, v) -> bool:
+    """Something traces or intercepts the call: go through the op (Note [the attention op])."""
+    return (torch.compiler.is_compiling()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() > 0
+            or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor
+                   for t in (q, k, v)))
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, pack_gqa: bool = False):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring."""
-    _validate(q, k, v, softmax_scale)
     if not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
-    fn = None
-    if q.is_cuda:
-        fn = _kernel_for(q.device)
-    if fn is not None:
-        _check_kernel_inputs(q, k, v)
-        return fn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                  pack_gqa=pack_gqa)
-    return _reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                      return_lse=return_lse)
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+        raise _grad_error()
+    causal, return_lse = bool(causal), bool(return_lse)
+    if _intercepted(q, k, v):
+        scale = None if softmax_scale is None else float(softmax_scale)
+        out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa)
+    else:
+        out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa)
+    return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, *, causal, softmax_scale, return_lse):
-    import torch
-
+def _reference(q, k, v, *, causal, softmax_scale):
     from fa4lab.reference import attention_reference
 
     where = f"CUDA device {q.device} (compute capability " \
@@ -123,11 +141,10 @@ def _reference(q, k, v, *, causal, softmax_scale, return_lse):
     warnings.warn(
         f"SLOW: fa4lab.attention has no kernel for {where}; computing the float64 reference "
         f"instead (correct, but orders of magnitude slower). The kernels run on Hopper "
-        f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=3)
+        f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=4)
     out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=True)
-    out = out.to(q.dtype)
-    return (out, lse.to(torch.float32)) if return_lse else out
+    return out.to(q.dtype), lse.to(torch.float32)
 
 
 def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None):
@@ -186,5 +203,5 @@ def error_vs_reference(q, k, v, *, causal=False, softmax_scale=None) -> dict:
     }
 
 
-__all__ = ["SlowReferenceWarning", "UnsupportedArchError", "attention", "error_vs_reference",
-           "sdpa_same_dtype"]
+__all__ = ["GradientNotSupportedError", "SlowReferenceWarning", "UnsupportedArchError",
+           "attention", "attention_forward", "error_vs_reference", "sdpa_same_dtype"]

@@ -1,4 +1,4 @@
-"""`fa4lab doctor | plan | audit | bench`.
+"""`fa4lab doctor | plan | audit | bench | cache`.
 
 Each subcommand's arguments live beside the code they drive: a module exposes
 `add_cli(subparsers)` that adds its parser and sets `func`. Such modules import nothing heavy
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "plan": "fa4lab.plan.report",
     "audit": "fa4lab.kernels.audit",
     "bench": "fa4lab.bench",
+    "cache": "fa4lab.kernels.cache",
 }
 
 

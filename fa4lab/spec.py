@@ -104,7 +104,10 @@ class AttentionSpec:
 
     @property
     def element_bytes(self) -> int:
-        return 2
+        """Bytes per element of q, k, v and the output (fa4lab.limits.ELEMENT_BYTES)."""
+        from fa4lab.limits import ELEMENT_BYTES
+
+        return ELEMENT_BYTES[self.dtype]
 
     def flops(self) -> float:
         """Forward FLOPs as benchmarks count them: 4*B*H*Sq*Sk*D, halved for causal."""
@@ -159,3 +162,57 @@ def check_qkv_shapes(q, k, v) -> None:
             f"heads_q={hq} is not a multiple of heads_kv={hkv}: with GQA query head h reads kv "
             f"head h // (heads_q // heads_kv), so heads_kv must divide heads_q"
         )
+
+
+def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None) -> None:
+    """The one input check of `fa4lab.attention` and the kernels' launch path, called once per
+    call: torch tensors, shapes (`check_qkv_shapes`), one floating dtype, one device, a positive
+    finite scale; and with `arch` ("sm90"/"sm100", the kernel that will run), what that kernel
+    needs besides the math: bf16/fp16, a head dim it builds, head_dim_v == head_dim, CUDA
+    tensors, the last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or
+    ValueError saying what is wrong and what to do."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap numpy "
+                            f"arrays with torch.from_numpy({name})")
+    check_qkv_shapes(q, k, v)
+    if not q.is_floating_point():
+        raise TypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
+                        f"with q.to(torch.bfloat16)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+                        f"cast them, e.g. k.to(q.dtype)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
+                         f"{v.device}); move them to one device with .to(q.device)")
+    if softmax_scale is not None:
+        s = float(softmax_scale)
+        if not s > 0 or s == math.inf:
+            raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
+    if arch is None:
+        return
+    from fa4lab.limits import head_dims_for
+
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
+                        f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
+    d, dv, dims = q.shape[3], v.shape[3], head_dims_for(arch)
+    if d not in dims:
+        raise ValueError(f"head_dim {d} is not supported by the {arch} kernel: use one of "
+                         f"{dims} (pad q and k with zeros to the next one)")
+    if dv != d:
+        raise ValueError(f"head_dim_v {dv} != head_dim {d}: the kernels need them equal")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        stride = t.stride()
+        if stride[3] != 1:
+            raise ValueError(f"{name} has strides {tuple(stride)}: the last dim must be "
+                             f"contiguous (stride 1); pass {name}.contiguous()")
+        if t.data_ptr() % 16 or stride[0] % 8 or stride[1] % 8 or stride[2] % 8:
+            raise ValueError(f"{name} is not 16-byte aligned (data_ptr or strides {stride}): "
+                             f"TMA needs 16-byte aligned rows; pass {name}.contiguous() (or "
+                             f"clone it)")
+    if not q.is_cuda:
+        raise ValueError(f"q is on {q.device}: the {arch} kernel needs CUDA tensors; move them "
+                         f"with .cuda()")

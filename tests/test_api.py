@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa4lab  # noqa: E402
-from fa4lab.api import SlowReferenceWarning, _check_kernel_inputs  # noqa: E402
+from fa4lab.api import SlowReferenceWarning  # noqa: E402
 from fa4lab.reference import attention_reference  # noqa: E402
+from fa4lab.spec import check_inputs  # noqa: E402
 
 
 def _qkv(rng, b=2, sq=9, sk=13, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -68,27 +69,28 @@ def test_bad_softmax_scale(rng, scale):
 
 
 def test_kernel_input_checks(rng):
-    """What the GPU kernels need beyond the math: checked before any launch."""
+    """What the GPU kernels need beyond the math: checked before any launch, per arch."""
     q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
-    _check_kernel_inputs(q, k, v)  # fine
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        _check_kernel_inputs(q.float(), k.float(), v.float())
+        check_inputs(q.float(), k.float(), v.float(), arch="sm90")
     q96, k96, v96 = _qkv(rng, d=96, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"head_dim 96.*\(64, 128, 256\)"):
-        _check_kernel_inputs(q96, k96, v96)
+    with pytest.raises(ValueError, match=r"head_dim 96.*sm90.*\(64, 128, 256\)"):
+        check_inputs(q96, k96, v96, arch="sm90")
+    q256, k256, v256 = _qkv(rng, d=256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"head_dim 256.*sm100.*\(64, 128\)"):
+        check_inputs(q256, k256, v256, arch="sm100")
     with pytest.raises(ValueError, match="head_dim_v"):
-        _check_kernel_inputs(q, k, v[..., :32].contiguous())
+        check_inputs(q, k, v[..., :32].contiguous(), arch="sm90")
     qt = q.transpose(1, 3).contiguous().transpose(1, 3)  # same values, last dim strided
     with pytest.raises(ValueError, match=r"\.contiguous\(\)"):
-        _check_kernel_inputs(qt, k, v)
-
-
-def test_runtime_checks_cuda_inputs(rng):
-    from fa4lab.kernels.runtime import check_cuda_inputs
-
-    q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
+        check_inputs(qt, k, v, arch="sm90")
+    unaligned = torch.zeros(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        check_inputs(unaligned, k, v, arch="sm90")
+    # Everything a kernel needs except the GPU: the last check says where the tensors must be.
     with pytest.raises(ValueError, match=r"\.cuda\(\)"):
-        check_cuda_inputs(q, k, v)
+        check_inputs(q, k, v, arch="sm90")
+    check_inputs(q, k, v)  # the math alone is fine on CPU
 
 
 def test_error_vs_reference_on_cpu(rng):

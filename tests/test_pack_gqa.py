@@ -73,13 +73,18 @@ def test_plan_rejects_bad_ratio_and_non_bool():
 
 
 def test_kernel_key_tells_packed_from_unpacked():
-    from fa4lab.kernels.runtime import kernel_key
+    torch = pytest.importorskip("torch")
+    from fa4lab.kernels.launch import key_of
+
+    def key(s, arch, packed=False):
+        q, k = torch.empty(1, 8, s.heads_q, s.head_dim), torch.empty(1, 8, s.heads_kv, s.head_dim)
+        return key_of(q, k, k, arch, s.causal, s.softmax_scale, s.return_lse, packed)
 
     s = spec()
-    assert kernel_key(s, "sm90", True) != kernel_key(s, "sm90")
-    assert kernel_key(s, "sm90", False) == kernel_key(s, "sm90")
+    assert key(s, "sm90", True) != key(s, "sm90")
+    assert key(s, "sm90", False) == key(s, "sm90")
     one = spec(hq=4, hkv=4)  # nothing to pack: one kernel
-    assert kernel_key(one, "sm90", True) == kernel_key(one, "sm90")
+    assert key(one, "sm90", True) == key(one, "sm90")
 
 
 # ------------------------------------------------------- the kernel's index maps (emulated)
@@ -183,6 +188,7 @@ def test_emulated_tile_loop(sq, sk, g, causal):
 
 # --------------------------------------------------------------- traced TMA view, compile
 
+@pytest.mark.compile
 def test_packed_tma_view_coordinates():
     """`_packed_tma`'s view, tiled as the kernel tiles it: row r of tile t of KV head kv is
     TMA coordinate (col, kv * g + r % g, t * 64 / g + r // g, batch)."""
@@ -193,7 +199,7 @@ def test_packed_tma_view_coordinates():
     from cutlass.cute.runtime import make_fake_tensor
 
     from fa4lab.kernels.fwd_sm90 import _packed_tma, _smem_layout
-    from fa4lab.kernels.runtime import target_arch
+    from fa4lab.kernels.compile import target_arch
 
     g, sq, hq, d, kv, batch = 4, 300, 8, 128, 1, 1
     seen = {}
@@ -223,6 +229,7 @@ def test_packed_tma_view_coordinates():
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_packed_kernel_compiles_and_passes_audit(head_dim, causal, tmp_path):

@@ -79,13 +79,18 @@ def test_plan_rejects_non_bool():
 
 
 def test_kernel_key_tells_packed_from_unpacked():
-    from fa4lab.kernels.runtime import kernel_key
+    torch = pytest.importorskip("torch")
+    from fa4lab.kernels.launch import key_of
+
+    def key(s, arch, packed=False):
+        q, k = torch.empty(1, 8, s.heads_q, s.head_dim), torch.empty(1, 8, s.heads_kv, s.head_dim)
+        return key_of(q, k, k, arch, s.causal, s.softmax_scale, s.return_lse, packed)
 
     s = spec()
-    assert kernel_key(s, "sm100", True) != kernel_key(s, "sm100")
-    assert kernel_key(s, "sm100", True) != kernel_key(s, "sm90", True)
-    one = spec(hq=4, hkv=4)
-    assert kernel_key(one, "sm100", True) == kernel_key(one, "sm100")
+    assert key(s, "sm100", True) != key(s, "sm100")
+    assert key(s, "sm100", True) != key(s, "sm90", True)
+    one = spec(hq=4, hkv=4)  # nothing to pack: one kernel
+    assert key(one, "sm100", True) == key(one, "sm100")
 
 
 # ------------------------------------------------------- the kernel's index maps (emulated)
@@ -200,6 +205,7 @@ def _fake_q(sq, hq, d, batch=2):
                             assumed_align=16)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("g", [4, 8])
 def test_packed_q_and_o_tma_views(g):
     """Q through the kernel's `_q_tma` (tcgen05 A-operand atom) and O through `packed_tma`,
@@ -214,7 +220,7 @@ def test_packed_q_and_o_tma_views(g):
 
     from fa4lab.kernels.fwd_sm100 import _q_tma
     from fa4lab.kernels.pack_gqa import packed_tma
-    from fa4lab.kernels.runtime import target_arch
+    from fa4lab.kernels.compile import target_arch
 
     sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
     tiler = (M_BLOCK, 128, d)
@@ -264,6 +270,7 @@ def test_packed_q_and_o_tma_views(g):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [4, 8])

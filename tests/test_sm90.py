@@ -105,30 +105,30 @@ def test_packed_qkv_strides():
 
 
 def test_compiles_once_per_configuration():
-    from fa4lab.kernels import runtime
+    from fa4lab.kernels import launch
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
     q, k, v = _inputs(1, 100, 100, 2, 2, 64, torch.bfloat16, seed=1)
     attention_sm90(q, k, v, causal=True)
-    before = runtime.compile_count()
+    before = launch.stats()["misses"]
     for b, sq, sk, h in [(3, 17, 900, 2), (1, 2000, 64, 6), (2, 1, 1, 4)]:
         q, k, v = _inputs(b, sq, sk, h, h, 64, torch.bfloat16, seed=2)
         attention_sm90(q, k, v, causal=True)
-    assert runtime.compile_count() == before, "a new batch/seqlen/head count recompiled"
+    assert launch.stats()["misses"] == before, "a new batch/seqlen/head count recompiled"
     q, k, v = _inputs(1, 100, 100, 2, 2, 64, torch.bfloat16, seed=1)
     attention_sm90(q, k, v, causal=False)
-    assert runtime.compile_count() == before + 1
+    assert launch.stats()["misses"] == before + 1
 
 
 def test_fa4lab_attention_dispatches_to_sm90():
     import fa4lab
-    from fa4lab.kernels import runtime
+    from fa4lab.kernels import launch
 
     q, k, v = _inputs(1, 64, 64, 2, 2, 128, torch.bfloat16, seed=3)
-    before = runtime.compile_count()
+    before = launch.stats()["misses"]
     out = fa4lab.attention(q, k, v, causal=True)
     out2 = fa4lab.attention(q, k, v, causal=True)
-    assert runtime.compile_count() <= before + 1
+    assert launch.stats()["misses"] <= before + 1
     assert torch.equal(out, out2) and out.is_cuda
 
 
@@ -147,12 +147,12 @@ def test_pack_gqa(head_dim, causal, gqa):
 
 def test_pack_gqa_through_fa4lab_attention():
     import fa4lab
-    from fa4lab.kernels import runtime
+    from fa4lab.kernels import launch
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
     q, k, v = _inputs(2, 33, 513, 8, 2, 128, torch.bfloat16, seed=11)
     out = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)
-    before = runtime.compile_count()
+    before = launch.stats()["misses"]
     assert torch.equal(out, attention_sm90(q, k, v, causal=True, pack_gqa=True))
-    assert runtime.compile_count() == before, "the packed kernel was not cached"
+    assert launch.stats()["misses"] == before, "the packed kernel was not cached"
     _check_packed(q, k, v, causal=True, softmax_scale=0.2)

@@ -1,29 +1,134 @@
-"""Compile a forward kernel for sm_100a or sm_90a on any machine, keeping its PTX and cubin.
+"""The one compile path of the forward kernels: a plan in, a callable kernel (and artifacts) out.
 
-    from fa4lab.kernels import compile_forward
+    from fa4lab.kernels.compile import compile_forward
     cf = compile_forward(AttentionSpec(1, 4096, 4096, 16, 16, 128, causal=True), arch="sm100a")
     cf.ptx_path, cf.cubin_path, cf.seconds, cf.plan, cf.smem_bytes
 
-No GPU is needed: the tensors are `cute.runtime.make_fake_tensor`s with symbolic batch, sequence
-lengths, head counts and strides (one compile serves every problem size, as on the GPU), and the
-stream is `make_fake_stream()`. The DSL's target comes from CUTE_DSL_ARCH, set for the duration of
-the compile. The artifacts (PTX, cubin) land in `keep_dir/<configuration>/` (under a fresh
-temporary directory by default) for `fa4lab.kernels.audit` to read back.
+Every compile -- the audit's on a CPU, the GPU launch's, the bench's plan measurement -- goes
+through `compile_plan`: the kernel class of the plan's arch, built from the plan, compiled with
+fake tensors (`fake_args`: symbolic batch, sequence lengths, head counts and 64-bit strides, so
+one compile serves every problem size) through the CuTe DSL's TVM-FFI path (Note [TVM-FFI
+launch]). No GPU is needed to compile: the DSL's target comes from CUTE_DSL_ARCH, set for the
+duration of the compile (`target_arch`). `compile_forward` also keeps the PTX and cubin in
+`keep_dir/<configuration>/` (a fresh temporary directory by default) for `fa4lab.kernels.audit`.
 
 sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForwardSm90`
-(fwd_sm90.py), imported only when asked for.
+(fwd_sm90.py); each is imported only when asked for.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fa4lab.spec import AttentionSpec
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
+
+# Note [TVM-FFI launch]
+# The kernels are compiled with `--enable-tvm-ffi` and a stream placeholder that reads the
+# caller's current stream (`make_fake_stream(use_tvm_ffi_env_stream=True)`). The compiled
+# function then takes torch tensors as they are: TVM-FFI reads each tensor's data pointer,
+# shape and strides through DLPack's C exchange API and checks them against the fake tensors'
+# contract (dtype, rank, stride 1 in the last dim, 16-byte alignment, strides divisible by 8
+# elements) in C, and the launch goes to torch's current stream -- so CUDA-graph capture and
+# side streams work, and no per-call conversion happens in Python. The same object can be
+# exported to an object file and loaded by another process (`fa4lab.kernels.cache`).
+
+
+def normalize_arch(arch: str) -> str:
+    """"sm100a" or "sm90a" from any spelling ("sm100", "sm_90a", ...)."""
+    key = arch.lower().replace("_", "")
+    if key in ("sm100", "sm100a"):
+        return "sm100a"
+    if key in ("sm90", "sm90a"):
+        return "sm90a"
+    raise ValueError(f"arch {arch!r} is not supported: compile for 'sm100a' (B200) or 'sm90a' "
+                     f"(H100/H200)")
+
+
+def kernel_class(arch: str):
+    """The kernel class for "sm100a" / "sm90a" (imports the DSL)."""
+    if normalize_arch(arch) == "sm100a":
+        from fa4lab.kernels.fwd_sm100 import FlashForwardSm100
+
+        return FlashForwardSm100
+    from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
+
+    return FlashForwardSm90
+
+
+@contextmanager
+def target_arch(arch: str):
+    """Compile for `arch` ("sm_90a", "sm_100a") whatever GPU (or none) this machine has.
+
+    The DSL reads CUTE_DSL_ARCH once, at import; this sets both the variable and the DSL's
+    cached value for the duration of the block.
+    """
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    old_env, old_arch = os.environ.get("CUTE_DSL_ARCH"), envar._arch
+    os.environ["CUTE_DSL_ARCH"] = arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        envar._arch = old_arch
+        if old_env is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old_env
+
+
+def fake_args(spec: AttentionSpec):
+    """Fake q, k, v, out, lse and the stream placeholder: the kernels' calling contract.
+
+    Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
+    64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
+    and tensors are 16-byte aligned (lse: 4). 64-bit strides keep tensors of more than 2^31
+    elements addressable. lse is None when the spec does not return it.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    dtype = cutlass.BFloat16 if spec.dtype == "bf16" else cutlass.Float16
+    b, sq, sk, hq, hkv = (cute.sym_int() for _ in range(5))
+
+    def bshd(s, h, d):
+        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+        return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
+
+    q, k = bshd(sq, hq, spec.head_dim), bshd(sk, hkv, spec.head_dim)
+    v, o = bshd(sk, hkv, spec.head_dim_v), bshd(sq, hq, spec.head_dim_v)
+    lse = None
+    if spec.return_lse:
+        lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
+                               (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    return [q, k, v, o, lse, make_fake_stream(use_tvm_ffi_env_stream=True)]
+
+
+def compile_plan(plan, *, options: str = ""):
+    """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
+
+    The compiled function takes torch tensors (q, k, v, out, lse or None) and launches on the
+    current stream (Note [TVM-FFI launch]); it can be exported with `export_to_c`.
+    """
+    import cutlass.cute as cute
+
+    arch = normalize_arch(plan.arch)
+    kernel = kernel_class(arch)(plan)
+    args = fake_args(plan.spec)
+    with target_arch("sm_" + arch.removeprefix("sm")):
+        t0 = time.perf_counter()
+        compiled = cute.compile(kernel, *args, options=" ".join(("--enable-tvm-ffi", options)))
+        seconds = time.perf_counter() - t0
+    return kernel, compiled, seconds
 
 
 @dataclass(frozen=True)
@@ -43,16 +148,6 @@ class CompiledForward:
     @property
     def ptx(self) -> str:
         return self.ptx_path.read_text()
-
-
-def _normalize_arch(arch: str) -> str:
-    key = arch.lower().replace("_", "")
-    if key in ("sm100", "sm100a"):
-        return "sm100a"
-    if key in ("sm90", "sm90a"):
-        return "sm90a"
-    raise ValueError(f"arch {arch!r} is not supported: compile for 'sm100a' (B200) or 'sm90a' "
-                     f"(H100/H200)")
 
 
 def _plan_of(spec_or_plan, plan_arch: str):
@@ -77,22 +172,8 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}")
 
 
-def kernel_class(arch: str):
-    """The kernel class for "sm100a" / "sm90a" (imports the DSL)."""
-    arch = _normalize_arch(arch)
-    if arch == "sm100a":
-        from fa4lab.kernels.fwd_sm100 import FlashForwardSm100
-
-        return FlashForwardSm100
-    try:
-        from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
-    except ImportError as exc:
-        raise ImportError(f"the sm90 kernel (fa4lab.kernels.fwd_sm90) is not available: {exc}"
-                          ) from exc
-    return FlashForwardSm90
-
-
-def _newest(keep_dir: Path, suffix: str, since: float) -> Path:
+def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
+    """The newest `*suffix` file the DSL wrote into keep_dir at or after `since`."""
     found = [p for p in keep_dir.glob(f"*{suffix}") if p.stat().st_mtime >= since - 1]
     if not found:
         raise RuntimeError(f"the compile left no *{suffix} in {keep_dir}; the DSL's keep options "
@@ -102,11 +183,7 @@ def _newest(keep_dir: Path, suffix: str, since: float) -> Path:
 
 def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> CompiledForward:
     """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir."""
-    import cutlass.cute as cute
-
-    from fa4lab.kernels import runtime
-
-    arch = _normalize_arch(arch)
+    arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
@@ -114,18 +191,26 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> Compil
     keep = root / (config_name(plan.spec, arch)
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else ""))
     keep.mkdir(parents=True, exist_ok=True)
-    kernel = kernel_class(arch)(plan)
-    args = runtime.fake_args(plan.spec)
-    options = f"--keep-ptx --keep-cubin --dump-dir={keep}"
     start_wall = time.time()
-    with runtime.target_arch("sm_" + arch.removeprefix("sm")):
-        t0 = time.perf_counter()
-        compiled = cute.compile(kernel, *args, options=options)
-        seconds = time.perf_counter() - t0
+    kernel, compiled, seconds = compile_plan(
+        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}")
     storage = getattr(kernel, "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(
         arch=arch, plan=plan, kernel=kernel, compiled=compiled, seconds=seconds,
-        keep_dir=keep, ptx_path=_newest(keep, ".ptx", start_wall),
-        cubin_path=_newest(keep, ".cubin", start_wall), smem_bytes=smem)
+        keep_dir=keep, ptx_path=newest_artifact(keep, ".ptx", start_wall),
+        cubin_path=newest_artifact(keep, ".cubin", start_wall), smem_bytes=smem)
 
+
+def compile_report(plan) -> tuple[float | None, str]:
+    """Compile `plan`'s kernel for its arch on any machine. Returns (seconds, a one-line report);
+    a failure is reported, not raised, so a widget can show it beside the plan."""
+    try:
+        cf = compile_forward(plan, plan.arch + "a")
+    except Exception as err:
+        text = " ".join(str(err).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        return None, f"compile for {getattr(plan, 'arch', '?')}a failed: " \
+                     f"{type(err).__name__}: {text}"
+    return cf.seconds, (f"compiled for {plan.arch}a in {cf.seconds:.1f} s; the kernel's "
+                        f"dynamic SMEM {cf.smem_bytes} B")

@@ -812,27 +812,7 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
     heads_q == heads_kv.
     """
-    import torch
+    from fa4lab.kernels.launch import attention_on
 
-    from fa4lab.errors import UnsupportedArchError
-    from fa4lab.kernels import runtime
-
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
-    where = "no CUDA GPU is visible"
-    if getattr(q, "is_cuda", False):
-        cc = torch.cuda.get_device_capability(q.device)
-        if cc[0] == 10:
-            runtime.check_cuda_inputs(q, k, v, head_dims=(64, 128))
-            return runtime.run_forward("sm100", FlashForwardSm100, q, k, v, causal=causal,
-                                       softmax_scale=softmax_scale, return_lse=return_lse,
-                                       pack_gqa=pack_gqa)
-        where = f"{q.device} is {torch.cuda.get_device_name(q.device)} (compute capability " \
-                f"{cc[0]}.{cc[1]})"
-    elif torch.cuda.is_available():
-        where = f"q is on {getattr(q, 'device', type(q).__name__)}, not on a CUDA GPU"
-    raise UnsupportedArchError(
-        f"attention_sm100 runs only on a compute-capability-10 GPU (B200/GB200); {where}. "
-        f"Use fa4lab.kernels.fwd_sm90.attention_sm90 on Hopper (H100/H200), fa4lab.attention "
-        f"(which picks the kernel for the GPU it finds), or fa4lab.reference.attention_reference "
-        f"(float64, any device)")
+    return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
+                        return_lse=return_lse, pack_gqa=pack_gqa)

@@ -689,22 +689,10 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
     kernel]); it needs qhead_per_kvhead to divide 64 (else PlanError) and changes nothing when
     heads_q == heads_kv.
     """
-    import torch
+    from fa4lab.kernels.launch import attention_on
 
-    from fa4lab.errors import UnsupportedArchError
-    from fa4lab.kernels import runtime
-
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
-    runtime.check_cuda_inputs(q, k, v)
-    cc = torch.cuda.get_device_capability(q.device)
-    if cc != (9, 0):
-        raise UnsupportedArchError(
-            f"attention_sm90 needs a Hopper GPU (compute capability 9.0), {q.device} has {cc}; "
-            f"use fa4lab.attention, which picks the kernel for the GPU")
-    return runtime.run_forward("sm90", FlashForwardSm90, q, k, v, causal=causal,
-                               softmax_scale=softmax_scale, return_lse=return_lse,
-                               pack_gqa=pack_gqa)
+    return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
+                        return_lse=return_lse, pack_gqa=pack_gqa)
 
 
 def _role_registers(plan) -> tuple[int, int]:

@@ -1,0 +1,165 @@
+"""The one launch path: torch tensors in, the compiled kernel of their configuration launched.
+
+`forward` is what `fa4lab.attention` runs on a GPU with a kernel. Per call it builds a small
+key from the tensors and the flags, finds the compiled function in a dict, allocates out (and
+lse) and calls the function with the torch tensors themselves (Note [TVM-FFI launch] in
+`fa4lab.kernels.compile`: no DLPack conversion or stream query in Python). The inputs were
+checked once, by `fa4lab.spec.check_inputs`, before this is reached.
+
+On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
+compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
+kernel, depends on what the key holds -- arch, head dims, dtype, causal, scale, GQA ratio, LSE,
+pack-GQA -- and never on batch, sequence lengths or head counts, which are runtime values.
+
+`compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
+notebook 07's widget asks) and returns a runner for the bench.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from functools import cache
+
+from fa4lab.limits import arch_of_capability
+from fa4lab.spec import AttentionSpec, normalize_dtype
+
+_lock = threading.Lock()
+_kernels: dict[tuple, object] = {}
+_stats: Counter = Counter()    # "compiled" / "loaded": misses of the in-process dict
+
+
+def stats() -> dict[str, int]:
+    """Kernels this process compiled or loaded from disk (each a miss of the in-process dict)."""
+    return {"compiled": _stats["compiled"], "loaded": _stats["loaded"],
+            "misses": _stats["compiled"] + _stats["loaded"]}
+
+
+def clear() -> None:
+    """Forget the kernels this process holds (the disk cache stays)."""
+    with _lock:
+        _kernels.clear()
+        _stats.clear()
+
+
+@cache
+def device_arch(index: int) -> str | None:
+    """The kernel arch ("sm90"/"sm100") of CUDA device `index`, or None: asked once per device."""
+    import torch
+
+    return arch_of_capability(torch.cuda.get_device_capability(index))
+
+
+def key_of(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
+           pack_gqa: bool) -> tuple:
+    g = q.shape[2] // k.shape[2]
+    return (arch, q.shape[3], v.shape[3], q.dtype, causal, softmax_scale, g, return_lse,
+            pack_gqa and g > 1)
+
+
+def spec_of_key(key: tuple) -> AttentionSpec:
+    """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores."""
+    _, d, dv, dtype, causal, scale, g, lse, _ = key
+    return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
+                         softmax_scale=scale, return_lse=lse)
+
+
+def _build(key: tuple):
+    from fa4lab.kernels import cache
+    from fa4lab.kernels.compile import compile_plan, config_name
+    from fa4lab.plan import plan_forward
+
+    arch, packed = key[0], key[-1]
+    spec = spec_of_key(key)
+    plan = plan_forward(spec, arch=arch, pack_gqa=True) if packed else plan_forward(spec,
+                                                                                     arch=arch)
+    describe = config_name(spec, arch + "a") + ("-packgqa" if packed else "")
+    fn, how, _ = cache.load_or_compile(plan, lambda: compile_plan(plan)[1], describe)
+    _stats[how] += 1
+    return fn
+
+
+def kernel_for(key: tuple):
+    fn = _kernels.get(key)
+    if fn is None:
+        with _lock:
+            fn = _kernels.get(key)
+            if fn is None:
+                fn = _kernels[key] = _build(key)
+    return fn
+
+
+def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
+            pack_gqa: bool):
+    """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors."""
+    import torch
+
+    fn = kernel_for(key_of(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa))
+    b, sq, hq, _ = q.shape
+    out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    fn(q, k, v, out, lse)
+    return out, lse
+
+
+def compile_plan(plan, example):
+    """Compile exactly `plan`'s kernel (its own tiles) for this GPU and return (runner, compile
+    seconds); runner(q, k, v, causal, softmax_scale) -> out refuses another causal flag or scale
+    than the plan's. `example` (q, k, v) is checked as any call's inputs are."""
+    import math
+
+    import torch
+
+    from fa4lab.kernels import cache
+    from fa4lab.kernels.compile import compile_plan as compile_kernel
+    from fa4lab.kernels.compile import config_name
+    from fa4lab.spec import check_inputs
+
+    spec = plan.spec
+    check_inputs(*example, arch=plan.arch)
+    fn, _, seconds = cache.load_or_compile(plan, lambda: compile_kernel(plan)[1],
+                                           config_name(spec, plan.arch + "a") + " (custom)")
+
+    def run(q, k, v, causal, softmax_scale):
+        if bool(causal) != spec.causal or not math.isclose(softmax_scale, spec.scale):
+            raise ValueError(f"this kernel was compiled for causal={spec.causal}, scale "
+                             f"{spec.scale:.4g}; got causal={causal}, scale {softmax_scale:.4g}")
+        b, sq, hq, _ = q.shape
+        out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
+        lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+               if spec.return_lse else None)
+        fn(q, k, v, out, lse)
+        return out
+
+    return run, seconds
+
+
+GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",
+             "sm100": "a compute-capability-10 GPU (B200/GB200)"}
+OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
+                "sm100": "fa4lab.kernels.fwd_sm90.attention_sm90 on Hopper (H100/H200)"}
+
+
+def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                 pack_gqa=False):
+    """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse)."""
+    import torch
+
+    from fa4lab.errors import UnsupportedArchError
+    from fa4lab.spec import check_inputs
+
+    if not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
+    on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
+    have = device_arch(q.device.index) if on_gpu else None
+    if have != arch:
+        where = (f"{q.device} has compute capability "
+                 f"{torch.cuda.get_device_capability(q.device)}" if on_gpu
+                 else f"q is on {getattr(q, 'device', type(q).__name__)}, not on a CUDA GPU")
+        raise UnsupportedArchError(
+            f"the {arch} kernel runs only on {GPU_NAMES[arch]}; {where}. Use "
+            f"{OTHER_KERNEL[arch]}, fa4lab.attention (which picks the kernel for the GPU it "
+            f"finds) or fa4lab.reference.attention_reference (float64, any device)")
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch)
+    out, lse = forward(q, k, v, arch, bool(causal), softmax_scale, bool(return_lse), pack_gqa)
+    return (out, lse) if return_lse else out
