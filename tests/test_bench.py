@@ -15,9 +15,17 @@ from hypothesis import strategies as st
 
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, BenchShape, Provider, Result
+from fa4lab.bench import cli as bench_cli
+from fa4lab.bench import providers as bench_providers
+from fa4lab.cli import main as fa4lab_main
 from fa4lab.environment import gpu
 
 needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
+
+
+def run_bench(argv: list[str]) -> int:
+    """`fa4lab bench ARGV` in this process, through the one command-line entry."""
+    return fa4lab_main(["bench", *argv])
 
 
 # ---- the sweep -------------------------------------------------------------------------------
@@ -297,7 +305,7 @@ def test_run_sweep_continues_after_failures():
 def test_missing_peer_is_reported_not_dropped(monkeypatch):
     # Make upstream FA4 unimportable whatever this machine has installed.
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench, "_version", lambda dist: None)
+    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
     provs = bench.resolve_providers(["fa4"])
     assert [p.name for p in provs] == ["fa4lab", "fa4"]
     assert provs[1].missing and "pip install flash-attn-4" in provs[1].why_missing
@@ -310,7 +318,7 @@ def test_missing_peer_is_reported_not_dropped(monkeypatch):
 def test_unknown_peer_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown provider"):
         bench.resolve_providers(["xformers"])
-    assert bench.main(["--peers", "sdpa-flash,xformers"]) == 2
+    assert run_bench(["--peers", "sdpa-flash,xformers"]) == 2
 
 
 # ---- the command on a CPU ----------------------------------------------------------------------
@@ -324,7 +332,7 @@ def _parse(argv):
 
 @needs_no_gpu
 def test_bench_on_cpu_exits_0_and_says_no_gpu(capsys):
-    assert bench.main(["--quick"]) == 0
+    assert run_bench(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "no CUDA GPU visible" in out
     assert "hd128 full s4096 (b4 h16)" in out and "hd128 causal s8192 (b2 h16)" in out
@@ -343,16 +351,16 @@ def test_bench_through_the_console_script():
 
 
 def test_bad_arguments_exit_2_with_a_message(capsys):
-    assert bench.main(["--head-dim", "96"]) == 2
+    assert run_bench(["--head-dim", "96"]) == 2
     err = capsys.readouterr().err
     assert "--head-dim 96" in err and "(64, 128, 256)" in err
-    assert bench.main(["--seqlen", "5000"]) == 2
+    assert run_bench(["--seqlen", "5000"]) == 2
     assert "does not divide --total-tokens" in capsys.readouterr().err
 
 
 @needs_no_gpu
 def test_cpu_path_with_no_records(tmp_path, capsys):
-    assert bench.main(["--quick", "--records", str(tmp_path)]) == 0
+    assert run_bench(["--quick", "--records", str(tmp_path)]) == 0
     assert "no recorded H200 results" in capsys.readouterr().out
 
 
@@ -388,12 +396,15 @@ def test_simulated_tflops_and_the_plan_figure():
     assert sum("recorded" in x for x in labels) == len(recorded)
 
 
-def test_compile_anywhere_reports_time_or_the_failure():
+@pytest.mark.compile
+def test_compile_report_gives_time_or_the_failure():
+    # notebook 07's CPU tier compiles a widget's tiles through this report
     pytest.importorskip("cutlass")
+    from fa4lab.kernels.compile import compile_report
     from fa4lab.plan import plan_forward
 
     plan = plan_forward(bench.shape_for(128, 1024, True).spec, "sm90", n_block=64)
-    seconds, text = bench.compile_anywhere(plan)
+    seconds, text = compile_report(plan)
     assert seconds and seconds > 0, text
     assert "compiled for sm90a" in text
 
@@ -401,7 +412,7 @@ def test_compile_anywhere_reports_time_or_the_failure():
         arch = "sm90"
         spec = None
 
-    seconds, text = bench.compile_anywhere(NotAPlan())
+    seconds, text = compile_report(NotAPlan())
     assert seconds is None and "failed" in text
 
 
@@ -414,17 +425,17 @@ def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_pa
 
     fake = environment.GpuInfo("Fake H200", (9, 0))
     monkeypatch.setattr(environment, "gpu", lambda: fake)
-    monkeypatch.setattr(bench, "gemm_tflops", lambda **kw: 700.0)
+    monkeypatch.setattr(bench_cli, "gemm_tflops", lambda **kw: 700.0)
     real_run_sweep = bench.run_sweep
-    monkeypatch.setattr(bench, "run_sweep",
+    monkeypatch.setattr(bench_cli, "run_sweep",
                         lambda shapes, providers, **kw: real_run_sweep(
                             shapes, providers, **{**kw, "device": "cpu", "progress": False}))
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        rc = bench.main(["--head-dim", "64", "--seqlen", "64", "--causal", "both",
-                         "--total-tokens", "128", "--hidden", "128", "--rep-ms", "1",
-                         "--json", str(out_json), "--plot", str(out_png)])
+        rc = run_bench(["--head-dim", "64", "--seqlen", "64", "--causal", "both",
+                        "--total-tokens", "128", "--hidden", "128", "--rep-ms", "1",
+                        "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "fa4lab bench on Fake H200" in text and "record saved" in text
@@ -443,21 +454,23 @@ def test_gpu_branch_of_the_command_end_to_end_on_cpu_tensors(monkeypatch, tmp_pa
     assert all(r.status == ERROR and "SlowReferenceWarning" in r.note for r in ours)
     assert all(r.status == OK for r in res if r.provider == "sdpa-flash")   # torch's CPU flash
     assert out_png.stat().st_size > 0
-    assert bench.main(["--head-dim", "64", "--seqlen", "64", "--total-tokens", "128",
-                       "--hidden", "128", "--rep-ms", "1", "--no-save", "--no-gemm",
-                       "--arch", "sm100"]) == 0
+    assert run_bench(["--head-dim", "64", "--seqlen", "64", "--total-tokens", "128",
+                      "--hidden", "128", "--rep-ms", "1", "--no-save", "--no-gemm",
+                      "--arch", "sm100"]) == 0
     assert "not --arch sm100" in capsys.readouterr().err
 
 
-def test_runs_without_tqdm_and_names_the_commit_outside_git(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+def test_progress_bar_and_the_commit_outside_git(monkeypatch, tmp_path, capsys):
     shapes = bench.sweep([64], [32], [True], total_tokens=64, hidden=128)
     results = bench.run_sweep(shapes, _cpu_providers()[:1], device="cpu", rep_ms=1)
     assert [r.status for r in results] == [OK]
-    assert "bench 1/1 hd64 causal s32" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "bench" in err and "1/1" in err and "hd64 causal s32" in err
+    bench.run_sweep(shapes, _cpu_providers()[:1], device="cpu", rep_ms=1, progress=False)
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("FA4LAB_COMMIT", "abc1234")
     assert bench.git_commit(tmp_path) == "abc1234"      # tmp_path is no git checkout
-    repo = bench.Path(bench.__file__).resolve().parents[1]
+    repo = bench.BENCHMARKS_DIR.parent
     assert bench.git_commit(repo) == "abc1234"          # it also wins over a git checkout
     monkeypatch.delenv("FA4LAB_COMMIT")
     assert bench.git_commit(tmp_path) is None

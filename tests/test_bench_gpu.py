@@ -9,15 +9,16 @@ import pytest
 
 from fa4lab import bench
 from fa4lab.bench import OK
+from fa4lab.cli import main as fa4lab_main
 
 
 @pytest.mark.gpu
 def test_tiny_bench_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "tiny.json", tmp_path / "tiny.png"
-    rc = bench.main(["--head-dim", "128", "--seqlen", "1024", "--causal", "true",
-                     "--total-tokens", "2048", "--peers", "sdpa-flash,sdpa-cudnn",
-                     "--rep-ms", "20", "--warmup-ms", "5", "--json", str(out_json),
-                     "--plot", str(out_png)])
+    rc = fa4lab_main(["bench", "--head-dim", "128", "--seqlen", "1024", "--causal", "true",
+                      "--total-tokens", "2048", "--peers", "sdpa-flash,sdpa-cudnn",
+                      "--rep-ms", "20", "--warmup-ms", "5", "--json", str(out_json),
+                      "--plot", str(out_png)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "| 128 | yes | 1024 |" in text

@@ -3,13 +3,15 @@
     fa4lab cache info       # where, how many kernels, how big, which are stale
     fa4lab cache clear
 
-A kernel is stored under `<root>/<fingerprint>/<plan key>.so` (`root`: FA4LAB_CACHE_DIR, else
+A kernel is stored under `<root>/<fingerprint>/<key>.so` (`root`: FA4LAB_CACHE_DIR, else
 $XDG_CACHE_HOME/fa4lab/kernels, else ~/.cache/fa4lab/kernels). The fingerprint hashes what
-every kernel depends on besides its plan: fa4lab's version and the sources of the modules that
-build kernels, the CuTe DSL and TVM-FFI versions, the Python version and the machine; the plan
-key hashes what one kernel bakes in (`plan_key`: the plan, without the problem sizes it does not
-depend on). Any change to either gives a new file name, so a stale kernel is never loaded;
-`fa4lab cache info` lists the folders of old fingerprints and `clear` removes them.
+every kernel depends on besides its configuration: fa4lab's version and the sources of the
+modules that plan and build kernels, the CuTe DSL and TVM-FFI versions, the Python version and
+the machine. The key hashes what one kernel bakes in: for `fa4lab.attention`, the launch key
+(arch, head dims, dtype, causal, scale, GQA ratio, LSE, pack-GQA), from which the sources
+derive the plan; for any other plan, the plan itself (`plan_key`). Any change to either gives
+a new file name, so a stale kernel is never loaded; `fa4lab cache info` lists the folders of
+old fingerprints and `clear` removes them.
 
 Concurrent processes are safe: a process that misses takes an exclusive `flock` on the entry's
 lock file, looks again (another process may have just written it), compiles, and publishes
@@ -84,9 +86,13 @@ def fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 def plan_key(plan) -> str:
-    """The hash of what `plan`'s kernel bakes in: the plan without the problem sizes (batch,
-    sequence lengths, head counts are runtime values), with the scale as scale_log2."""
+    """The key of `plan`'s kernel: the plan without the problem sizes (batch, sequence
+    lengths and head counts are runtime values), with the scale as scale_log2."""
     d = plan.to_dict()
     spec = d["spec"]
     for size in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "softmax_scale"):
@@ -94,8 +100,7 @@ def plan_key(plan) -> str:
     spec["qhead_per_kvhead"] = plan.spec.qhead_per_kvhead
     spec["scale_log2"] = repr(plan.spec.scale_log2)
     d.pop("derived", None)
-    text = json.dumps(d, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return "plan-" + digest(json.dumps(d, sort_keys=True, default=str))
 
 
 class _FileLock:
@@ -168,13 +173,13 @@ def _try_load(paths: list[Path]):
     return None
 
 
-def load_or_compile(plan, compile_fn, describe: str = ""):
-    """The kernel of `plan`: loaded from disk, or `compile_fn()` -> compiled function, exported
-    and published. Returns (callable, "loaded" | "compiled", seconds spent)."""
+def load_or_compile(key: str, compile_fn, describe: str = ""):
+    """The kernel stored under `key` (a file name: `plan_key`, or the launch path's key of a
+    default plan): loaded from disk, or `compile_fn()` -> compiled function, exported and
+    published. Returns (callable, "loaded" | "compiled", seconds spent)."""
     t0 = time.perf_counter()
     if not enabled():
         return compile_fn(), "compiled", time.perf_counter() - t0
-    key = plan_key(plan)
     folder, paths = _entry(key)
     fn = _try_load(paths)
     if fn is not None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fa4lab.bench import OK, OURS, PROVIDER_LABELS, Result, providers_in, results_of
+from fa4lab.bench.records import OK, Result, results_of
+from fa4lab.bench.sweep import OURS, PROVIDER_LABELS
+from fa4lab.bench.table import providers_in
 from fa4lab.viz._live import subplots
 
 STYLE = {

@@ -1,0 +1,132 @@
+"""`fa4lab bench`: forward-attention throughput of fa4lab beside its peers, in one process.
+
+What it measures: the standard sweep (total tokens 16384, hidden 2048, so
+heads = hidden / head_dim and batch = total_tokens / seqlen; bf16; head_dim 64/128/256;
+seqlen 1k..16k; causal and not), for each provider:
+
+    fa4lab       `fa4lab.attention` (the sm90 kernel on Hopper, the sm100 kernel on B200)
+    sdpa-flash   torch SDPA restricted to SDPBackend.FLASH_ATTENTION
+    sdpa-cudnn   torch SDPA restricted to SDPBackend.CUDNN_ATTENTION
+    fa4          upstream FlashAttention-4 (`flash_attn.cute.interface.flash_attn_func`,
+                 pip package flash-attn-4), when installed
+
+plus the device's dense bf16 GEMM rate (8192^3 torch.matmul) as the ceiling.
+TFLOP/s = AttentionSpec.flops() / time = 4*B*H*Sq*Sk*D, halved for causal.
+`--host-overhead` measures instead the host time of one tiny call per provider.
+
+Constraints: timing needs a CUDA GPU (and triton for `triton.testing.do_bench`; without it a
+CUDA-event timer with the same cold-L2 rule is used and the record says so). On a CPU the
+command prints what it would run and the latest recorded results from `benchmarks/`, and
+exits 0. Every provider's output is checked against the float64 reference before it is timed;
+a provider that fails the check is reported as "failed" and not timed; one that raises is
+reported as "error" with its message; one that is not installed is reported as "missing".
+The sweep always continues.
+
+How to run:
+
+    fa4lab bench                       # the standard sweep, record saved in benchmarks/
+    fa4lab bench --quick               # hd128, seqlen 4096 and 8192 only
+    fa4lab bench --head-dim 128 --seqlen 4096 --causal true --plot out.png
+    fa4lab bench --host-overhead       # host time per call, fa4lab / FA4 / SDPA
+
+The modules, one concept each:
+
+    sweep           the shapes of a run and the providers' names
+    providers       a runner per provider (fa4lab, SDPA, upstream FA4)
+    check           the check against the float64 reference before timing
+    timing          median time with a cold L2, the spin-up, the GEMM ceiling
+    measure         check-then-time over shapes and providers; one plan's tiles
+    host_overhead   host time per call on a tiny shape
+    records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
+    table           TFLOP/s tables and fa4lab/peer ratios
+    cli             `fa4lab bench ...`
+"""
+
+from __future__ import annotations
+
+from fa4lab.bench.check import ATOL, CHECK_HEADS, CheckSlice, check_output, reference_slice
+from fa4lab.bench.cli import add_cli, describe_run, main_args, plan_of_run, recorded_summary
+from fa4lab.bench.host_overhead import (
+    HOST_SHAPE,
+    format_host_table,
+    host_calls,
+    make_host_record,
+    measure_host_overhead,
+)
+from fa4lab.bench.measure import (
+    PlanMeasurement,
+    make_inputs,
+    measure_plan,
+    measure_shape,
+    run_sweep,
+    simulated_tflops,
+)
+from fa4lab.bench.providers import (
+    Provider,
+    Runner,
+    resolve_providers,
+    sdpa_runner,
+    short_error,
+    to_bhsd,
+)
+from fa4lab.bench.records import (
+    BENCHMARKS_DIR,
+    ERROR,
+    FAILED,
+    HOST_OVERHEAD,
+    MISSING,
+    OK,
+    RECORD_KINDS,
+    SCHEMA,
+    STATUSES,
+    HostResult,
+    Result,
+    default_record_path,
+    git_commit,
+    host_results_of,
+    latest_record,
+    load_record,
+    load_records,
+    make_record,
+    recorded_tflops,
+    results_of,
+    save_record,
+    validate_record,
+    versions,
+)
+from fa4lab.bench.sweep import (
+    HEAD_DIMS,
+    HIDDEN,
+    OURS,
+    PEERS,
+    PROVIDER_LABELS,
+    PROVIDERS,
+    QUICK_HEAD_DIMS,
+    QUICK_SEQLENS,
+    SEQLENS,
+    SUPPORTED_HEAD_DIMS,
+    TOTAL_TOKENS,
+    BenchShape,
+    parse_causal,
+    shape_for,
+    sweep,
+)
+from fa4lab.bench.table import TableRow, format_table, geomean_ratios, providers_in, ratio_table
+from fa4lab.bench.timing import GEMM_SIZE, REP_MS, WARMUP_MS, gemm_tflops, time_ms, timer_name
+
+__all__ = [
+    "ATOL", "BENCHMARKS_DIR", "CHECK_HEADS", "ERROR", "FAILED", "GEMM_SIZE", "HEAD_DIMS",
+    "HIDDEN", "HOST_OVERHEAD", "HOST_SHAPE", "MISSING", "OK", "OURS", "PEERS",
+    "PROVIDERS", "PROVIDER_LABELS", "QUICK_HEAD_DIMS", "QUICK_SEQLENS", "RECORD_KINDS",
+    "REP_MS", "SCHEMA", "SEQLENS", "STATUSES", "SUPPORTED_HEAD_DIMS", "TOTAL_TOKENS",
+    "WARMUP_MS", "BenchShape", "CheckSlice", "HostResult", "PlanMeasurement", "Provider",
+    "Result", "Runner", "TableRow", "add_cli", "check_output", "default_record_path",
+    "describe_run", "format_host_table", "format_table", "gemm_tflops", "geomean_ratios",
+    "git_commit", "host_calls", "host_results_of", "latest_record", "load_record",
+    "load_records", "main_args", "make_host_record", "make_inputs", "make_record",
+    "measure_host_overhead", "measure_plan", "measure_shape", "parse_causal", "plan_of_run",
+    "providers_in", "ratio_table", "recorded_summary", "recorded_tflops", "reference_slice",
+    "resolve_providers", "results_of", "run_sweep", "save_record", "sdpa_runner", "shape_for",
+    "short_error", "simulated_tflops", "sweep", "time_ms", "timer_name", "to_bhsd",
+    "validate_record", "versions",
+]

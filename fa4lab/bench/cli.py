@@ -1,0 +1,324 @@
+"""`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
+
+On a GPU it checks, times and records; on a CPU it says so, prints what it would run and the
+latest recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that
+raised or failed its check exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from fa4lab.bench.check import ATOL, CHECK_HEADS
+from fa4lab.bench.host_overhead import (
+    CALLS,
+    HOST_LABELS,
+    HOST_PROVIDERS,
+    HOST_SHAPE,
+    REPEATS,
+    WARMUP_CALLS,
+    first_calls_in_new_processes,
+    format_first_calls,
+    format_host_table,
+    host_calls,
+    host_config,
+    make_host_record,
+    measure_host_overhead,
+)
+from fa4lab.bench.measure import run_sweep
+from fa4lab.bench.providers import Provider, resolve_providers, short_error
+from fa4lab.bench.records import (
+    ERROR,
+    FAILED,
+    HOST_OVERHEAD,
+    OK,
+    default_record_path,
+    host_results_of,
+    latest_record,
+    load_records,
+    make_record,
+    results_of,
+    save_record,
+)
+from fa4lab.bench.sweep import (
+    HEAD_DIMS,
+    HIDDEN,
+    OURS,
+    PEERS,
+    PROVIDER_LABELS,
+    QUICK_HEAD_DIMS,
+    QUICK_SEQLENS,
+    SEQLENS,
+    TOTAL_TOKENS,
+    BenchShape,
+    parse_causal,
+    sweep,
+)
+from fa4lab.bench.table import format_table, providers_in
+from fa4lab.bench.timing import GEMM_SIZE, REP_MS, SPIN_UP_S, WARMUP_MS, gemm_tflops, timer_name
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="throughput of fa4lab beside PyTorch SDPA and upstream FA4 (GPU)",
+        description="Check every provider against the float64 reference, then time it with "
+                    "triton.testing.do_bench; print a table with fa4lab/peer ratios, save a "
+                    "JSON record and optionally a plot. --host-overhead times the host work "
+                    "of one tiny call instead. On a CPU: say so, print the plan of the run and "
+                    "the latest recorded results, exit 0.")
+    p.add_argument("--arch", default="auto", choices=("auto", "sm90", "sm100"),
+                   help="the fa4lab kernel to run; auto = the GPU's (default)")
+    p.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS), metavar="D")
+    p.add_argument("--seqlen", type=int, nargs="+", default=list(SEQLENS), metavar="S")
+    p.add_argument("--causal", default="both", help="both (default), true or false")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated, from {','.join(PEERS)} (default: all)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS,
+                   help="batch * seqlen for every point (default 16384)")
+    p.add_argument("--hidden", type=int, default=HIDDEN,
+                   help="heads * head_dim for every point (default 2048)")
+    p.add_argument("--quick", action="store_true",
+                   help="hd128, seqlen 4096 and 8192 only (overrides --head-dim/--seqlen)")
+    p.add_argument("--json", default=None, metavar="OUT.json",
+                   help="where to save the record (default: benchmarks/<date>_<gpu>_<commit>.json)")
+    p.add_argument("--no-save", action="store_true", help="do not write a JSON record")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="save the throughput plot")
+    p.add_argument("--label", default=None, help="a label stored in the record")
+    p.add_argument("--warmup-ms", type=float, default=WARMUP_MS)
+    p.add_argument("--rep-ms", type=float, default=REP_MS)
+    p.add_argument("--no-gemm", action="store_true", help="skip the GEMM ceiling")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when an installed provider errors or fails its check")
+    p.add_argument("--records", default=None, metavar="DIR",
+                   help="where recorded results are read from on a CPU (default: benchmarks/)")
+    host = p.add_argument_group(
+        "host overhead", "host time per call on a (1, 128, 1, 128) bf16 problem, for fa4lab, "
+                         "upstream FA4 and torch SDPA; the sweep's shape options do not apply")
+    host.add_argument("--host-overhead", action="store_true",
+                      help="measure the host time per call instead of the throughput sweep")
+    host.add_argument("--calls", type=int, default=CALLS,
+                      help=f"back-to-back calls per repeat (default {CALLS})")
+    host.add_argument("--repeats", type=int, default=REPEATS,
+                      help=f"repeats per provider, the median is reported too (default "
+                           f"{REPEATS})")
+    p.set_defaults(func=main_args)
+
+
+def command_line(args) -> str:
+    """`fa4lab bench` with every option of `args` that differs from its default: the command
+    that reproduces this run, stored in its record."""
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    defaults = vars(parser.parse_args(["bench"]))
+    parts = ["fa4lab", "bench"]
+    for dest, default in defaults.items():
+        value = getattr(args, dest, default)
+        if dest in ("command", "func") or value == default:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, (list, tuple)):
+            parts += [flag] + [str(x) for x in value]
+        else:
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def _peers_from(arg: str) -> list[str]:
+    names = [x.strip() for x in str(arg).split(",") if x.strip()]
+    unknown = [n for n in names if n not in PEERS and n != OURS]
+    if unknown:
+        raise ValueError(f"--peers: unknown {unknown}; choose from {','.join(PEERS)}")
+    return names
+
+
+def plan_of_run(args) -> tuple[list[BenchShape], list[str]]:
+    """The shapes and provider names a command line asks for (errors are ValueError)."""
+    head_dims, seqlens = args.head_dim, args.seqlen
+    if args.quick:
+        head_dims, seqlens = list(QUICK_HEAD_DIMS), list(QUICK_SEQLENS)
+    shapes = sweep(head_dims, seqlens, parse_causal(args.causal),
+                   total_tokens=args.total_tokens, hidden=args.hidden, dtype=args.dtype)
+    return shapes, [OURS] + [p for p in _peers_from(args.peers) if p != OURS]
+
+
+def describe_run(shapes: Sequence[BenchShape], providers: Sequence[Provider]) -> str:
+    lines = [f"{len(shapes)} shapes x {len(providers)} providers "
+             f"({shapes[0].dtype}; batch * seqlen = {shapes[0].batch * shapes[0].seqlen}, "
+             f"heads * head_dim = {shapes[0].heads * shapes[0].head_dim}):"]
+    lines += [f"  {s.label()}  {s.flops / 1e12:.2f} TFLOP" for s in shapes]
+    lines.append("providers:")
+    for p in providers:
+        state = f"missing ({p.why_missing})" if p.missing else "available"
+        lines.append(f"  {p.name:<11} {PROVIDER_LABELS.get(p.name, p.name)}: {state}")
+    lines.append(f"plus the dense bf16 GEMM ceiling ({GEMM_SIZE}^3 torch.matmul); "
+                 f"timer: {timer_name()}")
+    return "\n".join(lines)
+
+
+def recorded_summary(directory=None, *, gpu: str = "H200") -> str:
+    """The latest recorded results for `gpu` as text (what the CPU path prints)."""
+    try:
+        records = load_records(directory)
+    except ValueError as err:
+        return f"could not read the recorded results: {err}"
+    rec = latest_record(records, gpu=gpu)
+    if rec is None:
+        return f"no recorded {gpu} results in {directory or 'benchmarks/'}"
+    text = [f"latest recorded {gpu} results: {Path(rec['path']).name}",
+            f"  {rec['label']} ({rec['kind']}, {rec['date']}, {rec['gpu']})"]
+    if rec.get("notes"):
+        text.append("  " + rec["notes"])
+    if not any(r.provider == OURS and r.status == OK for r in results_of(rec)):
+        text.append("  (no fa4lab numbers in this record)")
+    text += ["", format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops"))]
+    return "\n".join(text)
+
+
+def main_args(args) -> int:
+    if args.host_overhead:
+        return host_overhead_args(args)
+    try:
+        shapes, names = plan_of_run(args)
+    except (ValueError, TypeError) as err:
+        print(f"fa4lab bench: {err}", file=sys.stderr)
+        return 2
+    from fa4lab.environment import gpu
+
+    g = gpu()
+    if g is None:
+        providers = resolve_providers(names[1:], include_ours=True, arch=None)
+        print("fa4lab bench: no CUDA GPU visible, so nothing is measured here.")
+        print("On a GPU this command would run:")
+        print(describe_run(shapes, providers))
+        print()
+        print(recorded_summary(args.records))
+        return 0
+
+    arch = g.arch if args.arch == "auto" else args.arch
+    if g.arch is None or arch != g.arch:
+        print(f"fa4lab bench: the GPU is {g.name} (compute capability "
+              f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
+              f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
+              f"the peers are still measured.", file=sys.stderr)
+    providers = resolve_providers(names[1:], include_ours=True, arch=arch)
+    if g.arch is None or arch != g.arch:
+        providers[0] = Provider(OURS, None, f"no fa4lab kernel for {g.name} with --arch {arch}")
+    print(f"fa4lab bench on {g.name}")
+    print(describe_run(shapes, providers))
+    started = time.perf_counter()
+    gemm = None
+    if not args.no_gemm:
+        try:
+            gemm = gemm_tflops(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        except Exception as err:
+            print(f"GEMM ceiling not measured: {type(err).__name__}: {short_error(err)}",
+                  file=sys.stderr)
+    results = run_sweep(shapes, providers, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    wall_s = time.perf_counter() - started
+    print()
+    firsts = {p: sum(r.first_call_s or 0 for r in results if r.provider == p)
+              for p in providers_in(results)}
+    print(f"measured in {wall_s:.0f} s; first calls (compiles included): "
+          + ", ".join(f"{p} {t:.0f} s" for p, t in firsts.items()))
+    print(format_table(results, gemm_tflops=gemm))
+    config = {"total_tokens": args.total_tokens, "hidden": args.hidden, "dtype": args.dtype,
+              "timer": timer_name(), "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+              "spin_up_s": SPIN_UP_S,
+              "check": f"batch 0, heads 0..{CHECK_HEADS - 1}, float64 reference, tol = 2 x "
+                       f"same-dtype PyTorch error + {ATOL[args.dtype]:.1e}",
+              "providers": {p.name: PROVIDER_LABELS.get(p.name, p.name) for p in providers},
+              "wall_s": round(wall_s, 1)}
+    record = make_record(results, gemm=gemm, gpu_name=g.name, arch=arch,
+                         command=command_line(args), config=config, label=args.label)
+    _save(record, args)
+    if args.plot:
+        try:
+            from fa4lab.viz.bench import plot_throughput
+
+            fig = plot_throughput(record)
+            fig.savefig(args.plot, dpi=110, bbox_inches="tight")
+            print(f"plot saved: {args.plot}")
+        except Exception as err:   # the record is saved; a plot can be drawn from it later
+            print(f"plot not saved: {type(err).__name__}: {short_error(err)}", file=sys.stderr)
+    bad = [r for r in results if r.status in (FAILED, ERROR)]
+    if bad:
+        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
+    return 1 if (args.strict and bad) else 0
+
+
+def _save(record: dict, args) -> None:
+    if not args.no_save:
+        path = Path(args.json) if args.json else default_record_path(record)
+        save_record(record, path)
+        print(f"record saved: {path}")
+
+
+# ---- --host-overhead ---------------------------------------------------------------------------
+def describe_host_run(calls: int, repeats: int) -> str:
+    s = HOST_SHAPE
+    lines = [f"host time per call on q, k, v of (batch, seqlen, heads, head_dim) = "
+             f"({s.batch}, {s.seqlen}, {s.heads}, {s.head_dim}) {s.dtype}: {WARMUP_CALLS} "
+             f"warm-up calls, then {repeats} x {calls} back-to-back calls timed with "
+             f"time.perf_counter (no synchronize inside a repeat), for:"]
+    lines += [f"  {name:<7} {HOST_LABELS[name]}" for name in HOST_PROVIDERS]
+    return "\n".join(lines)
+
+
+def recorded_host_summary(directory=None) -> str:
+    """The latest host-overhead record as text (what the CPU path prints)."""
+    try:
+        records = load_records(directory, kinds=(HOST_OVERHEAD,))
+    except ValueError as err:
+        return f"could not read the recorded results: {err}"
+    rec = latest_record(records)
+    if rec is None:
+        return f"no recorded host-overhead results in {directory or 'benchmarks/'}"
+    return "\n".join([f"latest recorded host overhead: {Path(rec['path']).name}",
+                      f"  {rec['label']} ({rec['date']}, {rec['gpu']}, "
+                      f"{rec['config'].get('repeats')} x {rec['config'].get('calls')} calls)",
+                      "", format_host_table(host_results_of(rec))])
+
+
+def host_overhead_args(args) -> int:
+    if args.calls < 1 or args.repeats < 1:
+        print(f"fa4lab bench: --calls ({args.calls}) and --repeats ({args.repeats}) must be "
+              f">= 1", file=sys.stderr)
+        return 2
+    from fa4lab.environment import gpu
+
+    g = gpu()
+    if g is None:
+        print("fa4lab bench --host-overhead: no CUDA GPU visible, so nothing is measured here "
+              "(the host time of a call includes its GPU launch, so it needs a GPU).")
+        print("On a GPU this command would measure:")
+        print(describe_host_run(args.calls, args.repeats))
+        print()
+        print(recorded_host_summary(args.records))
+        return 0
+    print(f"fa4lab bench --host-overhead on {g.name}")
+    print(describe_host_run(args.calls, args.repeats))
+    ready, not_run = host_calls("cuda")
+    measured = measure_host_overhead(ready, "cuda", calls=args.calls, repeats=args.repeats)
+    order = {name: i for i, name in enumerate(HOST_PROVIDERS)}
+    results = sorted(measured + not_run, key=lambda r: order.get(r.provider, len(order)))
+    print()
+    print(format_host_table(results))
+    first_calls = []
+    if OURS in ready:   # only where a fa4lab kernel runs
+        print("\nthe first call of a new process (Note [first call]):")
+        first_calls = first_calls_in_new_processes()
+        print(format_first_calls(first_calls))
+    record = make_host_record(results, gpu_name=g.name, arch=g.arch, command=command_line(args),
+                              config=host_config(args.calls, args.repeats), label=args.label)
+    record["first_calls"] = first_calls
+    _save(record, args)
+    bad = [r for r in results if r.status in (FAILED, ERROR)]
+    return 1 if (args.strict and bad) else 0

@@ -1,0 +1,305 @@
+"""Bench records: one JSON file per run in `benchmarks/`, its schema, and what it says.
+
+Two families of record share the header (schema, kind, label, date, gpu, commit, versions,
+command, config): throughput records ("measured", "reference-peers") hold one `Result` per
+(provider, shape) and the GEMM ceiling; "host-overhead" records hold one `HostResult` per
+provider. The format is described in benchmarks/README.md.
+
+This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
+planner's report can read records without an import cycle.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import fa4lab
+
+# Status of one (provider, shape) cell.
+OK, FAILED, ERROR, MISSING = "ok", "failed", "error", "missing"
+STATUSES = (OK, FAILED, ERROR, MISSING)
+
+SCHEMA = "fa4lab.bench/1"
+HOST_OVERHEAD = "host-overhead"
+THROUGHPUT_KINDS = ("measured", "reference-peers")
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD,)
+
+BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+_REPO = BENCHMARKS_DIR.parent
+
+
+@dataclass
+class Result:
+    """One provider on one shape. tflops/ms are None unless status == 'ok'."""
+
+    provider: str
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    dtype: str = "bf16"
+    status: str = OK
+    tflops: float | None = None
+    ms: float | None = None
+    max_err: float | None = None     # max |out - reference| on the checked slice
+    tol: float | None = None         # the tolerance it was held to
+    first_call_s: float | None = None  # wall time of the first call (includes any compile)
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @property
+    def key(self) -> tuple[int, bool, int]:
+        return (self.head_dim, self.causal, self.seqlen)
+
+    @classmethod
+    def for_shape(cls, provider: str, shape, **kw) -> Result:
+        """The result of `provider` on a `BenchShape`."""
+        return cls(provider, shape.head_dim, shape.seqlen, shape.causal, shape.batch,
+                   shape.heads, shape.dtype, **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Result:
+        return _from_dict(cls, d, ("provider", "head_dim", "seqlen", "causal", "batch", "heads",
+                                   "status"))
+
+
+@dataclass
+class HostResult:
+    """One provider's host time per call (`fa4lab bench --host-overhead`). The times are None
+    unless status == 'ok'."""
+
+    provider: str
+    status: str = OK
+    mean_us: float | None = None      # all timed calls: issue time / (calls x repeats)
+    median_us: float | None = None    # median over the repeats of each repeat's mean
+    repeats_us: list[float] = field(default_factory=list)   # each repeat's mean
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HostResult:
+        return _from_dict(cls, d, ("provider", "status"))
+
+
+def _from_dict(cls, d: dict, required: tuple[str, ...]):
+    if not isinstance(d, dict):
+        raise ValueError(f"a result is a JSON object, got {d!r}")
+    missing = [n for n in required if n not in d]
+    if missing:
+        raise ValueError(f"result {d} lacks {missing}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+REQUIRED_RECORD_KEYS = ("schema", "kind", "label", "date", "gpu", "commit", "versions", "command",
+                        "config", "gemm_tflops", "results")
+# A host-overhead run measures no GEMM ceiling.
+HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
+
+
+def validate_record(record: dict) -> dict:
+    """Check a record's keys and values; return it. A bad record is a ValueError naming why."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
+    required = HOST_RECORD_KEYS if record.get("kind") == HOST_OVERHEAD else REQUIRED_RECORD_KEYS
+    missing = [k for k in required if k not in record]
+    if missing:
+        raise ValueError(f"bench record lacks {missing} (see benchmarks/README.md, 'Record "
+                         f"format')")
+    if record["schema"] != SCHEMA:
+        raise ValueError(f"bench record schema {record['schema']!r}; this fa4lab reads {SCHEMA!r}")
+    if record["kind"] not in RECORD_KINDS:
+        raise ValueError(f"bench record kind {record['kind']!r} is not one of {RECORD_KINDS}")
+    if record["kind"] == HOST_OVERHEAD:
+        for r in record["results"]:
+            res = HostResult.from_dict(r)
+            if res.status == OK and (res.mean_us is None or not res.mean_us > 0):
+                raise ValueError(f"result {r} has status ok but no positive mean_us")
+        return record
+    for r in record["results"]:
+        res = Result.from_dict(r)
+        if res.status == OK and (res.tflops is None or not res.tflops > 0):
+            raise ValueError(f"result {r} has status ok but no positive tflops")
+    return record
+
+
+def results_of(record: dict) -> list[Result]:
+    """The throughput results of a "measured" or "reference-peers" record."""
+    if record.get("kind") == HOST_OVERHEAD:
+        raise ValueError("a host-overhead record holds host times, not throughput: read it "
+                         "with host_results_of")
+    return [Result.from_dict(r) for r in record["results"]]
+
+
+def host_results_of(record: dict) -> list[HostResult]:
+    if record.get("kind") != HOST_OVERHEAD:
+        raise ValueError(f"a {record.get('kind')!r} record holds throughput: read it with "
+                         f"results_of")
+    return [HostResult.from_dict(r) for r in record["results"]]
+
+
+def save_record(record: dict, path: str | os.PathLike) -> Path:
+    validate_record(record)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def load_record(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path.name} is not valid JSON: {err}") from None
+    try:
+        validate_record(record)
+    except ValueError as err:
+        raise ValueError(f"{path.name}: {err}") from None
+    record.setdefault("path", str(path))
+    return record
+
+
+def load_records(directory: str | os.PathLike | None = None, *,
+                 kinds: Sequence[str] | None = THROUGHPUT_KINDS) -> list[dict]:
+    """The `*.json` records of the given kinds (default: throughput; None: all) in `directory`
+    (default: the repository's benchmarks/), oldest first (by date, time of day where recorded,
+    file name). Every file is validated: an unreadable record is an error naming the file."""
+    directory = BENCHMARKS_DIR if directory is None else Path(directory)
+    if not directory.is_dir():
+        return []
+    records = [load_record(p) for p in sorted(directory.glob("*.json"))]
+    if kinds is not None:
+        records = [r for r in records if r["kind"] in kinds]
+    return sorted(records, key=lambda r: (r["date"], r.get("time_utc") or "",
+                                          Path(r["path"]).name))
+
+
+def recorded_tflops(record: dict | None, key: tuple[int, bool, int]) -> dict[str, float]:
+    """{provider: TFLOP/s} of the record's 'ok' results at key = (head_dim, causal, seqlen)."""
+    if not record:
+        return {}
+    return {r.provider: r.tflops for r in results_of(record) if r.key == key and r.status == OK}
+
+
+def latest_record(records: Sequence[dict], *, gpu: str | None = None,
+                  provider: str | None = None) -> dict | None:
+    """The newest record whose GPU name contains `gpu` and, if given, that has at least one
+    'ok' result for `provider`."""
+    for rec in reversed(list(records)):
+        if gpu and gpu.lower() not in str(rec["gpu"]).lower():
+            continue
+        if provider and not any(r.provider == provider and r.status == OK
+                                for r in _any_results(rec)):
+            continue
+        return rec
+    return None
+
+
+def _any_results(record: dict):
+    return (host_results_of(record) if record["kind"] == HOST_OVERHEAD
+            else results_of(record))
+
+
+# ---- record metadata -------------------------------------------------------------------------
+def git_commit(repo: Path | None = None) -> str | None:
+    """`git rev-parse HEAD` of the repository fa4lab runs from ('+dirty' when it has changes).
+
+    FA4LAB_COMMIT, when set, names the commit instead: a copy shipped to a GPU host may carry
+    a stale or no git directory, and whoever copied it knows what it is. Otherwise None."""
+    repo = repo or _REPO
+    fallback = os.environ.get("FA4LAB_COMMIT") or None
+    if fallback:
+        return fallback
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return fallback
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=repo, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return fallback
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    v = {"python": platform.python_version(), "torch": package_version("torch"),
+         "triton": package_version("triton"), "cutlass-dsl": package_version("nvidia-cutlass-dsl"),
+         "flash-attn-4": package_version("flash-attn-4"), "fa4lab": fa4lab.__version__,
+         "apache-tvm-ffi": package_version("apache-tvm-ffi")}
+    try:
+        import torch
+
+        v["cuda"] = torch.version.cuda
+        v["cudnn"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() \
+            else None
+    except Exception:
+        pass
+    return v
+
+
+def record_header(kind: str, *, gpu_name: str, arch: str | None, command: str, config: dict,
+                  label: str | None = None, notes: str = "") -> dict:
+    """The keys every record has, stamped now; the caller adds "results" (and the GEMM)."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "label": label or f"fa4lab bench on {gpu_name}",
+        "date": now.strftime("%Y-%m-%d"),
+        "time_utc": now.strftime("%H:%M:%S"),
+        "gpu": gpu_name,
+        "arch": arch,
+        "commit": git_commit(),
+        "versions": versions(),
+        "command": command,
+        "config": config,
+        "notes": notes,
+    }
+
+
+def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
+                arch: str | None, command: str, config: dict, label: str | None = None,
+                kind: str = "measured", notes: str = "") -> dict:
+    """A validated throughput record of `results`."""
+    record = record_header(kind, gpu_name=gpu_name, arch=arch, command=command, config=config,
+                           label=label, notes=notes)
+    record["gemm_tflops"] = gemm
+    record["results"] = [asdict(r) for r in results]
+    return validate_record(record)
+
+
+def default_record_path(record: dict) -> Path:
+    """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
+    Throughput records carry no kind in the name; host-overhead ones end in _host-overhead."""
+    gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
+    commit = (record.get("commit") or "nocommit")[:7]
+    stamp = str(record.get("time_utc", "")).replace(":", "")
+    suffix = f"_{HOST_OVERHEAD}" if record["kind"] == HOST_OVERHEAD else ""
+    return BENCHMARKS_DIR / f"{record['date']}_{gpu}_{commit}_{stamp}{suffix}.json"

@@ -1,0 +1,96 @@
+"""`fa4lab.attention` in model code on a GPU with a kernel (marker `gpu`): torch.compile with
+fullgraph and CUDA graphs, opcheck on CUDA tensors, and the disk cache across processes."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_attention_op import LlamaBlock, _sdpa_causal  # noqa: E402
+
+import fa4lab  # noqa: E402
+from fa4lab.environment import gpu  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_kernel():
+    g = gpu()
+    if g is not None and g.arch is None:
+        pytest.skip(f"fa4lab has no kernel for {g.name} (compute capability {g.capability})")
+
+
+def _block(seed, hidden=1024, heads=8, kv_heads=2, head_dim=128):
+    torch.manual_seed(seed)
+    return LlamaBlock(hidden, heads, kv_heads, head_dim).cuda().to(torch.bfloat16).eval()
+
+
+def test_compile_fullgraph_matches_eager_and_sdpa():
+    block = _block(1)
+    x = torch.randn(2, 300, 1024, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        eager = block(x)
+        out = compiled(x)
+        block.attn = _sdpa_causal
+        sdpa = block(x)
+    # Same kernel, same inputs: the graph changes only the ops around it (inductor may fuse
+    # the projections differently, so not bit for bit).
+    torch.testing.assert_close(out, eager, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(eager, sdpa, atol=3e-2, rtol=2e-2)
+
+
+def test_cuda_graph_capture_and_replay():
+    q = torch.randn(2, 500, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 700, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fa4lab.attention(q, k, v, causal=True)            # compile (or load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa4lab.attention(q, k, v, causal=True)
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fa4lab.attention(q, k, v, causal=True))
+
+
+def test_compile_reduce_overhead_mode():
+    block = _block(2, hidden=512, heads=4, kv_heads=4, head_dim=128)
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):       # warm-up, record, replay
+            x = torch.randn(1, 256, 512, device="cuda", dtype=torch.bfloat16)
+            out = compiled(x).clone()
+            torch.testing.assert_close(out, block(x), atol=3e-2, rtol=2e-2)
+
+
+def test_opcheck_on_cuda():
+    q = torch.randn(1, 70, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 90, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    op = torch.ops.fa4lab.attention_forward.default
+    torch.library.opcheck(op, (q, k, v, True, None, True, False))
+    torch.library.opcheck(op, (q, k, v, False, 0.2, False, False))
+
+
+def test_requires_grad_raises_on_the_gpu_too():
+    from fa4lab.api import GradientNotSupportedError
+
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(GradientNotSupportedError):
+        fa4lab.attention(q, q.detach(), q.detach())
+
+
+def test_a_second_process_loads_the_kernel_from_disk():
+    from fa4lab.bench.host_overhead import first_calls_in_new_processes, format_first_calls
+
+    first, second = first_calls_in_new_processes()
+    assert first["compiled"] == 1 and first["loaded"] == 0
+    assert second["compiled"] == 0 and second["loaded"] == 1, second
+    assert not second["dsl_imported"], "loading a cached kernel should not need the CuTe DSL"
+    assert second["checksum"] == first["checksum"]     # the same kernel on the same inputs
+    print(format_first_calls([first, second]))

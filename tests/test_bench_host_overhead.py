@@ -1,0 +1,135 @@
+"""`fa4lab bench --host-overhead` on a CPU: the timing loop with fake providers (known sleeps,
+a raiser, a counted synchronize), the real providers' calls on CPU tensors, and the command
+with the GPU faked."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import pytest
+
+from fa4lab import bench
+from fa4lab.bench import ERROR, MISSING, OK, host_overhead
+from fa4lab.bench import cli as bench_cli
+from fa4lab.bench import providers as bench_providers
+from fa4lab.cli import main as fa4lab_main
+from fa4lab.environment import gpu
+
+needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
+SLEEP_US = 500.0
+
+
+def _sleeps():
+    time.sleep(SLEEP_US / 1e6)
+
+
+def _raises():
+    raise RuntimeError("launch failed")
+
+
+def test_measures_host_time_per_call_of_each_provider():
+    res = bench.measure_host_overhead({"sleeps": _sleeps, "noop": lambda: None,
+                                       "raises": _raises}, "cpu", calls=20, repeats=3, warmup=2)
+    assert [r.provider for r in res] == ["sleeps", "noop", "raises"]
+    sleeps, noop, raises = res
+    assert sleeps.status == OK and len(sleeps.repeats_us) == 3
+    # time.sleep never returns early; the upper bound leaves room for a loaded machine
+    assert SLEEP_US <= sleeps.mean_us < 10 * SLEEP_US
+    assert min(sleeps.repeats_us) <= sleeps.median_us <= max(sleeps.repeats_us)
+    assert sleeps.mean_us == pytest.approx(statistics.fmean(sleeps.repeats_us), rel=1e-3)
+    assert noop.status == OK and noop.mean_us < 100 < sleeps.mean_us
+    assert raises.status == ERROR and "launch failed" in raises.note and raises.mean_us is None
+
+
+def test_synchronizes_before_each_repeat_and_never_inside_one(monkeypatch):
+    events = []
+
+    def slow_sync():
+        events.append("sync")
+        time.sleep(0.02)
+
+    monkeypatch.setattr(host_overhead, "sync_for", lambda device: slow_sync)
+    (res,) = bench.measure_host_overhead({"p": lambda: events.append("call")}, "cuda",
+                                         calls=3, repeats=2, warmup=2)
+    assert events == ["call"] * 2 + (["sync"] + ["call"] * 3) * 2 + ["sync"]
+    # the 20 ms synchronize is outside the timed loop
+    assert res.status == OK and res.mean_us < 5000
+
+
+def test_bad_counts_are_an_error():
+    with pytest.raises(ValueError, match="calls"):
+        bench.measure_host_overhead({"noop": lambda: None}, "cpu", calls=0)
+
+
+def _no_upstream_fa4(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
+    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
+
+
+def test_real_calls_on_cpu_are_checked_and_the_unrunnable_reported(monkeypatch):
+    _no_upstream_fa4(monkeypatch)
+    ready, not_run = bench.host_calls("cpu")
+    assert list(ready) == ["sdpa"]
+    status = {r.provider: r for r in not_run}
+    # on CPU tensors fa4lab.attention is the float64 reference: never timed as fa4lab
+    assert status["fa4lab"].status == MISSING and "SlowReferenceWarning" in status["fa4lab"].note
+    assert status["fa4"].status == MISSING and "pip install flash-attn-4" in status["fa4"].note
+    (sdpa,) = bench.measure_host_overhead(ready, "cpu", calls=5, repeats=2)
+    assert sdpa.status == OK and sdpa.mean_us > 0
+    with pytest.raises(ValueError, match="unknown host-overhead provider"):
+        bench.host_calls("cpu", ["xformers"])
+
+
+def test_table_reads_against_fa4lab():
+    rows = [bench.HostResult("fa4lab", OK, 150.0, 148.0, [150.0]),
+            bench.HostResult("fa4", MISSING, note="flash-attn-4 is not installed"),
+            bench.HostResult("sdpa", OK, 30.0, 29.5, [30.0])]
+    text = bench.format_host_table(rows)
+    assert "| fa4lab | 150.0 | 148.0 | 1.00 |" in text
+    assert "| sdpa | 30.0 | 29.5 | 0.20 |" in text
+    assert "| fa4 | missing | - | - |" in text and "flash-attn-4 is not installed" in text
+
+
+# ---- the command ---------------------------------------------------------------------------
+@needs_no_gpu
+def test_host_overhead_on_cpu_says_it_needs_a_gpu_and_exits_0(tmp_path, capsys):
+    assert fa4lab_main(["bench", "--host-overhead", "--records", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU visible" in out and "needs a GPU" in out
+    assert "(1, 128, 1, 128) bf16" in out and "5 x 500 back-to-back calls" in out
+    assert "no recorded host-overhead results" in out
+
+
+def test_host_overhead_bad_counts_exit_2(capsys):
+    assert fa4lab_main(["bench", "--host-overhead", "--calls", "0"]) == 2
+    assert "--calls (0)" in capsys.readouterr().err
+
+
+def test_host_overhead_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
+    """The GPU path (calls, table, record) with the device faked and the calls on CPU tensors."""
+    from fa4lab import environment
+
+    _no_upstream_fa4(monkeypatch)
+    monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
+    real_calls, real_measure = bench.host_calls, bench.measure_host_overhead
+    monkeypatch.setattr(bench_cli, "host_calls", lambda device: real_calls("cpu"))
+    monkeypatch.setattr(bench_cli, "measure_host_overhead",
+                        lambda ready, device, **kw: real_measure(ready, "cpu", **kw))
+    out_json = tmp_path / "host.json"
+    assert fa4lab_main(["bench", "--host-overhead", "--calls", "5", "--repeats", "2",
+                        "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "fa4lab bench --host-overhead on Fake H200" in text and "record saved" in text
+    rec = bench.load_record(out_json)
+    assert rec["kind"] == "host-overhead" and rec["gpu"] == "Fake H200"
+    assert rec["config"]["calls"] == 5 and rec["config"]["repeats"] == 2
+    assert rec["command"].startswith("fa4lab bench --json ")
+    assert rec["command"].endswith(" --host-overhead --calls 5 --repeats 2")
+    res = bench.host_results_of(rec)
+    assert [r.provider for r in res] == ["fa4lab", "fa4", "sdpa"]
+    assert [r.status for r in res] == [MISSING, MISSING, OK]
+    # what the CPU path prints from the records
+    summary = bench_cli.recorded_host_summary(tmp_path)
+    assert "latest recorded host overhead: host.json" in summary and "| sdpa |" in summary
