@@ -69,19 +69,22 @@ def _version(dist: str) -> str:
 
 @cache
 def fingerprint() -> str:
-    """What every cached kernel depends on besides its plan, hashed (16 hex digits)."""
-    h = hashlib.sha256()
+    """What every cached kernel depends on besides its configuration, hashed (16 hex digits)."""
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    parts = [f"fa4lab={fa4lab.__version__}", f"cutlass-dsl={_version('nvidia-cutlass-dsl')}",
-             f"tvm-ffi={_version('apache-tvm-ffi')}", f"python={sys.version_info[:2]}",
-             f"machine={platform.machine()}",
-             f"dsl-at={spec.submodule_search_locations[0] if spec else None}"]
-    h.update("\n".join(parts).encode())
-    pkg = Path(fa4lab.__file__).parent
+    versions = [f"fa4lab={fa4lab.__version__}", f"cutlass-dsl={_version('nvidia-cutlass-dsl')}",
+                f"tvm-ffi={_version('apache-tvm-ffi')}", f"python={sys.version_info[:2]}",
+                f"machine={platform.machine()}",
+                f"dsl-at={spec.submodule_search_locations[0] if spec else None}"]
+    return fingerprint_of(Path(fa4lab.__file__).parent, versions)
+
+
+def fingerprint_of(package: Path, versions: list[str]) -> str:
+    """The hash of `versions` and of the `SOURCES` under `package` (paths and contents)."""
+    h = hashlib.sha256("\n".join(versions).encode())
     for name in SOURCES:
-        root = pkg / name
+        root = package / name
         for src in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            h.update(src.relative_to(pkg).as_posix().encode())
+            h.update(src.relative_to(package).as_posix().encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:16]
 
@@ -196,22 +199,20 @@ def load_or_compile(key: str, compile_fn, describe: str = ""):
 
 
 def _publish(compiled, folder: Path, key: str, describe: str, seconds: float) -> None:
-    tmp = folder / f".{key}.{os.getpid()}"
-    obj = tmp.with_suffix(".o")
+    """Export, link and rename into place: readers see a complete file or none."""
+    tmp = f".{key}.{os.getpid()}"
+    obj, so, meta = folder / f"{tmp}.o", folder / f"{tmp}.so", folder / f"{tmp}.json"
     try:
         compiled.export_to_c(str(obj), EXPORT_NAME)
-        so = tmp.with_suffix(".so")
         if _link(obj, so):
             os.replace(so, folder / f"{key}.so")
         else:
             os.replace(obj, folder / f"{key}.o")
-        meta = {"kernel": describe, "compile_s": round(seconds, 2),
-                "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-        tmp_meta = tmp.with_suffix(".json")
-        tmp_meta.write_text(json.dumps(meta))
-        os.replace(tmp_meta, folder / f"{key}.json")
+        meta.write_text(json.dumps({"kernel": describe, "compile_s": round(seconds, 2),
+                                    "created": time.strftime("%Y-%m-%d %H:%M:%S")}))
+        os.replace(meta, folder / f"{key}.json")
     finally:
-        for leftover in folder.glob(f".{key}.{os.getpid()}*"):
+        for leftover in (obj, so, meta):
             leftover.unlink(missing_ok=True)
 
 

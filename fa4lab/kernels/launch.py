@@ -21,6 +21,10 @@ import threading
 from collections import Counter
 from functools import cache
 
+# Loaded with the API rather than by the first call: every cached kernel is a TVM-FFI module,
+# and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
+import tvm_ffi  # noqa: F401
+
 from fa4lab.limits import arch_of_capability
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
