@@ -11,7 +11,10 @@ NOTEBOOK ?= notebooks/00_start_here.ipynb
 CHROMIUM ?= /usr/bin/chromium
 LAB_ARGS ?=
 
-.PHONY: install lab test test-py test-notebooks test-gpu browser-deps lint clean
+# What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
+FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
+
+.PHONY: install lab test test-fast test-gpu browser-deps lint clean
 
 install: $(VENV)/.installed
 
@@ -36,9 +39,17 @@ browser-deps:
 	  else echo "the browser test needs $(CHROMIUM): run 'sudo apt-get install chromium'"; fi; \
 	fi
 
-test: install browser-deps
+# What CI runs: lint first (fails in seconds), then every test (compile matrix and browser
+# included) and every notebook.
+test: lint browser-deps
 	CI=$${CI:-} $(VENV)/bin/python -m pytest -q tests/
 	$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/
+
+# The edit loop: pure Python (plans, references, the simulator, figures, widgets) in a minute or
+# two; no compiles, browser or notebooks. A test that compiles a kernel without the `compile`
+# marker fails here (FA4LAB_FORBID_COMPILE, tests/conftest.py) instead of slowing it down.
+test-fast: install
+	FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)" tests/
 
 # On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
 # Fails (not passes vacuously) when no GPU is visible.

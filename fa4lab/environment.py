@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fa4lab.limits import arch_of_capability
+
 
 def problem_size() -> str:
     """'small' (default, CPU-friendly) or 'full' (FA4LAB_SIZE=full, realistic GPU sizes)."""
@@ -31,11 +33,8 @@ class GpuInfo:
 
     @property
     def arch(self) -> str | None:
-        if self.capability[0] == 10:
-            return "sm100"
-        if self.capability == (9, 0):
-            return "sm90"
-        return None
+        """"sm100" (B200), "sm90" (H100/H200) or None: which of fa4lab's kernels runs here."""
+        return arch_of_capability(self.capability)
 
 
 @lru_cache(maxsize=1)

@@ -1,8 +1,8 @@
 """Every constant the lesson, the planner, the kernels and the checks share, said once.
 
-What each kernel builds (head dims per arch), which GPU runs which kernel (capability -> arch),
-the conditional-rescale threshold and the software exp2 coefficients. Modules import these
-names; none keeps a copy.
+What each kernel builds (head dims and dtypes per arch), which GPU runs which kernel
+(capability -> arch), element sizes, the conditional-rescale threshold and the software exp2
+coefficients. Modules import these names; none keeps a copy.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 KERNEL_HEAD_DIMS = {"sm90": (64, 128, 256), "sm100": (64, 128)}
 ALL_HEAD_DIMS = tuple(sorted({d for dims in KERNEL_HEAD_DIMS.values() for d in dims}))
 KERNEL_DTYPES = ("bf16", "fp16")
+# Bytes per element: the 16-bit inputs and outputs, and the fp32 accumulators and statistics.
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -39,3 +40,16 @@ def head_dims_for(arch: str) -> tuple[int, ...]:
 # FA4's threshold for conditional rescaling, in log2 units: the stale max is kept until the
 # true max exceeds it by more than 2**8 = 256x (see notebook 01 and Note [conditional rescale]).
 RESCALE_THRESHOLD = 8.0
+
+
+# ---- software exp2 --------------------------------------------------------------------------
+# 2**f ~ c0 + c1 f + c2 f**2 + c3 f**3 on [0, 1): the relative-error minimax cubic with c0 = 1
+# pinned (p(0) = 1 bit for bit, so 2**n is exact at integers), in float32. The sm100 kernel's
+# PTX, its numpy replay (fa4lab.kernels.exp2_sm100) and the lesson's `exp2_poly3`
+# (fa4lab.online_softmax, whose `fit_exp2_poly3(exact_at_zero=True)` shows how it is fitted)
+# all use this tuple. See Note [software exp2] in fa4lab.online_softmax.
+EXP2_POLY3 = (1.0, 0.69511664, 0.2276457, 0.07706641)
+# Its measured max |p(f) / 2**f - 1| in float32 arithmetic over x in [-125, 8] (the range P is
+# evaluated on with RESCALE_THRESHOLD = 8): about 2**-13.5, far below bf16's 2**-8 rounding of
+# P. tests/test_online_softmax.py measures it.
+EXP2_POLY3_MAX_REL_ERROR = 8.6e-05

@@ -30,14 +30,12 @@ from functools import cache
 
 import numpy as np
 
+from fa4lab.limits import EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR
+from fa4lab.limits import RESCALE_THRESHOLD as FA4_RESCALE_THRESHOLD
 from fa4lab.reference import check_attention_inputs, kv_head_index, resolve_scale, visible_mask
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-
-# FA4's threshold for conditional rescaling, in log2 units: the stale max is kept until the
-# true max exceeds it by more than 2**8 = 256x.
-FA4_RESCALE_THRESHOLD = 8.0
 
 # The failure modes lesson 01 demonstrates; `online_attention(..., mistake=name)`.
 MISTAKES = {
@@ -52,7 +50,7 @@ __all__ = [
     "finalize", "merge_states", "online_attention", "kv_blocks", "exp2_poly3",
     "exp2_poly3_max_rel_error", "fit_exp2_poly3", "naive_softmax", "safe_softmax",
     "online_softmax_1d", "adversarial_inputs", "variant_errors", "MISTAKES",
-    "FA4_RESCALE_THRESHOLD", "EXP2_POLY3_MAX_REL_ERROR",
+    "FA4_RESCALE_THRESHOLD", "EXP2_POLY3", "EXP2_POLY3_MAX_REL_ERROR",
 ]
 
 
@@ -98,6 +96,8 @@ def online_softmax_1d(x: Sequence[float]) -> tuple[np.ndarray, float, float]:
 # of them on the FMA units instead: split x = n + f with n = floor(x) and f in [0, 1), evaluate
 # 2**f with a cubic in Horner form (three FMAs), and put n into the float's exponent field with
 # an integer add. A cubic gives ~1e-4 relative error: far below bf16's 2**-8 rounding of P.
+# The lab's coefficients live once, in `fa4lab.limits.EXP2_POLY3`: the sm100 kernel, its numpy
+# replay and `exp2_poly3` below all read them; `fit_exp2_poly3` shows where they come from.
 
 def _fma_f32(a, b, c):
     """a * b + c rounded once to float32, as the FFMA instruction does.
@@ -119,7 +119,8 @@ def fit_exp2_poly3(points: int = 4097, iterations: int = 300, *,
     are then rounded to float32, the precision the kernel holds them in. exact_at_zero pins
     c0 = 1 so that p(0) = 1 bit for bit (2**n exact at integers, and a clamp at -127 then
     yields +0.0 exactly); that costs a little accuracy (8.6e-5 instead of 7.5e-5), and is the
-    variant the sm100 kernel uses (`fa4lab.kernels.exp2_sm100`).
+    variant the lab uses: `fa4lab.limits.EXP2_POLY3` holds it (a test checks this fit
+    reproduces it).
     """
     f = 0.5 - 0.5 * np.cos(np.linspace(0.0, math.pi, points))  # Chebyshev-spaced on [0, 1]
     target = np.exp2(f)
@@ -138,17 +139,18 @@ def fit_exp2_poly3(points: int = 4097, iterations: int = 300, *,
     return tuple(float(np.float32(c)) for c in coeffs)
 
 
-def exp2_poly3(x, *, exact_at_zero: bool = False) -> np.ndarray:
+def exp2_poly3(x, coeffs: Sequence[float] = EXP2_POLY3) -> np.ndarray:
     """2**x in float32 arithmetic, as FA4 computes it on the FMA units. See Note [software exp2].
 
-    Max relative error 7.5e-05 over x in [-125, 8] (the range P is evaluated on with
-    rescale_threshold <= 8; measured by `exp2_poly3_max_rel_error()`, and checked by a test).
-    Results below 2**-125 flush to 0 (a P that small is invisible beside the row max's
-    P = 1), -inf gives 0, and x >= 128 gives inf. exact_at_zero: the cubic with p(0) = 1
-    (max relative error 8.6e-05), see `fit_exp2_poly3`.
+    With the lab's coefficients (`fa4lab.limits.EXP2_POLY3`, p(0) = 1, so integer powers of two
+    are exact): max relative error 8.6e-05 over x in [-125, 8] (the range P is evaluated on
+    with rescale_threshold <= 8; measured by `exp2_poly3_max_rel_error()`, and checked by a
+    test). Results below 2**-125 flush to 0 (a P that small is invisible beside the row max's
+    P = 1), -inf gives 0, and x >= 128 gives inf. coeffs: another cubic (c0, c1, c2, c3), e.g.
+    the free minimax fit `fit_exp2_poly3()` (max relative error 7.5e-05).
     """
     x = np.asarray(x, dtype=np.float32)
-    c0, c1, c2, c3 = (np.float32(c) for c in fit_exp2_poly3(exact_at_zero=exact_at_zero))
+    c0, c1, c2, c3 = (np.float32(c) for c in coeffs)
     xc = np.clip(x, np.float32(-126.0), np.float32(127.0))   # keeps n in int range, -inf -> 0
     n = np.floor(xc)
     f = xc - n                                                # exact in float32
@@ -163,7 +165,8 @@ def exp2_poly3(x, *, exact_at_zero: bool = False) -> np.ndarray:
 
 
 def exp2_poly3_max_rel_error(lo: float = -125.0, hi: float = FA4_RESCALE_THRESHOLD,
-                             samples: int = 1 << 20, *, exact_at_zero: bool = False) -> float:
+                             samples: int = 1 << 20, *,
+                             coeffs: Sequence[float] = EXP2_POLY3) -> float:
     """Measured max |exp2_poly3(x) / 2**x - 1| over float32 x in [lo, hi].
 
     Samples evenly over the range plus densely over one period of f (the error depends only
@@ -175,12 +178,8 @@ def exp2_poly3_max_rel_error(lo: float = -125.0, hi: float = FA4_RESCALE_THRESHO
     ]).astype(np.float32)
     x = x[(x >= lo) & (x <= hi)]
     exact = np.exp2(x.astype(np.float64))
-    approx = exp2_poly3(x, exact_at_zero=exact_at_zero).astype(np.float64)
+    approx = exp2_poly3(x, coeffs).astype(np.float64)
     return float(np.max(np.abs(approx / exact - 1.0)))
-
-
-# The number quoted in exp2_poly3's docstring; tests check the measurement against it.
-EXP2_POLY3_MAX_REL_ERROR = 7.5e-05
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +389,8 @@ def _check_threshold(rescale_threshold) -> float:
                          f"{FA4_RESCALE_THRESHOLD}), got {rescale_threshold}")
     if thr > 64:
         raise ValueError(f"rescale_threshold={thr} lets P grow to 2**{thr:g}, which overflows the "
-                         f"kernel's fp32 accumulators; use at most 64 (FA4 uses 8)")
+                         f"kernel's fp32 accumulators; use at most 64 (FA4 uses "
+                         f"{FA4_RESCALE_THRESHOLD:g})")
     return thr
 
 

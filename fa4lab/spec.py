@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-DTYPES = ("bf16", "fp16")
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",

@@ -1,16 +1,38 @@
-"""Hardware markers: `gpu`, `sm90`, `sm100` skip with a reason where that hardware is absent.
+"""Hardware markers, reproducible randomness, and the guard of `make test-fast`.
 
-FA4LAB_REQUIRE_GPU=1 (set by `make test-gpu`) turns a missing GPU into a failure, so a GPU run
-can never pass vacuously.
+`gpu`, `sm90`, `sm100` skip with a reason where that hardware is absent; FA4LAB_REQUIRE_GPU=1
+(set by `make test-gpu`) turns a missing GPU into a failure, so a GPU run can never pass
+vacuously.
+
+Every test gets its own seed, the CRC-32 of its node id: the same in every process and on every
+machine (Python's `hash` of a string is salted per process), so a failure reproduces. The `rng`
+fixture is a numpy generator with that seed, and numpy's, torch's and `random`'s global
+generators are seeded with it before each test. Under CI=true Hypothesis runs derandomized.
+
+FA4LAB_FORBID_COMPILE=1 (set by `make test-fast`) makes `cutlass.cute.compile` raise: a test that
+compiles a kernel without the `compile` marker fails there, naming the marker, instead of
+making the fast tier slow.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import os
+import random
+import sys
+import zlib
 
 import pytest
+from hypothesis import settings
 
 from fa4lab.environment import gpu
+
+# The figures are built without pyplot, but tests may use it; never open a window.
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    settings.load_profile("ci")
 
 
 def _hardware_skip_reason(item) -> str | None:
@@ -39,9 +61,69 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# ---- reproducible randomness ------------------------------------------------------------------
+def seed_of(nodeid: str) -> int:
+    """A test's seed: stable across processes, runs and machines."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_generators(request):
+    seed = seed_of(request.node.nodeid)
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+    if "torch" in sys.modules:            # only where the test module uses torch already
+        sys.modules["torch"].manual_seed(seed)
+
+
 @pytest.fixture
-def rng():
-    """A fresh, seeded-per-test generator: inputs are random but a failure reproduces."""
+def rng(request):
+    """A fresh generator seeded per test: inputs are random but a failure reproduces."""
     import numpy as np
 
-    return np.random.default_rng(abs(hash(os.environ.get("PYTEST_CURRENT_TEST", ""))) % 2**32)
+    return np.random.default_rng(seed_of(request.node.nodeid))
+
+
+# ---- the guard of `make test-fast` --------------------------------------------------------------
+def _compile_forbidden(*args, **kwargs):
+    raise RuntimeError(
+        "this test compiles a kernel with the CuTe DSL (cute.compile) but is not marked "
+        "@pytest.mark.compile; `make test-fast` (FA4LAB_FORBID_COMPILE=1) runs only tests that "
+        "do not compile. Mark it `compile`.")
+
+
+class _ForbidCompile(importlib.abc.MetaPathFinder):
+    """Loads `cutlass.cute` as usual, then replaces its `compile` with `_compile_forbidden`."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "cutlass.cute":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                spec.loader = _ForbidCompileLoader(spec.loader)
+                return spec
+        return None
+
+
+class _ForbidCompileLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        module.compile = _compile_forbidden
+
+
+def pytest_configure(config):
+    if os.environ.get("FA4LAB_FORBID_COMPILE") == "1":
+        if "cutlass.cute" in sys.modules:
+            sys.modules["cutlass.cute"].compile = _compile_forbidden
+        else:
+            sys.meta_path.insert(0, _ForbidCompile())

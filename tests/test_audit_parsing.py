@@ -1,4 +1,5 @@
-"""The audit's readers of PTX / SASS / cuobjdump text, on small hand-written samples (CPU)."""
+"""The binary readers of PTX / SASS / cuobjdump text (fa4lab.kernels.binary), on small
+hand-written samples, and the audit's CLI and tables (CPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import pytest
 
 from fa4lab.kernels import audit as A
+from fa4lab.kernels import binary as B
 
 PTX = """
     mbarrier.init.shared.b64 	[%r5389], %r118;
@@ -33,24 +35,55 @@ SASS = """
 
 
 def test_ptx_readers():
-    assert A.ptx_count(PTX, r"\bmbarrier\.init\.") == 2  # the fence does not count
-    assert A.setmaxnreg_values(PTX) == [48, 80, 192]
-    assert A.tmem_alloc_columns(PTX) == [512]
-    assert A.tmem_alloc_columns("tcgen05.alloc.cta_group::1.sync.aligned.b32 [%r1], 128;") == [128]
+    assert B.ptx_count(PTX, r"\bmbarrier\.init\.") == 2  # the fence does not count
+    assert B.setmaxnreg_values(PTX) == [48, 80, 192]
+    assert B.tmem_alloc_columns(PTX) == [512]
+    assert B.tmem_alloc_columns("tcgen05.alloc.cta_group::1.sync.aligned.b32 [%r1], 128;") == [128]
 
 
 def test_sass_readers():
-    ops = A.sass_opcodes(SASS)
-    assert A.count_prefix(ops, "MUFU.EX2") == 2          # predicated one included
-    assert A.count_prefix(ops, "FFMA") == 2 and ops["FFMA2"] == 1  # FFMA2 is its own opcode
-    assert A.count_prefix(ops, "UTCHMMA") == 1
-    assert A.count_prefix(ops, "STL") == 1
-    assert A.count_ffma_immediate(SASS, 0.2276457) == 1  # compared as float32
-    assert A.count_ffma_immediate(SASS, 0.5) == 0
+    ops = B.sass_opcodes(SASS)
+    assert B.count_prefix(ops, "MUFU.EX2") == 2          # predicated one included
+    assert B.count_prefix(ops, "FFMA") == 2 and ops["FFMA2"] == 1  # FFMA2 is its own opcode
+    assert B.count_prefix(ops, "UTCHMMA") == 1
+    assert B.count_prefix(ops, "STL") == 1
+    assert B.count_ffma_immediate(SASS, 0.2276457) == 1  # compared as float32
+    assert B.count_ffma_immediate(SASS, 0.5) == 0
+
+
+def test_sm100_markers_find_each_role():
+    import re
+
+    assert re.search(B.SM100_MARKERS["softmax: exp2 polynomial on FMA"][1], SASS)
+    assert re.search(B.SM100_MARKERS["softmax: exp2 on MUFU"][1], SASS)
+    assert "MUFU.EX2 R72" in B.excerpt(SASS, r"MUFU\.EX2", 0, 0)
+    assert B.excerpt(SASS, "HGMMA").startswith("(no line matches")
+
+
+def test_audit_imports_form_a_dag():
+    """binary <- peer_sm100 <- audit and binary <- audit: no cycle, even through the imports
+    made inside functions."""
+    import ast
+    import inspect
+
+    from fa4lab.kernels import peer_sm100
+
+    def imported(module) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        return names
+
+    assert not {"fa4lab.kernels.audit", "fa4lab.kernels.peer_sm100"} & imported(B)
+    assert "fa4lab.kernels.audit" not in imported(peer_sm100)
+    assert not any("compile._" in name for name in imported(peer_sm100))  # no private helpers
 
 
 def test_tables_show_both_numbers():
-    audit = A.Audit("t", (A.AuditRow("x", 1, 1, True), A.AuditRow("smem", 100, 124, False)))
+    audit = B.Audit("t", (B.AuditRow("x", 1, 1, True), B.AuditRow("smem", 100, 124, False)))
     assert not audit.ok and [r.name for r in audit.failures()] == ["smem"]
     md = audit.to_markdown()
     assert "| smem | 100 | 124 | **NO** |" in md
@@ -61,7 +94,7 @@ def test_tables_show_both_numbers():
 
 @pytest.mark.parametrize("tool", ["ptxas", "cuobjdump", "nvdisasm"])
 def test_tools_come_from_pip(tool):
-    path = A.cuda_tool(tool)
+    path = B.cuda_tool(tool)
     assert path.is_file() and "nvidia" in path.parts
 
 
@@ -96,6 +129,7 @@ def test_peer_says_not_installed(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_cli_json_end_to_end(capsys):
     pytest.importorskip("cutlass")
     from fa4lab.cli import main

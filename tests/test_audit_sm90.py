@@ -11,6 +11,7 @@ from fa4lab.spec import AttentionSpec  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_sm90a_audit(tmp_path):
     pytest.importorskip("fa4lab.kernels.fwd_sm90")
     spec = AttentionSpec(2, 300, 700, 8, 2, 128, causal=True, return_lse=True)

@@ -19,10 +19,12 @@ import pytest
 pytest.importorskip("cutlass")
 
 from fa4lab.kernels import audit as audit_mod  # noqa: E402
+from fa4lab.limits import KERNEL_HEAD_DIMS  # noqa: E402
 from fa4lab.plan import plan_forward  # noqa: E402
 from fa4lab.spec import AttentionSpec  # noqa: E402
 
-FULL = list(itertools.product((64, 128), (False, True), (1, 4), (False, True), ("bf16", "fp16")))
+FULL = list(itertools.product(KERNEL_HEAD_DIMS["sm100"], (False, True), (1, 4), (False, True),
+                              ("bf16", "fp16")))
 SUBSET = [
     (128, True, 1, True, "bf16"),
     (128, False, 4, False, "bf16"),
@@ -49,6 +51,7 @@ def _compile(config, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.parametrize("config", MATRIX, ids=lambda c: "hd{}-{}-gqa{}-{}-{}".format(
     c[0], "causal" if c[1] else "full", c[2], "lse" if c[3] else "nolse", c[4]))
 def test_compiles_and_passes_audit(config, tmp_path_factory):
@@ -64,6 +67,7 @@ def test_compiles_and_passes_audit(config, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_audit_catches_a_plan_that_does_not_match(tmp_path_factory):
     """Audit the same binary against a different plan: the mismatches must show, with numbers."""
     cf = _compile(SUBSET[0], tmp_path_factory)
@@ -75,6 +79,7 @@ def test_audit_catches_a_plan_that_does_not_match(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_lse_off_passes_none(tmp_path_factory):
     """return_lse=False compiles with mLSE=None: no global store of LSE in the PTX."""
     with_lse = _compile(SUBSET[0], tmp_path_factory).ptx

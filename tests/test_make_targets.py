@@ -34,11 +34,59 @@ def test_make_test_gpu_fails_without_a_gpu():
     assert "passed" not in output and "nbmake" not in output, output
 
 
-def test_make_test_installs_the_browser_and_runs_tests_and_notebooks():
-    """`make -n test` (print, do not run): chromium is installed first, then both suites."""
+def test_make_test_lints_installs_the_browser_and_runs_tests_and_notebooks():
+    """`make -n test` (print, do not run): ruff first (it fails in seconds), then chromium is
+    installed, then both suites."""
     result = _make("-n", "test")
     assert result.returncode == 0, result.stderr
     steps = result.stdout
+    assert "ruff check fa4lab tests" in steps, steps
     assert "apt-get install" in steps and "chromium" in steps, steps
+    assert steps.index("ruff check") < steps.index("chromium"), steps
     assert steps.index("chromium") < steps.index("-m pytest -q tests/"), steps
     assert "--nbmake" in steps and "notebooks/" in steps, steps
+
+
+def test_make_test_fast_is_the_pure_python_tier():
+    """`make -n test-fast`: no compiles (and a guard against unmarked ones), no browser, no
+    slow or GPU tests, no notebooks."""
+    result = _make("-n", "test-fast")
+    assert result.returncode == 0, result.stderr
+    steps = result.stdout
+    run = next(line for line in steps.splitlines() if "-m pytest" in line)
+    assert "FA4LAB_FORBID_COMPILE=1" in run, run
+    for marker in ("compile", "browser", "slow", "gpu", "sm90", "sm100"):
+        assert f"not {marker}" in run, run
+    assert "--nbmake" not in steps and "apt-get" not in steps and "chromium" not in steps, steps
+
+
+def test_every_marker_the_makefile_names_is_registered(pytestconfig):
+    import re
+
+    registered = {m.split(":")[0] for m in pytestconfig.getini("markers")}
+    fast = re.search(r"^FAST_MARKERS \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    named = set(re.findall(r"\bnot (\w+)", fast))
+    assert {"compile", "browser", "slow", "gpu"} <= named <= registered, (named, registered)
+
+
+def test_environment_yml_pins_the_makefiles_torch():
+    """environment.yml repeats the Makefile's default TORCH_SPEC (YAML cannot include it)."""
+    import re
+
+    spec = re.search(r"^TORCH_SPEC \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    pins = re.findall(r"^\s*- (torch==\S+)", (ROOT / "environment.yml").read_text(), re.M)
+    assert pins == [spec], (pins, spec)
+
+
+def test_the_version_is_said_once():
+    """pyproject.toml reads `fa4lab.__version__` (a dynamic field); the metadata agrees."""
+    import re
+    from importlib.metadata import version
+
+    import fa4lab
+
+    text = (ROOT / "pyproject.toml").read_text()
+    project = text.split("\n[project]\n", 1)[1].split("\n[", 1)[0]
+    assert 'dynamic = ["version"]' in project and 'attr = "fa4lab.__version__"' in text, text
+    assert not re.search(r"^version\s*=", project, re.M), "a second version in [project]"
+    assert version("fa4lab") == fa4lab.__version__

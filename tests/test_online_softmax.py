@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fa4lab.online_softmax as osm
+from fa4lab.limits import EXP2_POLY3
 from fa4lab.online_softmax import (
     MISTAKES,
     adversarial_inputs,
@@ -186,7 +187,8 @@ def test_conditional_rescaling_saves_rescales_and_stays_exact(rng):
                                                (1, 512, 2, 16)))
     ref = attention_reference(q, k, v)
     every = online_attention(q, k, v, block_n=32, trace=True)
-    fa4 = online_attention(q, k, v, block_n=32, trace=True, rescale_threshold=8.0)
+    fa4 = online_attention(q, k, v, block_n=32, trace=True,
+                           rescale_threshold=osm.FA4_RESCALE_THRESHOLD)
     assert every.rescales == every.max_rises > 0 and every.rescales_saved == 0
     assert fa4.max_rises == every.max_rises
     assert fa4.rescales < fa4.max_rises and fa4.rescales_saved > 0
@@ -246,23 +248,36 @@ def test_exp2_poly3_values(rng):
     assert sum(c) == pytest.approx(2, abs=1e-3)           # p(1) ~ 2: continuous across n
 
 
-def test_exp2_poly3_exact_at_zero_variant(rng):
-    c = osm.fit_exp2_poly3(exact_at_zero=True)
-    assert c[0] == 1.0
+def test_exp2_poly3_is_exact_at_integers_and_pinning_costs_little(rng):
+    assert EXP2_POLY3[0] == 1.0
     x = np.arange(-120, 9).astype(np.float32)
-    np.testing.assert_array_equal(exp2_poly3(x, exact_at_zero=True), np.exp2(x))   # exact
-    err = osm.exp2_poly3_max_rel_error(exact_at_zero=True)
-    assert osm.EXP2_POLY3_MAX_REL_ERROR < err <= 8.6e-5 * 1.02     # pinning costs a little
+    np.testing.assert_array_equal(exp2_poly3(x), np.exp2(x))                     # exact
+    err = osm.exp2_poly3_max_rel_error()
+    free = osm.fit_exp2_poly3()                  # the minimax cubic with c0 free
+    free_err = osm.exp2_poly3_max_rel_error(coeffs=free)
+    assert 0.9 * 7.5e-5 < free_err <= 7.5e-5
+    assert free_err < err <= 8.6e-5 * 1.02                 # pinning costs a little
     y = rng.uniform(-100, 8, 1000).astype(np.float32)
     exact = np.exp2(y.astype(np.float64))
-    assert np.abs(exp2_poly3(y, exact_at_zero=True) / exact - 1).max() <= err
+    assert np.abs(exp2_poly3(y) / exact - 1).max() <= err
+    assert np.abs(exp2_poly3(y, free) / exact - 1).max() <= free_err
+
+
+def test_the_fit_reproduces_the_stored_coefficients():
+    """limits.EXP2_POLY3 (kernel, numpy replay, lesson) is the pinned Lawson fit, in float32."""
+    fit = osm.fit_exp2_poly3(exact_at_zero=True)
+    assert fit[0] == EXP2_POLY3[0] == 1.0
+    np.testing.assert_allclose(fit, EXP2_POLY3, rtol=2e-5)
+    stored_err = osm.exp2_poly3_max_rel_error()
+    assert osm.exp2_poly3_max_rel_error(coeffs=fit) == pytest.approx(stored_err, rel=0.01)
+    assert osm.EXP2_POLY3 is EXP2_POLY3                  # the lesson keeps no copy
 
 
 def test_online_with_exp2_poly3(rng):
     q, k, v = (rng.standard_normal(s) for s in ((2, 24, 4, 16), (2, 70, 2, 16), (2, 70, 2, 16)))
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     out, lse = online_attention(q, k, v, block_n=16, causal=True, return_lse=True,
-                                rescale_threshold=8.0, exp2=exp2_poly3)
+                                rescale_threshold=osm.FA4_RESCALE_THRESHOLD, exp2=exp2_poly3)
     bound = osm.EXP2_POLY3_MAX_REL_ERROR
     # each weight is off by at most `bound` relative, so out by ~2*bound*max|v|, lse by ~bound
     assert np.abs(out - ref).max() <= 4 * bound * np.abs(v).max()

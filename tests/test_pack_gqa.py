@@ -198,8 +198,8 @@ def test_packed_tma_view_coordinates():
     from cutlass.cute.nvgpu import cpasync
     from cutlass.cute.runtime import make_fake_tensor
 
-    from fa4lab.kernels.fwd_sm90 import _packed_tma, _smem_layout
     from fa4lab.kernels.compile import target_arch
+    from fa4lab.kernels.fwd_sm90 import _packed_tma, _smem_layout
 
     g, sq, hq, d, kv, batch = 4, 300, 8, 128, 1, 1
     seen = {}

@@ -218,9 +218,9 @@ def test_packed_q_and_o_tma_views(g):
     from cutlass.cute.nvgpu import cpasync, tcgen05
     from cutlass.tensor_utils import LayoutEnum
 
+    from fa4lab.kernels.compile import target_arch
     from fa4lab.kernels.fwd_sm100 import _q_tma
     from fa4lab.kernels.pack_gqa import packed_tma
-    from fa4lab.kernels.compile import target_arch
 
     sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
     tiler = (M_BLOCK, 128, d)
@@ -297,23 +297,28 @@ def test_attention_sm100_checks_pack_gqa_off_a_b200():
 
 
 def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
-    """On a cc-10 GPU fa4lab.attention hands pack_gqa to attention_sm100 (faked here: no GPU)."""
+    """On a cc-10 GPU fa4lab.attention checks for and launches the sm100 kernel with pack_gqa
+    (the device faked here: no GPU)."""
     torch = pytest.importorskip("torch")
     import fa4lab
     from fa4lab import api
+    from fa4lab.kernels import launch
 
-    calls = []
+    calls, checked = [], []
 
-    def attention_sm100(q, k, v, **kw):
-        calls.append(kw)
-        return q
+    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa):
+        calls.append(dict(arch=arch, causal=causal, softmax_scale=softmax_scale,
+                          return_lse=return_lse, pack_gqa=pack_gqa))
+        return q, None
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(api, "_kernel_for", lambda device: attention_sm100)
-    monkeypatch.setattr(api, "_check_kernel_inputs", lambda q, k, v: None)
+    monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: checked.append(kw["arch"]))
     for pack in (True, False):
         fa4lab.attention(q, k, v, causal=True, pack_gqa=pack)
-        assert calls[-1] == dict(causal=True, softmax_scale=None, return_lse=False,
-                                 pack_gqa=pack)
+        assert calls[-1] == dict(arch="sm100", causal=True, softmax_scale=None,
+                                 return_lse=False, pack_gqa=pack)
+    assert checked == ["sm100", "sm100"]

@@ -136,3 +136,22 @@ def test_plan_invariants(arch, hd, n_block, q_stage, kv_stage, causal, gqa):
                                      ("sm90", 128), ("sm90", 256)])
 def test_supported_defaults_fit(arch, hd):
     _check_invariants(plan_forward(spec(hd), arch))
+
+
+def test_the_plans_read_the_shared_limits():
+    """Head dims, threshold and element sizes come from fa4lab.limits, not from copies."""
+    from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
+    from fa4lab.plan.sm90 import SM90_TUNING
+
+    assert sorted(SM90_TUNING) == sorted(KERNEL_HEAD_DIMS["sm90"])   # one tuning row per dim
+    for arch, dims in KERNEL_HEAD_DIMS.items():
+        for d in dims:
+            p = plan_forward(spec(d), arch)
+            assert p.rescale_threshold == RESCALE_THRESHOLD
+            assert p.spec.element_bytes == ELEMENT_BYTES[p.spec.dtype] == 2
+            rows = p.tiles.m_block if arch == "sm100" else p.tiles.cta_m   # one Q load's rows
+            assert p.barriers.barrier("q_full").tx_bytes == rows * d * p.spec.element_bytes
+    with pytest.raises(PlanError, match="64, 128 or 256"):
+        plan_forward(spec(96), "sm90")
+    with pytest.raises(PlanError, match="builds head_dim 64, 128"):
+        plan_forward(spec(256), "sm100")

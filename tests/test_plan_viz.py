@@ -77,3 +77,26 @@ def test_phase_bits_flip_once_per_completion():
         flips = sum(1 for a, b in zip(ys, ys[1:]) if a != b)
         assert flips == len(sim.phase_times[key]) == sim.completions[key]
     plt.close(fig)
+
+
+def test_the_figures_leave_the_backend_to_the_notebook():
+    """fa4lab.viz builds Figures without pyplot and never sets a backend (a library that did
+    would switch a notebook's inline backend); a fresh process shows it."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, matplotlib\n"
+        "from fa4lab.viz import plan, softmax, tiles, bench, figure_png\n"
+        "from fa4lab.plan import plan_forward\n"
+        "from fa4lab.spec import AttentionSpec\n"
+        "png = figure_png(plan.draw_roles(plan_forward(AttentionSpec(1, 256, 256, 1, 1, 64),"
+        " 'sm90')))\n"
+        "assert png[:4] == b'\\x89PNG', png[:8]\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'fa4lab imported pyplot'\n"
+        "assert dict.__getitem__(matplotlib.rcParams, 'backend') is "
+        "matplotlib.rcsetup._auto_backend_sentinel, 'fa4lab chose a backend'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -17,6 +17,8 @@ from fa4lab.kernels.exp2_sm100 import (
     emulated_pairs,
     exp2_poly3_numpy,
 )
+from fa4lab.limits import EXP2_POLY3_MAX_REL_ERROR, RESCALE_THRESHOLD
+from fa4lab.online_softmax import exp2_poly3
 
 
 def test_relative_error_over_softmax_range(rng):
@@ -27,6 +29,16 @@ def test_relative_error_over_softmax_range(rng):
     ref = np.exp2(x.astype(np.float64))
     rel = np.abs(got - ref) / ref
     assert rel.max() < 1.0e-4  # 2^-13.3, far below a bf16 (2^-8) or fp16 (2^-11) ulp of P
+    in_range = (x >= -125) & (x <= RESCALE_THRESHOLD)
+    assert rel[in_range].max() <= EXP2_POLY3_MAX_REL_ERROR     # the number limits quotes
+
+
+def test_the_device_recipe_and_the_lesson_use_one_polynomial(rng):
+    """Same coefficients (fa4lab.limits.EXP2_POLY3): the device replay and the lesson's
+    exp2_poly3 differ only by the rounding of their intermediate steps."""
+    x = rng.uniform(-125, RESCALE_THRESHOLD, 100_000).astype(np.float32)
+    device, lesson = exp2_poly3_numpy(x).astype(np.float64), exp2_poly3(x).astype(np.float64)
+    assert np.abs(device / lesson - 1).max() < 1e-6          # a few float32 ulps
 
 
 def test_integers_are_exact_and_masked_scores_give_zero():

@@ -60,7 +60,15 @@ from fa4lab.bench.sweep import (
     sweep,
 )
 from fa4lab.bench.table import format_table, providers_in
-from fa4lab.bench.timing import GEMM_SIZE, REP_MS, SPIN_UP_S, WARMUP_MS, gemm_tflops, timer_name
+from fa4lab.bench.timing import (
+    GEMM_SIZE,
+    REP_MS,
+    SPIN_UP_S,
+    WARMUP_MS,
+    gemm_tflops,
+    timer_name,
+)
+from fa4lab.limits import KERNEL_DTYPES
 
 
 def add_cli(subparsers) -> None:
@@ -78,7 +86,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--causal", default="both", help="both (default), true or false")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated, from {','.join(PEERS)} (default: all)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--dtype", default=KERNEL_DTYPES[0], choices=KERNEL_DTYPES)
     p.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS,
                    help="batch * seqlen for every point (default 16384)")
     p.add_argument("--hidden", type=int, default=HIDDEN,

@@ -16,230 +16,41 @@ What is checked (each an `AuditRow(name, expected, found, ok)`; any `ok=False` i
 For sm100a, where flash-attn-4 imports, its sm100 forward compiled the same way is audited side
 by side (`--no-peer` skips it); otherwise the audit says "flash-attn-4 not installed".
 
-The CUDA tools come from pip's nvidia packages (nvidia-cuda-nvcc, -cuobjdump, -nvdisasm): the DSL
-emits PTX ISA 9.4, which a system ptxas 13.0 rejects. FA4LAB_CUDA_BIN overrides the folder.
+The binary is read with `fa4lab.kernels.binary` (pip's CUDA tools, PTX / SASS parsers).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import re
-import subprocess
 from collections import Counter
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
+from fa4lab.kernels.binary import (
+    Audit,
+    AuditRow,
+    count_ffma_immediate,
+    count_prefix,
+    describe,
+    ptx_count,
+    ptxas_report,
+    resource_usage,
+    sass,
+    sass_opcodes,
+    setmaxnreg_values,
+    spills_in,
+    steady_loop,
+    tmem_alloc_columns,
+)
+from fa4lab.limits import (
+    ALL_HEAD_DIMS,
+    EXP2_POLY3,
+    KERNEL_DTYPES,
+    KERNEL_HEAD_DIMS,
+    head_dims_for,
+)
 
-@dataclass(frozen=True)
-class AuditRow:
-    name: str
-    expected: object
-    found: object
-    ok: bool
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Audit:
-    title: str
-    rows: tuple[AuditRow, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.rows)
-
-    def failures(self) -> list[AuditRow]:
-        return [r for r in self.rows if not r.ok]
-
-    def row(self, name: str) -> AuditRow:
-        for r in self.rows:
-            if r.name == name:
-                return r
-        raise KeyError(f"no audit row {name!r}; rows: {[r.name for r in self.rows]}")
-
-    def to_dict(self) -> dict:
-        return {"title": self.title, "ok": self.ok, "rows": [asdict(r) for r in self.rows]}
-
-    def to_markdown(self) -> str:
-        lines = [f"### {self.title}", "", "| check | expected | found | ok | note |",
-                 "|---|---|---|---|---|"]
-        for r in self.rows:
-            lines.append(f"| {r.name} | {r.expected} | {r.found} | "
-                         f"{'yes' if r.ok else '**NO**'} | {r.note} |")
-        return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- tools
-def cuda_tool(name: str) -> Path:
-    """pip's ptxas / cuobjdump / nvdisasm, found through the installed `nvidia` packages."""
-    override = os.environ.get("FA4LAB_CUDA_BIN")
-    candidates = [Path(override) / name] if override else []
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        root = Path(root)
-        candidates += sorted(root.glob(f"*/bin/{name}"))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise FileNotFoundError(
-        f"{name} not found in pip's nvidia packages: pip install nvidia-cuda-nvcc "
-        f"nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (or set FA4LAB_CUDA_BIN to a CUDA 13.1+ "
-        f"bin folder)")
-
-
-def _run(tool: str, *args) -> str:
-    out = subprocess.run([str(cuda_tool(tool)), *map(str, args)], capture_output=True,
-                         text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tool} {' '.join(map(str, args))} failed: {out.stderr.strip()}")
-    return out.stdout + out.stderr
-
-
-def resource_usage(cubin: Path) -> dict:
-    """cuobjdump -res-usage: REG, STACK, SHARED (static), LOCAL for the (single) kernel."""
-    text = _run("cuobjdump", "-res-usage", cubin)
-    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
-    if not m:
-        raise RuntimeError(f"no resource line in cuobjdump -res-usage output:\n{text[:500]}")
-    return dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups())))
-
-
-def sass(cubin: Path) -> str:
-    return _run("cuobjdump", "-sass", cubin)
-
-
-def ptxas_report(ptx: Path, arch: str) -> dict:
-    """pip's ptxas -v on the PTX: registers and spill bytes (slow: a full second assembly)."""
-    text = _run("ptxas", f"-arch=sm_{arch.removeprefix('sm')}", "-v", ptx, "-o", os.devnull)
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return {"registers": int(regs.group(1)) if regs else -1,
-            "spill_stores": int(spill.group(1)) if spill else 0,
-            "spill_loads": int(spill.group(2)) if spill else 0}
-
-
-# ---------------------------------------------------------------- counting
-def sass_opcodes(text: str) -> Counter:
-    """Opcode (with modifiers) of every SASS instruction, predicates stripped."""
-    ops = Counter()
-    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text):
-        ops[m.group(1)] += 1
-    return ops
-
-
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-
-
-def sass_instructions(text: str) -> list[tuple[int, str, str]]:
-    """(address, opcode, operands) of every SASS instruction, in address order; a guarded
-    instruction's opcode keeps its predicate in front ("@P0 BRA")."""
-    return [(int(m.group(1), 16), (m.group(2) or "") + m.group(3), m.group(4).strip())
-            for m in _SASS_LINE.finditer(text)]
-
-
-def steady_loop(text: str) -> tuple[int, int] | None:
-    """Address range [start, end] of the kernel's last loop that issues MMAs (HGMMA / UTCHMMA).
-
-    A loop is a conditional backward branch (the unconditional ones jump back from the
-    out-of-line retry stubs of barrier waits); in the sm90 kernel the last loop with MMAs in
-    its body is the FULL-block loop, where the time goes.
-    """
-    insts = sass_instructions(text)
-    best = None
-    for addr, op, args in insts:
-        if not (op.startswith("@") and op.endswith(" BRA")):
-            continue
-        target = re.search(r"0x([0-9a-f]+)", args)
-        if not target or int(target.group(1), 16) >= addr:
-            continue
-        start = int(target.group(1), 16)
-        if any(start <= a <= addr and o.split()[-1].startswith(("HGMMA", "UTCHMMA"))
-               for a, o, _ in insts):
-            best = (start, addr) if best is None or addr > best[1] else best
-    return best
-
-
-def spills_in(text: str, span: tuple[int, int] | None) -> int:
-    """STL/LDL instructions inside the address range `span` (0 for None)."""
-    if span is None:
-        return 0
-    return sum(1 for a, o, _ in sass_instructions(text)
-               if span[0] <= a <= span[1] and o.split()[-1].split(".")[0] in ("STL", "LDL"))
-
-
-def count_prefix(ops: Counter, prefix: str) -> int:
-    return sum(n for op, n in ops.items() if op == prefix or op.startswith(prefix + "."))
-
-
-def ptx_count(ptx: str, pattern: str) -> int:
-    return len(re.findall(pattern, ptx))
-
-
-def count_ffma_immediate(sass_text: str, value: float) -> int:
-    """FFMA instructions with `value` (compared as float32) among their immediates."""
-    import numpy as np
-
-    target = np.float32(value)
-    n = 0
-    for line in sass_text.splitlines():
-        if "FFMA" not in line:
-            continue
-        imms = re.findall(r"(?<![\w.])(-?\d+\.\d+(?:e[+-]?\d+)?)", line.split(";")[0])
-        n += any(np.float32(float(x)) == target for x in imms)
-    return n
-
-
-def tmem_alloc_columns(ptx: str) -> list[int]:
-    """Column counts of every tcgen05.alloc (an immediate or a register set by mov)."""
-    cols = []
-    for m in re.finditer(r"tcgen05\.alloc[^\n]*?,\s*(%r\d+|\d+);", ptx):
-        arg = m.group(1)
-        if arg.startswith("%"):
-            mov = re.findall(rf"mov\.b32\s+{re.escape(arg)},\s*(\d+);", ptx[: m.start()])
-            cols.append(int(mov[-1]) if mov else -1)
-        else:
-            cols.append(int(arg))
-    return cols
-
-
-def setmaxnreg_values(ptx: str) -> list[int]:
-    return sorted(int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
-                                             ptx))
-
-
-# Where each sm100 role shows up in the binary: (PTX regex, SASS regex), for notebook excerpts.
-SM100_MARKERS = {
-    "setup: mbarriers": (r"mbarrier\.init\.", r"SYNCS\.EXCH"),
-    "setup: TMEM alloc, register budgets": (r"tcgen05\.alloc", r"USETMAXREG"),
-    "load: TMA of Q/K/V": (r"cp\.async\.bulk\.tensor\.\dd\.shared", r"UTMALDG"),
-    "mma: S = Q K^T and O += P V": (r"tcgen05\.mma\.", r"UTCHMMA"),
-    "mma: commit to an mbarrier": (r"tcgen05\.commit\.", r"UTCBAR"),
-    "softmax: S from TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32", r"LDTM"),
-    "softmax: exp2 on MUFU": (r"ex2\.approx", r"MUFU\.EX2"),
-    "softmax: exp2 polynomial on FMA": (r"add\.rm\.ftz\.f32", r"FFMA\.FTZ.*0\.2276"),
-    "softmax: P to TMEM": (r"tcgen05\.st\.sync\.aligned\.32x32b\.x16", r"STTM"),
-    "correction: rescale O_i in TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x16",
-                                        r"LDTM\.x16"),
-    "correction: O_i / row_sum into sO": (r"st\.shared\.v4", r"STS\.128"),
-    "epilogue: TMA store of O": (r"cp\.async\.bulk\.tensor\.\dd\.global", r"UTMASTG"),
-}
-
-
-def excerpt(text: str, pattern: str, before: int = 2, after: int = 4, max_width: int = 110,
-            occurrence: int = 0) -> str:
-    """The lines around the `occurrence`-th line matching `pattern` (blank lines dropped)."""
-    lines = [re.sub(r"\s*/\* 0x[0-9a-f]+ \*/", "", ln).strip() for ln in text.splitlines()]
-    lines = [ln for ln in lines if ln]
-    hits = [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
-    if len(hits) <= occurrence:
-        return f"(no line matches {pattern!r})"
-    i = hits[occurrence]
-    out = [ln if len(ln) <= max_width else ln[: max_width - 3] + "..."
-           for ln in lines[max(i - before, 0): i + after + 1]]
-    return "\n".join(out)
+__all__ = ["Audit", "AuditRow", "audit", "audit_compiled", "audit_sm100", "audit_sm90",
+           "smem_gap_is_alignment"]
 
 
 def _row(name, expected, found, ok=None, note=""):
@@ -295,8 +106,6 @@ def _common_rows(cf, ops: Counter, use_ptxas: bool, sass_text: str) -> list[Audi
 
 
 def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
-    from fa4lab.kernels.exp2_sm100 import EXP2_POLY3
-
     plan, kernel = cf.plan, cf.kernel
     text = sass(cf.cubin_path)
     ops = sass_opcodes(text)
@@ -335,7 +144,7 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
                          abs(found_fraction - plan.exp2_emulation_fraction)
                          <= 1.5 / plan.tiles.n_block,
                          "FMA polynomials / all exp2"))
-    return Audit(f"sm100a audit: {_describe(plan.spec)}", tuple(rows))
+    return Audit(f"sm100a audit: {describe(plan.spec)}", tuple(rows))
 
 
 def audit_sm90(cf, *, use_ptxas: bool = False) -> Audit:
@@ -347,12 +156,7 @@ def audit_sm90(cf, *, use_ptxas: bool = False) -> Audit:
     rows.append(AuditRow("wgmma.mma_async (PTX)", "> 0", n, n > 0, "static count, shown"))
     rows.append(AuditRow("HGMMA (SASS)", "> 0", count_prefix(ops, "HGMMA"),
                          count_prefix(ops, "HGMMA") > 0, "static count, shown"))
-    return Audit(f"sm90a audit: {_describe(plan.spec)}", tuple(rows))
-
-
-def _describe(spec) -> str:
-    return (f"head_dim {spec.head_dim}, {spec.dtype}, {'causal' if spec.causal else 'non-causal'},"
-            f" GQA {spec.qhead_per_kvhead}, LSE {'on' if spec.return_lse else 'off'}")
+    return Audit(f"sm90a audit: {describe(plan.spec)}", tuple(rows))
 
 
 def audit_compiled(cf, *, use_ptxas: bool = False) -> Audit:
@@ -409,13 +213,14 @@ def _main(args) -> int:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("audit", help="compile a kernel on CPU and check it against the plan",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", choices=("sm100a", "sm90a"), default="sm100a")
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
-                   help="64 or 128 (sm100a); 64, 128 or 256 (sm90a)")
+    p.add_argument("--arch", choices=[f"{a}a" for a in KERNEL_HEAD_DIMS], default="sm100a")
+    p.add_argument("--head-dim", type=int, default=128, choices=ALL_HEAD_DIMS,
+                   help="; ".join(f"{', '.join(map(str, head_dims_for(a)))} ({a}a)"
+                                  for a in KERNEL_HEAD_DIMS))
     p.add_argument("--causal", action="store_true")
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head (1, 2, 4, 8)")
     p.add_argument("--lse", action="store_true", help="also write the log-sum-exp")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=KERNEL_DTYPES, default=KERNEL_DTYPES[0])
     p.add_argument("--format", choices=("md", "json"), default="md")
     p.add_argument("--ptxas", action="store_true", help="also run ptxas -v on the PTX (slow)")
     p.add_argument("--no-peer", dest="peer", action="store_false",

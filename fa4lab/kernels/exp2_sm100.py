@@ -11,7 +11,8 @@ Note [exp2 by Cody-Waite + degree-3 polynomial]
       constant back gives floor(x) as a float, and f = x - floor(x) exactly.
     * 2^f ~ p(f) = 1 + c1 f + c2 f^2 + c3 f^3 (Horner: three FMAs). The constant term is
       exactly 1, so p(0) = 1.0 bit for bit, and p(1) < 2, so p(f) stays in [1, 2).
-      Max relative error 8.6e-5 (about 2^-13.5), far below bf16/fp16 rounding of P (2^-8, 2^-11).
+      The coefficients are fa4lab.limits.EXP2_POLY3; max relative error 8.6e-5 (about
+      2^-13.5, limits.EXP2_POLY3_MAX_REL_ERROR), far below bf16/fp16 rounding of P (2^-8, 2^-11).
     * 2^floor(x): shifting the rounded sum left by 23 moves floor(x) into the exponent field;
       one integer add scales p(f) by it.
     * x is clamped at -127: then floor = -127 and f = 0, so the add gives the bits of
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-# 2^f ~ 1 + C1 f + C2 f^2 + C3 f^3 on [0, 1): a relative-error minimax fit with p(0) = 1.
-EXP2_POLY3 = (1.0, 0.69511664, 0.2276457, 0.07706641)
+# 2^f ~ 1 + C1 f + C2 f^2 + C3 f^3 on [0, 1): the lab's one set of coefficients (fa4lab.limits).
+from fa4lab.limits import EXP2_POLY3
+
 ROUND_MAGIC = 12582912.0           # 1.5 * 2^23
 CLAMP_LOW = -127.0
 

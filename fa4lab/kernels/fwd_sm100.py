@@ -60,6 +60,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels import scheduler
 from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
 from fa4lab.kernels.pack_gqa import heads_positions, packed_tma, split_packed
+from fa4lab.limits import KERNEL_HEAD_DIMS
 
 LN2 = math.log(2.0)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -113,9 +114,10 @@ class FlashForwardSm100:
         spec = plan.spec
         if plan.arch != "sm100":
             raise ValueError(f"FlashForwardSm100 needs an sm100 plan, got arch={plan.arch!r}")
-        if spec.head_dim != spec.head_dim_v or spec.head_dim not in (64, 128):
+        if spec.head_dim != spec.head_dim_v or spec.head_dim not in KERNEL_HEAD_DIMS["sm100"]:
             raise ValueError(
-                f"FlashForwardSm100 supports head_dim == head_dim_v in (64, 128), got "
+                f"FlashForwardSm100 supports head_dim == head_dim_v in "
+                f"{KERNEL_HEAD_DIMS['sm100']}, got "
                 f"{spec.head_dim}/{spec.head_dim_v}; use fa4lab.reference.attention_reference")
         self.plan = plan
         self.dtype = _DTYPES[spec.dtype]

@@ -17,6 +17,7 @@ Two things make it import and compile on a CPU machine:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import time
 import types
@@ -24,6 +25,8 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from fa4lab.kernels import binary
 
 
 class PeerUnavailable(RuntimeError):
@@ -104,62 +107,62 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
     import cutlass
     import cutlass.cute as cute
 
-    from fa4lab.kernels import runtime
-    from fa4lab.kernels.compile import _newest, config_name
+    from fa4lab.kernels.compile import config_name, fake_args, newest_artifact, target_arch
 
     fa4 = _import_fa4()
     root = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="fa4lab-peer-"))
     keep = root / ("flash-attn-4-" + config_name(spec, "sm100a"))
     keep.mkdir(parents=True, exist_ok=True)
-    with runtime.target_arch("sm_100a"):
+    with target_arch("sm_100a"):
         kernel = fa4.FlashAttentionForwardSm100(
             spec.head_dim, spec.head_dim_v, qhead_per_kvhead=spec.qhead_per_kvhead,
             is_causal=spec.causal, is_static_persistent=False)
-        q, k, v, o, lse, stream = runtime.fake_args(spec)
+        q, k, v, o, lse, stream = fake_args(spec)
         start = time.time()
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             # its aux_data default is not a JIT argument type; harmless, and not ours to fix
             warnings.simplefilter("ignore", UserWarning)
+            # TVM-FFI, as upstream FA4 compiles it and as fa4lab's compile path does
             compiled = cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(spec.scale),
                                     stream=stream,
-                                    options=f"--keep-ptx --keep-cubin --dump-dir={keep}")
+                                    options=f"--enable-tvm-ffi --keep-ptx --keep-cubin "
+                                            f"--dump-dir={keep}")
         seconds = time.perf_counter() - t0
     del compiled
     storage = getattr(kernel, "shared_storage", None)
     return PeerCompiled(
-        arch="sm100a", kernel=kernel, seconds=seconds, ptx_path=_newest(keep, ".ptx", start),
-        cubin_path=_newest(keep, ".cubin", start),
+        arch="sm100a", kernel=kernel, seconds=seconds,
+        ptx_path=newest_artifact(keep, ".ptx", start),
+        cubin_path=newest_artifact(keep, ".cubin", start),
         smem_bytes=int(storage.size_in_bytes()) if storage is not None else -1,
         version=version("flash-attn-4"))
 
 
 def audit_flash_attn4(spec, keep_dir=None):
     """The audit rows that need no plan, for upstream FA4 compiled like fa4lab's kernel."""
-    from fa4lab.kernels import audit as A
-
     pc = compile_flash_attn4(spec, keep_dir=keep_dir)
-    res = A.resource_usage(pc.cubin_path)
-    ops = A.sass_opcodes(A.sass(pc.cubin_path))
+    res = binary.resource_usage(pc.cubin_path)
+    ops = binary.sass_opcodes(binary.sass(pc.cubin_path))
     ptx = pc.ptx
-    show = lambda name, found, note="": A.AuditRow(name, "-", found, True, note)  # noqa: E731
+    show = lambda name, found, note="": binary.AuditRow(name, "-", found, True, note)
     rows = (
         show("compile seconds", round(pc.seconds, 1)),
         show("registers per thread (launch)", res["registers"]),
-        show("spill instructions (STL/LDL)", A.count_prefix(ops, "STL")
-             + A.count_prefix(ops, "LDL")),
+        show("spill instructions (STL/LDL)", binary.count_prefix(ops, "STL")
+             + binary.count_prefix(ops, "LDL")),
         show("stack frame bytes", res["stack"]),
         show("dynamic SMEM bytes", pc.smem_bytes, "SharedStorage struct size"),
-        show("setmaxnreg values", A.setmaxnreg_values(ptx)),
-        show("mbarrier.init", A.ptx_count(ptx, r"\bmbarrier\.init\.")),
-        show("TMEM columns (tcgen05.alloc)", A.tmem_alloc_columns(ptx)),
-        show("tcgen05.mma (PTX)", A.ptx_count(ptx, r"\btcgen05\.mma\.")),
-        show("UTCHMMA (SASS)", A.count_prefix(ops, "UTCHMMA")),
-        show("tcgen05.ld (PTX)", A.ptx_count(ptx, r"\btcgen05\.ld\.")),
-        show("tcgen05.st (PTX)", A.ptx_count(ptx, r"\btcgen05\.st\.")),
-        show("tcgen05.commit (PTX)", A.ptx_count(ptx, r"\btcgen05\.commit\.")),
-        show("MUFU.EX2", A.count_prefix(ops, "MUFU.EX2")),
+        show("setmaxnreg values", binary.setmaxnreg_values(ptx)),
+        show("mbarrier.init", binary.ptx_count(ptx, r"\bmbarrier\.init\.")),
+        show("TMEM columns (tcgen05.alloc)", binary.tmem_alloc_columns(ptx)),
+        show("tcgen05.mma (PTX)", binary.ptx_count(ptx, r"\btcgen05\.mma\.")),
+        show("UTCHMMA (SASS)", binary.count_prefix(ops, "UTCHMMA")),
+        show("tcgen05.ld (PTX)", binary.ptx_count(ptx, r"\btcgen05\.ld\.")),
+        show("tcgen05.st (PTX)", binary.ptx_count(ptx, r"\btcgen05\.st\.")),
+        show("tcgen05.commit (PTX)", binary.ptx_count(ptx, r"\btcgen05\.commit\.")),
+        show("MUFU.EX2", binary.count_prefix(ops, "MUFU.EX2")),
         show("FFMA2 (SASS)", ops["FFMA2"], "packed FMAs: scale/sub and its exp2 polynomial"),
     )
-    return A.Audit(f"upstream flash-attn-4 {pc.version} sm100 forward: "
-                   f"{A._describe(spec)} (non-persistent scheduler)", rows)
+    return binary.Audit(f"upstream flash-attn-4 {pc.version} sm100 forward: "
+                        f"{binary.describe(spec)} (non-persistent scheduler)", rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from fa4lab.hardware import Hardware
+from fa4lab.limits import ELEMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,12 @@ class CostModel:
     def mma_cycles(self, hw: Hardware, m: int, n: int, k: int) -> float:
         return 2.0 * m * n * k / hw.mma_flops_per_cycle
 
-    def mma_op_cycles(self, hw: Hardware, mma, element_bytes: int = 2) -> float:
+    def mma_op_cycles(self, hw: Hardware, mma) -> float:
         """One MmaPlan: its FLOPs at the MMA rate, or the SMEM reads of its operands at the SMEM
         bandwidth, whichever is slower (a 128x128x128 score MMA on B200: 512 and 512)."""
-        smem = (mma.m * mma.k if mma.a_source == "smem" else 0) + (
-            mma.n * mma.k if mma.b_source == "smem" else 0)
-        return max(self.mma_cycles(hw, mma.m, mma.n, mma.k),
-                   self.smem_cycles(hw, smem * element_bytes))
+        smem = (mma.m * mma.k * ELEMENT_BYTES[mma.a_dtype] if mma.a_source == "smem" else 0) + (
+            mma.n * mma.k * ELEMENT_BYTES[mma.b_dtype] if mma.b_source == "smem" else 0)
+        return max(self.mma_cycles(hw, mma.m, mma.n, mma.k), self.smem_cycles(hw, smem))
 
     def softmax_cycles(self, hw: Hardware, scores: int, emulated: float,
                        masked: bool = False) -> float:

@@ -25,7 +25,6 @@ from fa4lab.spec import AttentionSpec
 
 OVERRIDES = ("m_block", "n_block", "q_stage", "kv_stage")
 ARCHS = ("sm100", "sm90")
-RESCALE_THRESHOLD = 8.0   # log2 units: FA4's conditional rescaling (see notebook 01)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import json
 import sys
 
 from fa4lab.errors import PlanError
+from fa4lab.limits import KERNEL_DTYPES
+from fa4lab.plan.plan import ARCHS
 
 EXIT_NO_PLAN = 2
 
@@ -38,7 +40,7 @@ def _recorded(plan) -> dict:
     if plan.arch != "sm90":
         return {}
     try:
-        from fa4lab.bench import latest_record, load_records, recorded_tflops
+        from fa4lab.bench.records import latest_record, load_records, recorded_tflops
         rec = latest_record(load_records(), gpu="H200")
     except Exception:   # records are optional; a broken one is reported by `fa4lab bench`
         return {}
@@ -55,7 +57,7 @@ def _bottleneck(plan, costs, per_block: float) -> dict:
     t, hw = plan.tiles, plan.hardware
     eb = plan.spec.element_bytes
     demand = {
-        "tensor": t.q_stage * sum(costs.mma_op_cycles(hw, m, eb) for m in plan.mmas),
+        "tensor": t.q_stage * sum(costs.mma_op_cycles(hw, m) for m in plan.mmas),
         "exp2 (MUFU/FMA)": t.q_stage * costs.softmax_cycles(
             hw, t.m_block * t.n_block, plan.exp2_emulation_fraction),
         "TMA K+V": costs.tma_cycles(t.n_block * (t.head_dim + t.head_dim_v) * eb),
@@ -303,7 +305,7 @@ def risks(plan) -> list[str]:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("plan", help="the tile/TMEM/role/barrier plan and its simulation",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="sm100", choices=["sm100", "sm90"])
+    p.add_argument("--arch", default="sm100", choices=ARCHS)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=8192, help="seqlen_q (and seqlen_k by default)")
     p.add_argument("--seqlen-k", type=int, default=None)
@@ -312,7 +314,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--dtype", default=KERNEL_DTYPES[0], choices=KERNEL_DTYPES)
     p.add_argument("--n-block", type=int, default=None)
     p.add_argument("--kv-stage", type=int, default=None)
     p.add_argument("--q-stage", type=int, default=None)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200
+from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
-from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
+from fa4lab.plan.plan import Plan
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -32,7 +33,6 @@ Q_STAGE = 2
 KV_STAGE = 3             # K and V share one ring of buffers (K_j, V_j, K_j+1, ...)
 REGISTERS = {"softmax": 192, "correction": 80, "other": 48}
 SOFTMAX_REG_OVERHEAD = 48   # registers a softmax thread needs besides its row of S
-SUPPORTED_HEAD_DIMS = (64, 128)   # what the sm100 kernel builds; the planner plans any that fit
 
 
 # Note [sm100 pack-GQA]
@@ -58,10 +58,11 @@ def _tmem_error(spec, tiles: Tiles, limit: int) -> PlanError:
         why = (f" O alone needs {q}x{dv}={q * dv} columns, so no n_block helps; q_stage=1 "
                f"fits TMEM but keeps one Q tile per CTA and loses the softmax ping-pong.")
     fallback = ""
-    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+    built = KERNEL_HEAD_DIMS["sm100"]   # what the kernel builds; the planner plans any that fit
+    if spec.head_dim not in built:
         fallback = (f" Fallback for head_dim {spec.head_dim}: the Hopper-style design (S, P, O "
                     f"in registers: arch='sm90') or q_stage=1; this lab's sm100 kernel builds "
-                    f"head_dim {', '.join(map(str, SUPPORTED_HEAD_DIMS))}.")
+                    f"head_dim {', '.join(map(str, built))}.")
     return PlanError(
         f"TMEM over budget: S {q}x{n} cols + O {q}x{dv} cols (fp32) = {need} columns > "
         f"{limit} per SM ({need - limit} over) for head_dim {spec.head_dim}.{why}{fallback}")
@@ -83,9 +84,9 @@ def build_tmem(spec, tiles: Tiles, limit: int) -> TmemPlan:
     return TmemPlan(tuple(regions), total, alloc_columns(total), B200.tmem_lanes, limit)
 
 
-def build_barriers(tiles: Tiles) -> BarrierGraph:
+def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
+    """The mbarriers; `eb` is the bytes per element of Q, K and V (the TMA transaction counts)."""
     q, kv = tiles.q_stage, tiles.kv_stage
-    eb = 2
     softmax = ",".join(f"softmax{i}" for i in range(q))
     sm_threads = 32 * 4   # one softmax warpgroup per Q stage; stage i belongs to softmax{i}
     corr_threads = 32 * 4
@@ -182,14 +183,14 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
                         f"{REGISTERS['softmax']}; use n_block <= "
                         f"{REGISTERS['softmax'] - SOFTMAX_REG_OVERHEAD}")
     tmem = build_tmem(spec, tiles, hw.tmem_columns)
-    barriers = build_barriers(tiles)
     eb = spec.element_bytes
+    barriers = build_barriers(tiles, eb)
     regions = (   # the kernel's shared-storage struct declares them in this order
         SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
         SmemRegion("q", m_block * d * eb, q_stage, what="Q tiles, one per Q stage"),
         SmemRegion("kv", n_block * d * eb, kv_stage,
                    what="K/V ring: K_j and V_j take turns in the same buffers"),
-        SmemRegion("stats", m_block * 2 * 4, q_stage, align=16,
+        SmemRegion("stats", m_block * 2 * ELEMENT_BYTES["fp32"], q_stage, align=16,
                    what="softmax -> correction mailbox: rescale factor and row sum per row"),
         SmemRegion("barriers", MBARRIER_BYTES, barriers.mbarrier_count, align=8,
                    what="mbarriers"),
@@ -227,7 +228,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
     hw, t_, tm = plan.hardware, plan.tiles, plan.tmem
     q, S, N, m, n = t_.q_stage, t_.kv_stage, n_blocks, t_.m_block, t_.n_block
     d, dv = t_.head_dim, t_.head_dim_v
-    eb = plan.spec.element_bytes
+    eb, acc_b = plan.spec.element_bytes, ELEMENT_BYTES["fp32"]   # inputs, P; S and O (fp32)
     f = plan.exp2_emulation_fraction
     stages = range(q)
     corr = plan.role("correction").threads
@@ -241,8 +242,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
         return Ref("smem", name, i)
 
     q_bytes, kv_bytes = m * d * eb, n * d * eb
-    qk = costs.mma_op_cycles(hw, plan.mma("score"), eb)
-    pv = costs.mma_op_cycles(hw, plan.mma("value"), eb)
+    qk = costs.mma_op_cycles(hw, plan.mma("score"))
+    pv = costs.mma_op_cycles(hw, plan.mma("value"))
     rescale_at = costs.rescale_blocks(N)
 
     def masked(j):
@@ -329,7 +330,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
             prog = softmax[i]
             for j in range(N):
                 prog += [Wait("s_full", i, t * N + j),
-                         Work(f"ld S{i}", costs.tmem_cycles(m * n * 4), reads=(tref("S", i),))]
+                         Work(f"ld S{i}", costs.tmem_cycles(m * n * acc_b), reads=(tref("S", i),))]
                 if j > 0:   # post the rescale factor early so correction overlaps the exp2
                     post = t * N + j - 1
                     prog += [Wait("stats_empty", i, post - 1),
@@ -345,7 +346,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
                      Arrive("stats_full", i, smx[i])]
 
         # correction warpgroup: rescale O when told, then the epilogue
-        o_bytes = m * dv * 4
+        o_bytes = m * dv * acc_b
         for j in range(1, N):
             for i in stages:
                 correction += [Wait("stats_full", i, t * N + j - 1),

@@ -7,7 +7,8 @@ ping-pong, a ring with three): while one issues its wgmmas the others run their 
 TMEM: `plan.tmem` is None.
 
 The tuning numbers live in the single table `SM90_TUNING` below, keyed by head_dim; the sm90
-kernel reads them only through the plan. Supported head_dim: 64, 128, 256 (== head_dim_v).
+kernel reads them only through the plan. Supported head_dim: those of
+`fa4lab.limits.KERNEL_HEAD_DIMS["sm90"]` (== head_dim_v), one table row each.
 
 `pack_gqa=True` (see Note [sm90 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
+from fa4lab.limits import KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
-from fa4lab.plan.plan import RESCALE_THRESHOLD, Plan
+from fa4lab.plan.plan import Plan
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -69,11 +71,11 @@ def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
     return head_dim_v // 2 + n_block // 2 + n_block // 4 + CONSUMER_REG_OVERHEAD
 
 
-def build_barriers(tiles: Tiles) -> BarrierGraph:
+def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
+    """The mbarriers and named barriers; `eb` is the bytes per element of Q, K and V."""
     q, kv = tiles.q_stage, tiles.kv_stage
     consumers = ",".join(f"consumer{i}" for i in range(q))
     threads = 128 * q
-    eb = 2
     b = [
         Barrier("q_full", "load", consumers, 1, 1, tiles.cta_m * tiles.head_dim * eb, PHASE_FULL,
                 "the CTA's Q rows (both consumers' tiles, one TMA) landed before any wgmma "
@@ -116,9 +118,10 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                pack_gqa: bool = False) -> Plan:
     hw = H200
     d, dv = spec.head_dim, spec.head_dim_v
-    if d != dv or d not in SM90_TUNING:
-        raise PlanError(f"sm90 plans head_dim 64, 128 or 256 with head_dim_v == head_dim "
-                        f"(got {d}, {dv})")
+    dims = KERNEL_HEAD_DIMS["sm90"]
+    if d != dv or d not in dims:
+        raise PlanError(f"sm90 plans head_dim {', '.join(map(str, dims[:-1]))} or {dims[-1]} "
+                        f"with head_dim_v == head_dim (got {d}, {dv})")
     tuning = SM90_TUNING[d]
     n_block = tuning.n_block if n_block is None else n_block
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
@@ -147,8 +150,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
             f"registers: a consumer thread holds O ({dv // 2}), S ({n_block // 2}), P "
             f"({n_block // 4}) + ~{CONSUMER_REG_OVERHEAD} = {need} > setmaxnreg "
             f"{consumer_regs} with {q_stage} consumers; lower n_block or q_stage")
-    barriers = build_barriers(tiles)
     eb = spec.element_bytes
+    barriers = build_barriers(tiles, eb)
     q_region = SmemRegion("q", m_block * d * eb, q_stage, what="Q tile per consumer")
     regions = [
         q_region,
@@ -197,8 +200,8 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
     o_region = plan.smem.region("o")
     turn = Ref("turn", "tensor-core turn", 0)
     rescale_at = costs.rescale_blocks(N)
-    qk = costs.mma_op_cycles(hw, plan.mma("score"), eb)
-    pv = costs.mma_op_cycles(hw, plan.mma("value"), eb)
+    qk = costs.mma_op_cycles(hw, plan.mma("score"))
+    pv = costs.mma_op_cycles(hw, plan.mma("value"))
 
     def sref(name, i):
         if name == "o" and o_region.alias_of:

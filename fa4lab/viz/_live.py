@@ -12,10 +12,10 @@ from __future__ import annotations
 import base64
 import html as _html
 import io
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 
@@ -38,10 +38,18 @@ def subplots(*args, figsize=None, dpi=None, **kwargs):
     return fig, fig.subplots(*args, **kwargs)
 
 
+def close(fig) -> None:
+    """Release `fig` from pyplot's figure list if it is there. fa4lab builds its figures without
+    pyplot (and never imports it or picks a backend): the notebook's own backend shows them."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close(fig)
+
+
 def figure_png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    close(fig)
     return buf.getvalue()
 
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import html
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from fa4lab.errors import PlanError  # noqa: E402
-from fa4lab.viz._live import LiveFigure, View, subplots  # noqa: E402
+from fa4lab.errors import PlanError
+from fa4lab.limits import ALL_HEAD_DIMS
+from fa4lab.plan.plan import ARCHS
+from fa4lab.viz._live import LiveFigure, View, close, subplots
 
 ROLE_COLORS = {
     "softmax0": "#1f77b4", "softmax1": "#17becf", "correction": "#9467bd", "mma": "#d62728",
@@ -335,7 +333,8 @@ def tmem_widget(*, head_dim=128, n_block=128, q_stage=2) -> LiveFigure:
 
     style = {"description_width": "initial"}
     controls = {
-        "head_dim": w.Dropdown(options=[64, 128, 256], value=head_dim, description="head_dim",
+        "head_dim": w.Dropdown(options=list(ALL_HEAD_DIMS), value=head_dim,
+                               description="head_dim",
                                style=style),
         "n_block": w.Dropdown(options=[32, 64, 96, 128, 160, 192, 256], value=n_block,
                               description="n_block", style=style),
@@ -365,9 +364,9 @@ def timeline_widget(*, arch="sm100", head_dim=128, kv_stage=3, n_blocks=6,
 
     style = {"description_width": "initial"}
     controls = {
-        "arch": w.Dropdown(options=["sm100", "sm90"], value=arch, description="arch",
-                           style=style),
-        "head_dim": w.Dropdown(options=[64, 128, 256], value=head_dim, description="head_dim",
+        "arch": w.Dropdown(options=list(ARCHS), value=arch, description="arch", style=style),
+        "head_dim": w.Dropdown(options=list(ALL_HEAD_DIMS), value=head_dim,
+                               description="head_dim",
                                style=style),
         "kv_stage": w.Dropdown(options=[2, 3, 4], value=kv_stage, description="kv_stage",
                                style=style),
@@ -411,7 +410,7 @@ def _stack(*figs):
     for f in figs:
         buf = io.BytesIO()
         f.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-        plt.close(f)
+        close(f)
         buf.seek(0)
         images.append(mpimg.imread(buf))
     width = max(im.shape[1] for im in images)
@@ -433,12 +432,11 @@ def mutation_widget(*, arch="sm100", drop=NO_MUTATION, mutation="drop") -> LiveF
 
     from fa4lab.plan import plan_forward
 
-    names = sorted({b.name for a in ("sm100", "sm90")
+    names = sorted({b.name for a in ARCHS
                     for b in plan_forward(_spec(128), a).barriers.barriers})
     style = {"description_width": "initial"}
     controls = {
-        "arch": w.Dropdown(options=["sm100", "sm90"], value=arch, description="arch",
-                           style=style),
+        "arch": w.Dropdown(options=list(ARCHS), value=arch, description="arch", style=style),
         "drop": w.Dropdown(options=[NO_MUTATION] + names, value=drop,
                            description="remove barrier", style=style),
         "mutation": w.Dropdown(options=[("waits and arrivals", "drop"),

@@ -13,11 +13,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from fa4lab.limits import EXP2_POLY3_MAX_REL_ERROR, RESCALE_THRESHOLD
 from fa4lab.online_softmax import (
-    EXP2_POLY3_MAX_REL_ERROR,
     MISTAKES,
     OnlineTrace,
     exp2_poly3,
+    fit_exp2_poly3,
     online_attention,
 )
 from fa4lab.viz._live import LiveFigure, View, subplots
@@ -91,10 +92,11 @@ def plot_exp2_poly3_error(samples: int = 4096):
     x = np.linspace(-2.0, 1.0, samples, endpoint=False).astype(np.float32)
     exact = np.exp2(x.astype(np.float64))
     rel = exp2_poly3(x).astype(np.float64) / exact - 1.0
-    pinned = exp2_poly3(x, exact_at_zero=True).astype(np.float64) / exact - 1.0
+    free = exp2_poly3(x, fit_exp2_poly3()).astype(np.float64) / exact - 1.0
     fig, ax = subplots(figsize=(7, 3.2))
-    ax.plot(x, rel, lw=1, label="exp2_poly3 (float32, 3 FMAs + exponent add)")
-    ax.plot(x, pinned, lw=1, alpha=0.7, label="exact_at_zero=True (p(0) = 1, sm100 kernel)")
+    ax.plot(x, rel, lw=1, label="exp2_poly3 (float32, 3 FMAs + exponent add; p(0) = 1, "
+                                "the sm100 kernel's coefficients)")
+    ax.plot(x, free, lw=1, alpha=0.7, label="the free minimax fit (c0 not pinned)")
     for y in (EXP2_POLY3_MAX_REL_ERROR, -EXP2_POLY3_MAX_REL_ERROR):
         ax.axhline(y, color="C3", ls="--", lw=1)
     ax.text(0.01, 0.03, f"for scale: rounding P to bf16 costs up to 2^-8 = {2.0**-8:.1e}, "
@@ -115,7 +117,7 @@ class BlockStepper(LiveFigure):
     output (as if the keys ended there) against the final output."""
 
     def __init__(self, q, k, v, *, block_n: int = 32, causal: bool = False,
-                 rescale_threshold: float = 8.0, rows: Sequence[int] = (0, 1, 2, 3),
+                 rescale_threshold: float = RESCALE_THRESHOLD, rows: Sequence[int] = (0, 1, 2, 3),
                  batch: int = 0, head: int = 0):
         import ipywidgets as widgets
 

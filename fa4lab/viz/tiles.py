@@ -14,14 +14,14 @@ from __future__ import annotations
 import html
 
 import matplotlib
+import numpy as np
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import ListedColormap, Normalize
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from fa4lab.tiling import (  # noqa: E402
+from fa4lab.hardware import B200, H200
+from fa4lab.tiling import (
     SCHEDULERS,
     CostModel,
     Schedule,
@@ -33,7 +33,7 @@ from fa4lab.tiling import (  # noqa: E402
     schedule,
     unpack_gqa_row,
 )
-from fa4lab.viz._live import LiveFigure, View, subplots  # noqa: E402
+from fa4lab.viz._live import LiveFigure, View, subplots
 
 __all__ = [
     "SCHEDULER_COLORS",
@@ -95,8 +95,8 @@ def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
     handles = [Patch(color=TILE_COLORS[k], label=f"{_TILE_MEANING[k]} ({counts[k.name]})")
                for k in TileKind]
     if tiles.causal:
-        handles.append(plt.Line2D([], [], color="#b00020", label="causal diagonal"))
-    handles.append(plt.Line2D([], [], color="k", ls="--", label="seqlen bounds"))
+        handles.append(Line2D([], [], color="#b00020", label="causal diagonal"))
+    handles.append(Line2D([], [], color="k", ls="--", label="seqlen bounds"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
               fontsize=8, frameon=False)
     ax.set_title(title or (f"seqlen_q={tiles.seqlen_q}, seqlen_k={tiles.seqlen_k}, "
@@ -112,7 +112,7 @@ def gqa_figure(heads_q: int, heads_kv: int, *, seqlen_q: int = 4, max_rows: int 
     group = gqa_group_size(heads_q, heads_kv)
     fig, (ax0, ax1) = subplots(1, 2, figsize=(9.0, 4.2),
                                    gridspec_kw={"width_ratios": [1.3, 1.0]})
-    colors = plt.get_cmap("tab10")
+    colors = matplotlib.colormaps["tab10"]
     yq = np.linspace(1, 0, heads_q) if heads_q > 1 else np.array([0.5])
     yk = np.linspace(1, 0, heads_kv) if heads_kv > 1 else np.array([0.5])
     for h in range(heads_q):
@@ -139,7 +139,7 @@ def gqa_figure(heads_q: int, heads_kv: int, *, seqlen_q: int = 4, max_rows: int 
         q_head, pos = unpack_gqa_row(0, r, heads_q=heads_q, heads_kv=heads_kv,
                                      seqlen_q=seqlen_q)
         shade = 0.35 + 0.65 * (q_head + 1) / group
-        ax1.add_patch(plt.Rectangle((0, r), 1, 1, color=colors(0), alpha=shade))
+        ax1.add_patch(Rectangle((0, r), 1, 1, color=colors(0), alpha=shade))
         ax1.text(0.5, r + 0.5, f"row {r}: q{q_head}, pos {pos}", ha="center", va="center",
                  fontsize=8)
     ax1.set_xlim(0, 1)
@@ -167,7 +167,7 @@ def schedule_gantt_figure(sched: Schedule, *, max_sms: int = 24, ax=None, color_
     position = {s: i for i, s in enumerate(rows)}
     col = {"m_block": 2, "head": 1, "batch": 0}[color_by]
     values = sched.order[:, col]
-    cmap = plt.get_cmap("viridis")
+    cmap = matplotlib.colormaps["viridis"]
     vmax = max(int(values.max()), 1) if values.size else 1
     keep = np.isin(sched.sm, rows)
     y = np.array([position[s] for s in sched.sm[keep]])
@@ -183,7 +183,7 @@ def schedule_gantt_figure(sched: Schedule, *, max_sms: int = 24, ax=None, color_
     ax.set_xlabel("time (units of one unmasked K/V block)")
     ax.set_title(f"{sched.name}: makespan {sched.makespan:.1f}, efficiency "
                  f"{sched.efficiency:.1%} (colour: {color_by})", fontsize=10)
-    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, vmax))
+    sm = ScalarMappable(cmap=cmap, norm=Normalize(0, vmax))
     fig.colorbar(sm, ax=ax, label=color_by, pad=0.01)
     ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
     fig.tight_layout()
@@ -275,7 +275,7 @@ def _schedule_view(scheduler, batch, heads, seqlen, m_block_size, causal, num_sm
 
 
 def schedule_widget(*, scheduler="lpt", batch=2, heads=16, seqlen=8192, m_block_size=256,
-                    causal=True, num_sms=148, masked_block_cost=1.25,
+                    causal=True, num_sms=B200.num_sms, masked_block_cost=1.25,
                     max_sms=24) -> LiveFigure:
     """Pick a scheduler and a shape; see the per-SM Gantt chart and all makespans."""
     import ipywidgets as w
@@ -291,7 +291,8 @@ def schedule_widget(*, scheduler="lpt", batch=2, heads=16, seqlen=8192, m_block_
         "m_block_size": w.Dropdown(options=[64, 128, 256], value=m_block_size,
                                    description="m_block (CTA rows)", style=style),
         "causal": w.Checkbox(causal, description="causal"),
-        "num_sms": w.Dropdown(options=[("B200 (148)", 148), ("H200 (132)", 132), ("16", 16)],
+        "num_sms": w.Dropdown(options=[(f"B200 ({B200.num_sms})", B200.num_sms),
+                                       (f"H200 ({H200.num_sms})", H200.num_sms), ("16", 16)],
                               value=num_sms, description="SMs", style=style),
         "masked_block_cost": w.FloatSlider(masked_block_cost, min=1.0, max=3.0, step=0.05,
                                            description="masked block cost", style=style),
