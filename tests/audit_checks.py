@@ -23,4 +23,8 @@ def compile_and_audit(plan, arch: str, keep_dir):
     assert result.ok, [f"{r.name}: expected {r.expected}, found {r.found}"
                        for r in result.failures()]
     assert result.row("mbarrier.init").found == plan.barriers.mbarrier_count
+    # The barrier protocol rows are there, one sequence row per code path of the table.
+    names = {r.name for r in result.rows}
+    assert {f"protocol: {p}" for p in plan.protocol.paths()} <= names
+    assert {"markers claim their barrier op", "unclaimed barrier instructions"} <= names
     return cf

@@ -34,6 +34,16 @@ def test_sm100_defaults_are_fa4():
     assert p.rescale_threshold == 8.0
     assert 0 < p.exp2_emulation_fraction < 1
     assert p.smem.total_bytes <= B200.smem_per_cta
+    # SMEM as the kernel's SharedStorage declares it: tiles, mailbox, mbarriers, TMEM address.
+    off = p.smem.offsets()
+    assert [r.name for r in p.smem.regions] == ["q", "kv", "o", "stats", "barriers", "tmem_ptr"]
+    assert (off["q"], off["kv"], off["o"]) == (0, 2 * 32768, 5 * 32768)
+    bars = p.barrier_offsets()
+    assert bars["q_full"] == off["barriers"] and bars["q_empty"] == off["barriers"] + 16
+    assert list(bars)[-1] == "o_empty" and bars["o_empty"] == off["barriers"] + 8 * 24
+    # What the compiled kernel's mbarrier.init addresses read (hd128, bf16): q_full at 231424.
+    assert off["barriers"] == 231424 and bars["o_empty"] == 231616
+    assert p.barriers.barrier("tmem").arrive_count == 416   # bar.sync 1, 416: 13 warps
     score, value = p.mma("score"), p.mma("value")
     assert (score.m, score.n, score.k, score.out) == (128, 128, 128, "tmem")
     assert (value.m, value.n, value.k, value.a_source) == (128, 128, 128, "tmem")
@@ -48,8 +58,9 @@ def test_sm90_defaults_are_fa3_style():
     assert p.mma("value").a_source == "rmem"
     assert plan_forward(spec(256), "sm90").tiles.n_block == 80
     assert plan_forward(spec(64), "sm90").smem.total_bytes <= H200.smem_per_cta
-    named = [b for b in p.barriers.barriers if b.kind == "named"]
-    assert len(named) == 2
+    named = {b.name: b.named_id for b in p.barriers.barriers if b.kind == "named"}
+    # The kernel's ids: each consumer's epilogue (1, 2), the ping-pong turns (4, 5).
+    assert named == {"epilogue0": 1, "epilogue1": 2, "mma_turn0": 4, "mma_turn1": 5}
     assert p.barriers.mbarrier_count == sum(b.stages for b in p.barriers.barriers
                                             if b.kind == "mbarrier")
 
@@ -106,8 +117,8 @@ def _check_invariants(p: Plan):
         # Arrivals per phase match who arrives: one elected thread (TMA, tcgen05.commit) or
         # every thread of one producer role (one role per stage); named barriers count both
         # warpgroups.
-        if b.kind == "named":
-            assert b.arrive_count == roles[b.producer].threads + roles[b.consumer].threads
+        if b.kind == "named":   # every thread of every role that syncs or arrives
+            assert b.arrive_count == sum(roles[n].threads for n in {*b.producers, *b.consumers})
         elif b.arrive_count != 1:
             expected = (roles[b.producers[0]].threads if b.per_role_stage
                         else sum(roles[n].threads for n in b.producers))

@@ -37,14 +37,37 @@ def plan(arch, hd, **kw):
     return plan_forward(spec(hd), arch, **kw)
 
 
+def dangling(p) -> dict:
+    """Arrivals the kernel leaves on a barrier at exit. sm90's ping-pong: the ring's last
+    consumer passes the turn once at the start and after each of its N turns, consumer0 takes
+    N turns, so one pass (128 threads) on mma_turn0 is never taken."""
+    return {"mma_turn0[0]": (128, 0)} if p.arch == "sm90" and p.tiles.q_stage >= 2 else {}
+
+
+def unguarded(p) -> set[str]:
+    """Barriers whose removal a one-tile simulation cannot notice, read off the table: those
+    only ever waited on their released first phase (they order successive work tiles; the
+    kernels run one per CTA), and those a role syncs with itself (its warps' order, while the
+    simulator runs a role as one agent)."""
+    own = {b.name for b in p.barriers.barriers if set(b.producers) == set(b.consumers)}
+    return p.protocol.first_use_only(p.tiles.q_stage) | own
+
+
 @pytest.mark.parametrize("arch,hd", SUPPORTED)
-@pytest.mark.parametrize("n_blocks,n_tiles", [(1, 1), (2, 3), (5, 2), (9, 1)])
-def test_unmutated_graph_runs_clean(arch, hd, n_blocks, n_tiles):
-    r = simulate(plan(arch, hd), n_blocks, n_tiles)
+@pytest.mark.parametrize("n_blocks,masked", [(1, 1), (2, 0), (5, 2), (9, 1)])
+def test_unmutated_graph_runs_clean(arch, hd, n_blocks, masked):
+    p = plan(arch, hd)
+    r = simulate(p, n_blocks, masked_blocks=masked)
     assert r.ok, r.summary()
-    # Every phase that was started was finished: arrivals match arrive_count exactly.
-    assert r.leftover == {}, r.leftover
+    # Every phase that was started was finished (arrivals match arrive_count exactly), but for
+    # the kernel's one known dangling arrive.
+    assert r.leftover == dangling(p), r.leftover
     assert r.cycles > 0
+
+
+def test_unguarded_barriers_are_the_tile_boundary_and_intra_role_ones():
+    assert unguarded(plan("sm100", 128)) == {"q_empty", "o_empty"}
+    assert unguarded(plan("sm90", 64)) == {"epilogue0", "epilogue1", "epilogue2"}
 
 
 @pytest.mark.parametrize("arch,hd", [("sm100", 128), ("sm90", 128)])
@@ -71,16 +94,13 @@ ALL_EDGES = [e for a, h in SUPPORTED for e in _edges(a, h)]
 
 @pytest.mark.parametrize("arch,hd,barrier", ALL_EDGES)
 def test_removing_any_edge_is_caught(arch, hd, barrier):
-    """Drop the barrier (its waits and arrivals): the simulator must see a hazard or deadlock."""
-    assert edge_check(plan(arch, hd), barrier), f"removing {barrier} went unnoticed"
-
-
-def test_q_empty_needs_short_tiles_to_show():
-    # With a two-buffer ring, long tiles order the next Q load through kv_empty; a one-block
-    # tile does not, so the edge is necessary (see edge_check's docstring).
-    p = plan("sm100", 128, kv_stage=2)
-    assert simulate(p, 6, 2, drop="q_empty").ok
-    assert not simulate(p, 1, 2, drop="q_empty").ok
+    """Drop the barrier (its waits and arrivals): the simulator must see a hazard or deadlock,
+    unless the table says no one-tile run can (`unguarded`): then it must see nothing."""
+    p = plan(arch, hd)
+    if barrier in unguarded(p):
+        assert edge_check(p, barrier) == ""
+    else:
+        assert edge_check(p, barrier), f"removing {barrier} went unnoticed"
 
 
 @settings(max_examples=12, deadline=None)
@@ -94,16 +114,20 @@ def test_every_plan_variant_is_clean_and_minimal(arch, hd, n_block, q_stage, kv_
     except PlanError:
         return
     for n in (1, 4):
-        r = simulate(p, n, 2)
-        assert r.ok and r.leftover == {}, r.summary()
+        r = simulate(p, n, masked_blocks=1 if causal else 0)
+        assert r.ok and r.leftover == dangling(p), r.summary()
     checks = mutation_check(p)
-    assert all(checks.values()), {k: v for k, v in checks.items() if not v}
+    assert {k for k, v in checks.items() if not v} == unguarded(p), checks
 
 
 @pytest.mark.parametrize("arch,hd,barrier", ALL_EDGES)
 def test_missing_arrivals_deadlock(arch, hd, barrier):
-    r = simulate(plan(arch, hd), 4, 2, drop=barrier, mutation="drop_arrive")
-    assert r.deadlock and any(barrier in line for line in r.deadlock), r.summary()
+    p = plan(arch, hd)
+    r = simulate(p, 4, drop=barrier, mutation="drop_arrive")
+    if barrier in p.protocol.first_use_only(p.tiles.q_stage):
+        assert r.ok, r.summary()   # no wait ever needs an arrival on it
+    else:
+        assert r.deadlock and any(barrier in line for line in r.deadlock), r.summary()
 
 
 @pytest.mark.parametrize("name,factor", [("p_ready", 2), ("kv_full", 2), ("stats_full", 2)])
@@ -111,7 +135,7 @@ def test_wrong_arrive_count_is_caught(name, factor):
     p = plan("sm100", 128)
     bars = tuple(dataclasses.replace(b, arrive_count=b.arrive_count * factor)
                  if b.name == name else b for b in p.barriers.barriers)
-    r = simulate(dataclasses.replace(p, barriers=BarrierGraph(bars)), 4, 2)
+    r = simulate(dataclasses.replace(p, protocol=p.protocol.with_barriers(BarrierGraph(bars))), 4)
     assert r.deadlock
 
 
@@ -119,7 +143,7 @@ def test_too_few_arrivals_expected_is_caught():
     p = plan("sm100", 128)
     bars = tuple(dataclasses.replace(b, arrive_count=b.arrive_count // 2)
                  if b.name == "p_ready" else b for b in p.barriers.barriers)
-    r = simulate(dataclasses.replace(p, barriers=BarrierGraph(bars)), 4, 2)
+    r = simulate(dataclasses.replace(p, protocol=p.protocol.with_barriers(BarrierGraph(bars))), 4)
     assert not r.ok
 
 

@@ -12,7 +12,11 @@ What is checked (each an `AuditRow(name, expected, found, ok)`; any `ok=False` i
     plan's MMA shapes; mbarrier.init count vs plan.barriers.mbarrier_count; setmaxnreg values vs
     the plan's role registers; MUFU.EX2 vs polynomial exp2 (SASS) vs
     plan.exp2_emulation_fraction; tcgen05.ld / st / commit counts (shown);
-  * sm90a: wgmma count, setmaxnreg, mbarrier inits, registers, spills, SMEM.
+  * sm90a: wgmma count, setmaxnreg, mbarrier inits, registers, spills, SMEM;
+  * both: the barrier protocol against `plan.protocol` (`protocol_rows`, see Note [protocol
+    audit]): mbarrier inits (offset, count), every marker claims its op (opcode, address),
+    every barrier instruction is claimed, each code path's op sequence and loops, named
+    barriers (id, threads, unaligned), SMEM region offsets.
 For sm100a, where flash-attn-4 imports, its sm100 forward compiled the same way is audited side
 by side (`--no-peer` skips it); otherwise the audit says "flash-attn-4 not installed".
 
@@ -23,20 +27,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import Counter
 
 from fa4lab.kernels.binary import (
     Audit,
     AuditRow,
+    barrier_ops,
     count_ffma_immediate,
     count_prefix,
     describe,
+    mbarrier_inits,
+    program_order,
     ptx_count,
+    ptx_loops,
     ptxas_report,
     resource_usage,
     sass,
     sass_opcodes,
     setmaxnreg_values,
+    smem_operand_offsets,
     spills_in,
     steady_loop,
     tmem_alloc_columns,
@@ -50,7 +60,7 @@ from fa4lab.limits import (
 )
 
 __all__ = ["Audit", "AuditRow", "audit", "audit_compiled", "audit_sm100", "audit_sm90",
-           "smem_gap_is_alignment"]
+           "protocol_rows", "smem_gap_is_alignment"]
 
 
 def _row(name, expected, found, ok=None, note=""):
@@ -63,6 +73,207 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
     align = max(r.align for r in plan.smem.regions)
     rounded = -(-plan.smem.total_bytes // align) * align
     return struct_bytes != plan.smem.total_bytes and struct_bytes == rounded
+
+
+# ---------------------------------------------------------------- the barrier protocol
+# Note [protocol audit]
+# What the PTX proves about the kernel, table row by table row. Every barrier op the kernel
+# issues is preceded by a marker naming it (Note [protocol markers] in
+# fa4lab.kernels.protocol); the markers are the kernel's claim, the instructions after them the
+# evidence. A run of markers claims, in order, the barrier instructions that follow it before
+# the next marker: each must have the opcode of its kind (wait: mbarrier.try_wait, arrive:
+# mbarrier.arrive, expect_tx: mbarrier.arrive.expect_tx, commit: tcgen05.commit, sync /
+# named_arrive: the unaligned barrier.sync / barrier.arrive) and an address inside that
+# barrier's stages (its exact stage where the marker names one and the address is a
+# constant); a barrier instruction no marker claims fails (bar.sync 0, the CTA-wide setup
+# barrier, is shown apart). The markers of each code path, read in an order that follows the
+# control flow (`binary.program_order`), must be the table's sites in order, and a marker is
+# inside a PTX loop exactly when its site is inside a table loop, one PTX loop per table loop.
+_OPCODES = {"wait": ("mbarrier.try_wait", "mbarrier.test_wait"),
+            "arrive": ("mbarrier.arrive",), "expect_tx": ("mbarrier.arrive.expect_tx",),
+            "commit": ("tcgen05.commit",), "sync": ("barrier.sync",),
+            "named_arrive": ("barrier.arrive",)}
+
+
+def _family(plan, name: str):
+    """The barriers a marker's name covers: one, or a template's family ("epilogue{c}")."""
+    if "{" in name:
+        head = name.split("{")[0]
+        return [b for b in plan.barriers.barriers
+                if b.name.startswith(head) and b.name[len(head):].isdigit()]
+    return [b for b in plan.barriers.barriers if b.name == name]
+
+
+def _claim_problem(plan, offsets, marker, op) -> str:
+    """Why `op` is not the instruction `marker` announces ("" when it is)."""
+    path, kind, name, stage = marker
+    who = f"{path}: {kind} {name}[{stage}]"
+    fam = _family(plan, name)
+    if not fam:
+        return f"{who}: no such barrier in the table"
+    if op is None:
+        return f"{who}: no barrier instruction follows the marker"
+    if op.kind != kind or not op.opcode.startswith(_OPCODES[kind]) or (
+            kind == "expect_tx") != op.opcode.startswith("mbarrier.arrive.expect_tx"):
+        return f"{who}: the next barrier instruction is {op.opcode}"
+    b = fam[0]
+    if b.kind == "named":
+        if op.opcode.startswith("bar.") or ".aligned" in op.opcode:
+            return f"{who}: {op.opcode} is the aligned form; role branches need barrier.sync"
+        ids = {x.named_id for x in fam}
+        if op.named_id is not None and op.named_id not in ids:
+            return f"{who}: barrier id {op.named_id}, the table has {sorted(ids)}"
+        if op.threads != b.arrive_count:
+            return f"{who}: {op.threads} threads, the table has {b.arrive_count}"
+        return ""
+    lo = offsets[b.name]
+    hi = lo + 8 * b.stages
+    if op.offset is None or not lo <= op.offset < hi:
+        return f"{who}: address {op.offset} is outside {b.name}'s bytes [{lo}, {hi})"
+    if stage != "ring" and not op.dynamic and op.offset != lo + 8 * int(stage):
+        return f"{who}: address {op.offset} is stage {(op.offset - lo) // 8}, not {stage}"
+    return ""
+
+
+def protocol_rows(plan, ptx: str) -> list[AuditRow]:
+    """The binary's barriers against `plan.protocol` (Note [protocol audit])."""
+    rows = []
+    offsets = plan.barrier_offsets()
+    # (a) inits: offset and arrival count of every stage, in the table's order.
+    inits = sorted(mbarrier_inits(ptx), key=lambda x: (x[0] is None, x[0] or 0))
+    found = dict(inits)
+    for b in plan.barriers.barriers:
+        if b.kind != "mbarrier":
+            continue
+        want = [(offsets[b.name] + 8 * s, b.arrive_count) for s in range(b.stages)]
+        got = [(off, found.get(off)) for off, _ in want]
+        rows.append(_row(f"init {b.name}", want, got,
+                         note=f"mbarrier.init (SMEM offset, arrivals); {b.producer} -> "
+                              f"{b.consumer}"))
+    rows.append(_row("mbarrier.init at table offsets", len(inits),
+                     sum(1 for off, _ in inits if off in {o + 8 * s for b in plan.barriers.barriers
+                                                          if b.kind == "mbarrier"
+                                                          for o in [offsets[b.name]]
+                                                          for s in range(b.stages)}),
+                     note="every init is one of the table's barrier stages"))
+    # (b, c) markers claim the instructions that follow them; every instruction is claimed.
+    ops = barrier_ops(ptx)
+    claims, unclaimed, setup = [], [], 0
+    run: list = []
+    for op in ops + [None]:
+        if op is not None and op.kind == "marker":
+            if run and run[-1][1] is not None:
+                run = []
+            run.append([op.marker, None])
+            continue
+        pending = [r for r in run if r[1] is None]
+        if op is None:
+            claims += [(m, None) for m, _ in pending]
+            break
+        if pending:
+            pending[0][1] = op
+            claims.append((pending[0][0], op))
+        elif op.kind == "sync" and op.named_id == 0:
+            setup += 1
+        else:
+            unclaimed.append(op)
+    problems = [p for m, op in claims if (p := _claim_problem(plan, offsets, m, op))]
+    rows.append(_row("markers claim their barrier op", 0, len(problems),
+                     note="; ".join(problems[:4]) or f"{len(claims)} markers: opcode, address, "
+                                                      f"named id / threads / unaligned"))
+    rows.append(_row("unclaimed barrier instructions", 0, len(unclaimed),
+                     note="; ".join(f"line {o.line + 1}: {o.opcode} @{o.offset}"
+                                    for o in unclaimed[:4])
+                     or f"besides {setup} bar.sync 0 (CTA-wide setup)"))
+    # (d) each code path: its ops in control-flow order and their loops.
+    rank = {line: k for k, line in enumerate(program_order(ptx))}
+    loops = ptx_loops(ptx)
+    q = plan.tiles.q_stage
+    markers = sorted((o for o in ops if o.kind == "marker"), key=lambda o: rank.get(o.line, -1))
+    for path in plan.protocol.paths():
+        want = plan.protocol.sites(path, q, folded=True)
+        got = [o for o in markers if o.marker[0] == path]
+        rows.append(_sequence_row(path, want, got, loops))
+    stray = sorted({o.marker[0] for o in markers} - set(plan.protocol.paths()))
+    if stray:
+        rows.append(_row("markers of unknown code paths", [], stray))
+    # (f) SMEM regions: where the TMA writes each tile, stores O from, tcgen05.alloc writes.
+    rows += _smem_rows(plan, ptx, offsets)
+    return rows
+
+
+def _sequence_row(path, want, got, loops) -> AuditRow:
+    def text(site):
+        return str(site)
+
+    exp = [text(s) for s in want]
+    fnd = [f"{k} {b}[{st if st == 'ring' else int(st)}]" for _, k, b, st in
+           (o.marker for o in got)]
+    fnd_sites = [f.replace("[ring]", "[ring]") for f in fnd]
+    exp_norm = [e for e in exp]
+    note = f"{len(exp)} ops in order"
+    ok = fnd_sites == exp_norm
+    if not ok:
+        k = next((i for i, (a, b) in enumerate(zip(exp_norm, fnd_sites)) if a != b),
+                 min(len(exp_norm), len(fnd_sites)))
+        e = exp_norm[k] if k < len(exp_norm) else "(end)"
+        f = fnd_sites[k] if k < len(fnd_sites) else "(end)"
+        note = f"{path} op {k}: the binary has {f}, the table has {e}"
+    else:
+        # Loops: a site in table loop L <-> its marker in one PTX loop, distinct per L.
+        pairs = {}
+        for site, o in zip(want, got):
+            ptx_loop = loops.get(o.line)
+            if (site.loop is None) != (ptx_loop is None):
+                ok = False
+                where = "inside" if ptx_loop else "outside"
+                note = (f"{path}: {site} is {where} a loop in the binary, "
+                        f"{'outside' if site.loop is None else 'inside'} one in the table")
+                break
+            if site.loop is not None:
+                pairs.setdefault(site.loop, set()).add(ptx_loop)
+        if ok:
+            mapped = [next(iter(v)) for v in pairs.values() if len(v) == 1]
+            if len(mapped) != len(pairs) or len(set(mapped)) != len(mapped):
+                ok = False
+                note = f"{path}: the table's loops {sorted(pairs)} are not one PTX loop each"
+            else:
+                note += f", {len(pairs)} loop(s) matched"
+    return AuditRow(f"protocol: {path}", f"{len(exp)} ops", f"{len(fnd)} ops", ok, note)
+
+
+def _smem_rows(plan, ptx, offsets) -> list[AuditRow]:
+    regions = plan.smem.offsets()
+    by_offset = {offsets[b.name] + 8 * s: b.name for b in plan.barriers.barriers
+                 if b.kind == "mbarrier" for s in range(b.stages)}
+    lines = re.findall(r"^\s*(?:@!?%\w+\s+)?cp\.async\.bulk\.tensor\S*shared::\w+\.global"
+                       r"\S*\s+([^;]*);", ptx, re.M)
+    from fa4lab.kernels.binary import SmemAddresses
+
+    addr = SmemAddresses(ptx)
+    found: dict[str, int] = {}
+    for operands in lines:
+        br = re.findall(r"\[[^\]]*\]", operands)
+        dst, bar = addr.operand(br[0]), addr.operand(br[-1])
+        name = by_offset.get(bar[0]) if bar else None
+        if dst and name and name.endswith("_full"):
+            region = name[: -len("_full")]
+            found[region] = min(found.get(region, dst[0]), dst[0])
+    stores = smem_operand_offsets(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", 1)
+    if stores:
+        found["o"] = min(off for off, _ in stores)
+    found["barriers"] = min(offsets.values()) if False else min(
+        (off for off, _ in mbarrier_inits(ptx) if off is not None), default=-1)
+    alloc = smem_operand_offsets(ptx, r"tcgen05\.alloc", 0)
+    if alloc:
+        found["tmem_ptr"] = alloc[0][0]
+    rows = []
+    for r in plan.smem.regions:
+        if r.name in found:
+            rows.append(_row(f"SMEM offset {r.name}", regions[r.name], found[r.name],
+                             note="TMA destination / store source / mbarrier.init / "
+                                  "tcgen05.alloc address in the PTX"))
+    return rows
 
 
 # ---------------------------------------------------------------- audits
@@ -98,6 +309,7 @@ def _common_rows(cf, ops: Counter, use_ptxas: bool, sass_text: str) -> list[Audi
     else:  # the sm90 kernel's consumer warpgroups share one branch
         rows.append(_row("setmaxnreg values (distinct)",
                          sorted({r.registers for r in plan.roles}), sorted(set(found_nreg))))
+    rows += protocol_rows(plan, cf.ptx)
     if use_ptxas:
         rep = ptxas_report(cf.ptx_path, cf.arch)
         spilled = rep["spill_stores"] + rep["spill_loads"]

@@ -243,3 +243,278 @@ def excerpt(text: str, pattern: str, before: int = 2, after: int = 4, max_width:
     out = [ln if len(ln) <= max_width else ln[: max_width - 3] + "..."
            for ln in lines[max(i - before, 0): i + after + 1]]
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------- barrier protocol in the PTX
+# See Note [protocol markers] in fa4lab.kernels.protocol: every barrier op of fa4lab's kernels
+# is announced by a comment "// fa4lab-proto <path> <kind> <barrier>[<stage>]" right before it.
+_MARKER = re.compile(r"//\s*fa4lab-proto\s+(\S+)\s+(\S+)\s+(\S+)\[(\w+)\]")
+_BARRIER_OP = re.compile(
+    r"^\s*(?:@!?%\w+\s+)?(mbarrier\.try_wait\S*|mbarrier\.test_wait\S*|mbarrier\.arrive\S*|"
+    r"tcgen05\.commit\S*|bar\.sync|bar\.arrive|barrier\.sync\S*|barrier\.arrive\S*|"
+    r"bar\.red\S*|barrier\.red\S*)\s+([^;]*);")
+_DEF = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(%\w+),\s*([^;]*);")
+
+
+@dataclass(frozen=True)
+class BarrierOp:
+    """One barrier instruction (or a protocol marker) of the PTX, where it is."""
+
+    line: int               # 0-based line in the PTX text
+    kind: str               # wait | arrive | expect_tx | commit | sync | named_arrive | marker
+    opcode: str
+    offset: int | None = None    # mbarrier: constant byte offset from the dynamic SMEM base
+    dynamic: bool = False        # mbarrier: plus a run-time index (a ring stage)
+    named_id: int | None = None  # named barrier id (None: a register)
+    threads: int | None = None
+    marker: tuple | None = None  # (path, kind, barrier, stage) of a marker
+
+
+def _op_kind(opcode: str) -> str:
+    if opcode.startswith(("mbarrier.try_wait", "mbarrier.test_wait")):
+        return "wait"
+    if opcode.startswith("mbarrier.arrive.expect_tx"):
+        return "expect_tx"
+    if opcode.startswith("mbarrier.arrive"):
+        return "arrive"
+    if opcode.startswith("tcgen05.commit"):
+        return "commit"
+    if opcode in ("bar.sync",) or opcode.startswith("barrier.sync"):
+        return "sync"
+    return "named_arrive"
+
+
+class SmemAddresses:
+    """Resolve a PTX register to (constant offset from the dynamic SMEM base, dynamic?)."""
+
+    def __init__(self, ptx: str):
+        self.defs: dict[str, list[tuple[str, str]]] = {}
+        for ln in ptx.splitlines():
+            m = _DEF.match(ln)
+            if m:
+                self.defs.setdefault(m.group(2), []).append((m.group(1), m.group(3)))
+
+    def resolve(self, reg: str, depth: int = 0):
+        """(offset, dynamic) or None when `reg` is not an address in the dynamic SMEM."""
+        defs = self.defs.get(reg, [])
+        if depth > 40 or not defs:
+            return None
+        found = {self._one(op, args, depth) for op, args in defs}
+        if len(found) == 1:
+            return found.pop()
+        found.discard(None)
+        if not found:
+            return None
+        return (min(off for off, _ in found), True)
+
+    def _one(self, op: str, args: str, depth: int):
+        parts = [a.strip() for a in args.split(",")]
+        if op.startswith("mov") and "__dynamic_shmem" in args:
+            return (0, False)
+        if op.startswith(("mov", "cvt")) and len(parts) == 1 and parts[0].startswith("%"):
+            return self.resolve(parts[0], depth + 1)
+        if op.startswith("shfl.sync.idx"):
+            return self.resolve(parts[0], depth + 1)
+        if op.startswith("add") and len(parts) == 2:
+            a = self.resolve(parts[0], depth + 1) if parts[0].startswith("%") else None
+            if parts[1].lstrip("-").isdigit():
+                return None if a is None else (a[0] + int(parts[1]), a[1])
+            b = self.resolve(parts[1], depth + 1) if parts[1].startswith("%") else None
+            if a is not None and b is None:
+                return (a[0], True)
+            if b is not None and a is None:
+                return (b[0], True)
+        return None
+
+    def operand(self, text: str):
+        """An address operand "[%r8+231432]" / "[%r9]" -> (offset, dynamic) or None."""
+        m = re.match(r"\[(%\w+)(?:\+(-?\d+))?\]", text.strip())
+        if not m:
+            return None
+        base = self.resolve(m.group(1))
+        return None if base is None else (base[0] + int(m.group(2) or 0), base[1])
+
+    def value(self, text: str) -> int | None:
+        """An immediate or a register set from one immediate by mov."""
+        text = text.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        defs = self.defs.get(text, [])
+        if len(defs) == 1 and defs[0][0].startswith("mov") and defs[0][1].strip().isdigit():
+            return int(defs[0][1])
+        return None
+
+
+def barrier_ops(ptx: str) -> list[BarrierOp]:
+    """Every protocol marker and barrier instruction of the PTX, in text order."""
+    addr = SmemAddresses(ptx)
+    out = []
+    for i, ln in enumerate(ptx.splitlines()):
+        m = _MARKER.search(ln)
+        if m:
+            out.append(BarrierOp(i, "marker", "", marker=m.groups()))
+            continue
+        m = _BARRIER_OP.match(ln)
+        if not m or m.group(1).startswith(("bar.red", "barrier.red")):
+            continue
+        opcode, operands = m.group(1), m.group(2)
+        kind = _op_kind(opcode)
+        ops = [o.strip() for o in re.split(r",(?![^\[]*\])", operands)]
+        if kind in ("sync", "named_arrive"):
+            out.append(BarrierOp(i, kind, opcode, named_id=addr.value(ops[0]),
+                                 threads=addr.value(ops[1]) if len(ops) > 1 else None))
+            continue
+        where = next((addr.operand(o) for o in ops if o.startswith("[")), None)
+        out.append(BarrierOp(i, kind, opcode, offset=None if where is None else where[0],
+                             dynamic=bool(where and where[1])))
+    return out
+
+
+def mbarrier_inits(ptx: str) -> list[tuple[int | None, int | None]]:
+    """(offset from the SMEM base, arrival count) of every mbarrier.init."""
+    addr = SmemAddresses(ptx)
+    out = []
+    for m in re.finditer(r"mbarrier\.init\S*\s+(\[[^\]]*\]),\s*([^;]+);", ptx):
+        where = addr.operand(m.group(1))
+        out.append((None if where is None else where[0], addr.value(m.group(2))))
+    return out
+
+
+def smem_operand_offsets(ptx: str, pattern: str, operand: int) -> list[tuple[int, bool]]:
+    """Resolved SMEM addresses of operand `operand` (0-based, bracketed operands only) of each
+    instruction matching `pattern` (a TMA copy's destination, a tcgen05.alloc's target)."""
+    addr = SmemAddresses(ptx)
+    out = []
+    for m in re.finditer(rf"^\s*(?:@!?%\w+\s+)?{pattern}\S*\s+([^;]*);", ptx, re.M):
+        brackets = re.findall(r"\[[^\]]*\]", m.group(1))
+        if len(brackets) > operand:
+            r = addr.operand(brackets[operand])
+            if r is not None:
+                out.append(r)
+    return out
+
+
+def ptx_loops(ptx: str) -> dict[int, str | None]:
+    """Line -> the loop (a strongly connected set of basic blocks, named by its first label)
+    holding that line, or None. Inline assembly is opaque (a wait's retry loop is not a loop
+    here)."""
+    lines = ptx.splitlines()
+    blocks, order = _basic_blocks(lines)
+    comp = _sccs(order, {b: blocks[b][2] for b in order})
+    out = {}
+    for name in order:
+        start, end, _ = blocks[name]
+        head, is_loop = comp[name]
+        for i in range(start, end):
+            out[i] = head if is_loop else None
+    return out
+
+
+def program_order(ptx: str) -> list[int]:
+    """Line numbers in an order that respects control flow: the loops (strongly connected
+    blocks) contracted, topologically sorted (ties by position), each loop's lines in text
+    order. PTX lays blocks out in any order (a loop may follow the code after it)."""
+    import heapq
+
+    lines = ptx.splitlines()
+    blocks, order = _basic_blocks(lines)
+    succ = {b: blocks[b][2] for b in order}
+    comp = _sccs(order, succ)
+    members: dict[str, list[str]] = {}
+    for b in order:
+        members.setdefault(comp[b][0], []).append(b)
+    edges = {c: set() for c in members}
+    indeg = dict.fromkeys(members, 0)
+    for b in order:
+        for s in succ[b]:
+            if s in comp and comp[s][0] != comp[b][0] and comp[s][0] not in edges[comp[b][0]]:
+                edges[comp[b][0]].add(comp[s][0])
+                indeg[comp[s][0]] += 1
+    first = {c: min(blocks[b][0] for b in bs) for c, bs in members.items()}
+    ready = [(first[c], c) for c, d in indeg.items() if d == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, c = heapq.heappop(ready)
+        for b in sorted(members[c], key=lambda x: blocks[x][0]):
+            out += range(blocks[b][0], blocks[b][1])
+        for s in edges[c]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, (first[s], s))
+    return out
+
+
+def _basic_blocks(lines):
+    """{label: (start line, end line, successor labels)} and the labels in text order."""
+    blocks, order = {}, []
+    cur, start, succ, falls, in_asm = "entry", 0, [], True, False
+
+    def close(end, fall_to):
+        blocks[cur] = (start, end, succ + ([fall_to] if fall_to else []))
+        order.append(cur)
+
+    for i, ln in enumerate(lines):
+        s = ln.strip()
+        if s == "// begin inline asm":
+            in_asm = True
+            continue
+        if s == "// end inline asm":
+            in_asm = False
+            continue
+        if in_asm:
+            continue
+        m = re.match(r"(\$L__\w+):", s)
+        if m:
+            close(i, m.group(1) if falls else None)
+            cur, start, succ, falls = m.group(1), i, [], True
+            continue
+        m = re.match(r"(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);", s)
+        if m:
+            succ.append(m.group(2))
+            if not m.group(1):
+                falls = False
+        elif s.startswith(("ret;", "exit;")):
+            falls = False
+    close(len(lines), None)
+    return blocks, order
+
+
+def _sccs(nodes, edges):
+    """Tarjan, iteratively: node -> (component head, is a loop)."""
+    index, low, stack, on, res, counter = {}, {}, [], set(), {}, [0]
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter[0]
+                counter[0] += 1
+                stack.append(v)
+                on.add(v)
+            succ = [w for w in edges.get(v, []) if w in edges]
+            if i < len(succ):
+                work.append((v, i + 1))
+                w = succ[i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                loop = len(comp) > 1 or v in edges.get(v, [])
+                for w in comp:
+                    res[w] = (v, loop)
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return res

@@ -113,7 +113,7 @@ def fake_args(spec: AttentionSpec):
     return [q, k, v, o, lse, make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
-def compile_plan(plan, *, options: str = ""):
+def compile_plan(plan, *, options: str = "", mutation=None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
     The compiled function takes torch tensors (q, k, v, out, lse or None) and launches on the
@@ -122,7 +122,9 @@ def compile_plan(plan, *, options: str = ""):
     import cutlass.cute as cute
 
     arch = normalize_arch(plan.arch)
-    kernel = kernel_class(arch)(plan)
+    # A mutation (fa4lab.kernels.protocol.Mutation: tests of the audit) breaks the barrier
+    # protocol on purpose; only compile_forward passes one, and it never writes the disk cache.
+    kernel = kernel_class(arch)(plan, mutation=mutation)
     args = fake_args(plan.spec)
     with target_arch("sm_" + arch.removeprefix("sm")):
         t0 = time.perf_counter()
@@ -181,19 +183,24 @@ def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
-def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None) -> CompiledForward:
-    """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir."""
+def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
+                    mutation=None) -> CompiledForward:
+    """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir.
+
+    `mutation` (a `fa4lab.kernels.protocol.Mutation`) compiles a deliberately broken barrier
+    protocol for the audit's tests."""
     arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
     root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
     keep = root / (config_name(plan.spec, arch)
-                   + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else ""))
+                   + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
+                   + ("-mutated" if mutation is not None else ""))
     keep.mkdir(parents=True, exist_ok=True)
     start_wall = time.time()
     kernel, compiled, seconds = compile_plan(
-        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}")
+        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation)
     storage = getattr(kernel, "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(

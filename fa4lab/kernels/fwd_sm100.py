@@ -21,9 +21,12 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
     (rescales O in TMEM, then normalises it into shared memory), mma (one thread issues every
     tcgen05.mma), load (TMA of Q, K, V), epilogue (TMA store of O), empty;
   * TMEM (plan.tmem): S_i (fp32) for each Q tile, P_i (16-bit) written over S_i, O_i (fp32);
-  * mbarriers (plan.barriers): see Note [sm100 barrier graph]
-    The mbarriers are plan.barriers, built as DSL pipelines (a full and an empty side, one
-    barrier per stage each):
+  * barriers: the protocol table `plan.protocol` (fa4lab.plan.sm100.build_protocol). The
+    SharedStorage struct is declared from plan.smem in its order, one Int64 array per mbarrier
+    of the table; the mbarriers are built as DSL pipelines over the table's full/empty pairs
+    (`_PIPELINES`), with the table's stages, arrival counts and TMA bytes; every wait / arrive /
+    commit of every role goes through `self.sites` (fa4lab.kernels.protocol) by barrier name,
+    and the TMEM hand-off is the table's named barrier `tmem` in its unaligned form:
       q      full q_full       load -> mma (TMA bytes)     empty q_empty     mma -> load
       kv     full kv_full      load -> mma (TMA bytes)     empty kv_empty    mma -> load
              K_j and V_j take turns in the same kv_stage buffers
@@ -60,12 +63,18 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels import scheduler
 from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
 from fa4lab.kernels.pack_gqa import heads_positions, packed_tma, split_packed
+from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import KERNEL_HEAD_DIMS
 
 LN2 = math.log(2.0)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-# Named barrier ids (0 is __syncthreads).
-_TMEM_ALLOC_BARRIER_ID = 1
+# The DSL pipelines over the protocol table's barriers: (full side, empty side).
+_PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
+              "s": ("s_full", "p_ready"), "o": ("o_final", "o_rescaled"),
+              "stats": ("stats_full", "stats_empty"), "epi": ("o_staged", "o_empty")}
+_PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUmma,
+                     "s": pipeline.PipelineUmmaAsync, "o": pipeline.PipelineUmmaAsync,
+                     "stats": pipeline.PipelineAsync, "epi": pipeline.PipelineAsync}
 
 
 # Note [sm100 pack-GQA kernel]
@@ -110,7 +119,7 @@ def _q_tma(op, mQ: cute.Tensor, sQ_layout, tiled_mma_qk, mma_tiler_qk, cluster_s
 class FlashForwardSm100:
     """The kernel class. `__init__` reads the plan (no DSL code); `__call__` launches."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, mutation=None):
         spec = plan.spec
         if plan.arch != "sm100":
             raise ValueError(f"FlashForwardSm100 needs an sm100 plan, got arch={plan.arch!r}")
@@ -167,6 +176,16 @@ class FlashForwardSm100:
         self.softmax_step_sites = 2 * self.q_stage
         # Compile-time choice of which exp2 pairs of a 128-wide row run on the FMA pipe.
         self.emulated = emulated_pairs(self.n_block, plan.exp2_emulation_fraction)
+        # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
+        self.sites = Sites(plan, mutation)
+        bars = plan.barriers
+        for full, empty in _PIPELINES.values():
+            names = [b.name for b in bars.barriers]
+            if names.index(empty) != names.index(full) + 1:
+                raise ValueError(f"the protocol table must list {empty} right after {full}: a "
+                                 f"DSL pipeline keeps its empty barriers after its full ones")
+        self.arrivals = {b.name: b.arrive_count for b in bars.barriers}
+        self.tx_bytes = {b.name: b.tx_bytes for b in bars.barriers}
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -227,30 +246,8 @@ class FlashForwardSm100:
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
                 self.epi_tile)
-        self.q_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
-        self.kv_tx_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
-
-        q_stage, kv_stage = self.q_stage, self.kv_stage
-
-        @cute.struct
-        class SharedStorage:
-            # In plan.smem's order (q, kv, o, stats, barriers, tmem_ptr): the 1024-byte aligned
-            # tiles first, so no padding lands between regions (the audit checks the size).
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
-            # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
-            sScale: cute.struct.MemRange[Float32, q_stage * self.m_block * 2]
-            # mbarriers, full + empty per stage; see Note [sm100 barrier graph]
-            mbar_q: cute.struct.MemRange[Int64, q_stage * 2]
-            mbar_kv: cute.struct.MemRange[Int64, kv_stage * 2]
-            mbar_s: cute.struct.MemRange[Int64, q_stage * 2]
-            mbar_o: cute.struct.MemRange[Int64, q_stage * 2]
-            mbar_stats: cute.struct.MemRange[Int64, q_stage * 2]
-            mbar_epi: cute.struct.MemRange[Int64, q_stage * 2]
-            tmem_base: Int32
-
-        self.shared_storage = SharedStorage
+        self.check_tx_bytes(sQ_layout, sK_layout)
+        self.shared_storage = self.storage_struct(sQ_layout, sK_layout, sO_layout)
 
         # seqlen_q * g packed rows per KV head with pack-GQA (Note [sm100 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if cutlass.const_expr(self.pack_gqa) else cute.size(
@@ -298,43 +295,24 @@ class FlashForwardSm100:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
+        self.sites.start()
         storage = utils.SmemAllocator().allocate(self.shared_storage)
-        group = lambda n: pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
-        wg = 32 * len(self.correction_warps)
-        pipe_q = pipeline.PipelineTmaUmma.create(
-            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(1),
-            tx_count=self.q_tx_bytes, barrier_storage=storage.mbar_q.data_ptr(),
-            defer_sync=True)
-        pipe_kv = pipeline.PipelineTmaUmma.create(
-            num_stages=self.kv_stage, producer_group=group(1), consumer_group=group(1),
-            tx_count=self.kv_tx_bytes, barrier_storage=storage.mbar_kv.data_ptr(),
-            defer_sync=True)
-        pipe_s = pipeline.PipelineUmmaAsync.create(
-            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(wg),
-            barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
-        pipe_o = pipeline.PipelineUmmaAsync.create(
-            num_stages=self.q_stage, producer_group=group(1), consumer_group=group(wg),
-            barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
-        pipe_stats = pipeline.PipelineAsync.create(
-            num_stages=self.q_stage, producer_group=group(wg), consumer_group=group(wg),
-            barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True)
-        pipe_epi = pipeline.PipelineAsync.create(
-            num_stages=self.q_stage, producer_group=group(wg), consumer_group=group(1),
-            barrier_storage=storage.mbar_epi.data_ptr(), defer_sync=True)
-        tmem_users = 32 * (1 + len(self.softmax_warps[0]) + len(self.softmax_warps[1])
-                           + len(self.correction_warps))
-        tmem_barrier = pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID,
-                                             num_threads=tmem_users)
-        tmem = utils.TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=tmem_barrier,
-                                   allocator_warp_id=self.mma_warp)
+        pipe_q, pipe_kv, pipe_s, pipe_o, pipe_stats, pipe_epi = (
+            self.make_pipeline(storage, key) for key in _PIPELINES)
+        # The TMEM hand-off goes through the table's named barrier "tmem" (self.sites.bar_*),
+        # not the allocator's own (aligned) one.
+        tmem = utils.TmemAllocator(storage.tmem_ptr.ptr, allocator_warp_id=self.mma_warp,
+                                   barrier_for_retrieve=pipeline.NamedBarrier(
+                                       barrier_id=self.sites.named_id("tmem"),
+                                       num_threads=self.arrivals["tmem"]))
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = storage.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.kv.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V shares K's stage buffers (same shape for head_dim == head_dim_v).
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sScale = storage.sScale.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
+        sO = storage.o.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sScale = storage.stats.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
 
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
@@ -360,39 +338,88 @@ class FlashForwardSm100:
             warps = self.softmax_warps[stage]
             if warp_idx >= warps[0] and warp_idx <= warps[-1]:
                 cute.arch.setmaxregister_increase(self.registers[f"softmax{stage}"])
-                tmem.wait_for_alloc()
+                self.sites.bar_sync(f"softmax{stage}", "tmem")
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
                 self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
                              m_block, self.n_block_max(m_block, seqlen_q, seqlen_k),
                              seqlen_q, seqlen_k)
-                tmem_barrier.arrive()
+                self.sites.bar_arrive(f"softmax{stage}", "tmem")
         # ---------------------------------------------------------------- correction
         warps = self.correction_warps
         if warp_idx >= warps[0] and warp_idx <= warps[-1]:
             cute.arch.setmaxregister_decrease(self.registers["correction"])
-            tmem.wait_for_alloc()
+            self.sites.bar_sync("correction", "tmem")
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
                             pipe_epi, m_block, head, batch,
                             self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q)
-            tmem_barrier.arrive()
+            self.sites.bar_arrive("correction", "tmem")
 
         # ---------------------------------------------------------------- mma
         # Last in program order: the MMA role updates the tiled MMAs' ACCUMULATE state.
         if warp_idx == self.mma_warp:
             cute.arch.setmaxregister_decrease(self.registers["mma"])
             tmem.allocate(self.tmem_alloc_cols)
-            tmem.wait_for_alloc()
+            self.sites.bar_sync("mma", "tmem")
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
                      pipe_q, pipe_kv, pipe_s, pipe_o,
                      self.n_block_max(m_block, seqlen_q, seqlen_k))
             tmem.relinquish_alloc_permit()
-            tmem_barrier.arrive_and_wait()
+            self.sites.bar_sync("mma", "tmem")
             tmem.free(tmem_ptr)
+        self.sites.finish()
+
+    def check_tx_bytes(self, sQ_layout, sK_layout):
+        """The TMA boxes bring the bytes the table's full barriers expect."""
+        for name, layout in (("q_full", sQ_layout), ("kv_full", sK_layout)):
+            nbytes = cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1, 2]))
+            if nbytes != self.tx_bytes[name]:
+                raise ValueError(f"{name}: the TMA brings {nbytes} bytes, the table expects "
+                                 f"{self.tx_bytes[name]}")
+
+    def storage_struct(self, sQ_layout, sK_layout, sO_layout):
+        """SharedStorage in plan.smem's order, one Int64 array per barrier of the table."""
+        elems = {"q": (self.dtype, cute.cosize(sQ_layout)),
+                 "kv": (self.dtype, cute.cosize(sK_layout)),
+                 "o": (self.dtype, cute.cosize(sO_layout)),
+                 # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
+                 "stats": (Float32, self.q_stage * self.m_block * 2)}
+        fields = {}
+        for r in self.plan.smem.regions:
+            if r.name == "barriers":
+                for b in self.plan.barriers.barriers:
+                    if b.kind == "mbarrier":
+                        fields[b.name] = cute.struct.MemRange[Int64, b.stages]
+            elif r.name == "tmem_ptr":
+                fields[r.name] = Int32
+            else:
+                dtype, n = elems[r.name]
+                if dtype.width * n // 8 != r.bytes:
+                    raise ValueError(f"SMEM region {r.name}: the layout has {dtype.width * n // 8} "
+                                     f"bytes, the plan {r.bytes}")
+                field = cute.struct.MemRange[dtype, n]
+                fields[r.name] = cute.struct.Align[field, r.align] if r.align > 16 else field
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def make_pipeline(self, storage, key: str):
+        """The DSL pipeline over the table's barriers `_PIPELINES[key]` (full, then empty): its
+        stages, arrival counts and transaction bytes from the table."""
+        full, empty = _PIPELINES[key]
+        cls = _PIPELINE_CLASSES[key]
+        b = self.plan.barriers.barrier(full)
+
+        def group(name):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, self.arrivals[name])
+
+        kw = {"tx_count": self.tx_bytes[full]} if cls is pipeline.PipelineTmaUmma else {}
+        return cls.create(num_stages=b.stages, producer_group=group(full),
+                          consumer_group=group(empty),
+                          barrier_storage=getattr(storage, full).data_ptr(), defer_sync=True,
+                          **kw)
 
     @cute.jit
     def n_block_max(self, m_block, seqlen_q, seqlen_k):
@@ -445,25 +472,30 @@ class FlashForwardSm100:
         if n_block_max > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 q_state = _phase_state(self.q_stage, stage, 1)
-                pipe_q.producer_acquire(q_state)
+                self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
+                           q_state, stage=stage)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + stage],
                           tQsQ[None, stage], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 if cutlass.const_expr(stage == 0):
-                    pipe_kv.producer_acquire(kv_state)
+                    self.sites("load", "wait kv_empty; expect_tx kv_full",
+                               pipe_kv.producer_acquire, kv_state)
                     cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                     kv_state.advance()
-            pipe_kv.producer_acquire(kv_state)
+            self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                       kv_state)
             cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
                       tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             kv_state.advance()
             for i in cutlass.range(n_block_max - 1, unroll=1):
                 n = n_block_max - 2 - i
-                pipe_kv.producer_acquire(kv_state)
+                self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                           kv_state)
                 cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
-                pipe_kv.producer_acquire(kv_state)
+                self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                           kv_state)
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
@@ -480,53 +512,64 @@ class FlashForwardSm100:
                                                 self.kv_stage)
         if n_block_max > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_q.consumer_wait(_phase_state(self.q_stage, stage, 0))
+                self.sites("mma", "wait q_full", pipe_q.consumer_wait,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
                 if cutlass.const_expr(stage == 0):
-                    pipe_kv.consumer_wait(kv_state)
+                    self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)
                 tiled_mma_qk = self.gemm(
                     tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
                     tSrK[None, None, None, kv_state.index], False)
-                pipe_s.producer_commit(_phase_state(self.q_stage, stage, 0))
-            pipe_kv.consumer_release(kv_state)
+                self.sites("mma", "commit s_full", pipe_s.producer_commit,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
+            self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             kv_state.advance()
             p_phase = Int32(0)
             o_phase = Int32(1)  # o_rescaled starts released: the first value MMA needs no wait
             accumulate = Boolean(False)
             for i in cutlass.range(n_block_max - 1, unroll=1):
-                pipe_kv.consumer_wait(kv_state)  # V_j
+                self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)  # V_j
                 v_state = kv_state.clone()
                 kv_state.advance()
                 for stage in cutlass.range_constexpr(self.q_stage):
                     # P_i(j) is in TMEM (p_ready) and O_i was rescaled (o_rescaled)
-                    pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
-                    pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
+                    self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
+                               _phase_state(self.q_stage, stage, p_phase), stage=stage)
+                    self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
+                               _phase_state(self.q_stage, stage, o_phase), stage=stage)
                     tiled_mma_pv = self.gemm(
                         tiled_mma_pv, tOtO[stage], tOrP[stage],
                         tOrV[None, None, None, v_state.index], accumulate)
                     if cutlass.const_expr(stage == self.q_stage - 1):
-                        pipe_kv.consumer_release(v_state)
+                        self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, v_state)
                     if cutlass.const_expr(stage == 0):
-                        pipe_kv.consumer_wait(kv_state)  # K_{j-1}
+                        self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
+                                   kv_state)  # K_{j-1}
                     tiled_mma_qk = self.gemm(
                         tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
                         tSrK[None, None, None, kv_state.index], False)
-                    pipe_s.producer_commit(_phase_state(self.q_stage, stage, 0))
-                pipe_kv.consumer_release(kv_state)
+                    self.sites("mma", "commit s_full", pipe_s.producer_commit,
+                               _phase_state(self.q_stage, stage, 0), stage=stage)
+                self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
                 kv_state.advance()
                 p_phase ^= 1
                 o_phase ^= 1
                 accumulate = Boolean(True)
-            pipe_kv.consumer_wait(kv_state)  # V of the last block
+            self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
+                       kv_state)  # V of the last block
             for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_s.producer_acquire(_phase_state(self.q_stage, stage, p_phase))
-                pipe_o.producer_acquire(_phase_state(self.q_stage, stage, o_phase))
+                self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
+                           _phase_state(self.q_stage, stage, p_phase), stage=stage)
+                self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
+                           _phase_state(self.q_stage, stage, o_phase), stage=stage)
                 tiled_mma_pv = self.gemm(
                     tiled_mma_pv, tOtO[stage], tOrP[stage],
                     tOrV[None, None, None, kv_state.index], accumulate)
-                pipe_o.producer_commit(_phase_state(self.q_stage, stage, 0))
-            pipe_kv.consumer_release(kv_state)
+                self.sites("mma", "commit o_final", pipe_o.producer_commit,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
+            self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_q.consumer_release(_phase_state(self.q_stage, stage, 0))
+                self.sites("mma", "commit q_empty", pipe_q.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tA, tB, accumulate):
@@ -593,10 +636,13 @@ class FlashForwardSm100:
         if n_block_max > 0:
             # Final statistics for the correction warpgroup's normalisation and LSE.
             stats_state = _phase_state(self.q_stage, stage, stats_phase)
-            pipe_stats.producer_acquire(stats_state)
+            role = f"softmax{stage}"
+            self.sites(role, "wait stats_empty", pipe_stats.producer_acquire, stats_state,
+                       stage=stage)
             sScale[stage * self.m_block + tidx] = row_sum
             sScale[(self.q_stage + stage) * self.m_block + tidx] = row_max
-            pipe_stats.producer_commit(stats_state)
+            self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
+                       stage=stage)
 
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
@@ -606,7 +652,8 @@ class FlashForwardSm100:
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
         scale_log2 = Float32(self.scale_log2)
         s_state = _phase_state(self.q_stage, stage, s_phase)
-        pipe_s.consumer_wait(s_state)
+        role = f"softmax{stage}"
+        self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=stage)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         if cutlass.const_expr(mask):
@@ -630,9 +677,11 @@ class FlashForwardSm100:
                 row_scale = cute.math.exp2((row_max - m_new) * scale_log2, fastmath=True)
             row_max = m_new
         stats_state = _phase_state(self.q_stage, stage, stats_phase)
-        pipe_stats.producer_acquire(stats_state)
+        self.sites(role, "wait stats_empty", pipe_stats.producer_acquire, stats_state,
+                   stage=stage)
         sScale[stage * self.m_block + tidx] = row_scale
-        pipe_stats.producer_commit(stats_state)
+        self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
+                   stage=stage)
 
         basis = Float32(0.0)
         if row_max != -Float32.inf:
@@ -662,7 +711,8 @@ class FlashForwardSm100:
             tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
             cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
         cute.arch.fence_view_async_tmem_store()
-        pipe_s.consumer_release(s_state)  # P_i is in TMEM
+        self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
+                   stage=stage)  # P_i is in TMEM
         row_sum = row_sum * row_scale + block_sum
         return row_max, row_sum, s_phase ^ 1, stats_phase ^ 1
 
@@ -676,38 +726,47 @@ class FlashForwardSm100:
                                                    self.q_stage)
         for i in cutlass.range(n_block_max, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
-                pipe_stats.consumer_wait(stats_state)
+                self.sites("correction", "wait stats_full", pipe_stats.consumer_wait, stats_state,
+                           stage=stage)
                 row_scale = sScale[stage * self.m_block + tidx]
-                pipe_stats.consumer_release(stats_state)
+                self.sites("correction", "arrive stats_empty", pipe_stats.consumer_release,
+                           stats_state, stage=stage)
                 stats_state.advance()
                 if i > 0:  # before block 0 O_i holds nothing: the first value MMA overwrites it
                     # A warp rescales only if one of its 32 rows moved its max past the threshold.
                     if cute.arch.vote_ballot_sync(row_scale < Float32(1.0)) != 0:
                         self.correction_rescale(thr_mma_pv, tOtO[stage], tidx, row_scale)
-                    pipe_o.consumer_release(_phase_state(self.q_stage, stage, 0))  # o_rescaled
+                    self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
+                               _phase_state(self.q_stage, stage, 0), stage=stage)
         for stage in cutlass.range_constexpr(self.q_stage):
             row_sum = Float32(0.0)
             row_max = -Float32.inf
             if n_block_max > 0:
-                pipe_stats.consumer_wait(stats_state)
+                self.sites("correction", "wait stats_full", pipe_stats.consumer_wait, stats_state,
+                           stage=stage)
                 row_sum = sScale[stage * self.m_block + tidx]
                 row_max = sScale[(self.q_stage + stage) * self.m_block + tidx]
-                pipe_stats.consumer_release(stats_state)
+                self.sites("correction", "arrive stats_empty", pipe_stats.consumer_release,
+                           stats_state, stage=stage)
                 stats_state.advance()
-                pipe_o.consumer_wait(_phase_state(self.q_stage, stage, 0))
+                self.sites("correction", "wait o_final", pipe_o.consumer_wait,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
             empty_row = row_sum == Float32(0.0)
             inv_sum = cute.arch.rcp_approx(Float32(1.0) if empty_row else row_sum)
             if empty_row:
                 inv_sum = Float32(0.0)
             epi_state = _phase_state(self.q_stage, stage, 1)
-            pipe_epi.producer_acquire(epi_state)
+            self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
+                       stage=stage)
             self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
                                      inv_sum, n_block_max > 0)
             cute.arch.fence_view_async_shared()
-            pipe_epi.producer_commit(epi_state)
+            self.sites("correction", "arrive o_staged", pipe_epi.producer_commit, epi_state,
+                       stage=stage)
             if n_block_max > 0:
                 cute.arch.fence_view_async_tmem_load()
-                pipe_o.consumer_release(_phase_state(self.q_stage, stage, 0))  # O_i read
+                self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             if cutlass.const_expr(self.return_lse):
                 row = (m_block * self.q_stage + stage) * self.m_block + tidx
                 if cutlass.const_expr(self.pack_gqa):  # packed row -> (position, query head)
@@ -794,14 +853,16 @@ class FlashForwardSm100:
         tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                            cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
         for stage in cutlass.range_constexpr(self.q_stage):
-            pipe_epi.consumer_wait(_phase_state(self.q_stage, stage, 0))
+            self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
+                       _phase_state(self.q_stage, stage, 0), stage=stage)
             cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, m_block * self.q_stage + stage])
             cute.arch.cp_async_bulk_commit_group()
         for stage in cutlass.range_constexpr(self.q_stage):
             # The smem tile may be reused once the TMA has read it; drain before exit.
             cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
             with cute.arch.elect_one():
-                pipe_epi.consumer_release(_phase_state(self.q_stage, stage, 0))
+                self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,

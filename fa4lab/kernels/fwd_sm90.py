@@ -21,7 +21,10 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   once, so no q_empty), `pipeline_k` / `pipeline_v` (k_full/k_empty, v_full/v_empty, kv_stage
   slots each: full = TMA bytes landed, empty = every consumer released the slot, per thread or
   per warp as the plan counts), and one named barrier `mma_turn<i>` per consumer for the
-  ping-pong (a ring: consumer i passes the turn to consumer i + 1 mod q_stage).
+  ping-pong (a ring: consumer i passes the turn to consumer i + 1 mod q_stage), and one
+  `epilogue<i>` per consumer. All of them are the protocol table `plan.protocol`
+  (fa4lab.plan.sm90.build_protocol): every op goes through `self.sites` (fa4lab.kernels.protocol)
+  by name, named barriers in their unaligned form with the table's ids and thread counts.
 * Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
   or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.softmax`),
   P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
@@ -58,12 +61,12 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels import mask as mask_mod
 from fa4lab.kernels import scheduler
 from fa4lab.kernels.pack_gqa import packed_tma as _packed_tma
+from fa4lab.kernels.protocol import Sites
 from fa4lab.kernels.softmax import OnlineSoftmax, rescale_rows
+from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
-_MAX_CONSUMERS = 3
-_EPILOGUE_BARRIER = 1  # named barriers 1 .. 3: each consumer's epilogue
-_TURN_BARRIER = _EPILOGUE_BARRIER + _MAX_CONSUMERS  # 4 .. 6: mma_turn0 .. 2 (the ping-pong)
+_MAX_CONSUMERS = MAX_CONSUMERS  # named barrier ids (epilogue<i>, mma_turn<i>) come from the table
 
 
 # ---- layouts of the wgmma accumulator (sm90-specific) ----
@@ -148,7 +151,7 @@ class FlashForwardSm90:
     # conditional rescale); a class knob so a benchmark can compare both.
     skip_unneeded_rescale = True
 
-    def __init__(self, plan):
+    def __init__(self, plan, mutation=None):
         spec = plan.spec
         t = plan.tiles
         if t.head_dim != t.head_dim_v:
@@ -195,6 +198,8 @@ class FlashForwardSm90:
         o_region = plan.smem.region("o")
         self.o_in_q = o_region.alias_of == "q"
         self.buffer_align_bytes = 1024
+        # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
+        self.sites = Sites(plan, mutation)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -291,6 +296,7 @@ class FlashForwardSm90:
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
     ):
+        self.sites.start()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -337,6 +343,7 @@ class FlashForwardSm90:
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                          mbar_q, pipeline_k, pipeline_v,
                          self.seqlen_q_of(mQ), cute.size(mK.shape[0]))
+        self.sites.finish()
 
     def seqlen_q_of(self, mQ):
         """Query positions (not packed rows) of the Q coordinate tensor."""
@@ -376,7 +383,8 @@ class FlashForwardSm90:
                                            cute.group_modes(gV, 0, 2))
 
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_bytes)
+            self.sites("load", "expect_tx q_full", cute.arch.mbarrier_arrive_and_expect_tx,
+                       mbar_q, self.q_bytes, stage=0)
         for w in cutlass.range_constexpr(self.q_stage):
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
                       tma_bar_ptr=mbar_q)
@@ -385,20 +393,22 @@ class FlashForwardSm90:
         n_iter = cutlass.max(scheduler.n_block_max(
             m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
-        pipeline_k.producer_acquire(state)
+        self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
         cute.copy(tma_atom_K, tKgK[None, n_iter - 1], tKsK[None, state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(state))
         for i in cutlass.range(n_iter - 1, unroll=1):
             n = n_iter - 2 - i
             prev = state.clone()
             state.advance()
-            pipeline_k.producer_acquire(state)
+            self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire,
+                       state)
             cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
                       tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-            pipeline_v.producer_acquire(prev)
+            self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire,
+                       prev)
             cute.copy(tma_atom_V, tVgV[None, n + 1], tVsV[None, prev.index],
                       tma_bar_ptr=pipeline_v.producer_get_barrier(prev))
-        pipeline_v.producer_acquire(state)
+        self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
         cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(state))
 
@@ -452,7 +462,7 @@ class FlashForwardSm90:
         if const_expr(self.pingpong):
             if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
                 self.pass_turn()
-        cute.arch.mbarrier_wait(mbar_q, 0)
+        self.sites("consumer", "wait q_full", cute.arch.mbarrier_wait, mbar_q, 0, stage=0)
         tSrQ_w = tSrQ[None, None, None, wg]
         common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
                       tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS0_mn=tScS0_mn,
@@ -471,10 +481,10 @@ class FlashForwardSm90:
         for n in cutlass.range(n_rest - 1, -1, -1, unroll=1):
             state = step(state, n, masked=False)
         # The last block's value wgmma.
-        pipeline_v.consumer_wait(state)
+        self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, state)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
         warpgroup.wait_group(0)
-        self.release(pipeline_v, state)
+        self.release(pipeline_v, state, "v_empty")
 
         inv_sum, lse = softmax.finalize()
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
@@ -495,14 +505,14 @@ class FlashForwardSm90:
         """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
-        pipeline_k.consumer_wait(state)
+        self.sites("consumer", "wait k_full", pipeline_k.consumer_wait, state)
         if const_expr(self.pingpong):
             self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         if const_expr(self.pingpong):
             self.pass_turn()
         warpgroup.wait_group(0)
-        self.release(pipeline_k, state)
+        self.release(pipeline_k, state, "k_empty")
         acc_S_mn = acc_mn_view(acc_S)
         mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         softmax.step(acc_S_mn, is_first=True)
@@ -521,23 +531,23 @@ class FlashForwardSm90:
         state.advance()
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
-        pipeline_k.consumer_wait(state)
+        self.sites("consumer", "wait k_full", pipeline_k.consumer_wait, state)
         if const_expr(self.pingpong):
             self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-        pipeline_v.consumer_wait(prev)
+        self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, prev)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], zero_init=False)
         if const_expr(self.pingpong):
             self.pass_turn()
         warpgroup.wait_group(1)  # the score wgmma is done; the value wgmma may still run
-        self.release(pipeline_k, state)
+        self.release(pipeline_k, state, "k_empty")
 
         acc_S_mn = acc_mn_view(acc_S)
         if const_expr(masked):
             mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
-        self.release(pipeline_v, prev)
+        self.release(pipeline_v, prev, "v_empty")
         acc_O_mn = acc_mn_view(acc_O)
         if const_expr(self.skip_unneeded_rescale):
             need = softmax.needs_rescale(row_scale)
@@ -549,12 +559,13 @@ class FlashForwardSm90:
         return state
 
     @cute.jit
-    def release(self, pipe, state):
+    def release(self, pipe, state, name: str):
         """Free a K or V slot: one arrive per consumer warp or per thread, as the plan counts."""
         if const_expr(self.kv_releases == 4 * self.num_consumers):
-            pipe.consumer_release(state)
+            self.sites("consumer", f"arrive {name}", pipe.consumer_release, state)
         else:
-            cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index))
+            self.sites("consumer", f"arrive {name}", cute.arch.mbarrier_arrive,
+                       pipe.sync_object_empty.get_barrier(state.index))
 
     # The consumer index is re-read from the thread index at each turn, and each consumer's
     # barrier ids are immediates in their own branch, rather than two ids kept live across the
@@ -569,7 +580,7 @@ class FlashForwardSm90:
         wg = self._consumer_index()
         for c in cutlass.range_constexpr(self.num_consumers):
             if wg == c:
-                cute.arch.barrier(barrier_id=_TURN_BARRIER + c, number_of_threads=2 * _WG)
+                self.sites.bar_sync("consumer", f"mma_turn{c}")
 
     @cute.jit
     def pass_turn(self):
@@ -577,8 +588,7 @@ class FlashForwardSm90:
         wg = self._consumer_index()
         for c in cutlass.range_constexpr(self.num_consumers):
             if wg == c:
-                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER + (c + 1) % self.num_consumers,
-                                         number_of_threads=2 * _WG)
+                self.sites.bar_arrive("consumer", f"mma_turn{(c + 1) % self.num_consumers}")
 
     @cute.jit
     def epilogue(self, tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg, tid,
@@ -608,7 +618,8 @@ class FlashForwardSm90:
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
         # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER + wg, number_of_threads=_WG)
+        self.sites.bar_sync("consumer", "epilogue{c}",
+                            barrier_id=self.sites.named_id("epilogue0") + wg)
         if tid // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
                                  (None, 0))

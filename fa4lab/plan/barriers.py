@@ -34,6 +34,8 @@ class Barrier:
     # True when stage i belongs to the i-th role of a listed producer/consumer ("softmax0,
     # softmax1": stage 0 is softmax0's); False when every listed role uses every stage.
     per_role_stage: bool = False
+    named_id: int = 0          # bar.sync / bar.arrive id of a named barrier
+    ring: str = ""             # "kv", "k", "v": stages used as a ring (Note [ring slots])
 
     @property
     def producers(self) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ from typing import Any
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import Hardware, hardware_for
-from fa4lab.plan.barriers import Barrier, BarrierGraph
+from fa4lab.plan.barriers import BarrierGraph
+from fa4lab.plan.protocol import Protocol
 from fa4lab.plan.roles import Role, register_usage
 from fa4lab.plan.smem import SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles
@@ -37,10 +38,25 @@ class Plan:
     tmem: TmemPlan | None
     smem: SmemPlan
     roles: tuple[Role, ...]
-    barriers: BarrierGraph
+    protocol: Protocol          # the barriers and each role's program (fa4lab.plan.protocol)
     rescale_threshold: float
     exp2_emulation_fraction: float
     notes: tuple[str, ...] = ()
+
+    @property
+    def barriers(self) -> BarrierGraph:
+        """The protocol table's barriers (a view of `protocol.barriers`)."""
+        return self.protocol.barriers
+
+    def barrier_offsets(self) -> dict[str, int]:
+        """SMEM byte offset of each mbarrier's stage 0, in the table's (the struct's) order."""
+        at = self.smem.offsets()["barriers"]
+        out = {}
+        for b in self.barriers.barriers:
+            if b.kind == "mbarrier":
+                out[b.name] = at
+                at += 8 * b.stages
+        return out
 
     @property
     def threads_per_cta(self) -> int:
@@ -65,6 +81,7 @@ class Plan:
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["protocol"] = self.protocol.to_dict()
         d = _to_plain(d)
         d["spec"] = {k: v for k, v in d["spec"].items() if k != "qhead_per_kvhead"}
         d["hardware"] = {"name": self.hardware.name, "arch": self.hardware.arch}
@@ -92,7 +109,7 @@ class Plan:
                           total_bytes=d["smem"]["total_bytes"],
                           limit_bytes=d["smem"]["limit_bytes"]),
             roles=tuple(Role(**{**r, "warps": tuple(r["warps"])}) for r in d["roles"]),
-            barriers=BarrierGraph(tuple(Barrier(**b) for b in d["barriers"]["barriers"])),
+            protocol=Protocol.from_dict(d["protocol"]),
             rescale_threshold=d["rescale_threshold"],
             exp2_emulation_fraction=d["exp2_emulation_fraction"],
             notes=tuple(d.get("notes", ())),

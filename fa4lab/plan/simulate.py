@@ -489,13 +489,15 @@ class Simulator:
 MUTATIONS = ("drop", "drop_arrive")
 
 
-def programs_for(plan, n_blocks: int, n_tiles: int, costs: CostModel = DEFAULT_COSTS,
+def programs_for(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DEFAULT_COSTS,
                  masked_blocks: int = 0) -> dict[str, list]:
+    """Each role's ops over one work tile: `plan.protocol` expanded (`n_tiles` is ignored: the
+    kernels run one work tile per CTA)."""
     if plan.arch == "sm100":
         from fa4lab.plan.sm100 import programs
     else:
         from fa4lab.plan.sm90 import programs
-    return programs(plan, n_blocks, n_tiles, costs, masked_blocks)
+    return programs(plan, n_blocks, costs, masked_blocks)
 
 
 def _mutate(programs: dict[str, list], barrier: str, kind: str) -> dict[str, list]:
@@ -522,15 +524,16 @@ def _mutate(programs: dict[str, list], barrier: str, kind: str) -> dict[str, lis
 def simulate(plan, n_blocks: int = 6, n_tiles: int = 2, costs: CostModel = DEFAULT_COSTS,
              drop: str | None = None, mutation: str = "drop",
              masked_blocks: int = 0) -> SimResult:
-    """Run the plan's role programs over `n_tiles` work tiles of `n_blocks` K/V blocks each.
+    """Run the plan's protocol table over one work tile of `n_blocks` K/V blocks, the first
+    `masked_blocks` of them masked (the kernels run one work tile per CTA, so `n_tiles` is
+    recorded as 1 whatever is passed).
 
     `drop="kv_empty"` removes that barrier edge (its waits and arrivals, mutation="drop") or
     only its arrivals (mutation="drop_arrive"), to show what the edge protects.
     """
     if n_blocks < 1 or n_tiles < 1:
         raise ValueError(f"n_blocks={n_blocks}, n_tiles={n_tiles}: both must be >= 1")
-    if plan.arch == "sm90" and n_tiles != 1:
-        n_tiles = 1   # one work tile per CTA on sm90 (see fa4lab.plan.sm90)
+    n_tiles = 1   # one work tile per CTA, as both kernels run
     progs = programs_for(plan, n_blocks, n_tiles, costs, masked_blocks)
     label = None
     if drop is not None:
@@ -539,14 +542,9 @@ def simulate(plan, n_blocks: int = 6, n_tiles: int = 2, costs: CostModel = DEFAU
         plan.barriers.barrier(drop)   # KeyError naming the barriers if unknown
         progs = _mutate(progs, drop, mutation)
         label = f"{mutation} {drop}"
-    needed = {}
-    threads = {r.name: r.threads for r in plan.roles}
-    for b in plan.barriers.barriers:
-        n = b.arrive_count
-        if b.kind == "named":
-            n -= threads[b.consumer]   # the waiting warpgroup's bar.sync counts itself
-        for s in range(b.stages):
-            needed[(b.name, s)] = n
+    # A named barrier's bar.sync arrives with its own threads (the table's `sync` expands to
+    # Arrive + Wait), so every barrier needs its arrive_count.
+    needed = {(b.name, s): b.arrive_count for b in plan.barriers.barriers for s in range(b.stages)}
     return Simulator(progs, needed, costs, plan.arch, n_blocks, n_tiles).run(label)
 
 
@@ -567,6 +565,17 @@ def edge_check(plan, barrier: str, n_blocks=(1, 6), n_tiles: int = 2,
             if h.kind not in found:
                 found.append(h.kind)
     return " + ".join(found)
+
+
+def unobservable(plan) -> dict[str, str]:
+    """Barriers whose removal no one-tile run can show, and why (read off the table)."""
+    out = {name: "waited only on its released first phase: it orders successive work tiles, "
+                 "and the kernels run one per CTA"
+           for name in plan.protocol.first_use_only(plan.tiles.q_stage)}
+    for b in plan.barriers.barriers:
+        if set(b.producers) == set(b.consumers):
+            out[b.name] = "a role syncs its own warps; the simulator runs a role as one agent"
+    return out
 
 
 def mutation_check(plan, n_blocks=(1, 6), n_tiles: int = 2,
@@ -593,20 +602,13 @@ class Prediction:
 
 def tile_cost(plan, costs: CostModel = DEFAULT_COSTS, causal: bool | None = None,
               ) -> tuple[float, float]:
-    """(fixed, per_block) cycles of one work tile, fitted on two simulated tile lengths.
-
-    sm100 is persistent: the steady-state cost of a tile comes from runs of 1 and 3 tiles.
-    """
+    """(fixed, per_block) cycles of one work tile (one CTA), fitted on two simulated tile
+    lengths."""
     causal = plan.spec.causal if causal is None else causal
     masked = max(1, plan.tiles.cta_m // plan.tiles.n_block) if causal else 0
     pts = []
     for n in (masked + 2, masked + 8):
-        if plan.arch == "sm100":
-            c1 = simulate(plan, n, 1, costs, masked_blocks=masked).cycles
-            c3 = simulate(plan, n, 3, costs, masked_blocks=masked).cycles
-            pts.append((n, (c3 - c1) / 2))
-        else:
-            pts.append((n, simulate(plan, n, 1, costs, masked_blocks=masked).cycles))
+        pts.append((n, simulate(plan, n, 1, costs, masked_blocks=masked).cycles))
     (n1, t1), (n2, t2) = pts
     per = (t2 - t1) / (n2 - n1)
     return t1 - per * n1, per

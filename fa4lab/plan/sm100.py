@@ -17,9 +17,10 @@ from __future__ import annotations
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200
 from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
-from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, Barrier, BarrierGraph
+from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import Plan
+from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, expand, per_stage, ring_slot
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -33,6 +34,7 @@ Q_STAGE = 2
 KV_STAGE = 3             # K and V share one ring of buffers (K_j, V_j, K_j+1, ...)
 REGISTERS = {"softmax": 192, "correction": 80, "other": 48}
 SOFTMAX_REG_OVERHEAD = 48   # registers a softmax thread needs besides its row of S
+TMEM_BARRIER_ID = 1         # named barrier of the TMEM hand-off (0 is __syncthreads)
 
 
 # Note [sm100 pack-GQA]
@@ -84,25 +86,30 @@ def build_tmem(spec, tiles: Tiles, limit: int) -> TmemPlan:
     return TmemPlan(tuple(regions), total, alloc_columns(total), B200.tmem_lanes, limit)
 
 
-def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
-    """The mbarriers; `eb` is the bytes per element of Q, K and V (the TMA transaction counts)."""
+def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGraph:
+    """The barriers in the kernel's SharedStorage order: per DSL pipeline its full side then its
+    empty side (q, kv, s, o, stats, epi), then the TMEM named barrier. `eb` is the bytes per
+    element of Q, K and V (the TMA transaction counts)."""
     q, kv = tiles.q_stage, tiles.kv_stage
     softmax = ",".join(f"softmax{i}" for i in range(q))
     sm_threads = 32 * 4   # one softmax warpgroup per Q stage; stage i belongs to softmax{i}
     corr_threads = 32 * 4
     q_bytes = tiles.m_block * tiles.head_dim * eb
     kv_bytes = tiles.n_block * tiles.head_dim * eb
+    tmem_users = [r for r in roles if r.name.startswith("softmax")
+                  or r.name in ("correction", "mma")]
     b = [
         Barrier("q_full", "load", "mma", 1, q, q_bytes, PHASE_FULL,
                 "Q tile i landed in SMEM before the score MMA reads it"),
         Barrier("q_empty", "mma", "load", 1, q, 0, PHASE_EMPTY,
-                "the last score MMA of a work tile has read Q tile i before the next tile's Q "
-                "overwrites it (tcgen05.commit)", starts_released=True),
+                "the last score MMA has read Q tile i before a next work tile's Q overwrites it "
+                "(tcgen05.commit; one tile per CTA: only its first, released, phase is waited)",
+                starts_released=True),
         Barrier("kv_full", "load", "mma", 1, kv, kv_bytes, PHASE_FULL,
-                "a K or V block landed in its ring buffer before an MMA reads it"),
+                "a K or V block landed in its ring buffer before an MMA reads it", ring="kv"),
         Barrier("kv_empty", "mma", "load", 1, kv, 0, PHASE_EMPTY,
                 "the MMAs reading a K/V buffer completed before TMA refills it "
-                "(tcgen05.commit)", starts_released=True),
+                "(tcgen05.commit)", starts_released=True, ring="kv"),
         Barrier("s_full", "mma", softmax, 1, q, 0, PHASE_FULL,
                 "S_i = Q_i K^T is in TMEM (and, the tensor pipe being in order, the value MMA "
                 "before it finished) before softmax_i reads it (tcgen05.commit)",
@@ -110,12 +117,12 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
         Barrier("p_ready", softmax, "mma", sm_threads, q, 0, PHASE_FULL,
                 "softmax_i read S_i and wrote P_i into TMEM before the value MMA reads P_i and "
                 "the next score MMA overwrites S_i", per_role_stage=True),
-        Barrier("o_rescaled", "correction", "mma", corr_threads, q, 0, PHASE_EMPTY,
-                "correction finished with O_i (rescale, or the epilogue's read) before the "
-                "next value MMA accumulates into it", starts_released=True),
         Barrier("o_final", "mma", "correction", 1, q, 0, PHASE_FULL,
                 "the last value MMA of a work tile completed before the epilogue reads O_i "
                 "(tcgen05.commit)"),
+        Barrier("o_rescaled", "correction", "mma", corr_threads, q, 0, PHASE_EMPTY,
+                "correction finished with O_i (rescale, or the epilogue's read) before the "
+                "next value MMA accumulates into it", starts_released=True),
         Barrier("stats_full", softmax, "correction", sm_threads, q, 0, PHASE_FULL,
                 "softmax_i posted a block's rescale factor (or the final row sum and max) in "
                 "the mailbox before correction reads it", group="mailbox",
@@ -127,8 +134,14 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
                 "normalized O_i is in SMEM (after fence.proxy.async) before the TMA store "
                 "reads it"),
         Barrier("o_empty", "epilogue", "correction", 1, q, 0, PHASE_EMPTY,
-                "the TMA store finished reading O_i's SMEM staging (store drained) before the "
-                "next tile's epilogue writes it", starts_released=True),
+                "the TMA store finished reading O_i's SMEM staging before a next work tile's "
+                "epilogue writes it (one tile per CTA: only its first, released, phase is "
+                "waited)", starts_released=True),
+        Barrier("tmem", ",".join(r.name for r in tmem_users if r.name != "mma"), "mma",
+                sum(r.threads for r in tmem_users), 1, 0, PHASE_NAMED,
+                "bar.sync: every TMEM user waits for the MMA warp's tcgen05.alloc (the address "
+                "is in SMEM); at the end the MMA warp waits for every user before tcgen05.dealloc",
+                kind="named", group="named", named_id=TMEM_BARRIER_ID),
     ]
     return BarrierGraph(tuple(b))
 
@@ -184,12 +197,14 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
                         f"{REGISTERS['softmax'] - SOFTMAX_REG_OVERHEAD}")
     tmem = build_tmem(spec, tiles, hw.tmem_columns)
     eb = spec.element_bytes
-    barriers = build_barriers(tiles, eb)
+    roles = build_roles(q_stage)
+    check_roles(roles, hw.registers_per_sm)
+    barriers = build_barriers(tiles, eb, roles)
     regions = (   # the kernel's shared-storage struct declares them in this order
-        SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
         SmemRegion("q", m_block * d * eb, q_stage, what="Q tiles, one per Q stage"),
         SmemRegion("kv", n_block * d * eb, kv_stage,
                    what="K/V ring: K_j and V_j take turns in the same buffers"),
+        SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
         SmemRegion("stats", m_block * 2 * ELEMENT_BYTES["fp32"], q_stage, align=16,
                    what="softmax -> correction mailbox: rescale factor and row sum per row"),
         SmemRegion("barriers", MBARRIER_BYTES, barriers.mbarrier_count, align=8,
@@ -197,8 +212,6 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
         SmemRegion("tmem_ptr", 4, 1, align=4, what="TMEM base address from tcgen05.alloc"),
     )
     smem = SmemPlan.build(regions, hw.smem_per_cta)
-    roles = build_roles(q_stage)
-    check_roles(roles, hw.registers_per_sm)
     mmas = (
         MmaPlan("score", m_block, n_block, d, spec.dtype, spec.dtype, "fp32", "smem", "smem",
                 "tmem", f"tcgen05.mma.cta_group::1.kind::f16 M{m_block} N{n_block} K16"),
@@ -206,176 +219,181 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
                 "tmem", f"tcgen05.mma.cta_group::1.kind::f16 M{m_block} N{dv} K16 (A=P in TMEM)"),
     )
     notes = (
-        "K and V share one ring of kv_stage buffers, loaded K_0, V_0, K_1, V_1, ...",
-        "The MMA warp issues, per Q stage i and block j: O_i += P_i V_j-1, then S_i = Q_i K_j; "
-        "tcgen05 MMAs complete in order, so S_i never overwrites P_i before it is read.",
+        "K and V share one ring of kv_stage buffers, loaded from the last block down: "
+        "K_N-1, V_N-1, K_N-2, V_N-2, ... (the masked blocks first).",
+        "The MMA warp issues, per Q stage i and block step j: O_i += P_i V_j-1, then "
+        "S_i = Q_i K_j; tcgen05 MMAs complete in order, so S_i never overwrites P_i before it "
+        "is read.",
+        "One work tile per CTA (not persistent), as the kernel runs: q_empty and o_empty are "
+        "waited once, on their released first phase.",
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
         f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts.",
     ) + pack_gqa_notes(spec, tiles)
-    return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles, barriers,
-                RESCALE_THRESHOLD, balanced_exp2_fraction(hw), notes)
+    return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
+                build_protocol(barriers, q_stage), RESCALE_THRESHOLD,
+                balanced_exp2_fraction(hw), notes)
+
+
+# ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm100's role methods, op by op ----
+def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
+    """Each role's barrier ops in the order fwd_sm100.py issues them (one work tile per CTA).
+
+    The softmax posts N + 1 times to the mailbox (a row scale per block, then row sum and max);
+    the correction's epilogue stages O_i before it releases O_i (o_rescaled); the epilogue warp
+    issues both stores, then drains them.
+    """
+    E = Op   # noqa: N806
+    tmem_sync, tmem_done = E("sync", "tmem"), E("named_arrive", "tmem")
+    tmem_use = (tmem_sync, Step("TMEM address"))
+    load = (If("N > 0", (
+        per_stage(E("wait", "q_empty", "i"), E("expect_tx", "q_full", "i", one=True),
+                  Step("load Q", "i"),
+                  If("i == 0", (E("wait", "kv_empty", "K"),
+                                E("expect_tx", "kv_full", "K", one=True), Step("load K", "K")))),
+        E("wait", "kv_empty", "V"), E("expect_tx", "kv_full", "V", one=True), Step("load V", "V"),
+        Loop("N - 1", (E("wait", "kv_empty", "K+1"), E("expect_tx", "kv_full", "K+1", one=True),
+                       Step("load K", "K+1"),
+                       E("wait", "kv_empty", "V+1"), E("expect_tx", "kv_full", "V+1", one=True),
+                       Step("load V", "V+1"))))),)
+    value = (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V"))
+    mma = (Step("alloc TMEM"), *tmem_use, If("N > 0", (
+        per_stage(E("wait", "q_full", "i"), If("i == 0", (E("wait", "kv_full", "K"),)),
+                  Step("QK", "K"), E("commit", "s_full", "i")),
+        E("commit", "kv_empty", "K"),
+        Loop("N - 1", (
+            E("wait", "kv_full", "V"),
+            per_stage(*value, If("i == q - 1", (E("commit", "kv_empty", "V"),)),
+                      If("i == 0", (E("wait", "kv_full", "K+1"),)),
+                      Step("QK", "K+1"), E("commit", "s_full", "i")),
+            E("commit", "kv_empty", "K+1"))),
+        E("wait", "kv_full", "V"),
+        per_stage(*value, E("commit", "o_final", "i")),
+        E("commit", "kv_empty", "V"),
+        per_stage(E("commit", "q_empty", "i")))),
+        tmem_sync, Step("free TMEM"))
+    step = (E("wait", "s_full", "i"), Step("ld S", "i"),
+            E("wait", "stats_empty", "i"), Step("post scale", "i"),
+            E("arrive", "stats_full", "i"), Step("exp2", "i"), Step("st P", "i"),
+            E("arrive", "p_ready", "i"))
+    softmax = (*tmem_use, Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
+               If("N > 0", (E("wait", "stats_empty", "i"), Step("post row sum", "i"),
+                            E("arrive", "stats_full", "i"))),
+               tmem_done)
+    correction = (*tmem_use, Loop("N", (per_stage(
+        E("wait", "stats_full", "i"), Step("read scale", "i"), E("arrive", "stats_empty", "i"),
+        If("j > 0", (Step("rescale O", "i"), E("arrive", "o_rescaled", "i")))),)),
+        per_stage(
+            If("N > 0", (E("wait", "stats_full", "i"), Step("read row sum", "i"),
+                         E("arrive", "stats_empty", "i"), E("wait", "o_final", "i"))),
+            E("wait", "o_empty", "i"), Step("ld O", "i"), Step("O to SMEM", "i"),
+            E("arrive", "o_staged", "i"), If("N > 0", (E("arrive", "o_rescaled", "i"),))),
+        tmem_done)
+    epilogue = (per_stage(E("wait", "o_staged", "i"), Step("store O", "i")),
+                per_stage(Step("drain store", "i"), E("arrive", "o_empty", "i", one=True)))
+    softmax_roles = tuple(f"softmax{i}" for i in range(q_stage))
+    return Protocol(barriers, (
+        Program("load", ("load",), load),
+        Program("mma", ("mma",), mma),
+        Program("softmax", softmax_roles, softmax, var="i"),
+        Program("correction", ("correction",), correction),
+        Program("epilogue", ("epilogue",), epilogue),
+    ))
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
-def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
-    """Each role's sequence of waits, work, async issues and arrivals over persistent tiles.
+def programs(plan: Plan, n_blocks: int, costs, masked_blocks: int = 0):
+    """Each role's simulator ops over one work tile: the protocol table, expanded
+    (`fa4lab.plan.protocol.expand`), with the costs and regions of each step from `_steps`."""
+    catalogue = _steps(plan, costs, n_blocks)
+    proto, q = plan.protocol, plan.tiles.q_stage
+    return {role: expand(proto, role, plan.role(role).threads, n_blocks, masked_blocks, q,
+                         catalogue) for role in proto.roles()}
 
-    Loads run K_0, V_0, K_1, V_1, ... through the K/V ring (Q tiles in between); the MMA warp
-    issues, per block j and Q stage i, O_i += P_i V_j-1 then S_i = Q_i K_j (see the notes).
-    """
-    from fa4lab.plan.simulate import Arrive, Commit, Issue, Ref, Wait, WaitEngine, Work
+
+def _steps(plan: Plan, costs, n_blocks: int):
+    """Step name -> simulator ops (labels "S{i}=Q{i}K{j}", "O{i}+=P{i}V{j}", "K{j}", ...: j is
+    the K/V block index, block N - 1 - step)."""
+    from fa4lab.plan.simulate import Issue, Ref, WaitEngine, Work
 
     hw, t_, tm = plan.hardware, plan.tiles, plan.tmem
-    q, S, N, m, n = t_.q_stage, t_.kv_stage, n_blocks, t_.m_block, t_.n_block
-    d, dv = t_.head_dim, t_.head_dim_v
+    m, n, d, dv = t_.m_block, t_.n_block, t_.head_dim, t_.head_dim_v
     eb, acc_b = plan.spec.element_bytes, ELEMENT_BYTES["fp32"]   # inputs, P; S and O (fp32)
     f = plan.exp2_emulation_fraction
-    stages = range(q)
-    corr = plan.role("correction").threads
-    smx = {i: plan.role(f"softmax{i}").threads for i in stages}
+    kv = plan.barriers.barrier("kv_full")
+    q_bytes, kv_bytes, o_bytes = m * d * eb, n * d * eb, m * dv * acc_b
+    qk = costs.mma_op_cycles(hw, plan.mma("score"))
+    pv = costs.mma_op_cycles(hw, plan.mma("value"))
+    rescale_at = costs.rescale_blocks(n_blocks)
 
     def tref(name, i):
         r = tm.region(name, i)
-        return Ref("tmem", f"{name}", i, r.col_offset, r.col_end)
+        return Ref("tmem", name, i, r.col_offset, r.col_end)
 
     def sref(name, i):
         return Ref("smem", name, i)
 
-    q_bytes, kv_bytes = m * d * eb, n * d * eb
-    qk = costs.mma_op_cycles(hw, plan.mma("score"))
-    pv = costs.mma_op_cycles(hw, plan.mma("value"))
-    rescale_at = costs.rescale_blocks(N)
+    def ring(stage, env):
+        """(buffer, block index) of ring slot `stage` at the env's block step."""
+        delta = int(stage[1:] or 0)
+        return ring_slot(kv, stage, env["j"])[0], env["N"] - 1 - (env["j"] + delta)
 
-    def masked(j):
-        return j >= N - masked_blocks
+    def load(what, nbytes, stage, env):
+        buf, blk = ring(stage, env)
+        return [Issue("tma", f"{what}{blk}", costs.tma_cycles(nbytes), writes=(sref("kv", buf),),
+                      complete_tx=("kv_full", buf, nbytes))]
 
-    def slot(g):          # global load index -> (ring stage, phase use)
-        return g % S, g // S
-
-    load, mma = [], []
-    softmax = {i: [] for i in stages}
-    correction, epilogue = [], []
-    for t in range(n_tiles):
-        base = t * 2 * N
-
-        def kv_load(g, what, _base=base):
-            s, use = slot(_base + g)
-            return [Wait("kv_empty", s, use - 1),
-                    Arrive("kv_full", s, 1, expect_tx=kv_bytes),
-                    Issue("tma", what, costs.tma_cycles(kv_bytes), writes=(sref("kv", s),),
-                          complete_tx=("kv_full", s, kv_bytes))]
-
-        def q_load(i, _t=t):
-            return [Wait("q_empty", i, _t - 1), Arrive("q_full", i, 1, expect_tx=q_bytes),
-                    Issue("tma", f"Q{i}", costs.tma_cycles(q_bytes), writes=(sref("q", i),),
+    def step(s, env, stage):
+        i = env.get("i", 0)
+        w = s.what
+        if w == "load Q":
+            return [Issue("tma", f"Q{i}", costs.tma_cycles(q_bytes), writes=(sref("q", i),),
                           complete_tx=("q_full", i, q_bytes))]
-
-        # load warp: Q0, K0, Q1, V0, K1, V1, ...
-        load += q_load(0) + kv_load(0, "K0")
-        for i in range(1, q):
-            load += q_load(i)
-        for j in range(N):
-            load += kv_load(2 * j + 1, f"V{j}")
-            if j + 1 < N:
-                load += kv_load(2 * j + 2, f"K{j + 1}")
-
-        # mma warp
-        def k_slot(j, _base=base):
-            return slot(_base + 2 * j)
-
-        def v_slot(j, _base=base):
-            return slot(_base + 2 * j + 1)
-
-        def score(i, j):
-            s, _ = k_slot(j)
-            return [Issue("tensor", f"S{i}=Q{i}K{j}", qk,
-                          reads=(sref("q", i), sref("kv", s)), writes=(tref("S", i),)),
-                    Commit("tensor", "s_full", i)]
-
-        def value(i, j, _t=t):
-            s, _ = v_slot(j)
-            o_reads = (tref("O", i),) if j > 0 else ()
-            return [Wait("p_ready", i, _t * N + j), Wait("o_rescaled", i, _t * N + j - 1),
-                    Issue("tensor", f"O{i}+=P{i}V{j}", pv,
-                          reads=(tref("P", i), sref("kv", s)) + o_reads,
+        if w in ("load K", "load V"):
+            return load(w[-1], kv_bytes, stage, env)
+        if w == "QK":
+            buf, blk = ring(stage, env)
+            return [Issue("tensor", f"S{i}=Q{i}K{blk}", qk,
+                          reads=(sref("q", i), sref("kv", buf)), writes=(tref("S", i),))]
+        if w == "PV":
+            buf, blk = ring(stage, env)
+            o_reads = (tref("O", i),) if env["j"] > 0 else ()
+            return [Issue("tensor", f"O{i}+=P{i}V{blk}", pv,
+                          reads=(tref("P", i), sref("kv", buf)) + o_reads,
                           writes=(tref("O", i),))]
+        if w == "alloc TMEM":
+            return [Work("alloc TMEM", 0, writes=(sref("tmem_ptr", 0),))]
+        if w == "TMEM address":
+            return [Work("TMEM address", 0, reads=(sref("tmem_ptr", 0),))]
+        if w == "free TMEM":
+            return [Work("free TMEM", 0, writes=(Ref("tmem", "all", 0, 0, tm.total_cols),))]
+        if w == "ld S":
+            return [Work(f"ld S{i}", costs.tmem_cycles(m * n * acc_b), reads=(tref("S", i),))]
+        if w in ("post scale", "post row sum"):
+            return [Work(w, 8, writes=(sref("stats", i),))]
+        if w == "exp2":
+            return [Work(f"exp2 S{i}", costs.softmax_cycles(hw, m * n, f, env["tag"] == "masked"),
+                         unit="mufu")]
+        if w == "st P":
+            return [Work(f"st P{i}", costs.tmem_cycles(m * n * eb), writes=(tref("P", i),))]
+        if w in ("read scale", "read row sum"):
+            return [Work(w, 8, reads=(sref("stats", i),))]
+        if w == "rescale O":   # the kernel rescales when a row max moved: costs' rate
+            if env["j"] not in rescale_at:
+                return []
+            cycles = costs.tmem_cycles(2 * o_bytes) + m * dv / hw.fma_per_cycle
+            return [Work(f"rescale O{i}", cycles, reads=(tref("O", i),), writes=(tref("O", i),))]
+        if w == "ld O":
+            return [Work(f"ld O{i}, / row sum",
+                         costs.tmem_cycles(o_bytes) + m * dv / hw.fma_per_cycle,
+                         reads=(tref("O", i),))]
+        if w == "O to SMEM":
+            return [Work(f"O{i} to SMEM", costs.smem_cycles(hw, m * dv * eb),
+                         writes=(sref("o", i),))]
+        if w == "store O":
+            return [Issue("tma_store", f"store O{i}", costs.tma_cycles(m * dv * eb),
+                          reads=(sref("o", i),))]
+        if w == "drain store":
+            return [WaitEngine("tma_store")]
+        raise KeyError(f"no simulator step {w!r}")
 
-        s0, u0 = k_slot(0)
-        for i in stages:
-            mma += [Wait("q_full", i, t)]
-            if i == 0:
-                mma += [Wait("kv_full", s0, u0)]
-            mma += score(i, 0)
-        mma += [Commit("tensor", "kv_empty", s0)]
-        for j in range(1, N):
-            sv, uv = v_slot(j - 1)
-            sk, uk = k_slot(j)
-            mma += [Wait("kv_full", sv, uv), Wait("kv_full", sk, uk)]
-            for i in stages:
-                mma += value(i, j - 1)
-                if i == q - 1:
-                    mma += [Commit("tensor", "kv_empty", sv)]
-                mma += score(i, j)
-            mma += [Commit("tensor", "kv_empty", sk)]
-        for i in stages:
-            mma += [Commit("tensor", "q_empty", i)]
-        sv, uv = v_slot(N - 1)
-        mma += [Wait("kv_full", sv, uv)]
-        for i in stages:
-            mma += value(i, N - 1) + [Commit("tensor", "o_final", i)]
-        mma += [Commit("tensor", "kv_empty", sv)]
-
-        # softmax warpgroups: one per Q stage
-        for i in stages:
-            prog = softmax[i]
-            for j in range(N):
-                prog += [Wait("s_full", i, t * N + j),
-                         Work(f"ld S{i}", costs.tmem_cycles(m * n * acc_b), reads=(tref("S", i),))]
-                if j > 0:   # post the rescale factor early so correction overlaps the exp2
-                    post = t * N + j - 1
-                    prog += [Wait("stats_empty", i, post - 1),
-                             Work("post scale", 8, writes=(sref("stats", i),)),
-                             Arrive("stats_full", i, smx[i])]
-                prog += [Work(f"exp2 S{i}", costs.softmax_cycles(hw, m * n, f, masked(j)),
-                              unit="mufu"),
-                         Work(f"st P{i}", costs.tmem_cycles(m * n * eb), writes=(tref("P", i),)),
-                         Arrive("p_ready", i, smx[i])]
-            post = t * N + N - 1
-            prog += [Wait("stats_empty", i, post - 1),
-                     Work("post row sum", 8, writes=(sref("stats", i),)),
-                     Arrive("stats_full", i, smx[i])]
-
-        # correction warpgroup: rescale O when told, then the epilogue
-        o_bytes = m * dv * acc_b
-        for j in range(1, N):
-            for i in stages:
-                correction += [Wait("stats_full", i, t * N + j - 1),
-                               Work("read scale", 8, reads=(sref("stats", i),)),
-                               Arrive("stats_empty", i, corr)]
-                if j in rescale_at:
-                    correction += [Work(f"rescale O{i}",
-                                        costs.tmem_cycles(2 * o_bytes) + m * dv / hw.fma_per_cycle,
-                                        reads=(tref("O", i),), writes=(tref("O", i),))]
-                correction += [Arrive("o_rescaled", i, corr)]
-        for i in stages:
-            correction += [Wait("stats_full", i, t * N + N - 1),
-                           Work("read row sum", 8, reads=(sref("stats", i),)),
-                           Arrive("stats_empty", i, corr),
-                           Wait("o_final", i, t),
-                           Work(f"ld O{i}, / row sum",
-                                costs.tmem_cycles(o_bytes) + m * dv / hw.fma_per_cycle,
-                                reads=(tref("O", i),)),
-                           Arrive("o_rescaled", i, corr),
-                           Wait("o_empty", i, t - 1),
-                           Work(f"O{i} to SMEM", costs.smem_cycles(hw, m * dv * eb),
-                                writes=(sref("o", i),)),
-                           Arrive("o_staged", i, corr)]
-            epilogue += [Wait("o_staged", i, t),
-                         Issue("tma_store", f"store O{i}", costs.tma_cycles(m * dv * eb),
-                               reads=(sref("o", i),)),
-                         WaitEngine("tma_store"),
-                         Arrive("o_empty", i, 1)]
-    progs = {"load": load, "mma": mma}
-    progs.update({f"softmax{i}": softmax[i] for i in stages})
-    progs.update({"correction": correction, "epilogue": epilogue})
-    return progs
+    return step

@@ -22,6 +22,7 @@ from fa4lab.hardware import H200
 from fa4lab.limits import KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
+from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, Unroll, expand
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -55,6 +56,11 @@ M_BLOCK = 64      # wgmma M: one consumer warpgroup's Q tile
 # pairs), a consumer thread needs about this many registers for addresses, row statistics and
 # loop state (ptxas's count for the head_dim 64 three-consumer kernel: 160 with no spills).
 CONSUMER_REG_OVERHEAD = 32
+# Named barriers (0 is __syncthreads): each consumer's epilogue, then the ping-pong turns,
+# with room for three consumers each.
+MAX_CONSUMERS = 3
+EPILOGUE_BARRIER_ID = 1
+TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 
 
 # Note [sm90 pack-GQA]
@@ -81,16 +87,22 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
                 "the CTA's Q rows (both consumers' tiles, one TMA) landed before any wgmma "
                 "reads them"),
         Barrier("k_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim * eb,
-                PHASE_FULL, "K_j landed in its buffer before the score wgmma reads it"),
+                PHASE_FULL, "K_j landed in its buffer before the score wgmma reads it", ring="k"),
         Barrier("k_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
                 "every consumer finished the score wgmma on K_j before TMA refills the buffer",
-                starts_released=True),
+                starts_released=True, ring="k"),
         Barrier("v_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim_v * eb,
-                PHASE_FULL, "V_j landed before the value wgmma reads it"),
+                PHASE_FULL, "V_j landed before the value wgmma reads it", ring="v"),
         Barrier("v_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
                 "every consumer finished the value wgmma on V_j before TMA refills the buffer",
-                starts_released=True),
+                starts_released=True, ring="v"),
     ]
+    for i in range(q):
+        b.append(Barrier(
+            f"epilogue{i}", f"consumer{i}", f"consumer{i}", 128, 1, 0, PHASE_NAMED,
+            f"consumer{i}'s four warps wrote their O rows to SMEM (and fenced) before its "
+            f"first warp issues the TMA store", kind="named", group="named",
+            named_id=EPILOGUE_BARRIER_ID + i))
     if q >= 2:
         for i in range(q):
             prev = (i - 1) % q
@@ -98,7 +110,7 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
                 f"mma_turn{i}", f"consumer{prev}", f"consumer{i}", 256, 1, 0, PHASE_NAMED,
                 f"consumer{i} issues its wgmmas only after consumer{prev} finished issuing "
                 f"its own (warp-scheduler ping-pong: softmax overlaps the others' GEMMs)",
-                kind="named", group="named"))
+                kind="named", group="named", named_id=TURN_BARRIER_ID + i))
     return BarrierGraph(tuple(b))
 
 
@@ -178,85 +190,118 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
     ) + pack_gqa_notes(spec, tiles)
-    return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles, barriers,
-                RESCALE_THRESHOLD, 0.0, notes)
+    return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles,
+                build_protocol(barriers, q_stage), RESCALE_THRESHOLD, 0.0, notes)
+
+
+# ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm90, op by op ----
+def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
+    """The producer warp and the consumers' shared code in the order fwd_sm90.py runs them.
+
+    Loads run K_last, then (K_j+1, V_j) pairs, then V_first. A consumer's block step waits
+    for K, takes its turn, issues S = Q K^T, waits for V, issues O += P V, passes the turn;
+    the ring's last consumer also passes once at the start so consumer0 goes first (it passes
+    N + 1 times, consumer0 takes N turns: the last pass is never taken). The last block's
+    value wgmma is issued without a turn. The turn and
+    epilogue barrier ids are picked per consumer in unrolled branches (`Unroll` over t).
+    """
+    E = Op   # noqa: N806
+    load = (E("expect_tx", "q_full", "0", one=True), Step("load Q"),
+            E("wait", "k_empty", "K"), E("expect_tx", "k_full", "K", one=True),
+            Step("load K", "K"),
+            Loop("N - 1", (E("wait", "k_empty", "K+1"), E("expect_tx", "k_full", "K+1", one=True),
+                           Step("load K", "K+1"),
+                           E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
+                           Step("load V", "V"))),
+            E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True), Step("load V", "V"))
+    pingpong = q_stage >= 2
+    take = (Unroll("t", "q", (If("c == t", (E("sync", "mma_turn{t}"),)),)),) if pingpong else ()
+    give = ((Unroll("t", "q", (If("c == t", (E("named_arrive", "mma_turn{(t + 1) % q}"),)),)),)
+            if pingpong else ())
+    step = ((E("wait", "k_full", "K+1"),) + take + (Step("QK", "K+1"), E("wait", "v_full", "V"),
+            Step("PV", "V")) + give + (E("arrive", "k_empty", "K+1"), Step("softmax"),
+                                       E("arrive", "v_empty", "V")))
+    consumer = ((If("c == q - 1", give),) if pingpong else ()) + (
+        E("wait", "q_full", "0"),
+        E("wait", "k_full", "K")) + take + (Step("QK", "K"),) + give + (
+        E("arrive", "k_empty", "K"), Step("softmax"),
+        Loop("max(M, 1) - 1", step, "masked"),
+        Loop("N - max(M, 1)", step, "unmasked"),
+        E("wait", "v_full", "V"), Step("last PV", "V"), E("arrive", "v_empty", "V"),
+        Step("O to SMEM"), E("sync", "epilogue{c}"), Step("store O"))
+    return Protocol(barriers, (
+        Program("load", ("load",), load),
+        Program("consumer", tuple(f"consumer{i}" for i in range(q_stage)), consumer, var="c",
+                shared_code=True),
+    ))
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
-def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
-    """The producer and the consumers over one work tile of `n_blocks` K/V blocks.
+def programs(plan: Plan, n_blocks: int, costs, masked_blocks: int = 0):
+    """The producer and the consumers over one work tile: the protocol table, expanded, with
+    each step's costs from `_steps`. The tensor core is a region every wgmma writes ("turn"),
+    so two consumers' wgmmas unordered by the ping-pong are a hazard."""
+    catalogue = _steps(plan, costs, n_blocks)
+    proto, q = plan.protocol, plan.tiles.q_stage
+    return {role: expand(proto, role, plan.role(role).threads if role != "load" else 1,
+                         n_blocks, masked_blocks, q, catalogue) for role in proto.roles()}
 
-    Consumer c's section s issues S = Q_c K_s (s < N) and O += P V_s-1 (s >= 1) while holding
-    the tensor-core turn; the named barriers pass the turn round the ring c0 -> c1 (-> c2)
-    -> c0 ... and the last consumer arrives once at the start so consumer0 goes first.
-    `n_tiles` is ignored (one tile per CTA).
-    """
-    from fa4lab.plan.simulate import Arrive, Issue, Ref, Wait, WaitEngine, Work
+
+def _steps(plan: Plan, costs, n_blocks: int):
+    """Step name -> simulator ops (labels "S{c}=Q{c}K{j}", "O{c}+=P{c}V{j}": j the block)."""
+    from fa4lab.plan.simulate import Issue, Ref, WaitEngine, Work
 
     hw, t_ = plan.hardware, plan.tiles
-    q, S, N, m, n = t_.q_stage, t_.kv_stage, n_blocks, t_.m_block, t_.n_block
+    q, S, m, n = t_.q_stage, t_.kv_stage, t_.m_block, t_.n_block
     d, dv = t_.head_dim, t_.head_dim_v
     eb = plan.spec.element_bytes
     o_region = plan.smem.region("o")
     turn = Ref("turn", "tensor-core turn", 0)
-    rescale_at = costs.rescale_blocks(N)
+    rescale_at = costs.rescale_blocks(n_blocks)
     qk = costs.mma_op_cycles(hw, plan.mma("score"))
     pv = costs.mma_op_cycles(hw, plan.mma("value"))
+    q_bytes = t_.cta_m * d * eb
+    k_bytes, v_bytes = n * d * eb, n * dv * eb
 
     def sref(name, i):
         if name == "o" and o_region.alias_of:
             name = o_region.alias_of
         return Ref("smem", name, i)
 
-    q_bytes = t_.cta_m * d * eb
-    k_bytes, v_bytes = n * d * eb, n * dv * eb
-    load = [Arrive("q_full", 0, 1, expect_tx=q_bytes),
-            Issue("tma", "Q", costs.tma_cycles(q_bytes),
-                  writes=tuple(sref("q", i) for i in range(q)),
-                  complete_tx=("q_full", 0, q_bytes))]
-    for j in range(N):
-        for name, nbytes in (("k", k_bytes), ("v", v_bytes)):
-            load += [Wait(f"{name}_empty", j % S, j // S - 1),
-                     Arrive(f"{name}_full", j % S, 1, expect_tx=nbytes),
-                     Issue("tma", f"{name.upper()}{j}", costs.tma_cycles(nbytes),
-                           writes=(sref(name, j % S),),
-                           complete_tx=(f"{name}_full", j % S, nbytes))]
-    progs = {"load": load}
-    threads = 128
-    for c in range(q):
-        prog = []
-        pingpong = q >= 2
-        if pingpong and c == q - 1:    # the last consumer lets consumer0 go first
-            prog.append(Arrive("mma_turn0", 0, threads))
-        prog.append(Wait("q_full", 0, 0))
-        for s in range(N + 1):
-            if s < N:
-                prog.append(Wait("k_full", s % S, s // S))
-            if s >= 1:
-                prog.append(Wait("v_full", (s - 1) % S, (s - 1) // S))
-            if pingpong:
-                prog.append(Wait(f"mma_turn{c}", 0, s))
-            if s < N:
-                prog.append(Work(f"S{c}=Q{c}K{s}", qk, unit="tensor",
-                                 reads=(sref("q", c), sref("k", s % S)), writes=(turn,)))
-            if s >= 1:
-                prog.append(Work(f"O{c}+=P{c}V{s - 1}", pv,
-                                 unit="tensor", reads=(sref("v", (s - 1) % S),), writes=(turn,)))
-            if pingpong and not (c == q - 1 and s == N):  # nobody takes a turn after it
-                prog.append(Arrive(f"mma_turn{(c + 1) % q}", 0, threads))
-            if s < N:
-                prog.append(Arrive("k_empty", s % S, threads))
-            if s >= 1:
-                prog.append(Arrive("v_empty", (s - 1) % S, threads))
-            if s < N:
-                cyc = costs.softmax_cycles(hw, m * n, 0.0, s >= N - masked_blocks)
-                if s in rescale_at:
-                    cyc += m * dv / hw.fma_per_cycle
-                prog.append(Work(f"softmax{c}", cyc, unit="mufu"))
-        prog += [Work(f"O{c} to SMEM", costs.smem_cycles(hw, m * dv * eb),
-                      writes=(sref("o", c),)),
-                 Issue("tma_store", f"store O{c}", costs.tma_cycles(m * dv * eb),
-                       reads=(sref("o", c),)),
-                 WaitEngine("tma_store")]
-        progs[f"consumer{c}"] = prog
-    return progs
+    def slot(stage, env):
+        step = env["j"] + int(stage[1:] or 0)
+        return step % S, env["N"] - 1 - step
+
+    def step(s, env, stage):
+        c, w = env.get("c", 0), s.what
+        if w == "load Q":
+            return [Issue("tma", "Q", costs.tma_cycles(q_bytes),
+                          writes=tuple(sref("q", i) for i in range(q)),
+                          complete_tx=("q_full", 0, q_bytes))]
+        if w in ("load K", "load V"):
+            buf, blk = slot(stage, env)
+            name, nbytes = w[-1].lower(), (k_bytes if w[-1] == "K" else v_bytes)
+            return [Issue("tma", f"{w[-1]}{blk}", costs.tma_cycles(nbytes),
+                          writes=(sref(name, buf),), complete_tx=(f"{name}_full", buf, nbytes))]
+        if w == "QK":
+            buf, blk = slot(stage, env)
+            return [Work(f"S{c}=Q{c}K{blk}", qk, unit="tensor",
+                         reads=(sref("q", c), sref("k", buf)), writes=(turn,))]
+        if w in ("PV", "last PV"):   # the last one without the turn (see build_protocol)
+            buf, blk = slot(stage, env)
+            return [Work(f"O{c}+=P{c}V{blk}", pv, unit="tensor", reads=(sref("v", buf),),
+                         writes=(turn,) if w == "PV" else ())]
+        if w == "softmax":
+            cyc = costs.softmax_cycles(hw, m * n, 0.0, env["tag"] != "unmasked")
+            if env["j"] in rescale_at:
+                cyc += m * dv / hw.fma_per_cycle
+            return [Work(f"softmax{c}", cyc, unit="mufu")]
+        if w == "O to SMEM":
+            return [Work(f"O{c} to SMEM", costs.smem_cycles(hw, m * dv * eb),
+                         writes=(sref("o", c),))]
+        if w == "store O":
+            return [Issue("tma_store", f"store O{c}", costs.tma_cycles(m * dv * eb),
+                          reads=(sref("o", c),)), WaitEngine("tma_store")]
+        raise KeyError(f"no simulator step {w!r}")
+
+    return step

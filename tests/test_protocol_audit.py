@@ -1,0 +1,149 @@
+"""The protocol audit catches a broken binary, naming the barrier and the role.
+
+Compiled mutations (marked `compile`): the sm100 kernel built with one wait dropped, or two
+adjacent arrives swapped, through `compile_forward(..., mutation=Mutation(...))`; and the
+unmutated binary audited against a plan with another kv_stage. Below them, the PTX parsers on
+small hand-written snippets (no compile).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fa4lab.kernels import binary
+from fa4lab.plan import plan_forward
+from fa4lab.spec import AttentionSpec
+
+SPEC = AttentionSpec(2, 300, 700, 8, 8, 128, causal=True, return_lse=True)
+_compiled = {}
+
+
+def _compile(mutation, tmp_path_factory):
+    pytest.importorskip("cutlass")
+    from fa4lab.kernels import compile_forward
+
+    if mutation not in _compiled:
+        _compiled[mutation] = compile_forward(SPEC, "sm100a", mutation=mutation,
+                                              keep_dir=tmp_path_factory.mktemp("mut"))
+    return _compiled[mutation]
+
+
+def _failures(plan, ptx):
+    from fa4lab.kernels.audit import protocol_rows
+
+    return [r for r in protocol_rows(plan, ptx) if not r.ok]
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_unmutated_binary_passes(tmp_path_factory):
+    cf = _compile(None, tmp_path_factory)
+    assert _failures(cf.plan, cf.ptx) == []
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_dropped_wait_is_named(tmp_path_factory):
+    from fa4lab.kernels.protocol import Mutation
+
+    plan = plan_forward(SPEC, "sm100")
+    site = plan.protocol.sites("mma", 2)[13]
+    assert (site.kind, site.barrier, site.stage) == ("wait", "o_rescaled", 1)
+    cf = _compile(Mutation("drop", "mma", 13), tmp_path_factory)
+    bad = _failures(cf.plan, cf.ptx)
+    assert [r.name for r in bad] == ["protocol: mma"]
+    assert "the table has wait o_rescaled[1]" in bad[0].note and "mma op 13" in bad[0].note
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_swapped_arrives_are_named(tmp_path_factory):
+    from fa4lab.kernels.protocol import Mutation
+
+    plan = plan_forward(SPEC, "sm100")
+    first, second = plan.protocol.sites("epilogue", 2)[2:4]
+    assert (str(first), str(second)) == ("arrive o_empty[0]", "arrive o_empty[1]")
+    cf = _compile(Mutation("swap", "epilogue", 2), tmp_path_factory)
+    bad = _failures(cf.plan, cf.ptx)
+    assert [r.name for r in bad] == ["protocol: epilogue"]
+    assert ("epilogue op 2: the binary has arrive o_empty[1], the table has arrive o_empty[0]"
+            in bad[0].note)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_stage_count_mismatch_is_named(tmp_path_factory):
+    """The binary (kv_stage 3) against a plan with kv_stage 2: the ring's barriers fail."""
+    cf = _compile(None, tmp_path_factory)
+    other = plan_forward(SPEC, "sm100", kv_stage=2)
+    bad = {r.name: r for r in _failures(other, cf.ptx)}
+    assert "init kv_full" in bad and "init kv_empty" in bad
+    assert "load -> mma" in bad["init kv_full"].note
+    assert len(bad["init kv_full"].expected) == 2   # the plan's two stages, not found there
+
+
+# ---- parsers on hand-written PTX (no compile) ----
+PTX = """
+.extern .shared .align 1024 .b8 __dynamic_shmem__0[];
+	mov.b32 	%r1, __dynamic_shmem__0;
+	shfl.sync.idx.b32 	%r8, %r1, 0, 31, -1;
+	add.s32 	%r9, %r8, 1024;
+	mov.b32 	%r3, 128;
+	mbarrier.init.shared.b64 	[%r9], %r3;
+	mbarrier.init.shared.b64 	[%r8+1032], 1;
+	bar.sync 	0;
+	@%p1 bra 	$L__BB0_9;
+	// begin inline asm
+	// fa4lab-proto load wait full[0]
+	// end inline asm
+	mbarrier.try_wait.parity.shared.b64 P1, [%r9], 1, 10000000;
+	bra.uni 	$L__BB0_3;
+$L__BB0_9:
+	// begin inline asm
+	// fa4lab-proto mma sync tmem[0]
+	// end inline asm
+	barrier.sync 	1, 416;
+	bar.arrive 	2, 256;
+	ret;
+$L__BB0_3:
+	add.s32 	%r20, %r8, %r21;
+	// begin inline asm
+	// fa4lab-proto load arrive empty[ring]
+	// end inline asm
+	mbarrier.arrive.shared.b64 %rd1, [%r20+1032], %r3;
+	@%p2 bra 	$L__BB0_3;
+	bra.uni 	$L__BB0_9;
+"""
+
+
+def test_addresses_resolve_from_the_dynamic_smem_base():
+    assert binary.mbarrier_inits(PTX) == [(1024, 128), (1032, 1)]
+    addr = binary.SmemAddresses(PTX)
+    assert addr.operand("[%r9]") == (1024, False)
+    assert addr.operand("[%r20+1032]") == (1032, True)    # plus a run-time index
+    assert addr.operand("[%r99]") is None
+
+
+def test_barrier_ops_kinds_ids_and_forms():
+    ops = [(o.kind, o.opcode, o.offset, o.named_id, o.threads) for o in binary.barrier_ops(PTX)
+           if o.kind != "marker"]
+    assert ops == [("sync", "bar.sync", None, 0, None),
+                   ("wait", "mbarrier.try_wait.parity.shared.b64", 1024, None, None),
+                   ("sync", "barrier.sync", None, 1, 416),
+                   ("named_arrive", "bar.arrive", None, 2, 256),
+                   ("arrive", "mbarrier.arrive.shared.b64", 1032, None, None)]
+    markers = [o.marker for o in binary.barrier_ops(PTX) if o.kind == "marker"]
+    assert markers[0] == ("load", "wait", "full", "0")
+
+
+def test_loops_and_program_order_follow_control_flow():
+    lines = PTX.splitlines()
+    loops = binary.ptx_loops(PTX)
+    arrive = next(i for i, ln in enumerate(lines) if "mbarrier.arrive" in ln)
+    wait = next(i for i, ln in enumerate(lines) if "try_wait" in ln)
+    sync = next(i for i, ln in enumerate(lines) if "barrier.sync \t1" in ln or
+                ln.strip().startswith("barrier.sync"))
+    assert loops[arrive] == "$L__BB0_3" and loops[wait] is None and loops[sync] is None
+    order = binary.program_order(PTX)
+    # $L__BB0_9 is laid out before the loop but runs after it (the loop branches to it).
+    assert order.index(wait) < order.index(arrive) < order.index(sync)
