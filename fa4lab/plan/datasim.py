@@ -1,0 +1,991 @@
+"""A simulator that carries data: the sm100 role programs computing attention on numpy memories.
+
+`fa4lab.plan.simulate` runs the roles' programs (the plan's protocol) for timing and hazards;
+this module runs the SAME programs again, and when an op executes in the simulated
+interleaving it does its real math on numpy arrays that stand for the CTA's memories:
+
+  - TMEM: 128 lanes x 512 columns of 32-bit words (`plan.tmem`). S_i is fp32 in its columns,
+    P_i is 16-bit, two per word, in the upper half of S_i's columns (Note [P aliases S] in
+    fa4lab.plan.tmem), O_i fp32 in its columns;
+  - SMEM (`plan.smem`): the Q stages, the K/V ring of kv_stage buffers, the O staging tiles and
+    the softmax -> correction mailbox (`stats`);
+  - global memory: q, k, v (rounded to the plan's dtype), out and lse.
+
+Memory that no op has written holds NaN, as a stand-in for garbage. See Note [data effects] for
+which op does what and when. Nothing here restates the protocol: the ops, their order, the
+barriers and the regions all come from the plan's `programs` (fa4lab.plan.simulate
+`programs_for`); the online-softmax update is `fa4lab.online_softmax.update_state`, the
+epilogue is its `finalize`, the software exp2 is `fa4lab.kernels.exp2_sm100.exp2_poly3_numpy`.
+
+What it is for: with every barrier in place the output matches the float64 reference up to the
+16-bit rounding of P and of O, whatever the interleaving; with one barrier removed, an
+adversarial interleaving (`adversary`, then a seeded random search over role speeds) makes a
+role read a buffer too early or overwrite it too soon, and `barrier_check` reports what went
+wrong where. That is a property of this MODEL of the kernel, not a proof about the binary.
+
+Run it:
+    run = run_attention(q, k, v, causal=True)           # numpy (batch, seqlen, heads, dim)
+    print(barrier_check("p_ready"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import inspect
+import itertools
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3_numpy
+from fa4lab.online_softmax import SoftmaxState, finalize, init_state, update_state
+from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
+from fa4lab.plan.simulate import Arrive, Issue, SimResult, Simulator, Work, _mutate
+from fa4lab.reference import kv_head_index
+from fa4lab.tiling import n_block_range
+
+# Note [data effects]
+# An op reads its sources when it starts and writes its destination when it ends: a Work op
+# at its start and start + cycles, an async op (TMA copy, MMA, TMA store) at the start and the
+# end of its execution on the engine (a TMA copy lands after the engine's latency, just before
+# its bytes complete the barrier). So an op that overlaps another's read-modify-write sees
+# the old value or loses its update, as the hardware would. Which op does what is read from
+# the regions it touches (its Refs), not from its position in the program:
+#     load      TMA "Q{i}" -> smem q[i]; "K{j}" / "V{j}" -> smem kv[stage]  (the tile's step-th
+#               K or V; steps walk the K/V blocks from the last to the first, as the kernel)
+#     mma       writes S[i]: S_i = Q_i K^T (fp32);  writes O[i]: O_i (+)= P_i V (the first value
+#               MMA of a work tile overwrites, as the kernel's accumulate flag)
+#     softmax   reads S[i]: mask, row max, conditional rescale, exp2 (MUFU or polynomial per
+#               pair of columns), row sum (update_state); writes P[i]: P in 16 bits over S's
+#               upper half; writes stats[i]: the row scale, or (labels with "sum") row sum and
+#               row max
+#     correction reads stats[i]: the scale, or row sum and row max; reads and writes O[i]:
+#               O *= scale; reads O[i]: O / row_sum and LSE (finalize); writes smem o[i]: O in
+#               16 bits, and LSE to global
+#     epilogue  TMA store reading smem o[i] -> global out (rows past seqlen_q clipped)
+#     TMEM      "alloc TMEM" (writes smem tmem_ptr) publishes the address; a role's "TMEM
+#               address" (reads tmem_ptr) takes it: before that its TMEM loads return garbage
+#               and its stores land elsewhere; "free TMEM" leaves garbage in the columns
+# The k-th op of a kind (per Q stage) belongs to work tile k // n_blocks, step k % n_blocks.
+
+# NaN as fp32, and a NaN in each 16-bit half: what unwritten memory holds.
+POISON = np.uint32(0xFFC0FFC0)
+SLOW, FAST = 32.0, 1.0 / 32.0
+
+# Every correction step gets its rescale op, so the data decides (as the kernel's vote does)
+# whether O changes; the default cost model rescales only on some blocks (a timing estimate).
+DATA_COSTS = DEFAULT_COSTS.with_(rescale_fraction=1.0)
+
+# role -> the lanes (its own Work, and the engine its async ops run on) a schedule scales
+ROLE_LANES = {"load": ("load", "tma"), "mma": ("mma", "tensor"),
+              "epilogue": ("epilogue", "tma_store")}
+
+
+class DataSimError(RuntimeError):
+    """The programs hold an op whose data effect this simulator does not know."""
+
+
+# ---- 16-bit storage ----
+def to_bits16(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> uint16 bits of bf16 (round to nearest even) or fp16."""
+    x = np.asarray(x, np.float32)
+    if dtype == "fp16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).view(np.uint16)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def from_bits16(b: np.ndarray, dtype: str) -> np.ndarray:
+    b = np.asarray(b, np.uint16)
+    if dtype == "fp16":
+        return b.view(np.float16).astype(np.float32)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def round16(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded to the 16-bit dtype, held as float32."""
+    return from_bits16(to_bits16(x, dtype), dtype)
+
+
+# ---- schedules ----
+@dataclass(frozen=True)
+class Schedule:
+    """Cycle multipliers per lane (a role's Work, or an engine's async ops): an interleaving.
+
+    The simulator is deterministic; a schedule changes only how long each lane's steps take,
+    so the barriers still decide what may run before what.
+    """
+
+    name: str
+    speed: tuple[tuple[str, float], ...] = ()
+
+    def factor(self, lane: str) -> float:
+        return dict(self.speed).get(lane, 1.0)
+
+    def apply(self, programs: dict[str, list], costs: CostModel):
+        out = {}
+        for role, prog in programs.items():
+            ops = []
+            for op in prog:
+                if isinstance(op, Work):
+                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(role))
+                elif isinstance(op, Issue):
+                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(op.engine))
+                ops.append(op)
+            out[role] = ops
+        latency = int(round(costs.tma_latency * self.factor("tma")))
+        return out, costs.with_(tma_latency=latency)
+
+    def __str__(self) -> str:
+        if not self.speed:
+            return self.name
+        parts = ", ".join(f"{lane} x{f:g}" for lane, f in self.speed)
+        return f"{self.name} ({parts})"
+
+
+AS_PLANNED = Schedule("as planned")
+
+
+def _lanes(role: str) -> tuple[str, ...]:
+    return ROLE_LANES.get(role, (role,))
+
+
+def adversary(plan, barrier: str) -> Schedule:
+    """The interleaving that hurts most without `barrier`: the roles that arrive on it run
+    slow, the roles that wait on it run ahead. For a "full" barrier the reader then reads
+    before the writer wrote; for an "empty" (release) barrier the writer refills a buffer while
+    its reader still reads."""
+    b = plan.barriers.barrier(barrier)
+    speed = {}
+    for role in b.consumers:
+        for lane in _lanes(role):
+            speed[lane] = FAST
+    for role in b.producers:
+        for lane in _lanes(role):
+            speed[lane] = SLOW
+    return Schedule(f"{barrier}'s producers late, consumers early", tuple(sorted(speed.items())))
+
+
+def random_schedules(plan, count: int, seed: int = 0) -> list[Schedule]:
+    """`count` interleavings drawn from a fixed seed: each lane 1/32x .. 32x slower."""
+    lanes = sorted({lane for r in plan.roles if r.name != "empty" for lane in _lanes(r.name)})
+    gen = np.random.default_rng(seed)
+    choices = (1 / 32, 1 / 4, 1.0, 4.0, 32.0)
+    return [Schedule(f"random #{n} (seed {seed})",
+                     tuple((lane, float(gen.choice(choices))) for lane in lanes))
+            for n in range(count)]
+
+
+# ---- the problem ----
+@dataclass(frozen=True)
+class WorkTile:
+    """One CTA's work: Q tiles (m_block * q_stage + i) of query head `head` in `batch`."""
+
+    batch: int
+    head: int
+    m_block: int
+    n_blocks: int        # K/V blocks it visits (the kernel's n_block_max)
+
+
+def work_tiles(plan) -> list[WorkTile]:
+    """Every CTA of the problem, in grid order, with the K/V blocks it visits."""
+    spec, t = plan.spec, plan.tiles
+    out = []
+    for b in range(spec.batch):
+        for h in range(spec.heads_q):
+            for m in range(math.ceil(spec.seqlen_q / t.cta_m)):
+                _, n_max = n_block_range(m, seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k,
+                                         m_block_size=t.cta_m, n_block_size=t.n_block,
+                                         causal=spec.causal)
+                out.append(WorkTile(b, h, m, n_max))
+    return out
+
+
+def block_of_step(tile: WorkTile, step: int) -> int:
+    """The K/V block a work tile's step-th score MMA reads: the last block first (the kernel's
+    order, so the masked blocks come first)."""
+    return tile.n_blocks - 1 - step
+
+
+@dataclass
+class _Memory:
+    tmem: np.ndarray                 # (lanes, columns) uint32
+    smem: dict[str, np.ndarray]      # name -> (stages, rows, cols) float32
+    stats: np.ndarray                # (2 * q_stage * m_block,) float32: the mailbox
+    out: np.ndarray                  # (batch, seqlen_q, heads_q, head_dim_v) float32
+    lse: np.ndarray                  # (batch, heads_q, seqlen_q) float32
+    tmem_ptr: int | None = None      # SMEM word tcgen05.alloc writes the TMEM address into
+    tags: dict = field(default_factory=dict)   # cell -> what it holds (for the report)
+
+
+# ---- the run's record ----
+@dataclass(frozen=True)
+class Read:
+    """One op reading one region: what the region held then."""
+
+    time: float
+    role: str
+    index: int           # the role's index-th data op (Work or Issue)
+    op: str
+    region: str
+    holds: tuple[str, ...]
+
+
+@dataclass
+class DataRun:
+    out: np.ndarray                  # (batch, seqlen_q, heads_q, head_dim_v), 16-bit values
+    lse: np.ndarray                  # (batch, heads_q, seqlen_q) float32, natural log
+    sims: list[SimResult]
+    reads: list[Read]
+    tiles: list[WorkTile]
+    schedule: Schedule
+    drop: str | None = None
+    rescaled_rows: int = 0           # O rows the correction rescaled (scale != 1), all tiles
+
+    @property
+    def hazards(self) -> list:
+        return [h for s in self.sims for h in s.hazards]
+
+    @property
+    def deadlock(self) -> list[str]:
+        return [d for s in self.sims for d in s.deadlock]
+
+
+# ---- the simulator ----
+class DataSimulator(Simulator):
+    """`fa4lab.plan.simulate.Simulator` whose Work and Issue ops also move and compute data.
+
+    The event loop, barriers, vector clocks and hazard checks are the parent's; this class adds
+    the memories and a queue of timed data effects (Note [data effects]) that is drained, in
+    time order, before every event the parent processes.
+    """
+
+    def __init__(self, plan, programs, needed, costs, problem: _Problem, tiles: list[WorkTile],
+                 mem: _Memory):
+        n_blocks = tiles[0].n_blocks
+        super().__init__(programs, needed, costs, plan.arch, n_blocks, len(tiles))
+        self.plan, self.problem, self.tiles, self.mem = plan, problem, tiles, mem
+        self.n_blocks = n_blocks
+        self.effects: list = []
+        self.effect_seq = itertools.count()
+        self.counts: dict = defaultdict(int)
+        self.op_index: dict[str, int] = defaultdict(int)
+        self.reads: list[Read] = []
+        self.rescaled_rows = 0            # rows the correction multiplied by a scale != 1
+        self.softmax: dict[int, dict] = {}
+        self.correction: dict[int, dict] = defaultdict(dict)
+        # TMEM base address per role: 0 (valid) unless its program reads it from SMEM first;
+        # None: not read yet (garbage)
+        self.base = {role: (None if any(classify(role, op) == "tmem_address" for op in prog)
+                            else 0) for role, prog in programs.items()}
+        n = plan.tiles.n_block
+        self.emulated = np.repeat(np.array(emulated_pairs(n, plan.exp2_emulation_fraction),
+                                           dtype=bool), 2)
+
+    # -- the parent's hooks --
+    def _step(self, role, t):
+        self._drain(t)
+        super()._step(role, t)
+
+    def _arrive(self, key, count, tx, clock, t):
+        self._drain(t)
+        super()._arrive(key, count, tx, clock, t)
+
+    def run(self, mutation=None):
+        result = super().run(mutation)
+        self._drain(math.inf)
+        return result
+
+    def _access(self, who, event, clock, what, reads, writes, t):
+        super()._access(who, event, clock, what, reads, writes, t)
+        if who in self.programs:          # a Work op of a role (async ops: see _issue)
+            op = self.programs[who][self.pc[who]]
+            self._effects(who, op, t, t + op.cycles)
+
+    def _issue(self, role, op, t):
+        super()._issue(role, op, t)
+        start = self.spans[-1].start
+        end = start + op.cycles + (self.costs.tma_latency if op.engine != "tensor" else 0)
+        self._effects(role, op, start, end)
+
+    # -- the effect queue --
+    def _push_effect(self, t: float, fn) -> None:
+        heapq.heappush(self.effects, (t, next(self.effect_seq), fn))
+
+    def _drain(self, t: float) -> None:
+        while self.effects and self.effects[0][0] <= t:
+            when, _, fn = heapq.heappop(self.effects)
+            fn(when)
+
+    def _effects(self, role: str, op, start: float, end: float) -> None:
+        kind = classify(role, op)
+        index = self.op_index[role]
+        self.op_index[role] += 1
+        if kind is None:
+            return
+        handler = getattr(self, f"_do_{kind}")
+        stage = _stage(op)
+        key = (kind, stage) if kind not in ("load_k", "load_v") else (kind, None)
+        count = self.counts[key]
+        self.counts[key] += 1
+        if kind in PER_BLOCK:
+            tile, step = divmod(count, self.n_blocks)
+        else:
+            tile, step = count, None
+        ctx = _Ctx(role, op, index, stage, self.tiles[min(tile, len(self.tiles) - 1)], tile,
+                   step)
+
+        def read(when):
+            self._log_reads(ctx, when)
+            with np.errstate(all="ignore"):     # garbage in a broken protocol is expected
+                produced = handler(ctx)
+            if produced is not None:
+                self._push_effect(max(end, when), lambda w: self._write(ctx, produced))
+        self._push_effect(start, read)
+
+    def _log_reads(self, ctx, when) -> None:
+        for ref in ctx.op.reads:
+            holds = tuple(dict.fromkeys(self.mem.tags.get(c, "nothing (never written)")
+                                        for c in _cells(ref)))
+            self.reads.append(Read(when, ctx.role, ctx.index, ctx.op.label, str(ref), holds))
+
+    def _write(self, ctx, produced) -> None:
+        tag, store = produced
+        with np.errstate(all="ignore"):
+            store()
+        for ref in ctx.op.writes:
+            for c in _cells(ref):
+                self.mem.tags[c] = tag
+
+    # -- memories --
+    def _cols(self, name: str, stage: int) -> slice:
+        r = self.plan.tmem.region(name, stage)
+        return slice(r.col_offset, r.col_end)
+
+    # A role addresses TMEM through the base address it read from SMEM (Note [data effects]):
+    # without one, its loads return garbage and its stores land elsewhere.
+    def _words(self, role: str, name: str, stage: int) -> np.ndarray:
+        cols = self._cols(name, stage)
+        if self.base.get(role, 0) != 0:
+            return np.full((self.mem.tmem.shape[0], cols.stop - cols.start), POISON, np.uint32)
+        return self.mem.tmem[:, cols].copy()
+
+    def _set_words(self, role: str, name: str, stage: int, words: np.ndarray) -> None:
+        if self.base.get(role, 0) == 0:
+            self.mem.tmem[:, self._cols(name, stage)] = words
+
+    def _tmem_f32(self, role: str, name: str, stage: int) -> np.ndarray:
+        return self._words(role, name, stage).view(np.float32)
+
+    def _set_tmem_f32(self, role: str, name: str, stage: int, x: np.ndarray) -> None:
+        self._set_words(role, name, stage, np.asarray(x, np.float32).view(np.uint32))
+
+    def _kv_stage(self, op) -> int:
+        return next(r.stage for r in op.reads + op.writes if r.name == "kv")
+
+    # -- the ops (Note [data effects]); each returns (tag, store) or None --
+    def _do_load_q(self, c):
+        p, t = self.problem, self.plan.tiles
+        tile_row = (c.tile.m_block * t.q_stage + c.stage) * t.m_block
+        data = p.rows(p.q[c.tile.batch, :, c.tile.head], tile_row, t.m_block)
+        return (f"Q{c.stage} of work tile {c.tile_index}",
+                lambda: self.mem.smem["q"].__setitem__(c.stage, data))
+
+    def _load_kv(self, c, src, what):
+        p, n = self.problem, self.plan.tiles.n_block
+        block = block_of_step(c.tile, c.step)
+        data = p.rows(src[c.tile.batch, :, p.kv_head[c.tile.head]], block * n, n)
+        s = self._kv_stage(c.op)
+        return (f"{what} block {block} of work tile {c.tile_index}",
+                lambda: self.mem.smem["kv"].__setitem__(s, data))
+
+    def _do_load_k(self, c):
+        return self._load_kv(c, self.problem.k, "K")
+
+    def _do_load_v(self, c):
+        return self._load_kv(c, self.problem.v, "V")
+
+    def _do_mma_s(self, c):
+        # 16-bit products are exact in fp32; the MMA accumulates in fp32.
+        s = self.mem.smem["q"][c.stage] @ self.mem.smem["kv"][self._kv_stage(c.op)].T
+        block = block_of_step(c.tile, c.step)
+        return (f"S{c.stage} of block {block} of work tile {c.tile_index}",
+                lambda: self._set_tmem_f32(c.role, "S", c.stage, s))
+
+    def _do_mma_pv(self, c):
+        dtype = self.problem.dtype
+        p = from_bits16(self._words(c.role, "P", c.stage).view(np.uint16), dtype)
+        o = p @ self.mem.smem["kv"][self._kv_stage(c.op)]
+        if c.step > 0:     # the first value MMA of a work tile overwrites O
+            o = o + self._tmem_f32(c.role, "O", c.stage)
+        block = block_of_step(c.tile, c.step)
+        return (f"O{c.stage} through block {block} of work tile {c.tile_index}",
+                lambda: self._set_tmem_f32(c.role, "O", c.stage, o))
+
+    def _do_ld_s(self, c):
+        p, n = self.problem, self.plan.tiles.n_block
+        if c.step == 0:
+            self.softmax[c.stage] = {"state": init_state((self.plan.tiles.m_block,), 0,
+                                                         p.scale_log2)}
+        sm = self.softmax[c.stage]
+        block = block_of_step(c.tile, c.step)
+        tile_row = (c.tile.m_block * self.plan.tiles.q_stage + c.stage) * self.plan.tiles.m_block
+        s = np.where(p.visible(tile_row, self.plan.tiles.m_block, block * n, n),
+                     self._tmem_f32(c.role, "S", c.stage), -np.inf)
+        got = []
+
+        def exp2(x):  # the kernel's split: these column pairs on the FMA pipe, the rest MUFU
+            x = np.asarray(x, np.float32)
+            y = np.where(self.emulated, exp2_poly3_numpy(x), np.exp2(x)).astype(np.float32)
+            got.append(y)
+            return y
+
+        with np.errstate(all="ignore"):
+            state, step = update_state(sm["state"], s, np.zeros((n, 0)),
+                                       rescale_threshold=self.plan.rescale_threshold, exp2=exp2)
+        sm["state"] = state
+        # The kernel posts 1 where a row kept its basis (or saw its first key).
+        sm["scale"] = np.where(step.rescaled, step.alpha, 1.0).astype(np.float32)
+        sm["p"] = to_bits16(got[0], p.dtype)
+        sm["what"] = f"block {block} of work tile {c.tile_index}"
+        return None
+
+    def _do_st_p(self, c):
+        sm = self.softmax[c.stage]
+        bits = np.ascontiguousarray(sm["p"]).view(np.uint32)
+        return (f"P{c.stage} of {sm['what']}",
+                lambda: self._set_words(c.role, "P", c.stage, bits))
+
+    def _do_alloc_tmem(self, c):
+        def store():
+            self.mem.tmem_ptr = 0
+            self.mem.tmem[:] = POISON
+        return "the TMEM address (tcgen05.alloc)", store
+
+    def _do_tmem_address(self, c):
+        self.base[c.role] = self.mem.tmem_ptr
+
+    def _do_free_tmem(self, c):
+        cols = slice(c.op.writes[0].lo, c.op.writes[0].hi)
+
+        def store():
+            self.mem.tmem[:, cols] = POISON
+        return "freed TMEM (tcgen05.dealloc)", store
+
+    def _mailbox(self, stage: int, half: int) -> slice:
+        m, q = self.plan.tiles.m_block, self.plan.tiles.q_stage
+        lo = (half * q + stage) * m
+        return slice(lo, lo + m)
+
+    def _do_post_scale(self, c):
+        sm = self.softmax[c.stage]
+        scale = sm["scale"]
+        return (f"row scale of {sm['what']}",
+                lambda: self.mem.stats.__setitem__(self._mailbox(c.stage, 0), scale))
+
+    def _do_post_sum(self, c):
+        sm = self.softmax[c.stage]
+        total = sm["state"].row_sum.astype(np.float32)
+        row_max = sm["state"].row_max.astype(np.float32)
+
+        def store():
+            self.mem.stats[self._mailbox(c.stage, 0)] = total
+            self.mem.stats[self._mailbox(c.stage, 1)] = row_max
+        return (f"row sum and max of work tile {c.tile_index}, Q{c.stage}", store)
+
+    def _do_read_scale(self, c):
+        self.correction[c.stage]["scale"] = self.mem.stats[self._mailbox(c.stage, 0)].copy()
+
+    def _do_read_sum(self, c):
+        cr = self.correction[c.stage]
+        cr["row_sum"] = self.mem.stats[self._mailbox(c.stage, 0)].astype(np.float64)
+        cr["row_max"] = self.mem.stats[self._mailbox(c.stage, 1)].astype(np.float64)
+
+    def _do_rescale_o(self, c):
+        scale = self.correction[c.stage].get("scale")
+        if scale is None:
+            scale = np.full(self.plan.tiles.m_block, np.nan, np.float32)
+        self.rescaled_rows += int(np.count_nonzero(scale != 1.0))
+        o = self._tmem_f32(c.role, "O", c.stage) * scale[:, None]
+        return (f"O{c.stage} rescaled (correction)",
+                lambda: self._set_tmem_f32(c.role, "O", c.stage, o))
+
+    def _do_ld_o(self, c):
+        cr = self.correction[c.stage]
+        state = SoftmaxState(cr["row_max"], cr["row_sum"],
+                             self._tmem_f32(c.role, "O", c.stage).astype(np.float64),
+                             self.problem.scale_log2)
+        with np.errstate(all="ignore"):
+            out, lse = finalize(state)
+        cr["out"] = round16(out, self.problem.dtype)
+        cr["lse"] = lse.astype(np.float32)
+        cr["tile"] = (c.tile, c.tile_index)
+
+    def _do_stage_o(self, c):
+        cr = self.correction[c.stage]
+        out, lse, (tile, index) = cr["out"], cr["lse"], cr["tile"]
+
+        def store():
+            self.mem.smem["o"][c.stage] = out
+            _to_global(self.plan, self.mem.lse, tile, c.stage, lse, lse=True)
+        return (f"normalized O{c.stage} of work tile {index}", store)
+
+    def _do_store_o(self, c):
+        data = self.mem.smem["o"][c.stage].copy()
+        return (f"out of work tile {c.tile_index}",
+                lambda: _to_global(self.plan, self.mem.out, c.tile, c.stage, data,
+                                           lse=False))
+
+def _to_global(plan, dst, tile: WorkTile, stage: int, rows: np.ndarray, lse: bool) -> None:
+    """Q tile `stage` of `tile` into global out (batch, seqlen_q, heads, dim) or lse (batch,
+    heads, seqlen_q); rows past seqlen_q are dropped, as the TMA store clips them."""
+    t, sq = plan.tiles, plan.spec.seqlen_q
+    lo = (tile.m_block * t.q_stage + stage) * t.m_block
+    hi = min(lo + t.m_block, sq)
+    if hi <= lo:
+        return
+    if lse:
+        dst[tile.batch, tile.head, lo:hi] = rows[:hi - lo]
+    else:
+        dst[tile.batch, lo:hi, tile.head] = rows[:hi - lo]
+
+
+PER_BLOCK = {"load_k", "load_v", "mma_s", "mma_pv", "ld_s"}
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    role: str
+    op: object
+    index: int
+    stage: int | None
+    tile: WorkTile
+    tile_index: int
+    step: int | None
+
+
+def _stage(op) -> int | None:
+    for r in op.reads + op.writes:
+        if r.name in ("q", "S", "P", "O", "o", "stats"):
+            return r.stage
+    return None
+
+
+def _cells(ref) -> tuple:
+    if ref.space == "tmem":
+        return tuple(("tmem", c) for c in range(ref.lo, ref.hi))
+    return ((ref.space, ref.name, ref.stage),)
+
+
+def classify(role: str, op) -> str | None:
+    """Which data effect an op has (Note [data effects]), from the regions it touches; None for
+    an op that moves no data (exp2 in registers). Raises DataSimError for an op it cannot place.
+    """
+    if not isinstance(op, (Work, Issue)):
+        return None
+    reads = {(r.space, r.name) for r in op.reads}
+    writes = {(r.space, r.name) for r in op.writes}
+    if isinstance(op, Issue):
+        if op.engine == "tma" and ("smem", "q") in writes:
+            return "load_q"
+        if op.engine == "tma" and ("smem", "kv") in writes:
+            if re.match(r"\s*K", op.label):
+                return "load_k"
+            if re.match(r"\s*V", op.label):
+                return "load_v"
+        if op.engine == "tma_store" and ("smem", "o") in reads:
+            return "store_o"
+        if op.engine == "tensor" and ("tmem", "S") in writes:
+            return "mma_s"
+        if op.engine == "tensor" and ("tmem", "O") in writes and ("tmem", "P") in reads:
+            return "mma_pv"
+    else:
+        sums = "sum" in op.label
+        if ("smem", "tmem_ptr") in writes:
+            return "alloc_tmem"
+        if ("smem", "tmem_ptr") in reads:
+            return "tmem_address"
+        if ("tmem", "all") in writes:
+            return "free_tmem"
+        if ("tmem", "S") in reads:
+            return "ld_s"
+        if ("tmem", "P") in writes:
+            return "st_p"
+        if ("smem", "stats") in writes:
+            return "post_sum" if sums else "post_scale"
+        if ("smem", "stats") in reads:
+            return "read_sum" if sums else "read_scale"
+        if ("tmem", "O") in reads and ("tmem", "O") in writes:
+            return "rescale_o"
+        if ("tmem", "O") in reads:
+            return "ld_o"
+        if ("smem", "o") in writes:
+            return "stage_o"
+        if not reads and not writes:
+            return None
+    raise DataSimError(f"{role}: no data effect known for {op} (Note [data effects] in "
+                       f"fa4lab.plan.datasim)")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    q: np.ndarray              # (batch, seqlen_q, heads_q, head_dim) float32 of 16-bit values
+    k: np.ndarray
+    v: np.ndarray
+    causal: bool
+    scale_log2: float
+    dtype: str
+    kv_head: np.ndarray
+
+    @staticmethod
+    def rows(src: np.ndarray, lo: int, count: int) -> np.ndarray:
+        """A TMA box of `count` rows from `lo` of a (seqlen, dim) view, zero past the end."""
+        out = np.zeros((count, src.shape[-1]), np.float32)
+        got = src[lo:lo + count]
+        out[:len(got)] = got
+        return out
+
+    def visible(self, row0: int, rows: int, col0: int, cols: int) -> np.ndarray:
+        """The softmax's mask: key in bounds and, with causal, j <= i + seqlen_k - seqlen_q."""
+        sq, sk = self.q.shape[1], self.k.shape[1]
+        i = np.arange(row0, row0 + rows)[:, None]
+        j = np.arange(col0, col0 + cols)[None, :]
+        ok = j < sk
+        if self.causal:
+            ok = ok & (j <= i + sk - sq)
+        return ok
+
+
+def _fresh_memory(plan, out: np.ndarray, lse: np.ndarray) -> _Memory:
+    """A CTA's memories as it starts (NaN: not written yet), over the global out and lse."""
+    t, tm = plan.tiles, plan.tmem
+    nan = np.float32(np.nan)
+    return _Memory(
+        tmem=np.full((tm.lanes, tm.capacity_cols), POISON, np.uint32),
+        smem={"q": np.full((t.q_stage, t.m_block, t.head_dim), nan, np.float32),
+              "kv": np.full((t.kv_stage, t.n_block, t.head_dim), nan, np.float32),
+              "o": np.full((t.q_stage, t.m_block, t.head_dim_v), nan, np.float32)},
+        stats=np.full(2 * t.q_stage * t.m_block, nan, np.float32), out=out, lse=lse)
+
+
+def persistent(plan=None) -> bool:
+    """Whether the plan's programs run several work tiles in one CTA (a persistent kernel);
+    else each work tile is its own CTA, simulated on its own."""
+    from fa4lab.plan import sm100
+
+    return "n_tiles" in inspect.signature(sm100.programs).parameters
+
+
+@functools.lru_cache(maxsize=64)
+def role_programs(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DATA_COSTS):
+    """The plan's role programs (fa4lab.plan.sm100.programs) for `n_tiles` work tiles of
+    `n_blocks` K/V blocks in one CTA (cached: treat them as read-only)."""
+    from fa4lab.plan import sm100
+
+    if persistent(plan):
+        return sm100.programs(plan, n_blocks, n_tiles, costs)
+    if n_tiles != 1:
+        raise ValueError(f"n_tiles={n_tiles}: the plan's programs run one work tile per CTA")
+    return sm100.programs(plan, n_blocks, costs)
+
+
+def _ctas(tiles: list[WorkTile]) -> list[list[WorkTile]]:
+    """Work tiles grouped by CTA: all tiles of one length in one persistent CTA, or one each."""
+    if not persistent():
+        return [[w] for w in tiles]
+    groups: dict[int, list[WorkTile]] = defaultdict(list)
+    for w in tiles:
+        groups[w.n_blocks].append(w)
+    return [groups[n] for n in sorted(groups)]
+
+
+def _needed(plan, programs: dict[str, list]) -> dict[tuple[str, int], int]:
+    """Arrivals that complete a phase of each barrier stage, as `fa4lab.plan.simulate` counts
+    them (its public `barrier_counts` when it has one). A named barrier's waiting warpgroup
+    counts itself: by its own Arrive when its program has one (bar.sync written as arrive +
+    wait), else implicitly."""
+    import fa4lab.plan.simulate as simulate
+
+    if hasattr(simulate, "barrier_counts"):
+        return simulate.barrier_counts(plan)
+    arrivers = {(op.barrier, role) for role, prog in programs.items() for op in prog
+                if isinstance(op, Arrive)}
+    threads = {r.name: r.threads for r in plan.roles}
+    needed = {}
+    for b in plan.barriers.barriers:
+        n = b.arrive_count
+        if b.kind == "named":
+            n -= sum(threads[c] for c in b.consumers if (b.name, c) not in arrivers)
+        for s in range(b.stages):
+            needed[(b.name, s)] = n
+    return needed
+
+
+def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None = None,
+             mutation: str = "drop", costs: CostModel = DATA_COSTS) -> DataRun:
+    """Run `plan`'s role programs on q, k, v (numpy (batch, seqlen, heads, dim), rounded to the
+    plan's dtype as the kernel's inputs), one simulation per group of work tiles that visit the
+    same number of K/V blocks (a persistent CTA running them in turn).
+
+    drop: a barrier to remove (mutation "drop": its waits and arrivals; "drop_arrive": only
+    its arrivals), as `fa4lab.plan.simulate.simulate` does.
+    """
+    if plan.arch != "sm100":
+        raise ValueError(f"the data-carrying simulator models the sm100 plan (TMEM), got "
+                         f"{plan.arch!r}")
+    spec = plan.spec
+    shapes = (tuple(np.shape(q)), tuple(np.shape(k)), tuple(np.shape(v)))
+    want = ((spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim),
+            (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim),
+            (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim_v))
+    if shapes != want:
+        raise ValueError(f"q, k, v have shapes {shapes}; the plan's spec wants {want}")
+    if drop is not None:
+        plan.barriers.barrier(drop)      # KeyError naming the barriers if unknown
+    dtype = spec.dtype
+    problem = _Problem(*(round16(np.asarray(x, np.float32), dtype) for x in (q, k, v)),
+                       causal=spec.causal, scale_log2=spec.scale_log2, dtype=dtype,
+                       kv_head=kv_head_index(spec.heads_q, spec.heads_kv))
+    t = plan.tiles
+    nan = np.float32(np.nan)
+    out = np.full((spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim_v), nan, np.float32)
+    lse = np.full((spec.batch, spec.heads_q, spec.seqlen_q), nan, np.float32)
+    tiles = work_tiles(plan)
+    sims, reads, rescaled = [], [], 0
+    for group in _ctas(tiles):
+        n_blocks = group[0].n_blocks
+        if n_blocks == 0:
+            # No key visible to any row: the kernel's n_block_max == 0 branches skip every
+            # wait and store O = 0, LSE = -inf. No protocol runs.
+            for w in group:
+                for i in range(t.q_stage):
+                    _to_global(plan, out, w, i, np.zeros((t.m_block, t.head_dim_v)), lse=False)
+                    _to_global(plan, lse, w, i, np.full(t.m_block, -np.inf), lse=True)
+            continue
+        progs = role_programs(plan, n_blocks, len(group), costs)
+        label = None
+        if drop is not None:
+            progs = _mutate(progs, drop, mutation)
+            label = f"{mutation} {drop}"
+        progs, sched_costs = schedule.apply(progs, costs)
+        sim = DataSimulator(plan, progs, _needed(plan, progs), sched_costs, problem, group,
+                            _fresh_memory(plan, out, lse))
+        sims.append(sim.run(label))
+        reads += sim.reads
+        rescaled += sim.rescaled_rows
+    return DataRun(out, lse, sims, reads, tiles, schedule, drop, rescaled)
+
+
+def plan_for(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+             dtype: str = "bf16", **overrides):
+    """The sm100 plan of a numpy problem (overrides: n_block, kv_stage, ...)."""
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec
+
+    spec = AttentionSpec.from_tensors(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                      return_lse=True, dtype=dtype)
+    return plan_forward(spec, "sm100", **overrides)
+
+
+def run_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                  dtype: str = "bf16", schedule: Schedule = AS_PLANNED,
+                  drop: str | None = None, **overrides) -> DataRun:
+    """`run_plan` on the sm100 plan of q, k, v."""
+    plan = plan_for(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype,
+                    **overrides)
+    return run_plan(plan, q, k, v, schedule=schedule, drop=drop)
+
+
+# ---- accuracy and the barrier check ----
+def tolerance(v: np.ndarray, dtype: str = "bf16") -> float:
+    """The error the model may show against the float64 reference: P and O each rounded to
+    16 bits (relative 2^-8 for bf16, 2^-11 for fp16) on outputs bounded by max |v|, times 2
+    for the sum taken before P's rounding; the polynomial exp2's 1e-4 is far below."""
+    eps = 2.0 ** -8 if dtype == "bf16" else 2.0 ** -11
+    return 2.0 * eps * float(np.max(np.abs(v))) + 1e-6
+
+
+def row_errors(run: DataRun, reference: np.ndarray) -> np.ndarray:
+    """max |out - reference| per (batch, head, query row); inf where out is NaN or inf."""
+    err = np.abs(run.out.astype(np.float64) - reference)
+    err = np.where(np.isfinite(err), err, np.inf)
+    return err.max(axis=-1).transpose(0, 2, 1)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What removing one barrier did to the data-carrying simulation."""
+
+    barrier: str
+    schedule: str
+    problem: str
+    wrong_rows: tuple[str, ...]      # "rows 0..127 of Q tile 0 (batch 0, head 1)"
+    max_error: float
+    first_bad_read: str | None       # the earliest read that saw other data than with the edge
+    hazards: tuple[str, ...]         # hazards the removal adds (the vector clocks')
+    deadlock: tuple[str, ...]
+    not_waited: str | None = None    # why the edge cannot matter in this model, if it cannot
+
+    @property
+    def wrong_output(self) -> bool:
+        return bool(self.wrong_rows)
+
+    @property
+    def caught(self) -> bool:
+        return self.wrong_output or bool(self.hazards) or bool(self.deadlock)
+
+    @property
+    def verdict(self) -> str:
+        if self.wrong_output:
+            return "wrong output"
+        if self.deadlock:
+            return "deadlock"
+        if self.hazards:
+            return "hazard only (output still right)"
+        if self.not_waited:
+            return "never waited on here"
+        return "NOT CAUGHT"
+
+    def __str__(self) -> str:
+        head = f"without {self.barrier}: "
+        if self.not_waited and not self.caught:
+            return head + self.not_waited
+        parts = []
+        if self.first_bad_read:
+            parts.append(self.first_bad_read)
+        if self.wrong_rows:
+            shown = "; ".join(self.wrong_rows[:4])
+            more = f" (+{len(self.wrong_rows) - 4} more)" if len(self.wrong_rows) > 4 else ""
+            err = "NaN/inf" if math.isinf(self.max_error) else f"{self.max_error:.3g}"
+            parts.append(f"{shown}{more} wrong, max error {err}")
+        elif self.deadlock:
+            parts.append(f"deadlock: {self.deadlock[0]}")
+        else:
+            parts.append("output still right")
+        if self.hazards:
+            parts.append(f"hazard: {self.hazards[0]}")
+        return head + " — ".join(parts) + f" [{self.schedule}; {self.problem}]"
+
+
+def _row_ranges(bad: np.ndarray, plan) -> list[str]:
+    """Bad (batch, head, row) flags -> "rows a..b of Q tile t (batch b, head h)" strings."""
+    m = plan.tiles.m_block
+    out = []
+    for b, h in itertools.product(range(bad.shape[0]), range(bad.shape[1])):
+        rows = np.flatnonzero(bad[b, h])
+        if not len(rows):
+            continue
+        for tile in np.unique(rows // m):
+            r = rows[rows // m == tile]
+            runs = np.split(r, np.flatnonzero(np.diff(r) != 1) + 1)
+            spans = ", ".join(f"{x[0]}..{x[-1]}" if len(x) > 1 else f"{x[0]}" for x in runs)
+            out.append(f"rows {spans} of Q tile {tile} (batch {b}, head {h})")
+    return out
+
+
+def first_divergent_read(run: DataRun, clean: DataRun) -> str | None:
+    """The earliest read of `run` that saw other data than the same read with every barrier."""
+    expected = {(r.role, r.index, r.region): r.holds for r in clean.reads}
+    for r in sorted(run.reads, key=lambda r: r.time):
+        want = expected.get((r.role, r.index, r.region))
+        if want is not None and want != r.holds:
+            return (f"{r.role}'s {r.op!r} read {r.region} holding {' + '.join(r.holds)}, "
+                    f"where the full protocol gives {' + '.join(want)}")
+    return None
+
+
+def check_problem(seed: int = 0, n_blocks: int = 3, heads: int = 2):
+    """A small problem on which every barrier matters: `heads` work tiles of `n_blocks` K/V
+    blocks; in each Q tile rows 0..63 see scores that rise by more than the rescale threshold
+    from one K/V block to the next (so the correction really rescales), the others plain
+    random scores. Returns (q, k, v, description)."""
+    gen = np.random.default_rng(seed)
+    n, d = 128, 64
+    sq, sk = 256, n * n_blocks
+    q = gen.standard_normal((1, sq, heads, d)).astype(np.float32)
+    k = gen.standard_normal((1, sk, heads, d)).astype(np.float32)
+    v = gen.standard_normal((1, sk, heads, d)).astype(np.float32)
+    # The kernel walks the blocks from the last: later-visited (lower) blocks score higher.
+    q[:, :, :, 0] = np.where((np.arange(sq) % 128 < 64)[None, :, None], 4.0, 0.0)
+    k[:, :, :, 0] = 12.0 * (n_blocks - 1 - np.arange(sk) // n)[None, :, None]
+    what = f"{heads} work tiles x {n_blocks} K/V blocks, rising scores, seed {seed}"
+    return q, k, v, what
+
+
+def _hazard_key(h) -> tuple:
+    return (h.kind, h.region.split(" cols")[0], h.first.split(" @")[0], h.second.split(" @")[0])
+
+
+def not_waited(plan, barrier: str) -> str | None:
+    """Why removing `barrier` cannot change this model's run, or None. With one work tile per
+    CTA, a barrier whose every wait is the first wait on a released stage never blocks
+    (`Protocol.first_use_only`): it orders the work tiles of a persistent CTA. The reasons are
+    `fa4lab.plan.simulate.unobservable`'s where it exists."""
+    import fa4lab.plan.simulate as simulate
+
+    if persistent(plan):
+        return None
+    if hasattr(simulate, "unobservable"):
+        return simulate.unobservable(plan).get(barrier)
+    first_use_only = getattr(getattr(plan, "protocol", None), "first_use_only", None)
+    if first_use_only is not None and barrier in first_use_only(plan.tiles.q_stage):
+        return ("waited only on its released first phase: it orders successive work tiles, "
+                "and the kernels run one per CTA")
+    return None
+
+
+def barrier_check(barrier: str, *, seed: int = 0, random_trials: int = 12,
+                  n_blocks=(3, 1)) -> Finding:
+    """Remove `barrier` (its waits and arrivals) and look for an interleaving that corrupts
+    the output: the adversary first (`adversary`), then the planned costs, then
+    `random_trials` seeded random schedules, on tiles of each length in `n_blocks` (a
+    one-block tile is where the Q buffers' reuse shows). Returns the first wrong output found
+    (with the earliest read that saw other data than the full protocol gives), else what the
+    vector clocks report (`fa4lab.plan.simulate`), which does not depend on the interleaving.
+    Deterministic: the same arguments give the same finding.
+    """
+    from fa4lab.reference import attention_reference
+
+    found = None
+    for nb in n_blocks:
+        q, k, v, what = check_problem(seed, nb)
+        plan = plan_for(q, k, v)
+        plan.barriers.barrier(barrier)
+        skip = not_waited(plan, barrier)
+        qb, kb, vb = (round16(x, plan.spec.dtype) for x in (q, k, v))
+        ref = attention_reference(qb, kb, vb)
+        tol = tolerance(vb, plan.spec.dtype)
+        baseline = {_hazard_key(h) for h in run_plan(plan, q, k, v).hazards}
+        schedules = [adversary(plan, barrier)]
+        if skip is None:
+            schedules += [AS_PLANNED] + random_schedules(plan, random_trials, seed)
+        for sched in schedules:
+            broken = run_plan(plan, q, k, v, schedule=sched, drop=barrier)
+            err = row_errors(broken, ref)
+            finding = Finding(
+                barrier, str(sched), what, tuple(_row_ranges(~(err <= tol), plan)),
+                float(err.max()), None,
+                tuple(str(h) for h in broken.hazards if _hazard_key(h) not in baseline),
+                tuple(broken.deadlock), skip)
+            if finding.wrong_output:
+                clean = run_plan(plan, q, k, v, schedule=sched)
+                return dataclasses.replace(finding,
+                                           first_bad_read=first_divergent_read(broken, clean))
+            if found is None or (finding.caught and not found.caught):
+                found = finding
+    return found
+
+
+def barrier_checks(plan=None, **kw) -> dict[str, Finding]:
+    """`barrier_check` for every barrier of the sm100 plan."""
+    if plan is None:
+        q, k, v, _ = check_problem()
+        plan = plan_for(q, k, v)
+    return {b.name: barrier_check(b.name, **kw) for b in plan.barriers.barriers}
