@@ -68,15 +68,18 @@ def test_plans_name_their_tile_order(causal):
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS["sm90"])
-def test_compiles_for_sm90a(head_dim, causal):
-    pytest.importorskip("cutlass")
-    from fa4lab.kernels.compile import compile_plan
+def test_compiles_for_sm90a(head_dim, causal, tmp_path):
+    """Every sm90 kernel configuration compiles and its binary holds to the plan: resources,
+    no spills, and the barrier protocol (inits, per-path op sequence, loops, named barriers,
+    SMEM offsets) against `plan.protocol`."""
+    from audit_checks import compile_and_audit
+
     from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
     from fa4lab.plan import plan_forward
 
     spec = AttentionSpec(2, 300, 700, 8, 2, head_dim, causal=causal, return_lse=causal)
-    kernel, compiled, seconds = compile_plan(plan_forward(spec, "sm90"))
-    assert isinstance(kernel, FlashForwardSm90) and compiled is not None and seconds > 0
+    cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
+    assert isinstance(cf.kernel, FlashForwardSm90) and cf.seconds > 0
 
 
 def test_port_table_reads_the_plans():
