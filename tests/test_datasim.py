@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fa4lab.plan import datasim as ds
+from fa4lab.plan import datasim_check as dc
 from fa4lab.plan.simulate import Issue, Ref, Work
 from fa4lab.reference import attention_reference, visible_mask
 
@@ -25,7 +26,7 @@ def problem(rng, batch, sq, sk, hq, hkv, d=64, scale=1.0):
 def check_against_reference(run, q, k, v, causal, dtype="bf16"):
     qb, kb, vb = (ds.round16(x, dtype) for x in (q, k, v))
     ref, ref_lse = attention_reference(qb, kb, vb, causal=causal, return_lse=True)
-    tol = ds.tolerance(vb, dtype)
+    tol = dc.tolerance(vb, dtype)
     assert np.isfinite(run.out).all(), "NaN/inf in out: a row was never stored"
     err = np.abs(run.out - ref)
     worst = np.unravel_index(np.argmax(err), err.shape)
@@ -66,7 +67,7 @@ def test_extreme_logits_rescale_in_the_correction(rng):
     q, k, v = problem(rng, 1, 256, 384, 2, 2, scale=12.0)
     run = ds.run_attention(q, k, v)
     check_against_reference(run, q, k, v, False)
-    q, k, v, _ = ds.check_problem(seed=int(rng.integers(1 << 16)))
+    q, k, v, _ = dc.check_problem(seed=int(rng.integers(1 << 16)))
     run = ds.run_attention(q, k, v)
     check_against_reference(run, q, k, v, False)
     assert run.rescaled_rows > 0
@@ -87,7 +88,7 @@ def test_clean_protocol_has_no_hazard(rng):
 
 def test_output_does_not_depend_on_the_interleaving(rng):
     # With every barrier, any role speeds give the same bits: the barriers alone order the data.
-    q, k, v, _ = ds.check_problem(seed=int(rng.integers(1 << 16)))
+    q, k, v, _ = dc.check_problem(seed=int(rng.integers(1 << 16)))
     plan = ds.plan_for(q, k, v)
     base = ds.run_plan(plan, q, k, v)
     for sched in ds.random_schedules(plan, 3, seed=1) + [ds.adversary(plan, "p_ready")]:
@@ -116,17 +117,17 @@ DATA_BARRIERS = ("q_full", "kv_full", "kv_empty", "s_full", "p_ready", "o_rescal
 
 
 def _barriers():
-    q, k, v, _ = ds.check_problem()
+    q, k, v, _ = dc.check_problem()
     return [b.name for b in ds.plan_for(q, k, v).barriers.barriers]
 
 
 @pytest.mark.parametrize("barrier", _barriers())
 def test_every_barrier_is_needed(barrier):
-    f = ds.barrier_check(barrier)
+    f = dc.barrier_check(barrier)
     assert f.barrier == barrier and str(f).startswith(f"without {barrier}: ")
     if f.not_waited and not f.caught:
         # Only a barrier the protocol table itself says never blocks with one tile per CTA.
-        q, k, v, _ = ds.check_problem()
+        q, k, v, _ = dc.check_problem()
         plan = ds.plan_for(q, k, v)
         assert not ds.persistent(plan)
         assert barrier in plan.protocol.first_use_only(plan.tiles.q_stage), str(f)
@@ -140,7 +141,7 @@ def test_every_barrier_is_needed(barrier):
 
 
 def test_p_ready_report_names_the_stale_read():
-    f = ds.barrier_check("p_ready")
+    f = dc.barrier_check("p_ready")
     assert f.wrong_output
     # The value MMA read P before softmax wrote it: the S scores still sit in P's columns.
     assert "O0+=P0V" in f.first_bad_read and "read P[0]" in f.first_bad_read
@@ -148,7 +149,7 @@ def test_p_ready_report_names_the_stale_read():
 
 
 def test_barrier_check_is_deterministic():
-    a, b = ds.barrier_check("stats_empty"), ds.barrier_check("stats_empty")
+    a, b = dc.barrier_check("stats_empty"), dc.barrier_check("stats_empty")
     assert str(a) == str(b)
 
 
@@ -172,5 +173,5 @@ def test_row_error_figure(rng):
     q, k, v = problem(rng, 1, 128, 128, 1, 1)
     run = ds.run_attention(q, k, v)
     ref = attention_reference(*(ds.round16(x, "bf16") for x in (q, k, v)))
-    fig = draw_row_errors({"every barrier": run}, ref, ds.tolerance(v))
+    fig = draw_row_errors({"every barrier": run}, ref, dc.tolerance(v))
     assert len(fig.axes[0].lines) == 2      # the run and the tolerance

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fa4lab.plan.datasim import row_errors
+from fa4lab.plan.datasim_check import row_errors
 from fa4lab.viz._live import subplots
 
 
