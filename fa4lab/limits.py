@@ -45,11 +45,15 @@ RESCALE_THRESHOLD = 8.0
 # ---- software exp2 --------------------------------------------------------------------------
 # 2**f ~ c0 + c1 f + c2 f**2 + c3 f**3 on [0, 1): the relative-error minimax cubic with c0 = 1
 # pinned (p(0) = 1 bit for bit, so 2**n is exact at integers), in float32. The sm100 kernel's
-# PTX, its numpy replay (fa4lab.kernels.exp2_sm100) and the lesson's `exp2_poly3`
-# (fa4lab.online_softmax, whose `fit_exp2_poly3(exact_at_zero=True)` shows how it is fitted)
-# all use this tuple. See Note [software exp2] in fa4lab.online_softmax.
+# PTX (fa4lab.kernels.device.exp2) and its numpy replay, the lesson's `exp2_poly3`
+# (fa4lab.online_softmax, whose `fit_exp2_poly3(exact_at_zero=True)` shows how it is fitted),
+# use this tuple. See Note [software exp2] in fa4lab.online_softmax.
 EXP2_POLY3 = (1.0, 0.69511664, 0.2276457, 0.07706641)
 # Its measured max |p(f) / 2**f - 1| in float32 arithmetic over x in [-125, 8] (the range P is
 # evaluated on with RESCALE_THRESHOLD = 8): about 2**-13.5, far below bf16's 2**-8 rounding of
 # P. tests/test_online_softmax.py measures it.
 EXP2_POLY3_MAX_REL_ERROR = 8.6e-05
+# The range reduction's two constants: adding 1.5 * 2**23 with round-toward-minus-infinity
+# leaves floor(x) in the low mantissa bits; inputs are clamped at -127, which gives +0.0.
+EXP2_ROUND_MAGIC = 12582912.0
+EXP2_CLAMP_LOW = -127.0

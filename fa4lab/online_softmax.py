@@ -30,7 +30,8 @@ from functools import cache
 
 import numpy as np
 
-from fa4lab.limits import EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR
+from fa4lab.limits import (EXP2_CLAMP_LOW, EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR,
+                           EXP2_ROUND_MAGIC)
 from fa4lab.limits import RESCALE_THRESHOLD as FA4_RESCALE_THRESHOLD
 from fa4lab.reference import check_attention_inputs, kv_head_index, resolve_scale, visible_mask
 
@@ -48,7 +49,7 @@ MISTAKES = {
 __all__ = [
     "SoftmaxState", "BlockStep", "OnlineTrace", "init_state", "score_block", "update_state",
     "finalize", "merge_states", "online_attention", "kv_blocks", "exp2_poly3",
-    "exp2_poly3_max_rel_error", "fit_exp2_poly3", "naive_softmax", "safe_softmax",
+    "exp2_poly3_max_rel_error", "fit_exp2_poly3", "emulated_pairs", "naive_softmax", "safe_softmax",
     "online_softmax_1d", "adversarial_inputs", "variant_errors", "MISTAKES",
     "FA4_RESCALE_THRESHOLD", "EXP2_POLY3", "EXP2_POLY3_MAX_REL_ERROR",
 ]
@@ -96,8 +97,9 @@ def online_softmax_1d(x: Sequence[float]) -> tuple[np.ndarray, float, float]:
 # of them on the FMA units instead: split x = n + f with n = floor(x) and f in [0, 1), evaluate
 # 2**f with a cubic in Horner form (three FMAs), and put n into the float's exponent field with
 # an integer add. A cubic gives ~1e-4 relative error: far below bf16's 2**-8 rounding of P.
-# The lab's coefficients live once, in `fa4lab.limits.EXP2_POLY3`: the sm100 kernel, its numpy
-# replay and `exp2_poly3` below all read them; `fit_exp2_poly3` shows where they come from.
+# The lab's coefficients live once, in `fa4lab.limits.EXP2_POLY3`: the sm100 kernel's PTX and
+# `exp2_poly3` below (its step-by-step numpy replay) read them; `fit_exp2_poly3` shows where
+# they come from.
 
 def _fma_f32(a, b, c):
     """a * b + c rounded once to float32, as the FFMA instruction does.
@@ -140,28 +142,47 @@ def fit_exp2_poly3(points: int = 4097, iterations: int = 300, *,
 
 
 def exp2_poly3(x, coeffs: Sequence[float] = EXP2_POLY3) -> np.ndarray:
-    """2**x in float32 arithmetic, as FA4 computes it on the FMA units. See Note [software exp2].
+    """2**x in float32 arithmetic, step by step as the sm100 kernel's PTX computes it on the FMA
+    units (`fa4lab.kernels.device.exp2`). See Note [software exp2].
 
     With the lab's coefficients (`fa4lab.limits.EXP2_POLY3`, p(0) = 1, so integer powers of two
     are exact): max relative error 8.6e-05 over x in [-125, 8] (the range P is evaluated on
     with rescale_threshold <= 8; measured by `exp2_poly3_max_rel_error()`, and checked by a
-    test). Results below 2**-125 flush to 0 (a P that small is invisible beside the row max's
-    P = 1), -inf gives 0, and x >= 128 gives inf. coeffs: another cubic (c0, c1, c2, c3), e.g.
-    the free minimax fit `fit_exp2_poly3()` (max relative error 7.5e-05).
+    test). Inputs are clamped at -127, which gives +0.0 exactly, so -inf (a masked score) gives
+    P = 0; x = 128 gives inf and larger x wrap around (the softmax never passes x > 8).
+    coeffs: another cubic (c0, c1, c2, c3), e.g. the free minimax fit `fit_exp2_poly3()`
+    (max relative error 7.5e-05).
     """
     x = np.asarray(x, dtype=np.float32)
+    xc = np.maximum(x, np.float32(EXP2_CLAMP_LOW))
+    magic = np.float32(EXP2_ROUND_MAGIC)
+    # add.rm: floor(x) + magic is exactly representable, so floor first, then add.
+    n = np.floor(xc.astype(np.float64)).astype(np.float32)
+    r = (n.astype(np.float64) + magic).astype(np.float32)
+    f = (xc - (r - magic)).astype(np.float32)                 # exact in float32
     c0, c1, c2, c3 = (np.float32(c) for c in coeffs)
-    xc = np.clip(x, np.float32(-126.0), np.float32(127.0))   # keeps n in int range, -inf -> 0
-    n = np.floor(xc)
-    f = xc - n                                                # exact in float32
     p = _fma_f32(c3, f, c2)
     p = _fma_f32(p, f, c1)
     p = _fma_f32(p, f, c0)                                    # ~2**f in [1, 2)
-    bits = p.view(np.int32) + (n.astype(np.int32) << 23)      # multiply by 2**n: exponent add
-    out = bits.view(np.float32)
-    out = np.where(x < -125.0, np.float32(0.0), out)
-    out = np.where(x >= 128.0, np.float32(np.inf), out)
-    return out.astype(np.float32)
+    # multiply by 2**n: the rounded sum's low bits hold n; shifted by 23 they add to the exponent
+    e = (r.view(np.int32).astype(np.int64) << 23) & 0xFFFFFFFF
+    bits = (p.view(np.int32).astype(np.int64) + e) & 0xFFFFFFFF
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def emulated_pairs(num_elements: int, fraction: float) -> tuple[bool, ...]:
+    """Which element pairs (0, 1), (2, 3), ... of a score row the sm100 softmax computes with
+    `exp2_poly3` instead of MUFU.EX2, spread evenly.
+
+    Pair p is emulated iff floor((p + 1) * fraction) > floor(p * fraction): exactly
+    round-down(fraction * pairs) pairs, evenly interleaved with MUFU ones so both pipes stay
+    busy. The choice is made at compile time (the kernel unrolls the row); the data-carrying
+    simulator makes the same one.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"exp2_emulation_fraction must be in [0, 1], got {fraction}")
+    pairs = num_elements // 2
+    return tuple(int((p + 1) * fraction) > int(p * fraction) for p in range(pairs))
 
 
 def exp2_poly3_max_rel_error(lo: float = -125.0, hi: float = FA4_RESCALE_THRESHOLD,

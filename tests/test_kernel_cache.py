@@ -52,7 +52,7 @@ def test_fingerprint_changes_with_any_source_or_version(tmp_path):
     base = cache.fingerprint_of(copy, versions)
     assert base == cache.fingerprint_of(package, versions)      # contents, not location
     assert cache.fingerprint_of(copy, ["cutlass-dsl=4.8.2", "tvm-ffi=0.1"]) != base
-    for source in ("kernels/mask.py", "plan/sm90.py", "tiling.py", "limits.py"):
+    for source in ("kernels/device/mask.py", "plan/sm90.py", "tiling.py", "limits.py"):
         f = copy / source
         text = f.read_text()
         f.write_text(text + "\n# edited\n")

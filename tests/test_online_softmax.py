@@ -240,8 +240,10 @@ def test_exp2_poly3_values(rng):
     assert y.dtype == np.float32
     rel = np.abs(y / np.exp2(x.astype(np.float64)) - 1)
     assert rel.max() <= osm.EXP2_POLY3_MAX_REL_ERROR
-    special = exp2_poly3(np.array([-np.inf, -1000.0, -126.0, 128.0, 0.0, 3.0]))
-    assert special[0] == special[1] == special[2] == 0.0 and np.isinf(special[3])
+    special = exp2_poly3(np.array([-np.inf, -1000.0, -127.0, -126.0, 128.0, 0.0, 3.0]))
+    assert special[0] == special[1] == special[2] == 0.0 and np.isinf(special[4])
+    assert special[3] == np.float32(2.0**-126)            # the smallest normal float32, exact
+    special = special[[0, 1, 2, 4, 5, 6]]
     assert special[4] == pytest.approx(1, rel=1e-4) and special[5] == pytest.approx(8, rel=1e-4)
     c = osm.fit_exp2_poly3()
     assert len(c) == 4 and c[0] == pytest.approx(1, abs=1e-3)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from fa4lab import tiling
 from fa4lab.errors import PlanError
-from fa4lab.kernels import scheduler
+from fa4lab.kernels.device import scheduler
 from fa4lab.plan import Plan, plan_forward
 from fa4lab.spec import AttentionSpec
 
@@ -132,7 +132,7 @@ def test_packed_block_ranges_match_tiling(sq, sk, g, q_stage, n, causal, data):
 
 
 def emulate_mask(rows, cols, m_offset, n_offset, sq, sk, causal, g):
-    """numpy twin of fa4lab.kernels.mask.row_limits + apply_limits (g = qhead_per_kvhead).
+    """numpy twin of fa4lab.kernels.device.mask.row_limits + apply_limits (g = qhead_per_kvhead).
 
     True = keep."""
     limit = np.full(rows, sk - n_offset)

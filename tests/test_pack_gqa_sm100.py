@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from fa4lab import tiling
 from fa4lab.errors import PlanError, UnsupportedArchError
-from fa4lab.kernels import scheduler
+from fa4lab.kernels.device import scheduler
 from fa4lab.plan import Plan, plan_forward
 from fa4lab.spec import AttentionSpec
 
@@ -220,7 +220,7 @@ def test_packed_q_and_o_tma_views(g):
 
     from fa4lab.kernels.compile import target_arch
     from fa4lab.kernels.fwd_sm100 import _q_tma
-    from fa4lab.kernels.pack_gqa import packed_tma
+    from fa4lab.kernels.device.pack_gqa import packed_tma
 
     sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
     tiler = (M_BLOCK, 128, d)

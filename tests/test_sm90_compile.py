@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa4lab import tiling
-from fa4lab.kernels import scheduler
+from fa4lab.kernels.device import scheduler
 from fa4lab.limits import KERNEL_HEAD_DIMS
 from fa4lab.spec import AttentionSpec
 

@@ -439,7 +439,7 @@ def test_figures_and_widgets_render():
 
 def test_kernel_scheduler_mirrors_the_tiling_rules():
     # The device helpers take Python ints too: the kernels and this plan must agree exactly.
-    ks = pytest.importorskip("fa4lab.kernels.scheduler")
+    ks = pytest.importorskip("fa4lab.kernels.device.scheduler")
     for sq, sk in itertools.product((1, 7, 64, 100, 129, 300, 513), (1, 5, 64, 127, 300, 640)):
         for bm, bn, causal in itertools.product((64, 128), (64, 128), (False, True)):
             kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal)

@@ -43,7 +43,8 @@ from pathlib import Path
 import fa4lab
 
 # The modules whose source a compiled kernel depends on (relative to the fa4lab package).
-SOURCES = ("kernels", "plan", "tiling.py", "limits.py", "spec.py", "hardware.py", "errors.py")
+SOURCES = ("kernels", "plan", "tiling.py", "limits.py", "spec.py", "hardware.py", "errors.py",
+           "online_softmax.py")
 EXPORT_NAME = "fa4lab_fwd"
 LOCK_TIMEOUT_S = 600.0   # a compile takes seconds; a holder that long is stuck
 

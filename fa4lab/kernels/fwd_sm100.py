@@ -8,7 +8,7 @@ LSE = -inf.
 
 Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No
 persistent scheduler (one CTA per 2 x m_block query rows, per head, per batch; causal grids start
-with the longest tiles, fa4lab.kernels.scheduler), no split-KV, no varlen.
+with the longest tiles, fa4lab.kernels.device.scheduler), no split-KV, no varlen.
 
 pack-GQA (`plan.tiles.pack_gqa`, Note [sm100 pack-GQA kernel]): optionally a CTA serves the
 qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O TMA views,
@@ -60,11 +60,12 @@ from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4lab.kernels import scheduler
-from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3
-from fa4lab.kernels.pack_gqa import heads_positions, packed_tma, split_packed
+from fa4lab.kernels.device import scheduler
+from fa4lab.kernels.device.exp2 import exp2_poly3
+from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import KERNEL_HEAD_DIMS
+from fa4lab.online_softmax import emulated_pairs
 
 LN2 = math.log(2.0)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -81,7 +82,7 @@ _PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUm
 # The sm90 kernel's rule (Note [sm90 pack-GQA kernel] in fwd_sm90.py) on this kernel: with
 # g = qhead_per_kvhead query heads packed into M, the grid's head axis runs over KV heads and its
 # row axis over ceil(seqlen_q * g / cta_m) tiles. Q (both Q tiles) and O keep their TMA through
-# the views of fa4lab.kernels.pack_gqa: Q's atom is the tcgen05 A-operand atom with the M tile
+# the views of fa4lab.kernels.device.pack_gqa: Q's atom is the tcgen05 A-operand atom with the M tile
 # (g, m_block / g), O's the plain store atom with the same box; local_tile over the packed mode
 # then gives Q tile / O tile i exactly as without packing. A CTA covers positions
 # [m * cta_m / g, (m + 1) * cta_m / g) and Q tile i positions from (m * q_stage + i) * m_block / g,
@@ -133,7 +134,7 @@ class FlashForwardSm100:
         self.head_dim = spec.head_dim
         self.head_dim_v = spec.head_dim_v
         self.causal = spec.causal
-        self.tile_order = plan.tiles.order  # Note [tile order] in fa4lab.kernels.scheduler
+        self.tile_order = plan.tiles.order  # Note [tile order] in fa4lab.kernels.device.scheduler
         self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
@@ -423,7 +424,7 @@ class FlashForwardSm100:
 
     @cute.jit
     def n_block_max(self, m_block, seqlen_q, seqlen_k):
-        """This CTA visits K/V blocks [0, n_block_max) (fa4lab.kernels.scheduler).
+        """This CTA visits K/V blocks [0, n_block_max) (fa4lab.kernels.device.scheduler).
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
@@ -669,7 +670,7 @@ class FlashForwardSm100:
         block_max = tSrS[0]
         for j in cutlass.range_constexpr(1, cute.size(tSrS)):
             block_max = cute.arch.fmax(block_max, tSrS[j])
-        # See Note [conditional rescale] in fa4lab.kernels.softmax.
+        # See Note [conditional rescale] in fa4lab.kernels.device.softmax.
         m_new = cute.arch.fmax(row_max, block_max)
         row_scale = Float32(1.0)
         if (m_new - row_max) * scale_log2 > Float32(self.rescale_threshold):

@@ -26,7 +26,7 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   (fa4lab.plan.sm90.build_protocol): every op goes through `self.sites` (fa4lab.kernels.protocol)
   by name, named barriers in their unaligned form with the table's ids and thread counts.
 * Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
-  or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.softmax`),
+  or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.device.softmax`),
   P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
   Intra-warpgroup overlap (FA3): the value wgmma of block j+1 runs while the softmax of block j
   does; the ping-pong hands the tensor core round the consumers; O is multiplied only
@@ -37,7 +37,7 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges and the causal row index change.
 
-Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.scheduler`): causal tiles
+Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal tiles
 run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
 scheduler that overlaps one tile's epilogue with the next tile's loads, cluster multicast of K/V.
 
@@ -58,11 +58,11 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4lab.kernels import mask as mask_mod
-from fa4lab.kernels import scheduler
-from fa4lab.kernels.pack_gqa import packed_tma as _packed_tma
+from fa4lab.kernels.device import mask as mask_mod
+from fa4lab.kernels.device import scheduler
+from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
 from fa4lab.kernels.protocol import Sites
-from fa4lab.kernels.softmax import OnlineSoftmax, rescale_rows
+from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -119,7 +119,7 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 # [m_block * cta_m / g, (m_block + 1) * cta_m / g), so scheduler.n_block_max/full_end with
 # cta_m / g rows per tile are exactly fa4lab.tiling's packed ranges. LSE is written per
 # (position, query head) from the same r -> (r // g, kv * g + r % g) map. The views are
-# fa4lab.kernels.pack_gqa's (`packed_tma`), shared with the sm100 kernel.
+# fa4lab.kernels.device.pack_gqa's (`packed_tma`), shared with the sm100 kernel.
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -165,7 +165,7 @@ class FlashForwardSm90:
         self.n_block = t.n_block
         self.kv_stage = t.kv_stage
         self.causal = spec.causal
-        self.tile_order = t.order  # Note [tile order] in fa4lab.kernels.scheduler
+        self.tile_order = t.order  # Note [tile order] in fa4lab.kernels.device.scheduler
         self.bytes_per_key = 2 * (t.head_dim + t.head_dim_v)  # K + V rows, 16-bit
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         # See Note [sm90 pack-GQA kernel]: g query heads per CTA row group, else 1.

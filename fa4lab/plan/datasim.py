@@ -15,7 +15,7 @@ Memory that no op has written holds NaN, as a stand-in for garbage. See Note [da
 which op does what and when. Nothing here restates the protocol: the ops, their order, the
 barriers and the regions all come from the plan's `programs` (fa4lab.plan.simulate
 `programs_for`); the online-softmax update is `fa4lab.online_softmax.update_state`, the
-epilogue is its `finalize`, the software exp2 is `fa4lab.kernels.exp2_sm100.exp2_poly3_numpy`.
+epilogue is its `finalize`, the software exp2 is `fa4lab.online_softmax.exp2_poly3`.
 
 What it is for: with every barrier in place the output matches the float64 reference up to the
 16-bit rounding of P and of O, whatever the interleaving; with one barrier removed, an
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fa4lab.kernels.exp2_sm100 import emulated_pairs, exp2_poly3_numpy
-from fa4lab.online_softmax import SoftmaxState, finalize, init_state, update_state
+from fa4lab.online_softmax import (SoftmaxState, emulated_pairs, exp2_poly3, finalize,
+                                   init_state, update_state)
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 from fa4lab.plan.simulate import Arrive, Issue, SimResult, Simulator, Work, _mutate
 from fa4lab.reference import kv_head_index
@@ -444,7 +444,7 @@ class DataSimulator(Simulator):
 
         def exp2(x):  # the kernel's split: these column pairs on the FMA pipe, the rest MUFU
             x = np.asarray(x, np.float32)
-            y = np.where(self.emulated, exp2_poly3_numpy(x), np.exp2(x)).astype(np.float32)
+            y = np.where(self.emulated, exp2_poly3(x), np.exp2(x)).astype(np.float32)
             got.append(y)
             return y
 

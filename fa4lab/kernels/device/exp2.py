@@ -1,4 +1,4 @@
-"""exp2 on the FMA units: FA4's software exponential for part of the softmax (sm100 device code).
+"""exp2 on the FMA units: FA4's software exponential for part of the softmax (device code).
 
 Why: on B200 one SM does 8192 MMA FLOPs but only 16 MUFU exp2 per cycle, so for a 128x128x128
 tile the exponentials cost as much as both MMAs. FA4 moves a fraction of the exp2 calls
@@ -18,10 +18,11 @@ Note [exp2 by Cody-Waite + degree-3 polynomial]
     * x is clamped at -127: then floor = -127 and f = 0, so the add gives the bits of
       1.0 - 127 * 2^23 = 0x00000000, i.e. +0.0 exactly. A masked score (-inf) therefore gives
       P = 0 exactly, as MUFU.EX2 does. The softmax never calls it with x > 8 (see Note
-      [conditional rescale] in fa4lab.kernels.softmax), far below the 2^127 overflow.
+      [conditional rescale] in fa4lab.kernels.device.softmax), far below the 2^127 overflow.
 
-`exp2_poly3_numpy` is the same bit-level recipe in numpy, so CPU tests check the arithmetic the
-device code performs (tests/test_sm100_exp2.py).
+`fa4lab.online_softmax.exp2_poly3` is the same bit-level recipe in numpy, so CPU tests check the
+arithmetic the device code performs (tests/test_sm100_exp2.py); `online_softmax.emulated_pairs`
+says which pairs of a score row take it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 # 2^f ~ 1 + C1 f + C2 f^2 + C3 f^3 on [0, 1): the lab's one set of coefficients (fa4lab.limits).
+from fa4lab.limits import EXP2_CLAMP_LOW as CLAMP_LOW
 from fa4lab.limits import EXP2_POLY3
-
-ROUND_MAGIC = 12582912.0           # 1.5 * 2^23
-CLAMP_LOW = -127.0
+from fa4lab.limits import EXP2_ROUND_MAGIC as ROUND_MAGIC
 
 
 def _f32_hex(x: float) -> str:
@@ -58,37 +58,6 @@ EXP2_POLY3_PTX = (
     "mov.b32 $0, pb;\n\t"
     "}\n"
 )
-
-
-def exp2_poly3_numpy(x) -> np.ndarray:
-    """The device recipe, step by step in float32 / int32 (for tests and the notebooks)."""
-    x = np.asarray(x, dtype=np.float32)
-    xc = np.maximum(x, np.float32(CLAMP_LOW))
-    magic = np.float32(ROUND_MAGIC)
-    # add.rm: round toward -inf. floor(x) + magic is exactly representable, so add then floor.
-    fl = np.floor(xc.astype(np.float64)).astype(np.float32)
-    r = (fl.astype(np.float64) + magic).astype(np.float32)
-    fr = (xc - (r - magic)).astype(np.float32)
-    c0, c1, c2, c3 = (np.float32(c) for c in EXP2_POLY3)
-    p = (fr * c3 + c2).astype(np.float32)
-    p = (p * fr + c1).astype(np.float32)
-    p = (p * fr + c0).astype(np.float32)
-    e = (r.view(np.int32).astype(np.int64) << 23) & 0xFFFFFFFF
-    out = (p.view(np.int32).astype(np.int64) + e) & 0xFFFFFFFF
-    return out.astype(np.uint32).view(np.float32)
-
-
-def emulated_pairs(num_elements: int, fraction: float) -> tuple[bool, ...]:
-    """Which element pairs (0, 1), (2, 3), ... use the polynomial, spread evenly.
-
-    Pair p is emulated iff floor((p + 1) * fraction) > floor(p * fraction): exactly
-    round-down(fraction * pairs) pairs, evenly interleaved with MUFU ones so both pipes stay
-    busy. The choice is made at compile time (the kernel unrolls the row).
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"exp2_emulation_fraction must be in [0, 1], got {fraction}")
-    pairs = num_elements // 2
-    return tuple(int((p + 1) * fraction) > int(p * fraction) for p in range(pairs))
 
 
 def exp2_poly3(x):

@@ -10,7 +10,7 @@ d = seqlen_k - seqlen_q (bottom-right causal alignment):
 * A block is FULL (no mask needed) when every key in it is visible to the CTA's FIRST row and
   lies inside seqlen_k: n < min(seqlen_k // n_block, floor((m0 + d + 1) / n_block)).
   The others in range are MASKED (diagonal) or TAIL (key-length edge) and go through
-  `fa4lab.kernels.mask.apply_limits`.
+  `fa4lab.kernels.device.mask.apply_limits`.
 
 The functions take Python ints (tests, notebooks) or DSL Int32 values (inside a kernel): they
 use only +, -, *, // on non-negative numbers and `cutlass.max` / `cutlass.min`.

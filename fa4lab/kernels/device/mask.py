@@ -15,7 +15,7 @@ With pack-GQA (sm90, `qhead_per_kvhead` = g > 1) a tile row is a packed row: the
 compares keys with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
 
 Which blocks need this at all comes from the tile kinds (`fa4lab.tiling`, see
-`fa4lab.kernels.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_limits`.
+`fa4lab.kernels.device.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_limits`.
 """
 
 from __future__ import annotations
