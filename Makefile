@@ -14,7 +14,7 @@ LAB_ARGS ?=
 # What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
 FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
 
-.PHONY: install lab test test-fast test-gpu browser-deps lint clean
+.PHONY: install lab test test-fast test-gpu sanitize-gpu browser-deps lint clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,13 @@ test-gpu:
 	sys.exit(0 if ok else 'make test-gpu needs a CUDA GPU and none is visible; use make test on a CPU machine')"
 	FA4LAB_SIZE=full FA4LAB_REQUIRE_GPU=1 $(PY) -m pytest -q -m "gpu or sm90 or sm100" tests/
 	FA4LAB_SIZE=full $(PY) -m pytest -q --nbmake --nbmake-timeout=1200 notebooks/
+
+# On a Hopper GPU with compute-sanitizer: the sm90 kernel's barriers under synccheck and its
+# shared memory under racecheck (run it after touching the kernel's synchronization).
+sanitize-gpu:
+	for tool in synccheck racecheck; do \
+	  compute-sanitizer --tool $$tool --error-exitcode 1 $(PY) tests/sanitize_sm90.py || exit 1; \
+	done
 
 lint: install
 	$(VENV)/bin/ruff check fa4lab tests

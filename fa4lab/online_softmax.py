@@ -30,8 +30,7 @@ from functools import cache
 
 import numpy as np
 
-from fa4lab.limits import (EXP2_CLAMP_LOW, EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR,
-                           EXP2_ROUND_MAGIC)
+from fa4lab.limits import EXP2_CLAMP_LOW, EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR, EXP2_ROUND_MAGIC
 from fa4lab.limits import RESCALE_THRESHOLD as FA4_RESCALE_THRESHOLD
 from fa4lab.reference import check_attention_inputs, kv_head_index, resolve_scale, visible_mask
 
@@ -286,11 +285,12 @@ def update_state(state: SoftmaxState, s: np.ndarray, v_block: np.ndarray, *,
         m_new = np.maximum(m_old, m_blk)          # tracks the max ...
         alpha = np.ones_like(m_old)               # ... but forgets to rescale
     else:
-        # alpha = 2**((m_old - m_new) * scale_log2) where the basis moves on a live row; a fresh
-        # row has nothing to keep (0 * 0); elsewhere 1 (the exponent is masked before exp2 so
-        # no inf is ever formed).
+        # alpha = 2**((m_old - m_new) * scale_log2) where the basis moves on a live row;
+        # elsewhere 1, a fresh row included: its acc_o and row_sum are 0, there is nothing to
+        # rescale (the kernels' rule, `update_max` in fa4lab.kernels.device.softmax). The
+        # exponent is masked before exp2, so no inf is ever formed.
         shift = np.where(rescale & live, _finite_or_zero(m_old) - _finite_or_zero(m_new), 0.0)
-        alpha = np.where(rescale & ~live, 0.0, np.exp2(shift * scale_log2))
+        alpha = np.exp2(shift * scale_log2)
     basis = _finite_or_zero(m_new)
     p = np.asarray(exp2(s * scale_log2 - (basis * scale_log2)[..., None]), dtype=np.float64)
     row_sum = alpha * state.row_sum + p.sum(axis=-1)
@@ -311,7 +311,7 @@ def finalize(state: SoftmaxState, *, normalized: bool = False) -> tuple[np.ndarr
     * ln 2; -inf for a row that saw no key. `normalized` is for the normalize_early mistake,
     whose acc_o is already divided.
     """
-    seen = state.row_sum > 0
+    seen = state.row_sum > 0      # not for 0 nor NaN (Note [empty rows] in kernels.device.softmax)
     denom = np.where(seen, state.row_sum, 1.0)
     out = state.acc_o if normalized else state.acc_o / denom[..., None]
     out = np.where(seen[..., None], out, 0.0)

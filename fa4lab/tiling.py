@@ -633,7 +633,8 @@ def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm1
 def kernel_tile_order(causal: bool, arch: str) -> str:
     """The order fa4lab's `arch` kernel dispatches tiles in (a key of SCHEDULERS): the plain
     grid where tile costs are equal (not causal); for causal, LPT on sm90 and the grid with
-    each head's m_blocks reversed on sm100. See Note [tile order] in `fa4lab.kernels.device.scheduler`."""
+    each head's m_blocks reversed on sm100. See Note [tile order] in
+    `fa4lab.kernels.device.scheduler`."""
     if not causal:
         return "grid"
     return "lpt" if arch == "sm90" else "grid_reversed"

@@ -219,8 +219,8 @@ def test_packed_q_and_o_tma_views(g):
     from cutlass.tensor_utils import LayoutEnum
 
     from fa4lab.kernels.compile import target_arch
-    from fa4lab.kernels.fwd_sm100 import _q_tma
     from fa4lab.kernels.device.pack_gqa import packed_tma
+    from fa4lab.kernels.fwd_sm100 import _q_tma
 
     sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
     tiler = (M_BLOCK, 128, d)

@@ -38,8 +38,9 @@ def test_sm100_tile_counts_are_the_kernels(n, masked):
     assert mmas[0] == f"S0=Q0K{n - 1}" and mmas[-1] == "O1+=P1V0"
 
 
-def test_sm90_turns_and_dangling_pass():
-    """sm90: the ring's last consumer passes the turn N + 1 times, consumer0 takes it N times."""
+def test_sm90_turns_leave_no_arrival():
+    """sm90: the ring's last consumer passes the turn N + 1 times (once to let consumer0 start);
+    consumer0 takes N turns in its loop and the last pass once more after its last value wgmma."""
     p = plan("sm90")
     n = 4
     progs = programs_for(p, n)
@@ -47,7 +48,7 @@ def test_sm90_turns_and_dangling_pass():
               "mma_turn0"]
     takes = [op for op in progs["consumer0"] if isinstance(op, Wait) and op.barrier ==
              "mma_turn0"]
-    assert (len(passes), len(takes)) == (n + 1, n)
+    assert (len(passes), len(takes)) == (n + 1, n + 1)
 
 
 def test_phases_follow_the_table():

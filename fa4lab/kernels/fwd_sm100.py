@@ -48,26 +48,25 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Boolean, Float32, Int32, Int64
+from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4lab.kernels.device import scheduler
+from fa4lab.kernels.device import mask as mask_mod
+from fa4lab.kernels.device import scheduler, storage
+from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import KERNEL_HEAD_DIMS
 from fa4lab.online_softmax import emulated_pairs
 
-LN2 = math.log(2.0)
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # The DSL pipelines over the protocol table's barriers: (full side, empty side).
 _PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
@@ -82,9 +81,9 @@ _PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUm
 # The sm90 kernel's rule (Note [sm90 pack-GQA kernel] in fwd_sm90.py) on this kernel: with
 # g = qhead_per_kvhead query heads packed into M, the grid's head axis runs over KV heads and its
 # row axis over ceil(seqlen_q * g / cta_m) tiles. Q (both Q tiles) and O keep their TMA through
-# the views of fa4lab.kernels.device.pack_gqa: Q's atom is the tcgen05 A-operand atom with the M tile
-# (g, m_block / g), O's the plain store atom with the same box; local_tile over the packed mode
-# then gives Q tile / O tile i exactly as without packing. A CTA covers positions
+# the views of fa4lab.kernels.device.pack_gqa: Q's atom is the tcgen05 A-operand atom with the M
+# tile (g, m_block / g), O's the plain store atom with the same box; local_tile over the packed
+# mode then gives Q tile / O tile i exactly as without packing. A CTA covers positions
 # [m * cta_m / g, (m + 1) * cta_m / g) and Q tile i positions from (m * q_stage + i) * m_block / g,
 # so the scheduler formulas with cta_m / g (n_block_max) and m_block / g (the softmax's
 # mask_min) rows per tile are fa4lab.tiling's packed ranges. The softmax's mask compares keys
@@ -181,10 +180,7 @@ class FlashForwardSm100:
         self.sites = Sites(plan, mutation)
         bars = plan.barriers
         for full, empty in _PIPELINES.values():
-            names = [b.name for b in bars.barriers]
-            if names.index(empty) != names.index(full) + 1:
-                raise ValueError(f"the protocol table must list {empty} right after {full}: a "
-                                 f"DSL pipeline keeps its empty barriers after its full ones")
+            storage.pipeline_barriers(plan, full, empty)  # checks the table's order and stages
         self.arrivals = {b.name: b.arrive_count for b in bars.barriers}
         self.tx_bytes = {b.name: b.tx_bytes for b in bars.barriers}
 
@@ -297,23 +293,23 @@ class FlashForwardSm100:
                 cpasync.prefetch_descriptor(atom)
 
         self.sites.start()
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        smem = utils.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv, pipe_s, pipe_o, pipe_stats, pipe_epi = (
-            self.make_pipeline(storage, key) for key in _PIPELINES)
+            self.make_pipeline(smem, key) for key in _PIPELINES)
         # The TMEM hand-off goes through the table's named barrier "tmem" (self.sites.bar_*),
         # not the allocator's own (aligned) one.
-        tmem = utils.TmemAllocator(storage.tmem_ptr.ptr, allocator_warp_id=self.mma_warp,
+        tmem = utils.TmemAllocator(smem.tmem_ptr.ptr, allocator_warp_id=self.mma_warp,
                                    barrier_for_retrieve=pipeline.NamedBarrier(
                                        barrier_id=self.sites.named_id("tmem"),
                                        num_threads=self.arrivals["tmem"]))
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
-        sQ = storage.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.kv.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sQ = smem.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = smem.kv.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         # V shares K's stage buffers (same shape for head_dim == head_dim_v).
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        sO = storage.o.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        sScale = storage.stats.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
+        sO = smem.o.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sScale = smem.stats.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
 
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
@@ -383,44 +379,25 @@ class FlashForwardSm100:
                                  f"{self.tx_bytes[name]}")
 
     def storage_struct(self, sQ_layout, sK_layout, sO_layout):
-        """SharedStorage in plan.smem's order, one Int64 array per barrier of the table."""
-        elems = {"q": (self.dtype, cute.cosize(sQ_layout)),
-                 "kv": (self.dtype, cute.cosize(sK_layout)),
-                 "o": (self.dtype, cute.cosize(sO_layout)),
-                 # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
-                 "stats": (Float32, self.q_stage * self.m_block * 2)}
-        fields = {}
-        for r in self.plan.smem.regions:
-            if r.name == "barriers":
-                for b in self.plan.barriers.barriers:
-                    if b.kind == "mbarrier":
-                        fields[b.name] = cute.struct.MemRange[Int64, b.stages]
-            elif r.name == "tmem_ptr":
-                fields[r.name] = Int32
-            else:
-                dtype, n = elems[r.name]
-                if dtype.width * n // 8 != r.bytes:
-                    raise ValueError(f"SMEM region {r.name}: the layout has {dtype.width * n // 8} "
-                                     f"bytes, the plan {r.bytes}")
-                field = cute.struct.MemRange[dtype, n]
-                fields[r.name] = cute.struct.Align[field, r.align] if r.align > 16 else field
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        """SharedStorage in plan.smem's order (fa4lab.kernels.device.storage)."""
+        return storage.storage_struct(self.plan, {
+            "q": (self.dtype, cute.cosize(sQ_layout)),
+            "kv": (self.dtype, cute.cosize(sK_layout)),
+            "o": (self.dtype, cute.cosize(sO_layout)),
+            # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
+            "stats": (Float32, self.q_stage * self.m_block * 2)})
 
-    def make_pipeline(self, storage, key: str):
+    def make_pipeline(self, smem, key: str):
         """The DSL pipeline over the table's barriers `_PIPELINES[key]` (full, then empty): its
         stages, arrival counts and transaction bytes from the table."""
-        full, empty = _PIPELINES[key]
+        pb = storage.pipeline_barriers(self.plan, *_PIPELINES[key])
         cls = _PIPELINE_CLASSES[key]
-        b = self.plan.barriers.barrier(full)
-
-        def group(name):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, self.arrivals[name])
-
-        kw = {"tx_count": self.tx_bytes[full]} if cls is pipeline.PipelineTmaUmma else {}
-        return cls.create(num_stages=b.stages, producer_group=group(full),
-                          consumer_group=group(empty),
-                          barrier_storage=getattr(storage, full).data_ptr(), defer_sync=True,
-                          **kw)
+        kw = {"tx_count": pb.tx_bytes} if cls is pipeline.PipelineTmaUmma else {}
+        return cls.create(
+            num_stages=pb.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
+            barrier_storage=getattr(smem, pb.full).data_ptr(), defer_sync=True, **kw)
 
     @cute.jit
     def n_block_max(self, m_block, seqlen_q, seqlen_k):
@@ -614,6 +591,9 @@ class FlashForwardSm100:
             cute.make_identity_tensor((self.m_block, p_cols))).shape
 
         row_start = (m_block * self.q_stage + stage) * self.m_block
+        # This thread's row's first hidden key, once per tile (fa4lab.kernels.device.mask).
+        limit = mask_mod.key_limit(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, self.causal,
+                               self.pack)
         # Blocks [mask_min, n_block_max) need the element mask: the fa4lab.tiling rule for this
         # Q tile (its first row), not for the whole CTA.
         # Packed: the tile's first position is its first row / g (Note [sm100 pack-GQA kernel]).
@@ -627,7 +607,7 @@ class FlashForwardSm100:
         s_phase = Int32(0)
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, row_start, seqlen_q, seqlen_k)
+                pipe_s, pipe_stats, stage, tidx, limit)
         for i in cutlass.range(n_block_max - mask_min, unroll=1):
             row_max, row_sum, s_phase, stats_phase = self.softmax_step(
                 n_block_max - 1 - i, True, row_max, row_sum, s_phase, stats_phase, *step)
@@ -648,8 +628,7 @@ class FlashForwardSm100:
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
-                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, row_start,
-                     seqlen_q, seqlen_k):
+                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
         scale_log2 = Float32(self.scale_log2)
         s_state = _phase_state(self.q_stage, stage, s_phase)
@@ -658,25 +637,13 @@ class FlashForwardSm100:
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         if cutlass.const_expr(mask):
-            # First column (relative to this block) that this row may not see.
-            limit = seqlen_k - n_block * self.n_block
-            if cutlass.const_expr(self.causal):
-                row = row_start + tScS_t2r[0][0]
-                if cutlass.const_expr(self.pack_gqa):
-                    row = row // self.pack  # the position; row >= 0, so // floors
-                limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1 - n_block * self.n_block)
-            for j in cutlass.range_constexpr(cute.size(tSrS)):
-                tSrS[j] = -Float32.inf if tScS_t2r[j][1] >= limit else tSrS[j]
+            mask_mod.mask_row(tSrS, tScS_t2r, limit - n_block * self.n_block)
         block_max = tSrS[0]
         for j in cutlass.range_constexpr(1, cute.size(tSrS)):
             block_max = cute.arch.fmax(block_max, tSrS[j])
-        # See Note [conditional rescale] in fa4lab.kernels.device.softmax.
-        m_new = cute.arch.fmax(row_max, block_max)
-        row_scale = Float32(1.0)
-        if (m_new - row_max) * scale_log2 > Float32(self.rescale_threshold):
-            if row_max != -Float32.inf:
-                row_scale = cute.math.exp2((row_max - m_new) * scale_log2, fastmath=True)
-            row_max = m_new
+        # Note [conditional rescale] in fa4lab.kernels.device.softmax.
+        row_max, row_scale = softmax_mod.update_max(row_max, block_max, scale_log2,
+                                                Float32(self.rescale_threshold))
         stats_state = _phase_state(self.q_stage, stage, stats_phase)
         self.sites(role, "wait stats_empty", pipe_stats.producer_acquire, stats_state,
                    stage=stage)
@@ -684,10 +651,7 @@ class FlashForwardSm100:
         self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
                    stage=stage)
 
-        basis = Float32(0.0)
-        if row_max != -Float32.inf:
-            basis = row_max * scale_log2
-        neg_basis = -basis
+        neg_basis = -softmax_mod.exp2_basis(row_max, scale_log2)
         # P in chunks of 32 columns: exp2, sum, cast, store to TMEM; the fp32 chunk then dies,
         # which keeps the softmax within its register budget (plan.roles).
         tSrP_f32 = cute.make_rmem_tensor(tScP_shape, Float32)
@@ -714,7 +678,7 @@ class FlashForwardSm100:
         cute.arch.fence_view_async_tmem_store()
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
                    stage=stage)  # P_i is in TMEM
-        row_sum = row_sum * row_scale + block_sum
+        row_sum = softmax_mod.update_sum(row_sum, row_scale, block_sum)
         return row_max, row_sum, s_phase ^ 1, stats_phase ^ 1
 
     # ------------------------------------------------------------------ role: correction
@@ -735,7 +699,7 @@ class FlashForwardSm100:
                 stats_state.advance()
                 if i > 0:  # before block 0 O_i holds nothing: the first value MMA overwrites it
                     # A warp rescales only if one of its 32 rows moved its max past the threshold.
-                    if cute.arch.vote_ballot_sync(row_scale < Float32(1.0)) != 0:
+                    if softmax_mod.warp_rescale_needed(row_scale):
                         self.correction_rescale(thr_mma_pv, tOtO[stage], tidx, row_scale)
                     self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
                                _phase_state(self.q_stage, stage, 0), stage=stage)
@@ -752,10 +716,8 @@ class FlashForwardSm100:
                 stats_state.advance()
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
-            empty_row = row_sum == Float32(0.0)
-            inv_sum = cute.arch.rcp_approx(Float32(1.0) if empty_row else row_sum)
-            if empty_row:
-                inv_sum = Float32(0.0)
+            # Note [empty rows] in fa4lab.kernels.device.softmax.
+            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, Float32(self.scale_log2))
             epi_state = _phase_state(self.q_stage, stage, 1)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
@@ -770,21 +732,7 @@ class FlashForwardSm100:
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             if cutlass.const_expr(self.return_lse):
                 row = (m_block * self.q_stage + stage) * self.m_block + tidx
-                if cutlass.const_expr(self.pack_gqa):  # packed row -> (position, query head)
-                    if row < seqlen_q * self.pack:
-                        lse = -Float32.inf
-                        if not empty_row:
-                            lse = (row_max * Float32(self.scale_log2)
-                                   + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
-                        pos = row // self.pack
-                        mLSE[pos, head * self.pack + (row - pos * self.pack), batch] = lse
-                else:
-                    if row < seqlen_q:
-                        lse = -Float32.inf
-                        if not empty_row:
-                            lse = (row_max * Float32(self.scale_log2)
-                                   + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2)
-                        mLSE[row, head, batch] = lse
+                softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
 
     @cute.jit
     def correction_rescale(self, thr_mma_pv, tOtO, tidx, row_scale):

@@ -37,8 +37,8 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges and the causal row index change.
 
-Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal tiles
-run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
+Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal
+tiles run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
 scheduler that overlaps one tile's epilogue with the next tile's loads, cluster multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
@@ -59,10 +59,10 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler
+from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
+from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows, store_lse
 from fa4lab.kernels.protocol import Sites
-from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -197,7 +197,6 @@ class FlashForwardSm90:
         self.pingpong = self.num_consumers >= 2 and turns <= names
         o_region = plan.smem.region("o")
         self.o_in_q = o_region.alias_of == "q"
-        self.buffer_align_bytes = 1024
         # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
         self.sites = Sites(plan, mutation)
 
@@ -253,22 +252,12 @@ class FlashForwardSm90:
         self.k_bytes = cute.size_in_bytes(dtype, cute.select(sK_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        # Declared in the plan's SMEM order: q, k, v, [o], barriers (q_full, k_full, k_empty,
-        # v_full, v_empty). O staging has its own bytes unless the plan aliases it onto Q.
-        sO_elems = 0 if self.o_in_q else cute.cosize(sO_layout)
-        align = self.buffer_align_bytes
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], align]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], align]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], align]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, sO_elems], align]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, self.kv_stage * 2]
-
-        self.shared_storage = SharedStorage
+        # Declared from plan.smem in its order (fa4lab.kernels.device.storage): q, k, v, [o],
+        # then the table's mbarriers. O staging has its own bytes unless the plan aliases it
+        # onto Q.
+        self.shared_storage = storage.storage_struct(self.plan, {
+            "q": (dtype, cute.cosize(sQ_layout)), "k": (dtype, cute.cosize(sK_layout)),
+            "v": (dtype, cute.cosize(sV_layout)), "o": (dtype, cute.cosize(sO_layout))})
         # With pack-GQA: seqlen_q * g packed rows per KV head (Note [sm90 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
@@ -302,34 +291,23 @@ class FlashForwardSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        smem = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
 
-        # ---- barriers, as in the plan's BarrierGraph ----
-        mbar_q = storage.mbar_q.data_ptr()  # q_full: Q is loaded once, so no q_empty
+        # ---- barriers: the protocol table's, with its stages, counts and bytes ----
+        mbar_q = smem.q_full.data_ptr()  # Q is loaded once per CTA, so no q_empty
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_q, self.q_arrivals)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        releases = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.kv_releases)
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.kv_stage,
-            producer_group=producer, consumer_group=releases, tx_count=self.k_bytes,
-            defer_sync=True)
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.kv_stage,
-            producer_group=producer, consumer_group=releases, tx_count=self.v_bytes,
-            defer_sync=True)
+        pipeline_k = self.make_pipeline(smem, "k")
+        pipeline_v = self.make_pipeline(smem, "v")
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if const_expr(self.o_in_q):
-            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        else:
-            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sQ = smem.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = smem.k.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = smem.v.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = getattr(smem, "q" if self.o_in_q else "o").get_tensor(sO_layout.outer,
+                                                                  swizzle=sO_layout.inner)
 
         if warp_idx < 4:
             # ===================== producer warpgroup (role "load") =====================
@@ -344,6 +322,19 @@ class FlashForwardSm90:
                          mbar_q, pipeline_k, pipeline_v,
                          self.seqlen_q_of(mQ), cute.size(mK.shape[0]))
         self.sites.finish()
+
+    def make_pipeline(self, smem, x: str):
+        """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v")."""
+        pb = storage.pipeline_barriers(self.plan, f"{x}_full", f"{x}_empty")
+        nbytes = self.k_bytes if x == "k" else self.v_bytes
+        if pb.tx_bytes != nbytes:
+            raise ValueError(f"{pb.full}: the TMA brings {nbytes} bytes, the table expects "
+                             f"{pb.tx_bytes}")
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=getattr(smem, pb.full).data_ptr(), num_stages=pb.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.producers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
+            tx_count=pb.tx_bytes, defer_sync=True)
 
     def seqlen_q_of(self, mQ):
         """Query positions (not packed rows) of the Q coordinate tensor."""
@@ -485,6 +476,12 @@ class FlashForwardSm90:
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
         warpgroup.wait_group(0)
         self.release(pipeline_v, state, "v_empty")
+        if const_expr(self.pingpong):
+            # The ring's last consumer passed the turn once more than consumer0 took it (its
+            # first pass lets consumer0 start): consumer0 takes that pass, so no arrival is left
+            # on mma_turn0 at exit. By now the last consumer has issued its last wgmmas.
+            if self._consumer_index() == 0:
+                self.sites.bar_sync("consumer", "mma_turn0")
 
         inv_sum, lse = softmax.finalize()
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
@@ -598,14 +595,8 @@ class FlashForwardSm90:
         if const_expr(mLSE is not None):
             if tid % 4 == 0:  # the quad's first thread holds column 0 of its rows
                 for r in cutlass.range_constexpr(cute.size(lse)):
-                    row = m_offset + tScS_mn[r, 0][0]
-                    if const_expr(self.pack_gqa):  # packed row -> (position, query head)
-                        if row < seqlen_q * self.pack:
-                            pos = row // self.pack
-                            mLSE[pos, head * self.pack + (row - pos * self.pack), batch] = lse[r]
-                    else:
-                        if row < seqlen_q:
-                            mLSE[row, head, batch] = lse[r]
+                    store_lse(mLSE, m_offset + tScS_mn[r, 0][0], lse[r], head, batch,
+                              seqlen_q, self.pack)
 
         rO = cute.make_rmem_tensor_like(acc_O, dtype)
         rO.store(acc_O.load().to(dtype))

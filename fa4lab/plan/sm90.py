@@ -200,10 +200,11 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
 
     Loads run K_last, then (K_j+1, V_j) pairs, then V_first. A consumer's block step waits
     for K, takes its turn, issues S = Q K^T, waits for V, issues O += P V, passes the turn;
-    the ring's last consumer also passes once at the start so consumer0 goes first (it passes
-    N + 1 times, consumer0 takes N turns: the last pass is never taken). The last block's
-    value wgmma is issued without a turn. The turn and
-    epilogue barrier ids are picked per consumer in unrolled branches (`Unroll` over t).
+    the ring's last consumer also passes once at the start so consumer0 goes first. It
+    passes N + 1 times and consumer0 takes N turns in the loop, so consumer0 takes the last pass
+    once more after its last value wgmma: no arrival is left on a barrier at exit. The last
+    block's value wgmma is issued without a turn. The turn and epilogue barrier ids are picked
+    per consumer in unrolled branches (`Unroll` over t).
     """
     E = Op   # noqa: N806
     load = (E("expect_tx", "q_full", "0", one=True), Step("load Q"),
@@ -227,7 +228,8 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
         E("arrive", "k_empty", "K"), Step("softmax"),
         Loop("max(M, 1) - 1", step, "masked"),
         Loop("N - max(M, 1)", step, "unmasked"),
-        E("wait", "v_full", "V"), Step("last PV", "V"), E("arrive", "v_empty", "V"),
+        E("wait", "v_full", "V"), Step("last PV", "V"), E("arrive", "v_empty", "V")) + (
+        (If("c == 0", (E("sync", "mma_turn0"),)),) if pingpong else ()) + (
         Step("O to SMEM"), E("sync", "epilogue{c}"), Step("store O"))
     return Protocol(barriers, (
         Program("load", ("load",), load),

@@ -5,13 +5,15 @@ Shared by the sm90 and sm100 kernels. Inputs are arch-neutral: a thread's scores
 register which (row, col) of the tile it holds. The caller offsets the tile into the whole
 problem with `m_offset` (first query row of the tile) and `n_offset` (first key of the block):
 `row_limits` turns the rows into one limit each, once per tile; `apply_limits` masks a block.
+Both are built from the one-row forms `key_limit` and `mask_row`, which the sm100 softmax (one
+row per thread) calls directly.
 
 The rule (bottom-right aligned causal, the contract in `fa4lab.spec`): query i sees key j iff
 j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q. Masked scores become -inf so the
 softmax step gives them probability exactly 0; a row with no visible key stays at -inf and the
 softmax's finalize turns it into output 0 and LSE -inf.
 
-With pack-GQA (sm90, `qhead_per_kvhead` = g > 1) a tile row is a packed row: the causal rule
+With pack-GQA (`qhead_per_kvhead` = g > 1) a tile row is a packed row: the causal rule
 compares keys with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
 
 Which blocks need this at all comes from the tile kinds (`fa4lab.tiling`, see
@@ -23,6 +25,35 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+
+@cute.jit
+def key_limit(row, seqlen_q, seqlen_k, causal: cutlass.Constexpr[bool],
+              qhead_per_kvhead: cutlass.Constexpr[int] = 1):
+    """The first key index query row `row` may NOT see (the rule above, one row)."""
+    limit = seqlen_k
+    if cutlass.const_expr(causal):
+        if cutlass.const_expr(qhead_per_kvhead > 1):
+            row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
+        limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1)
+    return limit
+
+
+@cute.jit
+def mask_row(row: cute.Tensor, cols: cute.Tensor, limit) -> None:
+    """row[j] = -inf where cols[j]'s column is at or past `limit` (a block's own column frame).
+
+    `cols` holds (row, col) coordinates; when they are compile-time constants each test is one
+    compare with an immediate (Note [static columns]).
+    """
+    # Note [select, not if]
+    # A conditional expression lowers to one select per score. An `if` statement with a
+    # runtime condition becomes a structured branch that yields every value it might change --
+    # here the whole accumulator -- and ptxas turned that into ~16 FSEL per score (H200 profile
+    # at head_dim 64: 1058 FSEL in a masked block of 64 scores per thread, about as many
+    # instructions as the rest of the block step).
+    for j in cutlass.range_constexpr(cute.size(row)):
+        row[j] = -Float32.inf if cols[j][1] >= limit else row[j]
 
 
 @cute.jit
@@ -50,13 +81,8 @@ def row_limits(
     col_offset = coord_mn[0, 0][1] - coord0_mn[0, 0][1]
     limits = cute.make_rmem_tensor(num_rows, Int32)
     for r in cutlass.range_constexpr(num_rows):
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
-            row = m_offset + coord_mn[r, 0][0]
-            if cutlass.const_expr(qhead_per_kvhead > 1):
-                row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
-            limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1)
-        limits[r] = limit - col_offset
+        limits[r] = key_limit(m_offset + coord_mn[r, 0][0], seqlen_q, seqlen_k, causal,
+                              qhead_per_kvhead) - col_offset
     return limits
 
 
@@ -68,13 +94,5 @@ def apply_limits(
     n_offset: Int32,         # key index of tile column 0
 ) -> None:
     """Set to -inf every score whose key index is at or past its row's limit."""
-    # Note [select, not if]
-    # A conditional expression lowers to one select per score. An `if` statement with a
-    # runtime condition becomes a structured branch that yields every value it might change --
-    # here the whole accumulator -- and ptxas turned that into ~16 FSEL per score (H200 profile
-    # at head_dim 64: 1058 FSEL in a masked block of 64 scores per thread, about as many
-    # instructions as the rest of the block step).
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        limit = limits[r] - n_offset
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            acc_mn[r, c] = -Float32.inf if coord0_mn[r, c][1] >= limit else acc_mn[r, c]
+        mask_row(acc_mn[r, None], coord0_mn[r, None], limits[r] - n_offset)

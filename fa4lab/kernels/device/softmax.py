@@ -1,11 +1,16 @@
 """The online-softmax row step, in base 2, with FA4's conditional rescale (device code).
 
-Shared by the sm90 and sm100 kernels. It works on a thread's scores as a register tensor in an
-(rows, cols) view -- the "MN view" -- whatever the MMA that produced them:
+Two levels:
 
-* sm90: a wgmma accumulator, where four threads (a quad) hold pieces of each row, so row
-  reductions finish with a 4-wide butterfly shuffle (`threads_per_row=4`);
-* sm100: a row loaded from TMEM, one thread per row (`threads_per_row=1`).
+* the rules for one row, which both kernels call: `update_max` (threshold and row scale),
+  `exp2_basis`, `update_sum`, `rescale_needed` / `warp_rescale_needed` (the rescale vote),
+  `finalize_row` (1/sum, LSE and the empty-row rule) and `store_lse`;
+* `OnlineSoftmax`, the sm90 form over a thread's scores as a register tensor in an (rows, cols)
+  view -- the "MN view" -- of a wgmma accumulator, where four threads (a quad) hold pieces of each
+  row, so row reductions finish with a 4-wide butterfly shuffle (`threads_per_row=4`). The sm100
+  softmax holds one row per thread, loaded from TMEM, and calls the row rules directly: its
+  exp2 is split between MUFU and the polynomial (`fa4lab.kernels.device.exp2`) and its row
+  scale goes to another warpgroup, the correction, which applies it and finalizes.
 
 State per row: `row_max` (the raw score max, not yet scaled) and `row_sum` (this thread's part of
 the sum of exp2; reduced across the row's threads only once, in `finalize`).
@@ -25,7 +30,8 @@ Note [conditional rescale]
     that stays at -inf uses 0 as its basis, so exp2(-inf - 0) = 0 and nothing turns into NaN.
 
 How to run: imported by `fa4lab.kernels.fwd_sm90` / `fwd_sm100`; exercised on the GPU by
-`tests/test_sm90.py` (the extreme-logit and fully-masked-row cases hit every branch here).
+`tests/test_sm90.py` (the extreme-logit and fully-masked-row cases hit every branch of the row
+rules; `fa4lab.kernels.sharing` counts what of the sm100 kernel runs there).
 """
 
 from __future__ import annotations
@@ -48,6 +54,86 @@ def _row_reduce_max(row: cute.Tensor, threads_per_row: cutlass.Constexpr[int]) -
     if cutlass.const_expr(threads_per_row > 1):
         m = cute.arch.warp_reduction_max(m, threads_in_group=threads_per_row)
     return m
+
+
+# ---- one row's rules, called by both kernels ---------------------------------------------------
+
+@cute.jit
+def update_max(m_old: Float32, blk_max: Float32, scale_log2: Float32, threshold: Float32):
+    """(m_new, row_scale) for a row whose block max is `blk_max`: Note [conditional rescale].
+
+    The max moves only when it grows by more than `threshold` (log2 units); row_scale is then
+    2^((m_old - m_new) * scale_log2), else 1. A row still at -inf (nothing seen) takes any
+    finite max with row_scale 1 -- its O and sum are 0, there is nothing to rescale -- and a
+    row that stays at -inf keeps it (-inf - -inf is NaN, and NaN > threshold is False).
+    """
+    m_cand = cute.arch.fmax(m_old, blk_max)
+    grow = (m_cand - m_old) * scale_log2 > threshold
+    m_new = m_cand if grow else m_old
+    m_from = m_new if m_old == -Float32.inf else m_old
+    row_scale = (cute.math.exp2((m_from - m_new) * scale_log2, fastmath=True)
+                 if grow else Float32(1.0))
+    return m_new, row_scale
+
+
+@cute.jit
+def exp2_basis(m: Float32, scale_log2: Float32) -> Float32:
+    """The subtrahend of P = exp2(s * scale_log2 - basis): 0 for a row still at -inf, so masked
+    scores give exp2(-inf) = 0 and never -inf - -inf = NaN."""
+    return Float32(0.0) if m == -Float32.inf else m * scale_log2
+
+
+@cute.jit
+def update_sum(row_sum: Float32, row_scale: Float32, block_sum: Float32) -> Float32:
+    """The running row sum in the basis of the (possibly moved) max."""
+    return row_sum * row_scale + block_sum
+
+
+@cute.jit
+def rescale_needed(row_scale: Float32):
+    """True when the row's max moved (Note [conditional rescale]: most blocks move none, so the
+    O multiply is skipped; sm90 votes per thread, sm100 per warp with `warp_rescale_needed`)."""
+    return row_scale != Float32(1.0)
+
+
+@cute.jit
+def warp_rescale_needed(row_scale: Float32):
+    """True when any row of the warp moved its max: the warp rescales its 32 rows of O."""
+    return cute.arch.vote_ballot_sync(rescale_needed(row_scale)) != 0
+
+
+@cute.jit
+def finalize_row(row_sum: Float32, row_max: Float32, scale_log2: Float32):
+    """(1 / row_sum, LSE in natural log) of a row's final state: Note [empty rows].
+
+    Note [empty rows]
+        A row that saw no key (fully masked, or a CTA with no key block) has row_sum 0; a row
+        whose sum became NaN (an infinite score) is treated the same way, so neither divides by
+        0 nor writes a NaN LSE: the scale is 0 (O = 0) and LSE = -inf, the values the float64
+        reference gives a row with no visible key.
+    """
+    empty = row_sum == Float32(0.0) or row_sum != row_sum
+    inv_sum = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+    lse = (-Float32.inf if empty
+           else (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2))
+    return inv_sum, lse
+
+
+@cute.jit
+def store_lse(mLSE: cute.Tensor, row, lse: Float32, head, batch, seqlen_q,
+              pack: cutlass.Constexpr[int]) -> None:
+    """LSE of tile row `row` into mLSE (seqlen_q, heads_q, batch); rows past seqlen_q dropped.
+
+    With pack-GQA (pack = g > 1) the row is a packed row: position row // g of query head
+    head * g + row % g, `head` being the KV head (Note [pack-GQA rows] in fa4lab.tiling).
+    """
+    if cutlass.const_expr(pack > 1):
+        if row < seqlen_q * pack:
+            pos = row // pack
+            mLSE[pos, head * pack + (row - pos * pack), batch] = lse
+    else:
+        if row < seqlen_q:
+            mLSE[row, head, batch] = lse
 
 
 @cute.jit
@@ -90,21 +176,14 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             row = acc_mn[r, None]
             blk_max = _row_reduce_max(row, self.threads_per_row)
-            m_old = self.row_max[r]
-            m_new = blk_max
-            if cutlass.const_expr(is_first):
+            if cutlass.const_expr(is_first):  # what update_max gives from -inf, without the exp2
+                m_new = blk_max
                 row_scale[r] = Float32(1.0)
             else:
-                m_cand = cute.arch.fmax(m_old, blk_max)
-                # NaN (both -inf) compares False: the row keeps -inf and scale 1.
-                grow = (m_cand - m_old) * scale_log2 > threshold
-                m_new = m_cand if grow else m_old
-                row_scale[r] = (
-                    cute.math.exp2((m_old - m_new) * scale_log2, fastmath=True)
-                    if grow else Float32(1.0)
-                )
+                m_new, scale = update_max(self.row_max[r], blk_max, scale_log2, threshold)
+                row_scale[r] = scale
             self.row_max[r] = m_new
-            m_basis = Float32(0.0) if m_new == -Float32.inf else m_new * scale_log2
+            m_basis = exp2_basis(m_new, scale_log2)
             part = Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(row)):
                 p = cute.math.exp2(acc_mn[r, j] * scale_log2 - m_basis, fastmath=True)
@@ -113,19 +192,16 @@ class OnlineSoftmax:
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = part
             else:
-                self.row_sum[r] = self.row_sum[r] * row_scale[r] + part
+                self.row_sum[r] = update_sum(self.row_sum[r], row_scale[r], part)
         return row_scale
 
     @cute.jit
     def needs_rescale(self, row_scale: cute.Tensor):
-        """True when any of this thread's rows changed its max (a row_scale other than 1).
-
-        With the conditional rescale most blocks change no max, so the O multiply can be
-        skipped; the branch is per thread (the rows' quads agree on their own scales).
-        """
-        need = row_scale[0] != Float32(1.0)
+        """True when any of this thread's rows changed its max (`rescale_needed`); the branch is
+        per thread (the rows' quads agree on their own scales)."""
+        need = rescale_needed(row_scale[0])
         for r in cutlass.range_constexpr(1, self.num_rows):
-            need = need or row_scale[r] != Float32(1.0)
+            need = need or rescale_needed(row_scale[r])
         return need
 
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
@@ -133,7 +209,8 @@ class OnlineSoftmax:
 
     @cute.jit
     def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
-        """(row_scale = 1/sum, lse in natural log): 0 and -inf for rows that saw no key."""
+        """(row_scale = 1/sum, lse in natural log) per row, after the sum's reduction over the
+        row's threads (`finalize_row`: 0 and -inf for rows that saw no key)."""
         scale_log2 = Float32(self.scale_log2)
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
@@ -141,11 +218,5 @@ class OnlineSoftmax:
             s = self.row_sum[r]
             if cutlass.const_expr(self.threads_per_row > 1):
                 s = cute.arch.warp_reduction_sum(s, threads_in_group=self.threads_per_row)
-            empty = s == Float32(0.0) or s != s
-            inv_sum[r] = cute.arch.rcp_approx(Float32(1.0) if empty else s)
-            m = self.row_max[r]
-            lse[r] = (
-                -Float32.inf if empty
-                else (m * scale_log2 + cute.math.log2(s, fastmath=True)) * Float32(LN2)
-            )
+            inv_sum[r], lse[r] = finalize_row(s, self.row_max[r], scale_log2)
         return inv_sum, lse
