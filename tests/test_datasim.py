@@ -7,12 +7,14 @@ the report says where.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from fa4lab.plan import datasim as ds
 from fa4lab.plan import datasim_check as dc
-from fa4lab.plan.simulate import Issue, Ref, Work
+from fa4lab.plan.simulate import Issue, Ref, WaitEngine, Work
 from fa4lab.reference import attention_reference, visible_mask
 
 
@@ -71,6 +73,45 @@ def test_extreme_logits_rescale_in_the_correction(rng):
     run = ds.run_attention(q, k, v)
     check_against_reference(run, q, k, v, False)
     assert run.rescaled_rows > 0
+
+
+def _out_when_o_empty_0_is_released(monkeypatch, q, k, v, drain=None):
+    """Run with store O1 32x slower (and, given `drain`, every drain of the epilogue replaced
+    by it); global out as it is when the epilogue releases o_empty[0], and the run."""
+    plan = ds.plan_for(q, k, v)
+    progs = dict(ds.role_programs(plan, 1))
+    progs["epilogue"] = [
+        dataclasses.replace(op, cycles=op.cycles * 32)
+        if isinstance(op, Issue) and op.label == "store O1"
+        else drain if drain is not None and isinstance(op, WaitEngine) else op
+        for op in progs["epilogue"]]
+    seen = []
+
+    class Probe(ds.DataSimulator):
+        def _arrive(self, key, count, tx, clock, t):
+            super()._arrive(key, count, tx, clock, t)
+            if key == ("o_empty", 0) and not seen:
+                seen.append(self.mem.out.copy())
+
+    monkeypatch.setattr(ds, "role_programs", lambda *args, **kw: progs)
+    monkeypatch.setattr(ds, "DataSimulator", Probe)
+    run = ds.run_plan(plan, q, k, v)
+    return seen[0], run
+
+
+def test_store_drain_releases_o_empty_0_with_store_1_in_flight(rng, monkeypatch):
+    # Note [store drains]: the epilogue's first drain is wait_group.read 1, so o_empty[0] is
+    # released once store 0 is done, Q tile 1's rows still on their way to global memory. One
+    # work tile, one K/V block: rows 0..127 are Q tile 0, rows 128..255 Q tile 1.
+    q, k, v = problem(rng, 1, 256, 128, 1, 1)
+    out, run = _out_when_o_empty_0_is_released(monkeypatch, q, k, v)
+    assert np.isfinite(out[:, :128]).all() and np.isnan(out[:, 128:]).all()
+    assert not run.hazards and not run.deadlock
+    check_against_reference(run, q, k, v, False)
+    # A drain that waits for every store (the wait-all model) releases it only after both.
+    out, _ = _out_when_o_empty_0_is_released(monkeypatch, q, k, v,
+                                             drain=WaitEngine("tma_store"))
+    assert np.isfinite(out).all()
 
 
 def test_fp16(rng):

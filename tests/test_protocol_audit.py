@@ -2,8 +2,9 @@
 
 Compiled mutations (marked `compile`): the sm100 kernel built with one wait dropped, or two
 adjacent arrives swapped, through `compile_forward(..., mutation=Mutation(...))`; and the
-unmutated binary audited against a plan with another kv_stage. Below them, the PTX parsers on
-small hand-written snippets (no compile).
+unmutated binary audited against a plan with another kv_stage, or with the stats mailbox laid
+out elsewhere. Below them, the PTX parsers and the checks of named barrier ids (computed per
+thread) and of the mailbox offset on small hand-written snippets (no compile).
 """
 
 from __future__ import annotations
@@ -82,6 +83,28 @@ def test_stage_count_mismatch_is_named(tmp_path_factory):
     assert len(bad["init kv_full"].expected) == 2   # the plan's two stages, not found there
 
 
+@pytest.mark.slow
+@pytest.mark.compile
+def test_stats_mailbox_offset_is_read_from_the_binary(tmp_path_factory):
+    """sScale, the softmax -> correction mailbox, is at plan.smem's `stats` offset; a plan that
+    lays the mailbox out before O fails on both regions."""
+    import dataclasses
+
+    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.plan.smem import SmemPlan
+
+    cf = _compile(None, tmp_path_factory)
+    row = next(r for r in protocol_rows(cf.plan, cf.ptx) if r.name == "SMEM offset stats")
+    assert row.ok and row.found == cf.plan.smem.offsets()["stats"], row
+    regions = {r.name: r for r in cf.plan.smem.regions}
+    order = ("q", "kv", "stats", "o", "barriers", "tmem_ptr")
+    smem = SmemPlan.build(tuple(regions[n] for n in order), cf.plan.smem.limit_bytes)
+    assert smem.offsets()["barriers"] == cf.plan.smem.offsets()["barriers"]
+    bad = _failures(dataclasses.replace(cf.plan, smem=smem), cf.ptx)
+    assert [r.name for r in bad] == ["SMEM offset o", "SMEM offset stats"]
+    assert bad[1].expected == smem.offsets()["stats"] and bad[1].found == row.found
+
+
 # ---- parsers on hand-written PTX (no compile) ----
 PTX = """
 .extern .shared .align 1024 .b8 __dynamic_shmem__0[];
@@ -147,3 +170,96 @@ def test_loops_and_program_order_follow_control_flow():
     order = binary.program_order(PTX)
     # $L__BB0_9 is laid out before the loop but runs after it (the loop branches to it).
     assert order.index(wait) < order.index(arrive) < order.index(sync)
+
+
+# The sm90 epilogue's named barrier: one per consumer warpgroup, its id computed at run time
+# from the warp index (as the compiler folds `epilogue0's id + consumer index`).
+NAMED_PTX = """
+	mov.u32 	%r2, %tid.x;
+	shr.u32 	%r132, %r2, 5;
+	shfl.sync.idx.b32 	%r3, %r132, 0, 31, -1;
+	shr.u32 	%r28, %r3, 2;
+	add.s32 	%r29, %r28, 1;
+	@%p1 mov.b32 	%r30, 7;
+	// begin inline asm
+	// fa4lab-proto consumer sync epilogue{c}[0]
+	// end inline asm
+	barrier.sync 	%r28, 128;
+"""
+
+
+def test_thread_values_follow_the_id_register_to_the_thread_index():
+    values = binary.ThreadValues(NAMED_PTX)
+    assert [values.value("%r28", t) for t in (0, 127, 128, 255, 256, 383)] == [0, 0, 1, 1, 2, 2]
+    assert values.value("%r29", 200) == 2 and values.value("5", 0) == 5
+    assert values.value("%r30", 0) is None           # a guarded definition: unknown
+    assert values.formula("%r28") == "(%tid.x >> 5) >> 2"
+    op = next(o for o in binary.barrier_ops(NAMED_PTX) if o.kind == "sync")
+    assert (op.named_id, op.named_operand, op.threads) == (None, "%r28", 128)
+
+
+def _sm90_rows(ptx, shift=0):
+    import dataclasses
+
+    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.plan.barriers import BarrierGraph
+
+    plan = plan_forward(SPEC, "sm90")
+    bars = tuple(dataclasses.replace(b, named_id=b.named_id + shift)
+                 if b.name.startswith("epilogue") else b for b in plan.barriers.barriers)
+    plan = dataclasses.replace(plan, protocol=plan.protocol.with_barriers(BarrierGraph(bars)))
+    return {r.name: r for r in protocol_rows(plan, ptx)}
+
+
+def test_epilogue_ids_are_checked_per_consumer():
+    rows = _sm90_rows(NAMED_PTX)
+    named = rows["named barrier ids"]
+    assert named.ok and named.found == {"epilogue0": 1, "epilogue1": 2}
+    assert "(%tid.x >> 5) >> 2" in named.note and "the table: epilogue0's id 1 + c" in named.note
+    assert "epilogue" not in rows["markers claim their barrier op"].note
+    # The table's base id moved (2, 3): the binary's ids (1, 2) no longer match.
+    rows = _sm90_rows(NAMED_PTX, shift=1)
+    assert not rows["named barrier ids"].ok
+    claim = rows["markers claim their barrier op"].note
+    assert "sync epilogue{c}[0]: barrier id %r28 is consumer0 1, consumer1 2;" in claim
+    assert "the table has epilogue0 2, epilogue1 3" in claim
+    # An id the PTX does not determine is reported, not accepted.
+    rows = _sm90_rows(NAMED_PTX.replace("barrier.sync \t%r28", "barrier.sync \t%r30"))
+    assert "consumer0 unresolved" in rows["markers claim their barrier op"].note
+
+
+MAILBOX_PTX = """
+	mov.b32 	%r1, __dynamic_shmem__0;
+	st.shared.b32 	[%r1+163840], %r5;
+	// begin inline asm
+	// fa4lab-proto softmax0 wait stats_empty[0]
+	// end inline asm
+	mbarrier.try_wait.parity.shared.b64 P1, [%r1+231584], 1, 10000000;
+	add.s32 	%r33, %r1, %r7;
+	st.shared.b32 	[%r33+OFFSET], %r6;
+	// begin inline asm
+	// fa4lab-proto softmax0 arrive stats_full[0]
+	// end inline asm
+	mbarrier.arrive.shared.b64 %rd1, [%r1+231568], %r8;
+	// begin inline asm
+	// fa4lab-proto correction wait stats_full[0]
+	// end inline asm
+	mbarrier.try_wait.parity.shared.b64 P1, [%r1+231568], 0, 10000000;
+	ld.shared.b32 	%r9, [%r33+230400];
+"""
+
+
+def test_stats_offset_is_read_from_the_mailbox_accesses():
+    from fa4lab.kernels.audit import protocol_rows
+
+    plan = plan_forward(SPEC, "sm100")
+    at = plan.smem.offsets()["stats"]
+    assert at == 229376
+    rows = {r.name: r for r in protocol_rows(plan, MAILBOX_PTX.replace("OFFSET", str(at)))}
+    row = rows["SMEM offset stats"]
+    # The st.shared into sO (163840) before the marker is not the mailbox's.
+    assert row.ok and row.found == at, row
+    assert "1 st.shared / 1 ld.shared" in row.note
+    rows = {r.name: r for r in protocol_rows(plan, MAILBOX_PTX.replace("OFFSET", str(at - 16)))}
+    row = rows["SMEM offset stats"]
+    assert not row.ok and row.found == at - 16 and "outside" in row.note

@@ -16,7 +16,9 @@ What is checked (each an `AuditRow(name, expected, found, ok)`; any `ok=False` i
   * both: the barrier protocol against `plan.protocol` (`protocol_rows`, see Note [protocol
     audit]): mbarrier inits (offset, count), every marker claims its op (opcode, address),
     every barrier instruction is claimed, each code path's op sequence and loops, named
-    barriers (id, threads, unaligned), SMEM region offsets.
+    barriers (threads, unaligned, and the id in every thread of each role that runs the
+    instruction, an id held in a register evaluated per thread), SMEM region offsets (the
+    mailbox `stats` from the ld/st.shared between its barriers).
 For sm100a, where flash-attn-4 imports, its sm100 forward compiled the same way is audited side
 by side (`--no-peer` skips it); otherwise the audit says "flash-attn-4 not installed".
 
@@ -27,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from collections import Counter
 
 from fa4lab.kernels.binary import (
     Audit,
     AuditRow,
+    ThreadValues,
     barrier_ops,
     count_ffma_immediate,
     count_prefix,
@@ -46,6 +50,7 @@ from fa4lab.kernels.binary import (
     sass,
     sass_opcodes,
     setmaxnreg_values,
+    smem_accesses,
     smem_operand_offsets,
     spills_in,
     steady_loop,
@@ -58,6 +63,7 @@ from fa4lab.limits import (
     KERNEL_HEAD_DIMS,
     head_dims_for,
 )
+from fa4lab.plan.protocol import barrier_name
 
 __all__ = ["Audit", "AuditRow", "audit", "audit_compiled", "audit_sm100", "audit_sm90",
            "protocol_rows", "smem_gap_is_alignment"]
@@ -85,10 +91,14 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
 # mbarrier.arrive, expect_tx: mbarrier.arrive.expect_tx, commit: tcgen05.commit, sync /
 # named_arrive: the unaligned barrier.sync / barrier.arrive) and an address inside that
 # barrier's stages (its exact stage where the marker names one and the address is a
-# constant); a barrier instruction no marker claims fails (bar.sync 0, the CTA-wide setup
-# barrier, is shown apart). The markers of each code path, read in an order that follows the
-# control flow (`binary.program_order`), must be the table's sites in order, and a marker is
-# inside a PTX loop exactly when its site is inside a table loop, one PTX loop per table loop.
+# constant); a named barrier's id must be the table's in every thread of every role that
+# runs the instruction: sm90's consumers share one epilogue, whose id the binary computes from
+# the warp index (Note [values per thread] in fa4lab.kernels.binary), so `epilogue{c}` is
+# checked as epilogue0 in consumer0's threads, epilogue1 in consumer1's. A barrier instruction
+# no marker claims fails (bar.sync 0, the CTA-wide setup barrier, is shown apart). The markers
+# of each code path, read in an order that follows the control flow (`binary.program_order`),
+# must be the table's sites in order, and a marker is inside a PTX loop exactly when its site
+# is inside a table loop, one PTX loop per table loop.
 _OPCODES = {"wait": ("mbarrier.try_wait", "mbarrier.test_wait"),
             "arrive": ("mbarrier.arrive",), "expect_tx": ("mbarrier.arrive.expect_tx",),
             "commit": ("tcgen05.commit",), "sync": ("barrier.sync",),
@@ -104,8 +114,31 @@ def _family(plan, name: str):
     return [b for b in plan.barriers.barriers if b.name == name]
 
 
-def _claim_problem(plan, offsets, marker, op) -> str:
-    """Why `op` is not the instruction `marker` announces ("" when it is)."""
+def _named_ids(plan, values, marker, op) -> dict:
+    """{role: (barrier, the table's id, the ids its threads compute)} for the named barrier
+    instruction `op` that `marker` claims: each role running the marker's code path, its
+    barrier the marker's name in that role ("epilogue{c}" -> "epilogue1" for consumer1), the
+    ids the operand takes in each of the role's threads (Note [values per thread]; None where
+    the PTX does not tell)."""
+    path, _, name, _ = marker
+    prog = plan.protocol.program(path)
+    out = {}
+    for role in (prog.roles if prog.shared_code else (path,)):
+        barrier = barrier_name(name, {prog.var: prog.index(role)} if prog.var else {})
+        threads = [32 * w + lane for w in plan.role(role).warps for lane in range(32)]
+        got = {values.value(op.named_operand, t) for t in threads}
+        out[role] = (barrier, plan.barriers.barrier(barrier).named_id,
+                     sorted(got, key=lambda v: (v is None, v or 0)))
+    return out
+
+
+def _ids_text(got: list) -> str:
+    return "unresolved" if None in got else " / ".join(map(str, got))
+
+
+def _claim_problem(plan, offsets, marker, op, ids=None) -> str:
+    """Why `op` is not the instruction `marker` announces ("" when it is); `ids`: the named
+    barrier ids `_named_ids` found for it."""
     path, kind, name, stage = marker
     who = f"{path}: {kind} {name}[{stage}]"
     fam = _family(plan, name)
@@ -120,9 +153,14 @@ def _claim_problem(plan, offsets, marker, op) -> str:
     if b.kind == "named":
         if op.opcode.startswith("bar.") or ".aligned" in op.opcode:
             return f"{who}: {op.opcode} is the aligned form; role branches need barrier.sync"
-        ids = {x.named_id for x in fam}
-        if op.named_id is not None and op.named_id not in ids:
-            return f"{who}: barrier id {op.named_id}, the table has {sorted(ids)}"
+        if ids is None:
+            return f"{who}: {name} is not a barrier of every role running {path}"
+        bad = [f"{role} {_ids_text(got)}" for role, (_, want, got) in ids.items()
+               if got != [want]]
+        if bad:
+            table = ", ".join(f"{b} {want}" for b, want, _ in ids.values())
+            return (f"{who}: barrier id {op.named_operand} is {', '.join(bad)}; the table has "
+                    f"{table}")
         if op.threads != b.arrive_count:
             return f"{who}: {op.threads} threads, the table has {b.arrive_count}"
         return ""
@@ -177,10 +215,24 @@ def protocol_rows(plan, ptx: str) -> list[AuditRow]:
             setup += 1
         else:
             unclaimed.append(op)
-    problems = [p for m, op in claims if (p := _claim_problem(plan, offsets, m, op))]
+    values = ThreadValues(ptx)
+    ids = {}
+    for m, op in claims:
+        fam = _family(plan, m[2])
+        if op is not None and op.kind in ("sync", "named_arrive") and fam \
+                and fam[0].kind == "named":
+            try:
+                ids[op.line] = _named_ids(plan, values, m, op)
+            except KeyError:
+                pass
+    problems = [p for m, op in claims
+                if (p := _claim_problem(plan, offsets, m, op,
+                                        None if op is None else ids.get(op.line)))]
     rows.append(_row("markers claim their barrier op", 0, len(problems),
                      note="; ".join(problems[:4]) or f"{len(claims)} markers: opcode, address, "
                                                       f"named id / threads / unaligned"))
+    if ids:
+        rows.append(_named_row(plan, claims, ids, values))
     rows.append(_row("unclaimed barrier instructions", 0, len(unclaimed),
                      note="; ".join(f"line {o.line + 1}: {o.opcode} @{o.offset}"
                                     for o in unclaimed[:4])
@@ -199,7 +251,38 @@ def protocol_rows(plan, ptx: str) -> list[AuditRow]:
         rows.append(_row("markers of unknown code paths", [], stray))
     # (f) SMEM regions: where the TMA writes each tile, stores O from, tcgen05.alloc writes.
     rows += _smem_rows(plan, ptx, offsets)
+    rows += _mailbox_rows(plan, ptx, markers)
     return rows
+
+
+def _named_row(plan, claims, ids, values) -> AuditRow:
+    """Every named barrier's id as the binary computes it, in the threads of each role that
+    runs the instruction, against the table's (Note [values per thread]). An id held in a
+    register is evaluated per thread, and the note shows how the binary computes it."""
+    expected, seen, notes = {}, {}, []
+    for m, op in claims:
+        if op is None or op.line not in ids:
+            continue
+        per_role = ids[op.line]
+        for barrier, want, got in per_role.values():
+            expected[barrier] = want
+            seen.setdefault(barrier, set()).update(got)
+        if op.named_id is None and (m[0], m[2]) not in {n[:2] for n in notes}:
+            prog = plan.protocol.program(m[0])
+            wants = [want for _, want, _ in per_role.values()]
+            base = (f"; the table: {next(iter(per_role.values()))[0]}'s id {wants[0]} + "
+                    f"{prog.var}"
+                    if prog.var and wants == [wants[0] + k for k in range(len(wants))] else "")
+            notes.append((m[0], m[2], f"{m[0]} {m[2]}: {op.named_operand} = "
+                          f"{values.formula(op.named_operand)}, at run time: "
+                          + ", ".join(f"{role} {_ids_text(got)}"
+                                      for role, (_, _, got) in per_role.items()) + base))
+    found = {b: (v[0] if len(v) == 1 else v)
+             for b, v in ((b, sorted(v, key=lambda x: (x is None, x or 0)))
+                          for b, v in seen.items())}
+    note = "; ".join(n[2] for n in notes) or "every id an immediate"
+    return _row("named barrier ids", expected, found,
+                note=f"the ids in the threads of each role running the instruction: {note}")
 
 
 def _sequence_row(path, want, got, loops) -> AuditRow:
@@ -273,6 +356,37 @@ def _smem_rows(plan, ptx, offsets) -> list[AuditRow]:
             rows.append(_row(f"SMEM offset {r.name}", regions[r.name], found[r.name],
                              note="TMA destination / store source / mbarrier.init / "
                                   "tcgen05.alloc address in the PTX"))
+    return rows
+
+
+def _mailbox_rows(plan, ptx, markers) -> list[AuditRow]:
+    """A mailbox region (sm100's `stats`, the softmax -> correction hand-off): no TMA touches
+    it, so its offset is read off the ld/st.shared a role issues right after waiting on one of
+    the mailbox's barriers, before its next barrier op (softmax: wait stats_empty, write,
+    arrive stats_full; correction: wait stats_full, read, arrive stats_empty). The region
+    starts at the lowest constant offset there, and every access must lie inside it."""
+    regions = plan.smem.offsets()
+    boxes = {b.name[: -len("_full")] for b in plan.barriers.barriers
+             if b.group == "mailbox" and b.name.endswith("_full")}
+    ordered = sorted(markers, key=lambda o: o.line)
+    accesses = smem_accesses(ptx)
+    rows = []
+    for box in sorted(boxes & set(regions)):
+        windows = [(o.line, nxt.line if nxt else math.inf) for o, nxt in
+                   zip(ordered, ordered[1:] + [None])
+                   if o.marker[1] == "wait" and o.marker[2] in (f"{box}_full", f"{box}_empty")]
+        hits = [(kind, off) for line, kind, off, _ in accesses
+                if any(lo < line < hi for lo, hi in windows)]
+        lo, size = regions[box], plan.smem.region(box).bytes
+        outside = sorted({off for _, off in hits if not lo <= off < lo + size})
+        found = min((off for _, off in hits), default=None)
+        kinds = Counter(kind for kind, _ in hits)
+        rows.append(_row(f"SMEM offset {box}", lo, found, found == lo and not outside,
+                         note=f"{kinds['st']} st.shared / {kinds['ld']} ld.shared after the "
+                              f"{box}_empty / {box}_full waits ({len(windows)} sites), constant "
+                              f"offsets {sorted({off for _, off in hits})}"
+                              + (f"; outside [{lo}, {lo + size}): {outside}" if outside
+                                 else f", inside [{lo}, {lo + size})")))
     return rows
 
 

@@ -266,6 +266,7 @@ class BarrierOp:
     offset: int | None = None    # mbarrier: constant byte offset from the dynamic SMEM base
     dynamic: bool = False        # mbarrier: plus a run-time index (a ring stage)
     named_id: int | None = None  # named barrier id (None: a register)
+    named_operand: str = ""      # named barrier: the id operand as written ("4", "%r28")
     threads: int | None = None
     marker: tuple | None = None  # (path, kind, barrier, stage) of a marker
 
@@ -345,6 +346,93 @@ class SmemAddresses:
         return None
 
 
+# Note [values per thread]
+# A named barrier's id may be computed at run time: the sm90 consumers share one epilogue, and
+# each syncs on its own barrier, the table's base id plus its warpgroup index, which the
+# compiler folds to `%tid.x / 32 / 4` (`shr` of the warp index). `ThreadValues` evaluates such a
+# register for a given thread: it follows the register's one definition back through integer
+# arithmetic to immediates and %tid.x, and a warp shuffle (`shfl.sync.idx`, lane L) to lane
+# L's value. Anything else (a load, a select, a register defined twice, as a loop's or a
+# branch's value is) leaves the value unknown (None): the audit then reports the id as
+# unresolved rather than guessing.
+_TYPED_DEF = re.compile(r"^\s*(@!?%\w+\s+)?([a-z][\w.:]*)\s+(%\w+),\s*([^;]*);")
+_INT_OPS = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+            "shl": lambda a, b: a << b, "shr": lambda a, b: a >> b, "and": lambda a, b: a & b,
+            "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "min": min, "max": max}
+_INT_SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "shl": "<<", "shr": ">>", "and": "&",
+                "or": "|", "xor": "^"}
+
+
+class ThreadValues:
+    """An integer register's value in one thread of a one-dimensional CTA (Note [values per
+    thread]): `value("%r28", tid)`, and `formula("%r28")` to show how it is computed."""
+
+    def __init__(self, ptx: str):
+        self.defs: dict[str, list[tuple[bool, str, list[str]]]] = {}
+        for ln in ptx.splitlines():
+            m = _TYPED_DEF.match(ln)
+            # barrier.sync %r28, 128 reads its first operand
+            if m and not m.group(2).startswith(("bar.", "barrier.")):
+                args = [a.strip() for a in m.group(4).split(",")]
+                self.defs.setdefault(m.group(3), []).append((bool(m.group(1)), m.group(2), args))
+
+    def _def(self, reg: str):
+        defs = self.defs.get(reg, [])
+        return defs[0] if len(defs) == 1 and not defs[0][0] else None
+
+    def value(self, text: str, tid: int, depth: int = 0) -> int | None:
+        text = text.strip()
+        if re.fullmatch(r"-?\d+", text):
+            return int(text)
+        if text == "%tid.x":
+            return tid
+        d = self._def(text)
+        if d is None or depth > 40:
+            return None
+        _, op, args = d
+        parts = op.split(".")
+        if op.startswith("shfl.sync.idx") and len(args) == 4:
+            lane = self.value(args[1], tid, depth + 1)
+            if lane is None or self.value(args[2], tid, depth + 1) != 31:
+                return None
+            return self.value(args[0], tid - tid % 32 + lane % 32, depth + 1)
+        if parts[0] in ("mov", "cvt") and len(args) == 1:
+            return self.value(args[0], tid, depth + 1)
+        if parts[0] in _INT_OPS and len(args) == 2 and parts[1] in ("", "lo", "s32", "u32",
+                                                                     "b32", "s64", "u64", "b64"):
+            a, b = (self.value(x, tid, depth + 1) for x in args)
+            if a is None or b is None:
+                return None
+            return _wrap(_INT_OPS[parts[0]](_wrap(a, parts[-1]), b), parts[-1])
+        return None
+
+    def formula(self, text: str, depth: int = 0) -> str:
+        """`text` as an expression of immediates and %tid.x (registers it cannot follow stay
+        as they are); moves, conversions and warp shuffles are left out."""
+        text = text.strip()
+        d = None if text == "%tid.x" or not text.startswith("%") else self._def(text)
+        if d is None or depth > 40:
+            return text
+        _, op, args = d
+        name = op.split(".")[0]
+        if op.startswith("shfl.sync.idx") or (name in ("mov", "cvt") and len(args) == 1):
+            return self.formula(args[0], depth + 1)
+        if name in _INT_SYMBOLS and len(args) == 2:
+            a, b = (self.formula(x, depth + 1) for x in args)
+            expr = f"{a} {_INT_SYMBOLS[name]} {b}"
+            return expr if depth == 0 else f"({expr})"
+        return text
+
+
+def _wrap(x: int, ptx_type: str) -> int:
+    """x as a value of the PTX integer type ("s32", "u32", "b64", ...)."""
+    bits = 64 if ptx_type.endswith("64") else 32
+    x &= (1 << bits) - 1
+    if ptx_type.startswith("s") and x >> (bits - 1):
+        x -= 1 << bits
+    return x
+
+
 def barrier_ops(ptx: str) -> list[BarrierOp]:
     """Every protocol marker and barrier instruction of the PTX, in text order."""
     addr = SmemAddresses(ptx)
@@ -362,6 +450,7 @@ def barrier_ops(ptx: str) -> list[BarrierOp]:
         ops = [o.strip() for o in re.split(r",(?![^\[]*\])", operands)]
         if kind in ("sync", "named_arrive"):
             out.append(BarrierOp(i, kind, opcode, named_id=addr.value(ops[0]),
+                                 named_operand=ops[0],
                                  threads=addr.value(ops[1]) if len(ops) > 1 else None))
             continue
         where = next((addr.operand(o) for o in ops if o.startswith("[")), None)
@@ -391,6 +480,21 @@ def smem_operand_offsets(ptx: str, pattern: str, operand: int) -> list[tuple[int
             r = addr.operand(brackets[operand])
             if r is not None:
                 out.append(r)
+    return out
+
+
+def smem_accesses(ptx: str) -> list[tuple[int, str, int, bool]]:
+    """(line, "ld" | "st", offset from the dynamic SMEM base, plus a run-time index?) of every
+    ld.shared / st.shared whose address resolves into the dynamic SMEM."""
+    addr = SmemAddresses(ptx)
+    out = []
+    for i, ln in enumerate(ptx.splitlines()):
+        m = re.match(r"\s*(?:@!?%\w+\s+)?(ld|st)\.shared(?:::cta)?\.\S+\s+([^;]*);", ln)
+        if not m:
+            continue
+        where = next((addr.operand(b) for b in re.findall(r"\[[^\]]*\]", m.group(2))), None)
+        if where is not None:
+            out.append((i, m.group(1), where[0], where[1]))
     return out
 
 

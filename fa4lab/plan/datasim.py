@@ -43,8 +43,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fa4lab.online_softmax import (SoftmaxState, emulated_pairs, exp2_poly3, finalize,
-                                   init_state, update_state)
+from fa4lab.online_softmax import (
+    SoftmaxState,
+    emulated_pairs,
+    exp2_poly3,
+    finalize,
+    init_state,
+    update_state,
+)
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 from fa4lab.plan.simulate import Arrive, Issue, SimResult, Simulator, Work, _mutate
 from fa4lab.reference import kv_head_index
@@ -68,7 +74,9 @@ from fa4lab.tiling import n_block_range
 #     correction reads stats[i]: the scale, or row sum and row max; reads and writes O[i]:
 #               O *= scale; reads O[i]: O / row_sum and LSE (finalize); writes smem o[i]: O in
 #               16 bits, and LSE to global
-#     epilogue  TMA store reading smem o[i] -> global out (rows past seqlen_q clipped)
+#     epilogue  TMA store reading smem o[i] -> global out (rows past seqlen_q clipped); its
+#               drains wait for the older stores only (Note [store drains] in
+#               fa4lab.plan.simulate), so o_empty[0] may be released with store 1 in flight
 #     TMEM      "alloc TMEM" (writes smem tmem_ptr) publishes the address; a role's "TMEM
 #               address" (reads tmem_ptr) takes it: before that its TMEM loads return garbage
 #               and its stores land elsewhere; "free TMEM" leaves garbage in the columns

@@ -140,12 +140,27 @@ class Commit:
 
 @dataclass(frozen=True)
 class WaitEngine:
-    """Wait until this role's ops on an engine completed (cp.async.bulk.wait_group.read)."""
+    """Wait until at most `pending` of this role's newest ops on an engine are still in flight,
+    every older one completed (cp.async.bulk.wait_group.read N); `pending=0` waits for all.
+    See Note [store drains]."""
 
     engine: str
+    pending: int = 0
 
     def __str__(self) -> str:
+        if self.pending:
+            return (f"wait  until this role's {self.engine} ops but the newest {self.pending} "
+                    f"are done")
         return f"wait  until this role's {self.engine} ops are done"
+
+
+# Note [store drains]
+# `cp.async.bulk.wait_group.read N` returns once at most N of the thread's most recent bulk
+# groups are pending and every earlier group is done (each TMA store is its own group). The
+# sm100 epilogue issues both O stores, then drains them in order: drain i waits with
+# N = q_stage - 1 - i, i.e. for the stores up to and including store i, and releases o_empty[i]
+# while the newer stores may still be in flight. `WaitEngine(engine, pending=N)` is that wait:
+# it takes in the completion times and clocks of all but the role's newest N ops on the engine.
 
 
 Op = Wait | Arrive | Work | Issue | Commit | WaitEngine
@@ -267,6 +282,8 @@ class Simulator:
         self.engine_free: dict[str, float] = defaultdict(float)
         self.engine_clock: dict[str, _Clock] = defaultdict(_Clock)
         self.pending: dict[tuple[str, str], tuple[float, _Clock]] = {}
+        # (role, engine) -> (completion, clock) of each op it issued there, in issue order
+        self.issued: dict[tuple[str, str], list[tuple[float, _Clock]]] = defaultdict(list)
         self.events: list = []
         self.seq = 0
         self.spans: list[Span] = []
@@ -437,8 +454,11 @@ class Simulator:
                 self._push(max(t, done_t), "arrive",
                            ((op.barrier, op.stage), op.count, 0, _Clock(clock)))
             elif isinstance(op, WaitEngine):
-                done_t, clock = self.pending.get((role, op.engine), (t, _Clock()))
-                self.clocks[role].join(clock)
+                ops = self.issued[(role, op.engine)]
+                done = ops[: max(len(ops) - op.pending, 0)]
+                done_t = max((end for end, _ in done), default=t)
+                for _, clock in done:
+                    self.clocks[role].join(clock)
                 self._tick(role)
                 self.pc[role] += 1
                 if done_t > t:
@@ -480,6 +500,7 @@ class Simulator:
         merged = _Clock(prev_c)
         merged.join(snap)
         self.pending[(role, op.engine)] = (max(prev_t, end), merged)
+        self.issued[(role, op.engine)].append((end, snap))
         if op.complete_tx is not None:
             name, stage, nbytes = op.complete_tx
             self._push(end, "arrive", ((name, stage), 0, nbytes, snap))

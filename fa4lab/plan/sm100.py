@@ -392,8 +392,8 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w == "store O":
             return [Issue("tma_store", f"store O{i}", costs.tma_cycles(m * dv * eb),
                           reads=(sref("o", i),))]
-        if w == "drain store":
-            return [WaitEngine("tma_store")]
+        if w == "drain store":   # wait_group.read q - 1 - i: Note [store drains]
+            return [WaitEngine("tma_store", pending=t_.q_stage - 1 - stage)]
         raise KeyError(f"no simulator step {w!r}")
 
     return step
