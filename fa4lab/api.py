@@ -13,17 +13,20 @@ Dispatch:
 * anything else (CPU tensors, other GPUs): the float64 reference, with a `SlowReferenceWarning`
   -- correct but slow, so you always know when no kernel ran.
 
-`pack_gqa=True` folds the query heads that share a KV head into one CTA's rows, so K/V are read
-once per group (decode and short seqlen_q); it needs heads_q / heads_kv to divide 64 on Hopper
-and 128 on the B200 (else PlanError). The B200 packed kernel is compiled and audited but not yet
-run on a B200. The reference ignores it.
+Pack-GQA folds the query heads that share a KV head into one CTA's rows, so K/V are read once
+per group (decode and short seqlen_q gain most). By default (`pack_gqa=None`) it is on whenever
+heads_q / heads_kv > 1 divides the Q tile's rows (64 on Hopper, 128 on the B200:
+`fa4lab.limits.pack_gqa_default`), as upstream FA4 chooses; `pack_gqa=True` / `False` force it
+(True with a ratio that does not divide the tile raises PlanError). The B200 packed kernel is
+compiled and audited but not yet run on a B200. The reference ignores it.
 
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
 `fa4lab.spec.check_inputs`). Inputs that require grad raise `GradientNotSupportedError` while
 grad mode is on: there is no backward pass yet, and a silently dropped gradient is worse than
 an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) and on disk
-(`fa4lab.kernels.cache`, shared across processes): the same head_dim, dtype, causal flag, scale,
-GQA ratio and LSE flag never compile twice, whatever the batch or sequence lengths.
+(`fa4lab.kernels.cache`, shared across processes): the same head_dim, dtype, causal flag, GQA
+ratio and LSE flag never compile twice, whatever the batch, sequence lengths or softmax scale
+(a runtime argument of the kernel).
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]).
@@ -70,7 +73,7 @@ def _grad_error() -> GradientNotSupportedError:
         "torch.no_grad() / torch.inference_mode(), or pass q.detach(), k.detach(), v.detach().")
 
 
-def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool):
+def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
@@ -84,7 +87,7 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: float | None, return_lse: bool,
-                      pack_gqa: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      pack_gqa: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa)
     if lse is None:
@@ -118,10 +121,10 @@ def _intercepted(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, pack_gqa: bool = False):
+              return_lse: bool = False, pack_gqa: bool | None = None):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring."""
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
         raise _grad_error()
     causal, return_lse = bool(causal), bool(return_lse)

@@ -27,6 +27,22 @@ def arch_of_capability(capability: tuple[int, int]) -> str | None:
     return None
 
 
+# Rows of one Q tile per arch (the MMA's M: one sm90 consumer warpgroup's wgmma, one sm100
+# tcgen05 tile over the 128 TMEM lanes). The plans use them; pack-GQA needs whole head groups.
+Q_TILE_ROWS = {"sm90": 64, "sm100": 128}
+
+
+def pack_gqa_default(arch: str, qhead_per_kvhead: int) -> bool:
+    """What `pack_gqa=None` (the API's default) means: pack whenever there is something to pack
+    and a Q tile holds whole groups of query heads, as upstream FA4 does.
+
+    Packing puts the g query heads of a KV head in one CTA's rows, so each K/V block is read
+    once per group instead of once per query head: decode (seqlen_q 1) then fills tiles instead
+    of leaving 63 of 64 rows empty, and a prefill reads K/V from memory g times less.
+    """
+    return qhead_per_kvhead > 1 and Q_TILE_ROWS[arch] % qhead_per_kvhead == 0
+
+
 def head_dims_for(arch: str) -> tuple[int, ...]:
     """The head dims the kernel of `arch` ("sm90"/"sm100", with or without the "a") builds."""
     key = arch.lower().replace("_", "").removesuffix("a")

@@ -78,13 +78,28 @@ def test_kernel_key_tells_packed_from_unpacked():
 
     def key(s, arch, packed=False):
         q, k = torch.empty(1, 8, s.heads_q, s.head_dim), torch.empty(1, 8, s.heads_kv, s.head_dim)
-        return key_of(q, k, k, arch, s.causal, s.softmax_scale, s.return_lse, packed)
+        return key_of(q, k, k, arch, s.causal, s.return_lse, packed)
 
     s = spec()
     assert key(s, "sm90", True) != key(s, "sm90")
     assert key(s, "sm90", False) == key(s, "sm90")
     one = spec(hq=4, hkv=4)  # nothing to pack: one kernel
     assert key(one, "sm90", True) == key(one, "sm90")
+    # pack_gqa=None (the API's default) is limits.pack_gqa_default: pack a ratio that divides
+    # the Q tile's rows (64 on sm90, 128 on sm100), else not.
+    assert key(s, "sm90", None) == key(s, "sm90", True) == key(s, "sm90", None)
+    odd = spec(hq=6, hkv=2)
+    assert key(odd, "sm90", None) == key(odd, "sm90", False)
+    assert key(one, "sm90", None) == key(one, "sm90", False)
+
+
+def test_pack_gqa_default_follows_the_q_tile():
+    from fa4lab.limits import Q_TILE_ROWS, pack_gqa_default
+
+    for arch, rows in Q_TILE_ROWS.items():
+        assert [g for g in range(1, 200) if pack_gqa_default(arch, g)] == \
+            [g for g in range(2, 200) if rows % g == 0]
+        assert plan_forward(spec(), arch).tiles.m_block == rows   # the plans' tile, said once
 
 
 # ------------------------------------------------------- the kernel's index maps (emulated)
@@ -250,5 +265,5 @@ def test_api_reference_ignores_pack_gqa():
         packed = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)
     with pytest.warns(SlowReferenceWarning):
         assert torch.equal(packed, fa4lab.attention(q, k, v, causal=True))
-    with pytest.raises(TypeError, match="pack_gqa must be True or False"):
+    with pytest.raises(TypeError, match=r"pack_gqa must be None \(choose\), True or False"):
         fa4lab.attention(q, k, v, pack_gqa="yes")

@@ -84,7 +84,7 @@ def test_kernel_key_tells_packed_from_unpacked():
 
     def key(s, arch, packed=False):
         q, k = torch.empty(1, 8, s.heads_q, s.head_dim), torch.empty(1, 8, s.heads_kv, s.head_dim)
-        return key_of(q, k, k, arch, s.causal, s.softmax_scale, s.return_lse, packed)
+        return key_of(q, k, k, arch, s.causal, s.return_lse, packed)
 
     s = spec()
     assert key(s, "sm100", True) != key(s, "sm100")
@@ -290,7 +290,7 @@ def test_attention_sm100_checks_pack_gqa_off_a_b200():
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="pack_gqa must be True or False"):
+    with pytest.raises(TypeError, match=r"pack_gqa must be None \(choose\), True or False"):
         attention_sm100(q, k, v, pack_gqa="yes")
     with pytest.raises(UnsupportedArchError, match="compute-capability-10"):
         attention_sm100(q, k, v, pack_gqa=True)

@@ -43,10 +43,12 @@ from fa4lab.api import sdpa_same_dtype  # noqa: E402
 pytestmark = pytest.mark.sm100
 
 
-def _check(q, k, v, **checks):
+def _check(q, k, v, pack_gqa=False, **checks):
+    """The unpacked kernel unless pack_gqa=True (the default, None, would pack GQA ratios that
+    divide the Q tile: `fa4lab.limits.pack_gqa_default`)."""
     from fa4lab.kernels.fwd_sm100 import attention_sm100
 
-    check_kernel(attention_sm100, q, k, v, **checks)
+    check_kernel(attention_sm100, q, k, v, pack_gqa=pack_gqa, **checks)
 
 
 def _check_packed(q, k, v, **checks):
@@ -108,6 +110,19 @@ def test_pack_gqa(head_dim, causal, gqa):
         q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
                           seed=4000 + 100 * head_dim + 10 * gqa + i)
         _check_packed(q, k, v, causal=causal)
+
+
+def test_pack_gqa_is_chosen_by_default():
+    """pack_gqa=None packs a GQA ratio that divides the 128-row Q tile (the same kernel as
+    pack_gqa=True, bit for bit) and not one that does not (the unpacked kernel)."""
+    import fa4lab
+    from fa4lab.kernels.fwd_sm100 import attention_sm100
+
+    q, k, v = _inputs(2, 1, 700, 8, 2, 128, torch.bfloat16, seed=12)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm100(q, k, v, pack_gqa=True))
+    q, k, v = _inputs(2, 5, 700, 6, 2, 128, torch.bfloat16, seed=13)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm100(q, k, v, pack_gqa=False))
+    _check(q, k, v, causal=True, pack_gqa=None)
 
 
 def test_pack_gqa_through_fa4lab_attention():

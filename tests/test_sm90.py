@@ -16,7 +16,8 @@ Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is on
   single-key and single-query rows, seqlen_q != seqlen_k both ways (causal with
   seqlen_q > seqlen_k has fully masked rows); (4097, 4097) only at head_dim 128;
 * fp16: head_dim {64, 128, 256} x causal, GQA 2, the same seqlen pairs;
-* logits of magnitude 1e4 (q scaled), both dtypes; a custom softmax_scale; return_lse=False;
+* logits of magnitude 1e4 (q scaled), both dtypes; a custom softmax_scale; new scales that
+  must not recompile; return_lse=False;
   q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching;
 * pack-GQA (`pack_gqa=True`): head_dim {64, 128} x causal x GQA ratio {2, 8}, seqlen pairs
   (1, 1000), (17, 1000), (1000, 17), (1000, 4097), held to the same rule (its summation order
@@ -43,10 +44,12 @@ from fa4lab.api import sdpa_same_dtype  # noqa: E402
 pytestmark = pytest.mark.sm90
 
 
-def _check(q, k, v, **checks):
+def _check(q, k, v, pack_gqa=False, **checks):
+    """The unpacked kernel unless pack_gqa=True (the default, None, would pack GQA ratios that
+    divide the Q tile: `fa4lab.limits.pack_gqa_default`)."""
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
-    check_kernel(attention_sm90, q, k, v, **checks)
+    check_kernel(attention_sm90, q, k, v, pack_gqa=pack_gqa, **checks)
 
 
 def _check_packed(q, k, v, **checks):
@@ -120,6 +123,19 @@ def test_compiles_once_per_configuration():
     assert launch.stats()["misses"] == before + 1
 
 
+def test_a_new_softmax_scale_does_not_recompile():
+    """The scale is a runtime argument (Note [runtime scale]): three scales, one compile, each
+    result held to the acceptance rule against the reference at its own scale."""
+    from fa4lab.kernels import launch
+
+    q, k, v = _inputs(2, 200, 333, 4, 2, 128, torch.bfloat16, seed=21)
+    _check(q, k, v, causal=True, softmax_scale=0.05)
+    before = launch.stats()["misses"]
+    for scale in (0.3, 128 ** -0.5, 1.7):
+        _check(q, k, v, causal=True, softmax_scale=scale)
+    assert launch.stats()["misses"] == before, "a new softmax_scale compiled a new kernel"
+
+
 def test_fa4lab_attention_dispatches_to_sm90():
     import fa4lab
     from fa4lab.kernels import launch
@@ -143,6 +159,19 @@ def test_pack_gqa(head_dim, causal, gqa):
         q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
                           seed=3000 + 100 * head_dim + 10 * gqa + i)
         _check_packed(q, k, v, causal=causal)
+
+
+def test_pack_gqa_is_chosen_by_default():
+    """pack_gqa=None packs a GQA ratio that divides the 64-row Q tile (the same kernel as
+    pack_gqa=True, bit for bit) and not one that does not (the unpacked kernel)."""
+    import fa4lab
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+
+    q, k, v = _inputs(2, 1, 700, 8, 2, 128, torch.bfloat16, seed=12)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm90(q, k, v, pack_gqa=True))
+    q, k, v = _inputs(2, 5, 700, 6, 2, 128, torch.bfloat16, seed=13)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm90(q, k, v, pack_gqa=False))
+    _check(q, k, v, causal=True, pack_gqa=None)
 
 
 def test_pack_gqa_through_fa4lab_attention():

@@ -95,14 +95,14 @@ def digest(text: str) -> str:
 
 
 def plan_key(plan) -> str:
-    """The key of `plan`'s kernel: the plan without the problem sizes (batch, sequence
-    lengths and head counts are runtime values), with the scale as scale_log2."""
+    """The key of `plan`'s kernel: the plan without what the kernel takes at run time (batch,
+    sequence lengths, head counts and the softmax scale: Note [runtime scale] in
+    fa4lab.kernels.compile)."""
     d = plan.to_dict()
     spec = d["spec"]
     for size in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "softmax_scale"):
         spec.pop(size, None)
     spec["qhead_per_kvhead"] = plan.spec.qhead_per_kvhead
-    spec["scale_log2"] = repr(plan.spec.scale_log2)
     d.pop("derived", None)
     return "plan-" + digest(json.dumps(d, sort_keys=True, default=str))
 

@@ -18,6 +18,7 @@ sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForward
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -25,9 +26,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from fa4lab.reference import resolve_scale
 from fa4lab.spec import AttentionSpec
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
+LOG2E = math.log2(math.e)
 
 # Note [TVM-FFI launch]
 # The kernels are compiled with `--enable-tvm-ffi` and a stream placeholder that reads the
@@ -38,6 +41,13 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 # elements) in C, and the launch goes to torch's current stream -- so CUDA-graph capture and
 # side streams work, and no per-call conversion happens in Python. The same object can be
 # exported to an object file and loaded by another process (`fa4lab.kernels.cache`).
+
+# Note [runtime scale]
+# The softmax scale is an argument of the compiled function, not a constant of the kernel:
+# callers pass scale_log2 = softmax_scale * log2(e) (`scale_log2_of`), after lse. A kernel
+# parameter lives in the constant bank, so the FFMA that scales a score reads it as an operand
+# and it costs no register; a new scale costs no compile (the launch key and the disk cache key
+# hold no scale, and the plans are built with the default one).
 
 
 def normalize_arch(arch: str) -> str:
@@ -86,12 +96,13 @@ def target_arch(arch: str):
 
 
 def fake_args(spec: AttentionSpec):
-    """Fake q, k, v, out, lse and the stream placeholder: the kernels' calling contract.
+    """Fake q, k, v, out, lse, scale_log2 and the stream placeholder: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
     and tensors are 16-byte aligned (lse: 4). 64-bit strides keep tensors of more than 2^31
-    elements addressable. lse is None when the spec does not return it.
+    elements addressable. lse is None when the spec does not return it; scale_log2 is a runtime
+    float (Note [runtime scale]).
     """
     import cutlass
     import cutlass.cute as cute
@@ -110,14 +121,22 @@ def fake_args(spec: AttentionSpec):
     if spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    return [q, k, v, o, lse, make_fake_stream(use_tvm_ffi_env_stream=True)]
+    return [q, k, v, o, lse, cutlass.Float32(spec.scale_log2),
+            make_fake_stream(use_tvm_ffi_env_stream=True)]
+
+
+def scale_log2_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The compiled functions' scale argument: softmax_scale (default 1/sqrt(head_dim)) times
+    log2(e) (Note [runtime scale])."""
+    return resolve_scale(softmax_scale, head_dim) * LOG2E
 
 
 def compile_plan(plan, *, options: str = "", mutation=None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
-    The compiled function takes torch tensors (q, k, v, out, lse or None) and launches on the
-    current stream (Note [TVM-FFI launch]); it can be exported with `export_to_c`.
+    The compiled function takes torch tensors (q, k, v, out, lse or None) and scale_log2 (Note
+    [runtime scale]) and launches on the current stream (Note [TVM-FFI launch]); it can be
+    exported with `export_to_c`.
     """
     import cutlass.cute as cute
 

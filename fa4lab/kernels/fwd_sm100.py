@@ -137,7 +137,6 @@ class FlashForwardSm100:
         self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
-        self.scale_log2 = spec.scale_log2
         tiles = plan.tiles
         # See Note [sm100 pack-GQA kernel]: g query heads per CTA row group, else 1.
         self.pack_gqa = bool(getattr(tiles, "pack_gqa", False))
@@ -193,6 +192,7 @@ class FlashForwardSm100:
         mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim_v)
         mO: cute.Tensor,  # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) float32
+        scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
         stream: cuda.CUstream,
     ):
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
@@ -253,7 +253,8 @@ class FlashForwardSm100:
                                     cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_O, tma_O, mLSE, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+            tma_atom_O, tma_O, mLSE, scale_log2, sQ_layout, sK_layout, tP_layout, sV_layout,
+            sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -273,6 +274,7 @@ class FlashForwardSm100:
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
+        scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -340,7 +342,7 @@ class FlashForwardSm100:
                 tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
                 self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
                              m_block, self.n_block_max(m_block, seqlen_q, seqlen_k),
-                             seqlen_q, seqlen_k)
+                             seqlen_q, seqlen_k, scale_log2)
                 self.sites.bar_arrive(f"softmax{stage}", "tmem")
         # ---------------------------------------------------------------- correction
         warps = self.correction_warps
@@ -351,7 +353,8 @@ class FlashForwardSm100:
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
                             pipe_epi, m_block, head, batch,
-                            self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q)
+                            self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q,
+                            scale_log2)
             self.sites.bar_arrive("correction", "tmem")
 
         # ---------------------------------------------------------------- mma
@@ -562,7 +565,7 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k):
+                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k, scale_log2: Float32):
         """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, blocks high to low.
 
         Masked blocks (causal diagonal or the seqlen_k tail) first, with the mask; then the
@@ -607,7 +610,7 @@ class FlashForwardSm100:
         s_phase = Int32(0)
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, limit)
+                pipe_s, pipe_stats, stage, tidx, limit, scale_log2)
         for i in cutlass.range(n_block_max - mask_min, unroll=1):
             row_max, row_sum, s_phase, stats_phase = self.softmax_step(
                 n_block_max - 1 - i, True, row_max, row_sum, s_phase, stats_phase, *step)
@@ -628,9 +631,9 @@ class FlashForwardSm100:
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
-                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit):
+                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
+                     scale_log2: Float32):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
-        scale_log2 = Float32(self.scale_log2)
         s_state = _phase_state(self.q_stage, stage, s_phase)
         role = f"softmax{stage}"
         self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=stage)
@@ -684,7 +687,7 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: correction
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
-                   pipe_epi, m_block, head, batch, n_block_max, seqlen_q):
+                   pipe_epi, m_block, head, batch, n_block_max, seqlen_q, scale_log2: Float32):
         """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO, and LSE."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -717,7 +720,7 @@ class FlashForwardSm100:
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
             # Note [empty rows] in fa4lab.kernels.device.softmax.
-            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, Float32(self.scale_log2))
+            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2)
             epi_state = _phase_state(self.q_stage, stage, 1)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
@@ -815,7 +818,7 @@ class FlashForwardSm100:
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                    pack_gqa=False):
+                    pack_gqa=None):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim), bf16 or

@@ -174,7 +174,6 @@ class FlashForwardSm90:
         if self.m_block % self.pack:
             raise ValueError(f"pack-GQA needs qhead_per_kvhead ({self.pack}) to divide m_block "
                              f"({self.m_block})")
-        self.scale_log2 = spec.scale_log2
         self.rescale_threshold = float(plan.rescale_threshold)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
@@ -209,6 +208,7 @@ class FlashForwardSm90:
         mV: cute.Tensor,    # (batch, seqlen_k, heads_kv, head_dim_v)
         mO: cute.Tensor,    # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) fp32
+        scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
         stream: cuda.CUstream,
     ):
         dtype = self.dtype = mQ.element_type
@@ -265,7 +265,7 @@ class FlashForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -280,6 +280,7 @@ class FlashForwardSm90:
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,   # (seqlen_k, dv, heads_kv, batch)
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
+        scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -320,7 +321,7 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                          mbar_q, pipeline_k, pipeline_v,
-                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]))
+                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]), scale_log2)
         self.sites.finish()
 
     def make_pipeline(self, smem, x: str):
@@ -405,7 +406,8 @@ class FlashForwardSm90:
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
-                mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32):
+                mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
+                scale_log2: Float32):
         """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
@@ -437,7 +439,7 @@ class FlashForwardSm90:
                 tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)),
             self.dtype)
 
-        softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), self.scale_log2,
+        softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), scale_log2,
                                 self.rescale_threshold, threads_per_row=4)
         softmax.reset()
 
@@ -684,7 +686,7 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 
 
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                   pack_gqa=False):
+                   pack_gqa=None):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA

@@ -8,8 +8,9 @@ checked once, by `fa4lab.spec.check_inputs`, before this is reached.
 
 On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
 compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
-kernel, depends on what the key holds -- arch, head dims, dtype, causal, scale, GQA ratio, LSE,
-pack-GQA -- and never on batch, sequence lengths or head counts, which are runtime values.
+kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
+pack-GQA -- and never on batch, sequence lengths, head counts or the softmax scale, which are
+runtime values (Note [runtime scale] in `fa4lab.kernels.compile`).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
@@ -25,7 +26,8 @@ from functools import cache
 # and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
 import tvm_ffi  # noqa: F401
 
-from fa4lab.limits import arch_of_capability
+from fa4lab.kernels.compile import scale_log2_of
+from fa4lab.limits import arch_of_capability, pack_gqa_default
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
 _lock = threading.Lock()
@@ -54,18 +56,18 @@ def device_arch(index: int) -> str | None:
     return arch_of_capability(torch.cuda.get_device_capability(index))
 
 
-def key_of(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
-           pack_gqa: bool) -> tuple:
+def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None) -> tuple:
+    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`)."""
     g = q.shape[2] // k.shape[2]
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, softmax_scale, g, return_lse,
-            pack_gqa and g > 1)
+    packed = pack_gqa_default(arch, g) if pack_gqa is None else pack_gqa and g > 1
+    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, packed)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores."""
-    _, d, dv, dtype, causal, scale, g, lse, _ = key
+    _, d, dv, dtype, causal, g, lse, _ = key
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
-                         softmax_scale=scale, return_lse=lse)
+                         return_lse=lse)
 
 
 def _build(key: tuple):
@@ -84,7 +86,7 @@ def _build(key: tuple):
     # The plan is a function of the key and of the sources the cache's fingerprint hashes, so
     # a disk hit needs neither the planner nor the DSL.
     what = config_name(spec, arch + "a") + ("-packgqa" if packed else "")
-    disk_key = "fwd-" + cache.digest(f"{what} scale_log2={spec.scale_log2!r}")
+    disk_key = "fwd-" + cache.digest(what)
     fn, how, _ = cache.load_or_compile(disk_key, compile_default_plan, what)
     _stats[how] += 1
     return fn
@@ -101,24 +103,22 @@ def kernel_for(key: tuple):
 
 
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
-            pack_gqa: bool):
+            pack_gqa: bool | None):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors."""
     import torch
 
-    fn = kernel_for(key_of(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa))
-    b, sq, hq, _ = q.shape
+    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa))
+    b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
-    fn(q, k, v, out, lse)
+    fn(q, k, v, out, lse, scale_log2_of(softmax_scale, d))
     return out, lse
 
 
 def compile_plan(plan, example):
     """Compile exactly `plan`'s kernel (its own tiles) for this GPU and return (runner, compile
-    seconds); runner(q, k, v, causal, softmax_scale) -> out refuses another causal flag or scale
-    than the plan's. `example` (q, k, v) is checked as any call's inputs are."""
-    import math
-
+    seconds); runner(q, k, v, causal, softmax_scale) -> out refuses another causal flag than the
+    plan's. `example` (q, k, v) is checked as any call's inputs are."""
     import torch
 
     from fa4lab.kernels import cache
@@ -132,14 +132,14 @@ def compile_plan(plan, example):
                                            config_name(spec, plan.arch + "a") + " (custom)")
 
     def run(q, k, v, causal, softmax_scale):
-        if bool(causal) != spec.causal or not math.isclose(softmax_scale, spec.scale):
-            raise ValueError(f"this kernel was compiled for causal={spec.causal}, scale "
-                             f"{spec.scale:.4g}; got causal={causal}, scale {softmax_scale:.4g}")
+        if bool(causal) != spec.causal:
+            raise ValueError(f"this kernel was compiled for causal={spec.causal}; got "
+                             f"causal={causal}")
         b, sq, hq, _ = q.shape
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
-        fn(q, k, v, out, lse)
+        fn(q, k, v, out, lse, scale_log2_of(softmax_scale, q.shape[3]))
         return out
 
     return run, seconds
@@ -152,15 +152,15 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                 pack_gqa=False):
+                 pack_gqa=None):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse)."""
     import torch
 
     from fa4lab.errors import UnsupportedArchError
     from fa4lab.spec import check_inputs
 
-    if not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be True or False, got {pack_gqa!r}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
     have = device_arch(q.device.index) if on_gpu else None
     if have != arch:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200
-from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
+from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, Q_TILE_ROWS, RESCALE_THRESHOLD
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import Plan
@@ -28,7 +28,7 @@ from fa4lab.plan.tmem import TmemPlan, TmemRegion, alloc_columns
 from fa4lab.tiling import kernel_tile_order
 
 # Defaults (FA4 on B200). Tuning knobs sit together.
-M_BLOCK = 128            # one TMEM lane per query row: the MMA's M and a softmax warpgroup
+M_BLOCK = Q_TILE_ROWS["sm100"]  # one TMEM lane per query row: the MMA's M and a softmax warpgroup
 N_BLOCK = 128
 Q_STAGE = 2
 KV_STAGE = 3             # K and V share one ring of buffers (K_j, V_j, K_j+1, ...)
@@ -176,7 +176,7 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
                         f"share one SMEM ring of equal buffers")
     if d % 16 or not 16 <= d <= 256:
         raise PlanError(f"head_dim {d} must be a multiple of 16 in [16, 256] (MMA K step 16)")
-    if m_block != 128:
+    if m_block != M_BLOCK:
         raise PlanError(f"m_block={m_block}: sm100 plans use m_block 128 (one TMEM lane per "
                         f"query row; each softmax warp owns 32 lanes)")
     if q_stage not in (1, 2):

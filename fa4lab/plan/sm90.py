@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
-from fa4lab.limits import KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
+from fa4lab.limits import KERNEL_HEAD_DIMS, Q_TILE_ROWS, RESCALE_THRESHOLD
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
 from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, Unroll, expand
@@ -51,7 +51,7 @@ SM90_TUNING = {
 # 128 * producer + 128 * consumers * consumer <= 65536 (the SM's register file, one CTA per SM)
 # and is a multiple of 8, as setmaxnreg needs.
 SM90_REGISTERS = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
-M_BLOCK = 64      # wgmma M: one consumer warpgroup's Q tile
+M_BLOCK = Q_TILE_ROWS["sm90"]  # wgmma M: one consumer warpgroup's Q tile
 # Besides O (head_dim_v / 2 fp32 per thread), S (n_block / 2) and P (n_block / 4 packed
 # pairs), a consumer thread needs about this many registers for addresses, row statistics and
 # loop state (ptxas's count for the head_dim 64 three-consumer kernel: 160 with no spills).
@@ -142,7 +142,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         # 64-row tile would mostly be padding; they keep two consumers.
         q_stage = min(tuning.q_stage, 2) if pack_gqa and spec.qhead_per_kvhead > 1 \
             else tuning.q_stage
-    if m_block != 64:
+    if m_block != M_BLOCK:
         raise PlanError(f"m_block={m_block}: sm90 consumers own 64 rows each (wgmma M = 64)")
     if q_stage not in SM90_REGISTERS:
         raise PlanError(f"q_stage={q_stage}: 1, 2 or 3 consumer warpgroups (4 warpgroups, 512 "
