@@ -9,6 +9,13 @@ over the keys j visible to query i, with g(h) = h // (heads_q // heads_kv) (GQA;
 heads_kv == 1). causal=True is bottom-right aligned: query i sees key j iff
 j <= i + seqlen_k - seqlen_q. A row that sees no key gives O = 0 and lse = -inf, never NaN.
 
+The options of upstream FA4 (semantics in `fa4lab.spec`): `window_size=(left, right)` limits
+the visible keys to i + d - left <= j <= i + d + right (d = seqlen_k - seqlen_q, None = that
+side unbounded, causal is right = 0); `softcap > 0` replaces each score s by
+softcap * tanh(s / softcap); `learnable_sink` (heads_q,) adds e^{sink[h]} to every softmax
+denominator of head h (no value), so lse = log(sum_j e^{s_ij} + e^{sink[h]}) and a row that sees
+no key gives O = 0 and lse = sink[h].
+
 Constraints: q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim),
 v (batch, seqlen_k, heads_kv, head_dim_v), all floating point and finite; all numpy arrays or
 all torch tensors (on one device). The answer is always float64: numpy in gives numpy out,
@@ -21,6 +28,7 @@ elements, so a (1, 8192, 16, 128) problem on a GPU never holds all heads' S at o
 
     from fa4lab.reference import attention_reference
     out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+    out = attention_reference(q, k, v, window_size=(128, 0), softcap=30.0, learnable_sink=sink)
 """
 
 from __future__ import annotations
@@ -30,31 +38,41 @@ from typing import Any
 
 import numpy as np
 
-from fa4lab.spec import check_qkv_shapes
+from fa4lab.spec import check_qkv_shapes, check_sink_shape, check_softcap, effective_window
 
 # At most this many float64 scores live at once (2**25 * 8 B = 256 MiB, plus a few same-sized
 # temporaries). Large enough that small problems run in one chunk.
 _SCORE_BUDGET = 2**25
 
-__all__ = ["attention_reference", "visible_mask", "check_attention_inputs", "resolve_scale",
-           "kv_head_index"]
+__all__ = ["attention_reference", "visible_mask", "check_attention_inputs", "check_sink",
+           "resolve_scale", "kv_head_index"]
 
 
-def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, *,
+                 window_size=(None, None)) -> np.ndarray:
     """Bool (seqlen_q, seqlen_k): True where query i may attend to key j.
 
-    Without causal every key is visible. With causal the diagonal is aligned to the bottom
-    right: query i sees key j iff j <= i + seqlen_k - seqlen_q, so when seqlen_q > seqlen_k the
-    first seqlen_q - seqlen_k queries see no key at all.
+    Without causal or a window every key is visible. With causal the diagonal is aligned to the
+    bottom right: query i sees key j iff j <= i + seqlen_k - seqlen_q, so when seqlen_q >
+    seqlen_k the first seqlen_q - seqlen_k queries see no key at all. A window (left, right)
+    keeps i + d - left <= j <= i + d + right (d = seqlen_k - seqlen_q, None = unbounded; causal
+    is right = 0; see Note [window and causal] in `fa4lab.spec`).
     """
     seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
     if seqlen_q < 1 or seqlen_k < 1:
         raise ValueError(f"seqlen_q and seqlen_k must be >= 1, got {seqlen_q}, {seqlen_k}")
-    if not causal:
+    left, right = effective_window(causal, window_size)
+    if left is None and right is None:
         return np.ones((seqlen_q, seqlen_k), dtype=bool)
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    diag = i + (seqlen_k - seqlen_q)
+    mask = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right is not None:
+        mask &= j <= diag + right
+    if left is not None:
+        mask &= j >= diag - left
+    return mask
 
 
 def kv_head_index(heads_q: int, heads_kv: int) -> np.ndarray:
@@ -120,8 +138,44 @@ def check_attention_inputs(q, k, v) -> str:
     return kind
 
 
-def _attention_torch(q, k, v, *, causal: bool, scale: float):
-    """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries."""
+def check_sink(learnable_sink, q, kind: str):
+    """The reference's check of a sink: None, or a finite (or -inf) floating (heads_q,) array of
+    the same kind as q (numpy or torch, on q's device). Returns it as float64 torch on q's
+    device (None stays None). -inf for a head means no sink (e^-inf = 0)."""
+    if learnable_sink is None:
+        return None
+    import torch
+
+    sink_kind = "torch" if _is_torch(learnable_sink) else "numpy"
+    if sink_kind != kind or (kind == "numpy" and not isinstance(learnable_sink, np.ndarray)):
+        like = "a torch tensor" if kind == "torch" else "a numpy array"
+        raise TypeError(f"learnable_sink must be {like} like q, got "
+                        f"{type(learnable_sink).__name__}; convert it with "
+                        f"{'torch.as_tensor(sink)' if kind == 'torch' else 'np.asarray(sink)'}")
+    check_sink_shape(learnable_sink, int(q.shape[2]))
+    if kind == "torch":
+        if learnable_sink.device != q.device:
+            raise ValueError(f"learnable_sink is on {learnable_sink.device} but q is on "
+                             f"{q.device}; move it with learnable_sink.to(q.device)")
+        floating = learnable_sink.is_floating_point()
+    else:
+        floating = np.issubdtype(learnable_sink.dtype, np.floating)
+    if not floating:
+        raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}: sink logits are "
+                        f"floating point; cast with .float() / .astype(np.float32)")
+    sink = (learnable_sink.detach().to(torch.float64) if kind == "torch"
+            else torch.from_numpy(np.asarray(learnable_sink, dtype=np.float64)))
+    if torch.isnan(sink).any() or (sink == math.inf).any():
+        raise ValueError("learnable_sink contains NaN or +inf: each sink is a finite logit "
+                         "(or -inf for no sink on that head)")
+    return sink
+
+
+def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, None),
+                     softcap: float = 0.0, sink=None):
+    """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries.
+
+    `sink` is None or float64 (heads_q,) on q's device (`check_sink`)."""
     import torch
 
     batch, seqlen_q, heads_q, _ = q.shape
@@ -131,7 +185,8 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float):
     out = torch.zeros((batch, seqlen_q, heads_q, head_dim_v), dtype=torch.float64, device=dev)
     lse = torch.full((batch, heads_q, seqlen_q), -math.inf, dtype=torch.float64, device=dev)
     kv_of = torch.as_tensor(kv_head_index(heads_q, heads_kv), device=dev)
-    mask = torch.as_tensor(visible_mask(seqlen_q, seqlen_k, causal), device=dev)
+    mask = torch.as_tensor(visible_mask(seqlen_q, seqlen_k, causal, window_size=window_size),
+                           device=dev)
 
     # Chunk sizes: as many heads as fit the budget with all queries, else one head and a
     # slice of queries.
@@ -147,12 +202,19 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float):
             for i0 in range(0, seqlen_q, q_chunk):
                 rows = slice(i0, min(seqlen_q, i0 + q_chunk))
                 s = torch.einsum("qhd,khd->hqk", q[b, rows, heads], kb) * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
                 s = s.masked_fill(~mask[rows], -math.inf)
                 row_max = s.amax(dim=-1, keepdim=True)
+                if sink is not None:
+                    sink_h = sink[heads][:, None, None]          # (hc, 1, 1)
+                    row_max = torch.maximum(row_max, sink_h)
                 # A fully masked row has max -inf; subtract 0 there so exp gives 0, not NaN.
                 row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
                 p = torch.exp(s - row_max)
                 row_sum = p.sum(dim=-1, keepdim=True)
+                if sink is not None:
+                    row_sum = row_sum + torch.exp(sink_h - row_max)
                 o = torch.einsum("hqk,khd->qhd", p, vb)
                 denom = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
                 out[b, rows, heads] = o / denom.squeeze(-1).transpose(0, 1)[..., None]
@@ -161,15 +223,20 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float):
 
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                        return_lse: bool = False):
+                        return_lse: bool = False, window_size=(None, None), softcap: float = 0.0,
+                        learnable_sink=None):
     """Exact (float64) attention forward; returns out, or (out, lse) when return_lse.
 
     out: (batch, seqlen_q, heads_q, head_dim_v) float64; lse: (batch, heads_q, seqlen_q)
-    float64, natural log, -inf for rows that see no key. numpy in -> numpy out; torch in ->
-    float64 torch out on the same device.
+    float64, natural log, -inf for rows that see no key (sink[h] with a sink). numpy in ->
+    numpy out; torch in -> float64 torch out on the same device. window_size=(left, right)
+    (None = unbounded), softcap (0.0 = off) and learnable_sink ((heads_q,) or None) have
+    upstream FA4's semantics: see the module docstring and `fa4lab.spec`.
     """
     kind = check_attention_inputs(q, k, v)
     scale = resolve_scale(softmax_scale, int(q.shape[-1]))
+    effective_window(causal, window_size)       # checks window_size against causal
+    softcap = check_softcap(softcap)
     import torch
 
     if kind == "numpy":
@@ -177,7 +244,9 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
                       for t in (q, k, v))
     else:
         tq, tk, tv = (t.detach().to(torch.float64) for t in (q, k, v))
-    out, lse = _attention_torch(tq, tk, tv, causal=bool(causal), scale=scale)
+    sink = check_sink(learnable_sink, q, kind)
+    out, lse = _attention_torch(tq, tk, tv, causal=bool(causal), scale=scale,
+                                window_size=window_size, softcap=softcap, sink=sink)
     if kind == "numpy":
         out, lse = out.numpy(), lse.numpy()
     return (out, lse) if return_lse else out

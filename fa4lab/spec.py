@@ -10,6 +10,18 @@ The math contract (see notebook 01):
   kv head h // (heads_q // heads_kv). softmax_scale defaults to 1/sqrt(head_dim). causal is
   bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q. A row that sees no
   key gives output 0 and lse = -inf.
+
+Three options of upstream FlashAttention-4's `flash_attn_func`, with its semantics:
+  window_size=(left, right), a sliding window on the same bottom-right diagonal (None = that side
+  unbounded): with d = seqlen_k - seqlen_q, query i sees key j < seqlen_k iff
+  i + d - left <= j <= i + d + right. causal=True is right = 0. See Note [window and causal].
+  softcap > 0 (Gemma 2): each score s = softmax_scale * q.k becomes softcap * tanh(s / softcap)
+  before the softmax; 0 turns it off.
+  learnable_sink (GPT-OSS): one extra logit sink[h] per query head in the softmax denominator,
+  in the units of the (scaled, capped) scores and with no value:
+      out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sink_h}),
+      lse_i = log(sum_j e^{s_ij} + e^{sink_h}),
+  so a row that sees no key gives out 0 and lse = sink_h. The sink is neither scaled nor capped.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -44,9 +58,109 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+# Note [window and causal]
+# A window is (left, right), each an int >= 0 or None (unbounded on that side), around the
+# bottom-right diagonal: query i sees key j < seqlen_k iff j >= i + d - left (when left is not
+# None) and j <= i + d + right (when right is not None), d = seqlen_k - seqlen_q. (0, 0) keeps
+# only the diagonal key; (None, None) is no window. causal=True IS right = 0, so a window and
+# causal combine as follows (the same as upstream FA4's interface):
+#     causal=True,  window (left, None) or (left, 0)  -> the causal window (left, 0);
+#     causal=True,  window (left, right > 0)          -> an error: the two disagree;
+#     causal=False, window (left, 0)                  -> the causal window (left, 0).
+# Every description of one mask is stored in one form, `normalize_mask`'s: causal=True whenever
+# the right side is 0, and then window_size=(left, None), so causal=True with no window is
+# (True, (None, None)), as before windows existed, and equal specs mean equal masks.
+# `effective_window` gives back (left, right) with right = 0 under causal. Unlike FA2's -1,
+# a negative side is an error: None is the unbounded side.
+
+
+def check_window_size(window_size: Any) -> tuple[int | None, int | None]:
+    """(left, right) from a window_size pair (tuple or list) of ints >= 0 or None, checked.
+
+    Raises TypeError when it is not a pair of int/None and ValueError for a negative side.
+    See Note [window and causal]."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(
+            window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints >= 0 or None, got "
+                        f"{window_size!r}; e.g. window_size=(256, 0) for a causal sliding "
+                        f"window of 256 keys to the left, (None, None) for no window")
+    sides = []
+    for name, value in zip(("left", "right"), window_size):
+        if value is None:
+            sides.append(None)
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"window_size={tuple(window_size)!r}: {name} must be an int >= 0 "
+                            f"or None (unbounded), got {type(value).__name__} {value!r}")
+        if value < 0:
+            raise ValueError(f"window_size={tuple(window_size)!r}: {name}={int(value)} is "
+                             f"negative; each side is an int >= 0 (0 means only the diagonal "
+                             f"on that side) or None for an unbounded side (not -1)")
+        sides.append(int(value))
+    return sides[0], sides[1]
+
+
+def normalize_mask(causal: Any, window_size: Any = (None, None)
+                   ) -> tuple[bool, tuple[int | None, int | None]]:
+    """(causal, window_size) in the one stored form of their mask: causal=True whenever the
+    right side is 0, and then window_size = (left, None). Raises ValueError for causal=True
+    with right > 0. See Note [window and causal]."""
+    left, right = check_window_size(window_size)
+    causal = bool(causal)
+    if causal and right is not None and right > 0:
+        raise ValueError(f"causal=True with window_size=({left}, {right}): causal means "
+                         f"right = 0, so the two disagree; pass causal=False to let queries "
+                         f"see {right} keys past the diagonal, or window_size=({left}, 0)")
+    if right == 0:
+        causal, right = True, None
+    return causal, (left, None if causal else right)
+
+
+def effective_window(causal: Any, window_size: Any = (None, None)
+                     ) -> tuple[int | None, int | None]:
+    """The (left, right) window in effect, right = 0 under causal; None = unbounded.
+    See Note [window and causal]."""
+    causal, (left, right) = normalize_mask(causal, window_size)
+    return left, 0 if causal else right
+
+
+def visible_key_counts(seqlen_q: int, seqlen_k: int,
+                       window: tuple[int | None, int | None]) -> np.ndarray:
+    """How many keys each query sees, int64 (seqlen_q,), under the effective (left, right)
+    `window` (`effective_window`): row i sees keys max(0, i + d - left) .. min(seqlen_k - 1,
+    i + d + right), d = seqlen_k - seqlen_q, or none."""
+    left, right = window
+    i = np.arange(int(seqlen_q), dtype=np.int64)
+    d = int(seqlen_k) - int(seqlen_q)
+    hi = np.full_like(i, seqlen_k) if right is None else np.minimum(i + d + right + 1, seqlen_k)
+    lo = np.zeros_like(i) if left is None else np.maximum(i + d - left, 0)
+    return np.maximum(hi - lo, 0)
+
+
+def check_softcap(softcap: Any) -> float:
+    """softcap as a float: 0.0 (off) or a positive finite number; TypeError/ValueError else."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer,
+                                                                           np.floating)):
+        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__} "
+                        f"{softcap!r}")
+    value = float(softcap)
+    if value == 0.0:
+        return 0.0
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be 0.0 (off) or a positive finite number, got {value}; "
+                         f"scores become softcap * tanh(score / softcap), e.g. softcap=50.0 "
+                         f"as in Gemma 2")
+    return value
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
-    """The problem, not the implementation: shapes, dtype, masking, scale, outputs."""
+    """The problem, not the implementation: shapes, dtype, masking, scale, outputs.
+
+    causal and window_size are stored in one form per mask (see Note [window and causal]):
+    `effective_window` is the (left, right) in effect and `has_mask` says whether it hides any
+    key. learnable_sink says whether a (heads_q,) float32 sink tensor comes with the call.
+    """
 
     batch: int
     seqlen_q: int
@@ -59,6 +173,9 @@ class AttentionSpec:
     causal: bool = False
     softmax_scale: float | None = None
     return_lse: bool = False
+    window_size: tuple[int | None, int | None] = (None, None)
+    softcap: float = 0.0
+    learnable_sink: bool = False
     # filled in by __post_init__
     qhead_per_kvhead: int = field(init=False)
 
@@ -69,7 +186,16 @@ class AttentionSpec:
         hdv = self.head_dim if hdv is None else _positive_int("head_dim_v", hdv)
         object.__setattr__(self, "head_dim_v", hdv)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        object.__setattr__(self, "causal", bool(self.causal))
+        causal, window = normalize_mask(self.causal, self.window_size)
+        object.__setattr__(self, "causal", causal)
+        object.__setattr__(self, "window_size", window)
+        object.__setattr__(self, "softcap", check_softcap(self.softcap))
+        if not isinstance(self.learnable_sink, (bool, np.bool_)):
+            raise TypeError(f"learnable_sink is a flag in AttentionSpec, got "
+                            f"{type(self.learnable_sink).__name__}: pass True when a "
+                            f"(heads_q,) float32 sink tensor comes with the call (the tensor "
+                            f"itself goes to the call, or to AttentionSpec.from_tensors)")
+        object.__setattr__(self, "learnable_sink", bool(self.learnable_sink))
         object.__setattr__(self, "return_lse", bool(self.return_lse))
         if self.heads_q % self.heads_kv:
             raise ValueError(
@@ -98,6 +224,28 @@ class AttentionSpec:
         return self.scale * math.log2(math.e)
 
     @property
+    def effective_window(self) -> tuple[int | None, int | None]:
+        """(left, right) in effect: right = 0 under causal; None = unbounded on that side.
+        Query i sees key j < seqlen_k iff i + d - left <= j <= i + d + right, d = seqlen_k -
+        seqlen_q. See Note [window and causal]."""
+        left, right = self.window_size
+        return left, 0 if self.causal else right
+
+    @property
+    def has_mask(self) -> bool:
+        """True when causal or the window hides some key j < seqlen_k from some query of THIS
+        problem (so a kernel needs a mask besides the seqlen_k bound); exact, so causal with
+        seqlen_q == 1 has none. The left side hides a key iff left < seqlen_k - 1, the right
+        side iff right < seqlen_q - 1."""
+        left, right = self.effective_window
+        return ((left is not None and left < self.seqlen_k - 1)
+                or (right is not None and right < self.seqlen_q - 1))
+
+    def visible_pairs(self) -> int:
+        """Visible (query, key) pairs of one (batch, head): seqlen_q * seqlen_k without a mask."""
+        return int(visible_key_counts(self.seqlen_q, self.seqlen_k, self.effective_window).sum())
+
+    @property
     def gqa_ratio(self) -> int:
         return self.qhead_per_kvhead
 
@@ -109,26 +257,44 @@ class AttentionSpec:
         return ELEMENT_BYTES[self.dtype]
 
     def flops(self) -> float:
-        """Forward FLOPs as benchmarks count them: 4*B*H*Sq*Sk*D, halved for causal."""
+        """Forward FLOPs as benchmarks count them: 4*B*H*Sq*Sk*D, halved for causal.
+
+        With a window that hides more than causal does (a left side < seqlen_k - 1, or a right
+        side < seqlen_q - 1 without causal), 4*B*H*D times the visible (query, key) pairs
+        (`visible_pairs`), as upstream's benchmarks count sliding windows."""
         f = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * (
             self.head_dim + self.head_dim_v)
-        return f / 2 if self.causal else f
+        left, right = self.effective_window
+        if left is None or left >= self.seqlen_k - 1:      # the left side hides nothing
+            if self.causal:
+                return f / 2
+            if right is None or right >= self.seqlen_q - 1:
+                return f
+        return 2.0 * self.batch * self.heads_q * self.visible_pairs() * (
+            self.head_dim + self.head_dim_v)
 
     def with_(self, **changes) -> AttentionSpec:
         return replace(self, **changes)
 
     @classmethod
     def from_tensors(cls, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                     dtype=None) -> AttentionSpec:
-        """Build a spec from q, k, v (numpy arrays or torch tensors), checking their shapes."""
+                     dtype=None, window_size=(None, None), softcap=0.0,
+                     learnable_sink=None) -> AttentionSpec:
+        """Build a spec from q, k, v (numpy arrays or torch tensors), checking their shapes.
+
+        learnable_sink is the call's sink tensor (heads_q,) or None, as in `flash_attn_func`;
+        only its presence (and shape) goes into the spec."""
         check_qkv_shapes(q, k, v)
         b, sq, hq, d = (int(x) for x in q.shape)
         _, sk, hkv, _ = (int(x) for x in k.shape)
         dv = int(v.shape[-1])
         if dtype is None:
             dtype = q.dtype if "float16" in str(q.dtype) else "bf16"
+        if learnable_sink is not None:
+            check_sink_shape(learnable_sink, hq)
         return cls(b, sq, sk, hq, hkv, d, dv, dtype=dtype, causal=causal,
-                   softmax_scale=softmax_scale, return_lse=return_lse)
+                   softmax_scale=softmax_scale, return_lse=return_lse, window_size=window_size,
+                   softcap=softcap, learnable_sink=learnable_sink is not None)
 
 
 def check_qkv_shapes(q, k, v) -> None:
@@ -163,13 +329,27 @@ def check_qkv_shapes(q, k, v) -> None:
         )
 
 
-def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None) -> None:
+def check_sink_shape(learnable_sink, heads_q: int) -> None:
+    """learnable_sink must be a numpy array or torch tensor of shape (heads_q,)."""
+    if not hasattr(learnable_sink, "shape"):
+        raise TypeError(f"learnable_sink must be a tensor of shape (heads_q,) = ({heads_q},), "
+                        f"got {type(learnable_sink).__name__}; build it with torch.zeros("
+                        f"{heads_q}, dtype=torch.float32, device=q.device)")
+    if tuple(int(x) for x in learnable_sink.shape) != (heads_q,):
+        raise ValueError(f"learnable_sink has shape {tuple(learnable_sink.shape)}: expected "
+                         f"(heads_q,) = ({heads_q},), one sink logit per query head")
+
+
+def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
+                 window_size=(None, None), softcap=0.0, learnable_sink=None) -> None:
     """The one input check of `fa4lab.attention` and the kernels' launch path, called once per
     call: torch tensors, shapes (`check_qkv_shapes`), one floating dtype, one device, a positive
-    finite scale; and with `arch` ("sm90"/"sm100", the kernel that will run), what that kernel
-    needs besides the math: bf16/fp16, a head dim it builds, head_dim_v == head_dim, CUDA
-    tensors, the last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or
-    ValueError saying what is wrong and what to do."""
+    finite scale, window_size a pair of ints >= 0 or None, softcap 0.0 (off) or positive and
+    finite, learnable_sink None or a float32 (heads_q,) tensor on q's device; and with `arch`
+    ("sm90"/"sm100", the kernel that will run), what that kernel needs besides the math:
+    bf16/fp16, a head dim it builds, head_dim_v == head_dim, CUDA tensors, the last dim
+    contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying what is
+    wrong and what to do. (It never reads tensor values: no device synchronisation.)"""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -190,6 +370,20 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None) -> Non
         s = float(softmax_scale)
         if not s > 0 or s == math.inf:
             raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
+    check_window_size(window_size)
+    check_softcap(softcap)
+    if learnable_sink is not None:
+        if not isinstance(learnable_sink, torch.Tensor):
+            raise TypeError(f"learnable_sink must be a torch.Tensor of shape (heads_q,) or "
+                            f"None, got {type(learnable_sink).__name__}; wrap it with "
+                            f"torch.as_tensor(sink, dtype=torch.float32, device=q.device)")
+        check_sink_shape(learnable_sink, q.shape[2])
+        if learnable_sink.dtype != torch.float32:
+            raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink logits "
+                            f"are float32; cast with learnable_sink.float()")
+        if learnable_sink.device != q.device:
+            raise ValueError(f"learnable_sink is on {learnable_sink.device} but q is on "
+                             f"{q.device}; move it with learnable_sink.to(q.device)")
     if arch is None:
         return
     from fa4lab.limits import head_dims_for

@@ -4,7 +4,8 @@ What it computes, for an attention forward pass cut into (m_block, n_block) tile
 `m_block_size` query rows by `n_block_size` keys:
 
 - `n_block_range`: the K/V blocks a query tile must visit (half-open), and
-  `n_block_masked_range`: the last of those that need an element mask (causal or seqlen_k bound);
+  `n_block_masked_range`: the last of those that need an element mask (causal or seqlen_k bound),
+  `n_block_left_masked_range`: the first of those that need one (a sliding window's left edge);
 - `classify_tiles`: every tile as SKIP / FULL / MASKED / TAIL, with counts;
 - the GQA maps: query head -> KV head, and pack-GQA (query heads sharing a KV head folded into M);
 - tile schedulers (grid, grid with m_blocks reversed, static persistent, LPT) and a cost
@@ -12,15 +13,19 @@ What it computes, for an attention forward pass cut into (m_block, n_block) tile
 
 The math contract (the same as `fa4lab.spec`): with `causal=True` the mask is bottom-right
 aligned, query i sees key j iff j <= i + seqlen_k - seqlen_q; without it every key j < seqlen_k
-is visible. Query head h reads KV head h // (heads_q // heads_kv).
+is visible. A sliding window `window_size=(left, right)` (None = unbounded side, causal is
+right = 0) keeps i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q (Note [window and
+causal] in `fa4lab.spec`). Query head h reads KV head h // (heads_q // heads_kv).
 
 Everything here is integer arithmetic on Python ints (ceil-div, min, max) so that the CuTe DSL
 kernels in `fa4lab/kernels/` can mirror each formula line by line. Pure functions and frozen
-dataclasses; bad arguments raise ValueError naming the argument. CPU only, no GPU needed:
+dataclasses; bad arguments raise ValueError naming the argument (TypeError for a window_size
+that is not a pair of int/None). CPU only, no GPU needed:
 
     from fa4lab.tiling import n_block_range, classify_tiles
     classify_tiles(seqlen_q=1000, seqlen_k=1000, m_block_size=128, n_block_size=128,
                    causal=True).counts
+    classify_tiles(4096, 4096, 128, 128, causal=True, window_size=(1024, 0)).counts
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+
+from fa4lab.spec import normalize_mask, visible_key_counts
 
 __all__ = [
     "CostModel",
@@ -46,7 +53,7 @@ __all__ = [
     "lpt_order",
     "grid_order",
     "grid_reversed_order",
-    "grid_reversed_order",
+    "n_block_left_masked_range",
     "n_block_masked_range",
     "n_block_range",
     "num_m_blocks",
@@ -131,6 +138,43 @@ def num_n_blocks(seqlen_k: int, n_block_size: int) -> int:
 # The kernels iterate the masked blocks first (from n_block_max - 1 down to n_block_mask_min),
 # then the unmasked ones (down to n_block_min), as FA does, so the mask code runs only where
 # it must. Rows past seqlen_q are computed and dropped at the store: they need no mask.
+# A sliding window generalises both edges: see Note [sliding window tiles].
+
+# Note [sliding window tiles]
+# With an effective window (left, right) (`fa4lab.spec.effective_window`: causal is right = 0,
+# None is an unbounded side) position p sees keys p + d - left <= j <= p + d + right, j <
+# seqlen_k, d = seqlen_k - seqlen_q. Each row's visible keys are one interval and the next
+# row's interval starts and ends one key later, so a tile's visible columns are one interval
+# too, from its first row's left edge to its last row's right edge. With pos_lo, pos_hi as in
+# Note [bottom-right causal]:
+#     right side (when right is not None; causal is right = 0, the formula above):
+#         n_block_max = min(ceil_div(seqlen_k, n_block_size),
+#                           ceil_div(max(pos_hi + seqlen_k - seqlen_q + right, 0), n_block_size))
+#     left side (when left is not None; else n_block_min = 0):
+#         n_block_min = min(max(pos_lo + seqlen_k - seqlen_q - left, 0) // n_block_size,
+#                           n_block_max)
+# Blocks left of n_block_min are SKIP, like the blocks right of the causal diagonal. (The
+# first row is in bounds, so pos_lo + d - left <= seqlen_k - 1: a window never pushes a tile
+# past the last key block; the min only keeps a tile that sees nothing at [max, max).)
+# The element mask is needed on two runs of blocks of the range, never in between:
+#     right edge (and the seqlen_k tail), the LAST blocks [n_block_mask_min, n_block_max):
+#         n_block_mask_min = min(seqlen_k // n_block_size,
+#                                max(pos_lo + seqlen_k - seqlen_q + right + 1, 0) // n_block_size)
+#         (no right-edge term when right is None), clamped into [n_block_min, n_block_max];
+#     left edge, the FIRST blocks [n_block_min, n_block_left_mask_end): the LAST in-bounds row
+#         is the most restricted one there; it is position min(pos_hi, seqlen_q) - 1 and its
+#         first visible key is min(pos_hi + seqlen_k - seqlen_q, seqlen_k) - 1 - left, so
+#         block n holds a key it cannot see iff n * n_block_size < that key:
+#         n_block_left_mask_end = ceil_div(max(min(pos_hi + seqlen_k - seqlen_q, seqlen_k)
+#                                              - 1 - left, 0), n_block_size)
+#         (n_block_min when left is None), clamped into [n_block_min, n_block_mask_min] so the
+#         two runs never overlap (a narrow window can mask every block of a tile).
+# Blocks [n_block_left_mask_end, n_block_mask_min) need no mask at all. The kernels visit the
+# right-edge blocks first (from n_block_max - 1 down), then the unmasked ones, then the
+# left-edge ones, as upstream FA4 does. With the window's left side the clamp to the last
+# IN-BOUNDS row (min(.., seqlen_k) above) makes the split exact: rows past seqlen_q of the last
+# tile do not widen the left-edge run (upstream, which uses the tile's last row, may mark an
+# extra block). Every term is +, -, *, //, min, max on ints, each // on a non-negative value.
 
 
 def _tile_positions(m_block, m_block_size, qhead_per_kvhead):
@@ -149,46 +193,89 @@ def _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead):
                          f"gives m_block in [0, {n_m})")
 
 
+def _effective_window(causal, window_size):
+    """(left, right) in effect (causal is right = 0), checked: see `fa4lab.spec`."""
+    causal, (left, right) = normalize_mask(causal, window_size)
+    return left, 0 if causal else right
+
+
 def n_block_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
-                  n_block_size: int, causal: bool,
-                  qhead_per_kvhead: int = 1) -> tuple[int, int]:
+                  n_block_size: int, causal: bool, qhead_per_kvhead: int = 1,
+                  window_size=(None, None)) -> tuple[int, int]:
     """The K/V blocks query tile `m_block` visits: HALF-OPEN `[n_block_min, n_block_max)`.
 
-    Empty (`n_block_min == n_block_max`) when no row of the tile sees any key (causal with
-    seqlen_q > seqlen_k). `qhead_per_kvhead > 1` means pack-GQA: M rows are packed rows.
-    See Note [bottom-right causal].
+    Empty (`n_block_min == n_block_max`) when no row of the tile sees any key (causal, or a
+    window's right side, with seqlen_q > seqlen_k). `qhead_per_kvhead > 1` means pack-GQA: M
+    rows are packed rows. `window_size=(left, right)` is a sliding window (None = unbounded
+    side); its left side makes n_block_min > 0. See Note [bottom-right causal] and Note
+    [sliding window tiles].
     """
     _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
     _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead)
+    left, right = _effective_window(causal, window_size)
+    pos_lo, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
     n_block_min = 0
     n_block_max = ceil_div(seqlen_k, n_block_size)
-    if causal:
-        _, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
-        n_idx_right = max(pos_hi + seqlen_k - seqlen_q, 0)
+    if right is not None:
+        n_idx_right = max(pos_hi + seqlen_k - seqlen_q + right, 0)
         n_block_max = min(n_block_max, ceil_div(n_idx_right, n_block_size))
+    if left is not None:
+        n_idx_left = max(pos_lo + seqlen_k - seqlen_q - left, 0)
+        n_block_min = min(n_idx_left // n_block_size, n_block_max)
     return n_block_min, n_block_max
 
 
 def n_block_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
-                         n_block_size: int, causal: bool,
-                         qhead_per_kvhead: int = 1) -> tuple[int, int]:
-    """The blocks of `n_block_range` that need an element mask: HALF-OPEN
+                         n_block_size: int, causal: bool, qhead_per_kvhead: int = 1,
+                         window_size=(None, None)) -> tuple[int, int]:
+    """The blocks of `n_block_range` that need an element mask for the right edge: HALF-OPEN
     `[n_block_mask_min, n_block_max)`, always the last ones of the range.
 
-    A block needs the mask when the causal diagonal crosses its in-bounds part or it runs past
-    seqlen_k. Blocks `[n_block_min, n_block_mask_min)` are visited with no mask at all.
-    See Note [bottom-right causal].
+    A block needs the mask when the causal diagonal (or a window's right edge) crosses its
+    in-bounds part or it runs past seqlen_k. Without a window's left side, blocks
+    `[n_block_min, n_block_mask_min)` are visited with no mask at all; with one, the first of
+    them need the left-edge mask (`n_block_left_masked_range`). See Note [bottom-right causal]
+    and Note [sliding window tiles].
     """
     n_block_min, n_block_max = n_block_range(
         m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_block_size=m_block_size,
-        n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead)
+        n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead,
+        window_size=window_size)
+    _, right = _effective_window(causal, window_size)
     n_block_mask_min = seqlen_k // n_block_size     # the seqlen_k tail block, if any
-    if causal:
+    if right is not None:
         pos_lo, _ = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
-        n_causal = max(pos_lo + seqlen_k - seqlen_q + 1, 0) // n_block_size
-        n_block_mask_min = min(n_block_mask_min, n_causal)
+        n_right = max(pos_lo + seqlen_k - seqlen_q + right + 1, 0) // n_block_size
+        n_block_mask_min = min(n_block_mask_min, n_right)
     n_block_mask_min = min(max(n_block_mask_min, n_block_min), n_block_max)
     return n_block_mask_min, n_block_max
+
+
+def n_block_left_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int,
+                              m_block_size: int, n_block_size: int, causal: bool,
+                              qhead_per_kvhead: int = 1,
+                              window_size=(None, None)) -> tuple[int, int]:
+    """The blocks of `n_block_range` that need an element mask for a window's left edge and
+    are not in `n_block_masked_range`: HALF-OPEN `[n_block_min, n_block_left_mask_end)`,
+    always the first ones of the range; empty without a left side.
+
+    Together with `n_block_masked_range` this splits the range into three runs: left-edge
+    masked, unmasked `[n_block_left_mask_end, n_block_mask_min)`, right-edge masked. See Note
+    [sliding window tiles].
+    """
+    kw = dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_block_size=m_block_size,
+              n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead,
+              window_size=window_size)
+    n_block_min, _ = n_block_range(m_block, **kw)
+    n_block_mask_min, _ = n_block_masked_range(m_block, **kw)
+    left, _ = _effective_window(causal, window_size)
+    n_block_left_mask_end = n_block_min
+    if left is not None:
+        _, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
+        first_key_last_row = min(pos_hi + seqlen_k - seqlen_q, seqlen_k) - 1 - left
+        n_left = ceil_div(max(first_key_last_row, 0), n_block_size)
+        n_block_left_mask_end = min(max(n_left, n_block_min), n_block_mask_min)
+    return n_block_min, n_block_left_mask_end
 
 
 # --------------------------------------------------------------------------- tile kinds
@@ -199,19 +286,19 @@ class TileKind(IntEnum):
 
     SKIP = 0     # no visible element: never loaded, never computed
     FULL = 1     # every element in bounds and visible: no mask work
-    MASKED = 2   # the causal diagonal crosses it: needs the element mask
+    MASKED = 2   # the causal diagonal or a window edge crosses it: needs the element mask
     TAIL = 3     # all in-bounds elements visible, but rows or columns run past the end
 
 
 # Note [tile kinds]
 # Only in-bounds elements (row position < seqlen_q, key < seqlen_k) count. Precedence, first
 # match wins: SKIP (nothing visible) > MASKED (some in-bounds element invisible, i.e. the causal
-# boundary is inside) > TAIL (the tile runs past seqlen_q or seqlen_k) > FULL. So a tile on the
-# diagonal AND at the tail is MASKED: the kernel's mask routine applies the causal and the
-# seqlen_k bound together. A TAIL tile needs the seqlen_k bound mask when it runs past seqlen_k
-# (`TileClasses.needs_element_mask`); a tile that only runs past seqlen_q needs no mask (its
-# extra rows are dropped at the store). `needs_element_mask` is exactly the set
-# `n_block_masked_range` returns.
+# boundary or a window edge is inside) > TAIL (the tile runs past seqlen_q or seqlen_k) > FULL.
+# So a tile on the diagonal AND at the tail is MASKED: the kernel's mask routine applies the
+# causal and the seqlen_k bound together. A TAIL tile needs the seqlen_k bound mask when it runs
+# past seqlen_k (`TileClasses.needs_element_mask`); a tile that only runs past seqlen_q needs
+# no mask (its extra rows are dropped at the store). `needs_element_mask` is exactly the union
+# of the sets `n_block_masked_range` and `n_block_left_masked_range` return.
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,6 +313,13 @@ class TileClasses:
     qhead_per_kvhead: int
     kinds: np.ndarray               # (num_m_blocks, num_n_blocks) int8 of TileKind
     needs_element_mask: np.ndarray  # (num_m_blocks, num_n_blocks) bool
+    window_size: tuple = (None, None)   # as `fa4lab.spec.normalize_mask` stores it
+
+    @property
+    def effective_window(self) -> tuple[int | None, int | None]:
+        """(left, right) in effect: right = 0 under causal, None = unbounded."""
+        left, right = self.window_size
+        return left, 0 if self.causal else right
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -248,17 +342,20 @@ class TileClasses:
     def visible_element_fraction(self) -> float:
         """Fraction of the seqlen_q x seqlen_k scores that are visible (the exact math)."""
         sq, sk = self.seqlen_q, self.seqlen_k
-        if not self.causal:
+        if self.effective_window == (None, None):
             return 1.0
-        # row i sees min(sk, max(0, i + sk - sq + 1)) keys
-        i = np.arange(sq)
-        return float(np.clip(i + sk - sq + 1, 0, sk).sum() / (sq * sk))
+        # causal: row i sees min(sk, max(0, i + sk - sq + 1)) keys
+        return float(visible_key_counts(sq, sk, self.effective_window).sum() / (sq * sk))
 
 
 def classify_tiles(seqlen_q: int, seqlen_k: int, m_block_size: int, n_block_size: int,
-                   causal: bool, qhead_per_kvhead: int = 1) -> TileClasses:
-    """Classify every tile as SKIP / FULL / MASKED / TAIL. See Note [tile kinds]."""
+                   causal: bool, qhead_per_kvhead: int = 1, *,
+                   window_size=(None, None)) -> TileClasses:
+    """Classify every tile as SKIP / FULL / MASKED / TAIL. See Note [tile kinds]; with a
+    sliding window `window_size=(left, right)`, Note [sliding window tiles]."""
     _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
+    causal, window_size = normalize_mask(causal, window_size)
+    left, right = window_size[0], 0 if causal else window_size[1]
     rows = seqlen_q * qhead_per_kvhead
     n_m, n_n = ceil_div(rows, m_block_size), ceil_div(seqlen_k, n_block_size)
     kinds = np.zeros((n_m, n_n), dtype=np.int8)
@@ -266,21 +363,26 @@ def classify_tiles(seqlen_q: int, seqlen_k: int, m_block_size: int, n_block_size
     for m in range(n_m):
         n_min, n_max = n_block_range(m, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                      m_block_size=m_block_size, n_block_size=n_block_size,
-                                     causal=causal, qhead_per_kvhead=qhead_per_kvhead)
-        pos_lo, _ = _tile_positions(m, m_block_size, qhead_per_kvhead)
+                                     causal=causal, qhead_per_kvhead=qhead_per_kvhead,
+                                     window_size=window_size)
+        pos_lo, pos_hi = _tile_positions(m, m_block_size, qhead_per_kvhead)
         row_tail = (m + 1) * m_block_size > rows
         for n in range(n_min, n_max):
             last_col = min((n + 1) * n_block_size, seqlen_k) - 1
             col_tail = (n + 1) * n_block_size > seqlen_k
-            if causal and last_col > pos_lo + seqlen_k - seqlen_q:
+            # the first row sees up to its right edge; the last in-bounds row from its left edge
+            right_cut = right is not None and last_col > pos_lo + seqlen_k - seqlen_q + right
+            left_cut = left is not None and (
+                n * n_block_size < min(pos_hi + seqlen_k - seqlen_q, seqlen_k) - 1 - left)
+            if right_cut or left_cut:
                 kinds[m, n] = TileKind.MASKED
             elif row_tail or col_tail:
                 kinds[m, n] = TileKind.TAIL
             else:
                 kinds[m, n] = TileKind.FULL
             needs_mask[m, n] = kinds[m, n] == TileKind.MASKED or col_tail
-    return TileClasses(seqlen_q, seqlen_k, m_block_size, n_block_size, bool(causal),
-                       qhead_per_kvhead, kinds, needs_mask)
+    return TileClasses(seqlen_q, seqlen_k, m_block_size, n_block_size, causal,
+                       qhead_per_kvhead, kinds, needs_mask, window_size)
 
 
 # --------------------------------------------------------------------------- GQA
@@ -327,8 +429,9 @@ def q_heads_of(kv_head: int, heads_q: int, heads_kv: int) -> range:
 #     packed_row = pos * qhead_per_kvhead + (q_head - g * qhead_per_kvhead)
 #     q_head     = g * qhead_per_kvhead + packed_row % qhead_per_kvhead
 #     pos        = packed_row // qhead_per_kvhead
-# The causal mask compares key j with the POSITION (packed_row // qhead_per_kvhead), never
-# with the packed row itself: see Note [bottom-right causal] for the tile bounds.
+# The causal mask (and a window's edges) compare key j with the POSITION (packed_row //
+# qhead_per_kvhead), never with the packed row itself: see Note [bottom-right causal] and Note
+# [sliding window tiles] for the tile bounds.
 
 
 def pack_gqa_row(q_head: int, pos: int, *, heads_q: int, heads_kv: int,
@@ -403,7 +506,8 @@ class Workload:
     """The (batch, head, m_block) work items of one forward call.
 
     `heads` is the head axis of the grid: heads_q, or heads_kv with pack-GQA (then
-    `qhead_per_kvhead` > 1 query heads are folded into M).
+    `qhead_per_kvhead` > 1 query heads are folded into M). `window_size` is a sliding window
+    (stored as `fa4lab.spec.normalize_mask` does, which may set `causal`).
     """
 
     batch: int
@@ -417,8 +521,12 @@ class Workload:
     head_dim: int = 128
     head_dim_v: int | None = None
     element_size: int = 2
+    window_size: tuple = (None, None)
 
     def __post_init__(self):
+        causal, window_size = normalize_mask(self.causal, self.window_size)
+        object.__setattr__(self, "causal", causal)
+        object.__setattr__(self, "window_size", window_size)
         _positive("batch", self.batch)
         _positive("heads", self.heads)
         _check_sizes(self.seqlen_q, self.seqlen_k, self.m_block_size, self.n_block_size,
@@ -437,7 +545,7 @@ class Workload:
                    seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k, m_block_size=m_block_size,
                    n_block_size=n_block_size, causal=spec.causal, qhead_per_kvhead=group,
                    head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
-                   element_size=2)
+                   element_size=2, window_size=spec.window_size)
 
     @property
     def num_m_blocks(self) -> int:
@@ -456,16 +564,19 @@ class Workload:
         return 1 if fit < 1 else 1 << (fit.bit_length() - 1)
 
     def blocks_per_m_block(self) -> tuple[np.ndarray, np.ndarray]:
-        """(unmasked, masked) K/V block counts per m_block (the same for every batch, head)."""
+        """(unmasked, masked) K/V block counts per m_block (the same for every batch, head);
+        masked counts both edges of a sliding window."""
         unmasked = np.zeros(self.num_m_blocks, dtype=np.int64)
         masked = np.zeros(self.num_m_blocks, dtype=np.int64)
         kw = dict(seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
                   m_block_size=self.m_block_size, n_block_size=self.n_block_size,
-                  causal=self.causal, qhead_per_kvhead=self.qhead_per_kvhead)
+                  causal=self.causal, qhead_per_kvhead=self.qhead_per_kvhead,
+                  window_size=self.window_size)
         for m in range(self.num_m_blocks):
-            n_min, n_max = n_block_range(m, **kw)
-            n_mask_min, _ = n_block_masked_range(m, **kw)
-            unmasked[m], masked[m] = n_mask_min - n_min, n_max - n_mask_min
+            n_min, n_left_end = n_block_left_masked_range(m, **kw)
+            n_mask_min, n_max = n_block_masked_range(m, **kw)
+            unmasked[m] = n_mask_min - n_left_end
+            masked[m] = (n_max - n_mask_min) + (n_left_end - n_min)
         return unmasked, masked
 
     def tile_costs(self, cost: CostModel | None = None) -> np.ndarray:

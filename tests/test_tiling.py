@@ -21,6 +21,7 @@ from fa4lab.tiling import (
     grid_reversed_order,
     kv_head_of,
     lpt_order,
+    n_block_left_masked_range,
     n_block_masked_range,
     n_block_range,
     pack_gqa_row,
@@ -34,11 +35,11 @@ from fa4lab.tiling import (
 )
 
 
-def brute_visible(seqlen_q, seqlen_k, causal, group=1, rows=None):
+def brute_visible(seqlen_q, seqlen_k, causal, group=1, rows=None, window=(None, None)):
     """visible[r, j] over the padded M x N grid, from the math contract alone.
 
     Row r of the M dimension is query position r // group (pack-GQA; group 1 = no packing).
-    Out-of-bounds rows or columns are never visible.
+    Out-of-bounds rows or columns are never visible. window = (left, right), None unbounded.
     """
     rows = seqlen_q * group if rows is None else rows
     r = np.arange(rows)[:, None]
@@ -47,15 +48,20 @@ def brute_visible(seqlen_q, seqlen_k, causal, group=1, rows=None):
     vis = (pos < seqlen_q) & (j < seqlen_k)
     if causal:
         vis &= j <= pos + seqlen_k - seqlen_q
+    left, right = window
+    if left is not None:
+        vis &= j >= pos + seqlen_k - seqlen_q - left
+    if right is not None:
+        vis &= j <= pos + seqlen_k - seqlen_q + right
     return vis
 
 
-def brute_kinds(seqlen_q, seqlen_k, bm, bn, causal, group=1):
+def brute_kinds(seqlen_q, seqlen_k, bm, bn, causal, group=1, window=(None, None)):
     """Tile kinds and 'needs an element mask' by looking at every element."""
     rows = seqlen_q * group
     n_m, n_n = -(-rows // bm), -(-seqlen_k // bn)
     vis = np.zeros((n_m * bm, n_n * bn), dtype=bool)
-    vis[:rows, :seqlen_k] = brute_visible(seqlen_q, seqlen_k, causal, group)
+    vis[:rows, :seqlen_k] = brute_visible(seqlen_q, seqlen_k, causal, group, window=window)
     inb = np.zeros_like(vis)
     inb[:rows, :seqlen_k] = True
     kinds = np.zeros((n_m, n_n), dtype=int)
@@ -102,22 +108,27 @@ def test_classify_pack_gqa_matches_brute_force(group, causal):
         np.testing.assert_array_equal(tiles.needs_element_mask, needs)
 
 
-def _check_ranges(sq, sk, bm, bn, causal, group=1):
-    tiles = classify_tiles(sq, sk, bm, bn, causal, qhead_per_kvhead=group)
-    vis = brute_visible(sq, sk, causal, group)
+def _check_ranges(sq, sk, bm, bn, causal, group=1, window=(None, None)):
+    tiles = classify_tiles(sq, sk, bm, bn, causal, qhead_per_kvhead=group, window_size=window)
+    vis = brute_visible(sq, sk, causal, group, window=window)
     for m in range(tiles.shape[0]):
         kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal,
-                  qhead_per_kvhead=group)
+                  qhead_per_kvhead=group, window_size=window)
         lo, hi = n_block_range(m, **kw)
         mlo, mhi = n_block_masked_range(m, **kw)
+        llo, lhi = n_block_left_masked_range(m, **kw)
         assert 0 <= lo <= hi <= tiles.shape[1]
-        assert lo <= mlo <= mhi == hi
+        # three runs, in order: left-edge masked, unmasked, right-edge masked
+        assert lo == llo <= lhi <= mlo <= mhi == hi
+        if window[0] is None:
+            assert lhi == lo
         visited = np.zeros(tiles.shape[1], dtype=bool)
         visited[lo:hi] = True
         # the range is exactly the non-SKIP tiles of this row of tiles
         np.testing.assert_array_equal(visited, tiles.kinds[m] != TileKind.SKIP)
         masked = np.zeros(tiles.shape[1], dtype=bool)
         masked[mlo:mhi] = True
+        masked[llo:lhi] = True
         np.testing.assert_array_equal(masked, tiles.needs_element_mask[m])
         # the visited columns hold every visible element of the tile's rows
         row_vis = vis[m * bm:(m + 1) * bm]
@@ -134,6 +145,106 @@ def test_ranges_consistent_with_tiles(causal):
         for bm, bn in BLOCKS:
             _check_ranges(sq, sk, bm, bn, causal)
         _check_ranges(sq, sk, 4, 4, causal, group=3)
+
+
+# ---------------------------------------------------------------------- sliding windows
+
+# Windows around the diagonal: the diagonal only, one side, both sides, wider than any seqlen.
+WINDOWS = ((0, 0), (0, None), (None, 0), (2, 0), (5, 3), (1, None), (None, 2), (0, 4), (40, 40))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_classify_windows_match_brute_force(window, causal):
+    if causal and window[1]:
+        window = (window[0], 0)
+    # trimmed grid: the seqlens include 1, equal, and both longer; blocks square and not
+    for sq, sk in itertools.product((1, 3, 8, 13, 17, 33), (1, 2, 8, 13, 31)):
+        for bm, bn in ((1, 1), (4, 4), (8, 4), (3, 5), (16, 16)):
+            tiles = classify_tiles(sq, sk, bm, bn, causal, window_size=window)
+            want, needs = brute_kinds(sq, sk, bm, bn, causal, window=window)
+            msg = f"{sq=} {sk=} {bm=} {bn=}"
+            np.testing.assert_array_equal(tiles.kinds, want, err_msg=msg)
+            np.testing.assert_array_equal(tiles.needs_element_mask, needs, err_msg=msg)
+            _check_ranges(sq, sk, bm, bn, causal, window=window)
+
+
+_SIDE = st.one_of(st.none(), st.integers(0, 40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(1, 60), sk=st.integers(1, 60), bm=st.integers(1, 20),
+       bn=st.integers(1, 20), group=st.sampled_from([1, 1, 2, 3, 4]), causal=st.booleans(),
+       left=_SIDE, right=_SIDE)
+def test_window_tiles_and_ranges_match_brute_force(sq, sk, bm, bn, group, causal, left, right):
+    # every tile kind and every block range against the element mask, pack-GQA included:
+    # FULL = all visible, SKIP = none, MASKED = some in-bounds element hidden, TAIL = the rest
+    if causal and right:
+        right = 0
+    window = (left, right)
+    tiles = classify_tiles(sq, sk, bm, bn, causal, qhead_per_kvhead=group, window_size=window)
+    want, needs = brute_kinds(sq, sk, bm, bn, causal, group, window=window)
+    np.testing.assert_array_equal(tiles.kinds, want)
+    np.testing.assert_array_equal(tiles.needs_element_mask, needs)
+    _check_ranges(sq, sk, bm, bn, causal, group, window)
+    vis = brute_visible(sq, sk, causal, window=window)
+    assert tiles.visible_element_fraction == pytest.approx(vis.mean(), abs=1e-15)
+    # the work model counts the same blocks: masked = both edges, unmasked = the rest
+    work = Workload(batch=1, heads=1, seqlen_q=sq, seqlen_k=sk, m_block_size=bm,
+                    n_block_size=bn, causal=causal, qhead_per_kvhead=group, window_size=window)
+    unmasked, masked = work.blocks_per_m_block()
+    np.testing.assert_array_equal(masked, tiles.needs_element_mask.sum(axis=1))
+    np.testing.assert_array_equal(unmasked + masked, (tiles.kinds != TileKind.SKIP).sum(axis=1))
+
+
+def test_window_skips_blocks_left_of_the_window():
+    # causal window of 256 keys, 128 x 128 tiles: each tile visits its diagonal block and the
+    # ones the window reaches; everything further left is SKIP, like the causal right side
+    kw = dict(seqlen_q=1024, seqlen_k=1024, m_block_size=128, n_block_size=128, causal=True,
+              window_size=(256, None))
+    assert [n_block_range(m, **kw) for m in range(8)] == [
+        (0, 1), (0, 2), (0, 3), (1, 4), (2, 5), (3, 6), (4, 7), (5, 8)]
+    # tile 5 (rows 640..767): rows see keys [row - 256, row]: block 3 (384..511) is cut by the
+    # left edge for the last rows, block 4 is seen in full, block 5 holds the diagonal
+    assert n_block_left_masked_range(5, **kw) == (3, 4)
+    assert n_block_masked_range(5, **kw) == (5, 6)
+    tiles = classify_tiles(1024, 1024, 128, 128, True, window_size=(256, None))
+    assert list(tiles.kinds[5]) == [TileKind.SKIP] * 3 + [TileKind.MASKED, TileKind.FULL,
+                                                          TileKind.MASKED] + [TileKind.SKIP] * 2
+    # a window narrower than a tile masks every block it visits: the two runs meet
+    narrow = {**kw, "window_size": (64, None)}
+    assert n_block_range(5, **narrow) == (4, 6)
+    assert n_block_left_masked_range(5, **narrow) == (4, 5)
+    assert n_block_masked_range(5, **narrow) == (5, 6)
+    assert TileKind.FULL not in classify_tiles(1024, 1024, 128, 128, True,
+                                               window_size=(64, None)).kinds
+
+
+def test_window_defaults_and_normal_form():
+    kw = dict(seqlen_q=100, seqlen_k=300, m_block_size=16, n_block_size=32)
+    causal = classify_tiles(causal=True, **kw)
+    for window in [(None, None), (None, 0)]:
+        t = classify_tiles(causal=True, window_size=window, **kw)
+        np.testing.assert_array_equal(t.kinds, causal.kinds)
+        assert t.window_size == (None, None) and t.causal
+    t = classify_tiles(causal=False, window_size=(None, 0), **kw)
+    assert t.causal and t.effective_window == (None, 0)
+    np.testing.assert_array_equal(t.kinds, causal.kinds)
+    w = Workload(batch=1, heads=1, causal=False, window_size=(8, 0), **kw)
+    assert (w.causal, w.window_size) == (True, (8, None))
+
+
+def test_workload_from_spec_carries_the_window():
+    spec = AttentionSpec(batch=1, seqlen_q=2048, seqlen_k=2048, heads_q=8, heads_kv=8,
+                         head_dim=64, causal=True, window_size=(255, 0))
+    w = Workload.from_spec(spec, m_block_size=128, n_block_size=128)
+    assert (w.causal, w.window_size) == (True, (255, None))
+    unmasked, masked = w.blocks_per_m_block()
+    # 255 keys to the left plus the diagonal: at most three blocks per tile, two masked
+    assert unmasked.max() == 1 and masked.max() == 2 and (unmasked + masked).max() == 3
+    assert w.tile_costs().max() < Workload.from_spec(spec.with_(window_size=(None, None)),
+                                                     m_block_size=128,
+                                                     n_block_size=128).tile_costs().max()
 
 
 def test_seqlen_q_longer_than_seqlen_k_has_empty_tiles():
@@ -382,6 +493,21 @@ def test_bad_sizes_raise(kwargs, match):
         n_block_range(0, **args)
 
 
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(window_size=(-1, None)), ValueError, r"left=-1 is negative.*only the diagonal"),
+    (dict(window_size=(None, 2)), ValueError, r"causal=True with window_size=\(None, 2\)"),
+    (dict(window_size=3), TypeError, "window_size must be a pair"),
+    (dict(window_size=(1, 0.5)), TypeError, "right must be an int"),
+])
+def test_bad_windows_raise(kwargs, err, match):
+    args = dict(seqlen_q=8, seqlen_k=8, m_block_size=4, n_block_size=4, causal=True, **kwargs)
+    for call in (classify_tiles, n_block_range, n_block_masked_range, n_block_left_masked_range):
+        with pytest.raises(err, match=match):
+            call(**args) if call is classify_tiles else call(0, **args)
+    with pytest.raises(err, match=match):
+        Workload(batch=1, heads=1, **args)
+
+
 def test_bad_m_block_and_heads_raise():
     with pytest.raises(ValueError, match=r"m_block=2 is out of range.*\[0, 2\)"):
         n_block_range(2, seqlen_q=8, seqlen_k=8, m_block_size=4, n_block_size=4, causal=False)
@@ -420,6 +546,12 @@ def test_figures_and_widgets_render():
 
     grid = tile_grid_figure(classify_tiles(300, 200, 64, 64, True, qhead_per_kvhead=2))
     assert grid.axes and "skipped" in grid.axes[0].get_title()
+    local = tile_grid_figure(classify_tiles(300, 500, 32, 32, False, qhead_per_kvhead=2,
+                                            window_size=(64, 16)))
+    assert "window_size=(64, 16)" in local.axes[0].get_title()
+    labels = [t.get_text() for t in local.axes[0].get_legend().get_texts()]
+    assert any("window edges" in t for t in labels)
+    plt.close(local)
     w = _work(seqlen_q=512, seqlen_k=512)
     scheds = [schedule(name, w, num_sms=5) for name in SCHEDULERS]
     gantt = schedule_gantt_figure(scheds[0], max_sms=3)

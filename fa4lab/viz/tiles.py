@@ -57,14 +57,15 @@ SCHEDULER_COLORS = {"grid": "#8c8c8c", "grid_reversed": "#6d8fd0", "static": "#e
 _TILE_MEANING = {
     TileKind.SKIP: "SKIP: nothing visible, never computed",
     TileKind.FULL: "FULL: all visible, no mask",
-    TileKind.MASKED: "MASKED: causal diagonal inside, element mask",
+    TileKind.MASKED: "MASKED: a mask edge inside, element mask",
     TileKind.TAIL: "TAIL: past seqlen_q/seqlen_k, bounds only",
 }
 
 
 def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
-    """The (m_block, n_block) grid coloured by tile kind, with the causal diagonal and the
-    seqlen bounds drawn in element coordinates (rows are packed rows under pack-GQA)."""
+    """The (m_block, n_block) grid coloured by tile kind, with the causal diagonal, a sliding
+    window's edges and the seqlen bounds drawn in element coordinates (rows are packed rows
+    under pack-GQA)."""
     fig, ax = (ax.figure, ax) if ax is not None else subplots(figsize=(7.2, 6.4))
     n_m, n_n = tiles.shape
     bm, bn = tiles.m_block_size, tiles.n_block_size
@@ -80,12 +81,17 @@ def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
             ax.axvline(n * bn, color="white", lw=0.8)
     ax.axvline(tiles.seqlen_k, color="k", ls="--", lw=1)
     ax.axhline(rows, color="k", ls="--", lw=1)
+    # the diagonal key of position p is p + seqlen_k - seqlen_q; row r is position
+    # r // qhead_per_kvhead (Note [pack-GQA rows] in fa4lab.tiling)
+    r = np.array([0.0, rows])
+    diagonal = r / tiles.qhead_per_kvhead + tiles.seqlen_k - tiles.seqlen_q
     if tiles.causal:
-        # the last visible key of position p is p + seqlen_k - seqlen_q; row r is position
-        # r // qhead_per_kvhead (Note [pack-GQA rows] in fa4lab.tiling)
-        r = np.array([0.0, rows])
-        x = r / tiles.qhead_per_kvhead + tiles.seqlen_k - tiles.seqlen_q
-        ax.plot(x, r, color="#b00020", lw=1.6, label="causal diagonal")
+        ax.plot(diagonal, r, color="#b00020", lw=1.6, label="causal diagonal")
+    left, right = tiles.effective_window
+    edges = [d for d in (None if left is None else -left,
+                         None if right in (None, 0) else right) if d is not None]
+    for offset in edges:
+        ax.plot(diagonal + offset, r, color="#7b2cbf", lw=1.4, ls="-.")
     ax.set_xlim(0, n_n * bn)
     ax.set_ylim(n_m * bm, 0)
     ax.set_xlabel(f"key index (n_block_size = {bn})")
@@ -96,12 +102,16 @@ def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
                for k in TileKind]
     if tiles.causal:
         handles.append(Line2D([], [], color="#b00020", label="causal diagonal"))
+    if edges:
+        handles.append(Line2D([], [], color="#7b2cbf", ls="-.", label="window edges"))
     handles.append(Line2D([], [], color="k", ls="--", label="seqlen bounds"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
               fontsize=8, frameon=False)
+    window = "" if (left, right) in ((None, None), (None, 0)) else (
+        f", window_size=({left}, {right})")
     ax.set_title(title or (f"seqlen_q={tiles.seqlen_q}, seqlen_k={tiles.seqlen_k}, "
-                           f"causal={tiles.causal}: {tiles.skipped_fraction:.0%} of tiles "
-                           f"skipped"), fontsize=10)
+                           f"causal={tiles.causal}{window}: {tiles.skipped_fraction:.0%} of "
+                           f"tiles skipped"), fontsize=10)
     fig.tight_layout()
     return fig
 
