@@ -1,6 +1,6 @@
 """Print every benchmark record in this folder (or the files given) as a table.
 
-    python benchmarks/load.py                 # all records, oldest first
+    python benchmarks/load.py                 # all records (every kind), oldest first
     python benchmarks/load.py some.json       # one record
 
 The reading itself is `fa4lab.bench.load_records` / `load_record`, which validate the format.
@@ -11,11 +11,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fa4lab.bench import format_table, load_record, load_records, results_of
+from fa4lab.bench import (
+    DECODE,
+    HOST_OVERHEAD,
+    decode_results_of,
+    format_decode_table,
+    format_host_table,
+    format_table,
+    host_results_of,
+    load_record,
+    load_records,
+    results_of,
+)
+
+
+def table_of(rec: dict) -> str:
+    if rec["kind"] == HOST_OVERHEAD:
+        return format_host_table(host_results_of(rec))
+    if rec["kind"] == DECODE:
+        return format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])
+    return format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops"))
 
 
 def main(paths: list[str]) -> int:
-    records = [load_record(p) for p in paths] if paths else load_records(Path(__file__).parent)
+    records = ([load_record(p) for p in paths] if paths
+               else load_records(Path(__file__).parent, kinds=None))
     if not records:
         print("no records")
     for rec in records:
@@ -23,7 +43,7 @@ def main(paths: list[str]) -> int:
         print(f"{rec['kind']}, {rec['date']}, {rec['gpu']}, commit {rec['commit'] or '-'}, "
               f"command {rec['command'] or '-'}")
         print()
-        print(format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops")))
+        print(table_of(rec))
         print()
     return 0
 

@@ -50,3 +50,36 @@ def test_measure_plan_compiles_checks_and_times_these_tiles(n_block):
     ours = {r.provider: r for r in m.results}["fa4lab"]
     assert ours.status == OK, ours.note
     assert ours.max_err <= ours.tol
+
+
+@pytest.mark.gpu
+def test_tiny_decode_end_to_end(tmp_path, capsys):
+    """`fa4lab bench --decode` at a small size: every provider that runs here passes its check
+    before timing, and the record has the bandwidth, the floors and the per-result fields."""
+    out_json = tmp_path / "decode.json"
+    rc = fa4lab_main(["bench", "--decode", "--batch", "4", "--seqlen-k", "2048",
+                      "--prefill-seqlen", "1024", "--rep-ms", "20", "--warmup-ms", "5",
+                      "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| decode b4 sq1 sk2048 h32/8 hd128 full |" in text and "x HBM floor" in text
+    rec = bench.load_record(out_json)
+    assert rec["kind"] == "decode" and rec["gpu"] and rec["versions"]["torch"]
+    assert rec["hbm_gbps"] > 100          # any GPU copies faster than 100 GB/s
+    assert rec["config"]["hbm_copy"]["bytes"] >= 2**30
+    res = {(r.shape, r.provider): r for r in bench.decode_results_of(rec)}
+    assert set(res) == {(s, p) for s in ("decode", "prefill") for p in bench.DECODE_PROVIDERS}
+    kernel_here = (importlib.util.find_spec("fa4lab.api") is not None
+                   and rec["arch"] in ("sm90", "sm100"))
+    for (shape, provider), r in res.items():
+        where = f"{provider} {shape}: {r.status}: {r.note}"
+        assert r.status != "failed", where                   # nothing that ran was wrong
+        assert r.hbm_bytes > 0 and r.floor_us > 0, where
+        if provider == "sdpa-flash" or (kernel_here and provider.startswith("fa4lab")):
+            assert r.status == OK, where
+        if provider == "fa4":
+            assert r.status in (OK, "missing"), where       # flash-attn-4 may be absent
+        if r.status == OK:
+            assert r.max_err <= r.tol, where
+            assert r.us > 0 and r.gbps > 0 and r.tflops > 0, where
+            assert r.x_floor == pytest.approx(r.us / r.floor_us), where

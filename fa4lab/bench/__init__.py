@@ -13,6 +13,10 @@ seqlen 1k..16k; causal and not), for each provider:
 plus the device's dense bf16 GEMM rate (8192^3 torch.matmul) as the ceiling.
 TFLOP/s = AttentionSpec.flops() / time = 4*B*H*Sq*Sk*D, halved for causal.
 `--host-overhead` measures instead the host time of one tiny call per provider.
+`--decode` measures a GQA decode (batch 32, seqlen_q 1, seqlen_k 8192, heads 32/8, hd128) and a
+GQA prefill (batch 1, seqlen 8192, causal) for fa4lab (default and pack_gqa=False, named
+`fa4lab-unpacked`), upstream FA4 and SDPA, each against the shape's HBM floor (the bytes K, V,
+q and out must move, at the copy bandwidth measured in the same run).
 
 Constraints: timing needs a CUDA GPU (and triton for `triton.testing.do_bench`; without it a
 CUDA-event timer with the same cold-L2 rule is used and the record says so). On a CPU the
@@ -28,6 +32,7 @@ How to run:
     fa4lab bench --quick               # hd128, seqlen 4096 and 8192 only
     fa4lab bench --head-dim 128 --seqlen 4096 --causal true --plot out.png
     fa4lab bench --host-overhead       # host time per call, fa4lab / FA4 / SDPA
+    fa4lab bench --decode              # GQA decode and prefill against the HBM floor
 
 The modules, one concept each:
 
@@ -37,6 +42,7 @@ The modules, one concept each:
     timing          median time with a cold L2, the spin-up, the GEMM ceiling
     measure         check-then-time over shapes and providers; one plan's tiles
     host_overhead   host time per call on a tiny shape
+    decode          GQA decode and prefill shapes, the HBM floor
     records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
     table           TFLOP/s tables and fa4lab/peer ratios
     cli             `fa4lab bench ...`
@@ -45,7 +51,32 @@ The modules, one concept each:
 from __future__ import annotations
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS, CheckSlice, check_output, reference_slice
-from fa4lab.bench.cli import add_cli, describe_run, main_args, plan_of_run, recorded_summary
+from fa4lab.bench.cli import (
+    add_cli,
+    describe_run,
+    main_args,
+    plan_of_decode,
+    plan_of_run,
+    recorded_decode_summary,
+    recorded_summary,
+)
+from fa4lab.bench.decode import (
+    COPY_BYTES,
+    DECODE_PROVIDERS,
+    CopyBandwidth,
+    GqaShape,
+    copy_bandwidth,
+    decode_config,
+    describe_decode_run,
+    floor_us,
+    format_decode_table,
+    gqa_shapes,
+    hbm_bytes,
+    make_decode_record,
+    make_gqa_inputs,
+    measure_gqa_shape,
+    run_decode,
+)
 from fa4lab.bench.host_overhead import (
     HOST_SHAPE,
     format_host_table,
@@ -71,6 +102,7 @@ from fa4lab.bench.providers import (
 )
 from fa4lab.bench.records import (
     BENCHMARKS_DIR,
+    DECODE,
     ERROR,
     FAILED,
     HOST_OVERHEAD,
@@ -79,8 +111,10 @@ from fa4lab.bench.records import (
     RECORD_KINDS,
     SCHEMA,
     STATUSES,
+    DecodeResult,
     HostResult,
     Result,
+    decode_results_of,
     default_record_path,
     git_commit,
     host_results_of,
@@ -106,6 +140,7 @@ from fa4lab.bench.sweep import (
     SEQLENS,
     SUPPORTED_HEAD_DIMS,
     TOTAL_TOKENS,
+    UNPACKED,
     BenchShape,
     parse_causal,
     shape_for,
@@ -115,6 +150,11 @@ from fa4lab.bench.table import TableRow, format_table, geomean_ratios, providers
 from fa4lab.bench.timing import GEMM_SIZE, REP_MS, WARMUP_MS, gemm_tflops, time_ms, timer_name
 
 __all__ = [
+    "COPY_BYTES", "DECODE", "DECODE_PROVIDERS", "UNPACKED", "CopyBandwidth", "DecodeResult",
+    "GqaShape", "copy_bandwidth", "decode_config", "decode_results_of", "describe_decode_run",
+    "floor_us", "format_decode_table", "gqa_shapes", "hbm_bytes", "make_decode_record",
+    "make_gqa_inputs", "measure_gqa_shape", "plan_of_decode", "recorded_decode_summary",
+    "run_decode",
     "ATOL", "BENCHMARKS_DIR", "CHECK_HEADS", "ERROR", "FAILED", "GEMM_SIZE", "HEAD_DIMS",
     "HIDDEN", "HOST_OVERHEAD", "HOST_SHAPE", "MISSING", "OK", "OURS", "PEERS",
     "PROVIDERS", "PROVIDER_LABELS", "QUICK_HEAD_DIMS", "QUICK_SEQLENS", "RECORD_KINDS",

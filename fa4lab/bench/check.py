@@ -9,12 +9,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fa4lab.bench.sweep import BenchShape
-
 # Note [the check before timing]
 # Each provider runs once on the full input (that first call also compiles, where the provider
 # compiles) and its output for batch element 0, heads 0..1, all rows, is compared with the
 # float64 reference of the same slice (`fa4lab.reference.attention_reference`, on the GPU).
+# With GQA (heads_q = r * heads_kv, `fa4lab bench --decode`) the slice is KV heads 0..1 and
+# the 2r query heads that read them, so a kernel that maps a query head to the wrong KV head,
+# or packs a group wrongly, fails; `batches` may name more batch elements than 0 (the decode
+# mode checks the first and the last).
 # The tolerance is FA4's rule: at most twice the error of a plain PyTorch attention computed in
 # the input dtype (scores rounded to bf16, softmax in fp32, P rounded to bf16: what a correct
 # flash kernel also does), plus ATOL for the final rounding of the output. A provider whose
@@ -24,12 +26,14 @@ ATOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
 
 
 def _same_dtype_attention(q, k, v, causal: bool, scale: float):
-    """(b, s, h, d) -> (b, s, h, d) in q.dtype, one head at a time; the baseline of the rule."""
+    """(b, s, h, d) -> (b, s, h, d) in q.dtype, one head at a time; the baseline of the rule.
+    Query head h reads KV head h // (heads_q // heads_kv) (GQA)."""
     import torch
 
     outs = []
+    group = q.shape[2] // k.shape[2]
     for h in range(q.shape[2]):
-        qh, kh, vh = q[:, :, h], k[:, :, h], v[:, :, h]
+        qh, kh, vh = q[:, :, h], k[:, :, h // group], v[:, :, h // group]
         s = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale
         if causal:
             sq, sk = s.shape[-2], s.shape[-1]
@@ -45,29 +49,39 @@ def _same_dtype_attention(q, k, v, causal: bool, scale: float):
 class CheckSlice:
     """The reference for one shape's checked slice (computed once, shared by every provider)."""
 
-    ref: Any            # float64 (1, seqlen, CHECK_HEADS, head_dim)
+    ref: Any            # float64 (len(batches), seqlen_q, checked query heads, head_dim_v)
     tol: float
     baseline_err: float
+    batches: tuple[int, ...] = (0,)   # the batch elements checked
 
 
-def reference_slice(q, k, v, shape: BenchShape) -> CheckSlice:
+def reference_slice(q, k, v, shape, *, batches: tuple[int, ...] = (0,)) -> CheckSlice:
+    """The float64 reference of the checked slice of q, k, v, for a `BenchShape` or any shape
+    with a `.spec` (an AttentionSpec) and `.dtype`: batches `batches`, KV heads 0..1 and the
+    query heads that read them (Note [the check before timing])."""
     from fa4lab.reference import attention_reference
 
-    hs = slice(0, min(CHECK_HEADS, shape.heads))
-    qs, ks, vs = q[:1, :, hs], k[:1, :, hs], v[:1, :, hs]
-    scale = shape.spec.scale
-    ref = attention_reference(qs, ks, vs, causal=shape.causal, softmax_scale=scale)
-    base = _same_dtype_attention(qs, ks, vs, shape.causal, scale).double()
+    spec = shape.spec
+    n_kv = min(CHECK_HEADS, spec.heads_kv)
+    n_q = n_kv * (spec.heads_q // spec.heads_kv)
+    bs = sorted({int(b) % spec.batch for b in batches})
+    at = slice(0, 1) if bs == [0] else bs     # batch 0 alone: a view, as the sweep always had
+    qs, ks, vs = q[at, :, :n_q], k[at, :, :n_kv], v[at, :, :n_kv]
+    scale = spec.scale
+    ref = attention_reference(qs, ks, vs, causal=spec.causal, softmax_scale=scale)
+    base = _same_dtype_attention(qs, ks, vs, spec.causal, scale).double()
     baseline_err = float((base - ref).abs().max())
-    return CheckSlice(ref, 2.0 * baseline_err + ATOL[shape.dtype], baseline_err)
+    return CheckSlice(ref, 2.0 * baseline_err + ATOL[shape.dtype], baseline_err, tuple(bs))
 
 
-def check_output(out, check: CheckSlice, shape: BenchShape) -> tuple[bool, float, str]:
+def check_output(out, check: CheckSlice, shape) -> tuple[bool, float, str]:
     """(passed, max_err, note) for a provider's full output against the checked slice."""
-    expect = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    spec = shape.spec
+    expect = (spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim_v)
     if tuple(out.shape) != expect:
         return False, math.inf, f"output shape {tuple(out.shape)}, expected {expect}"
-    got = out[:1, :, : check.ref.shape[2]].double()
+    at = slice(0, 1) if check.batches == (0,) else list(check.batches)
+    got = out[at, :, : check.ref.shape[2]].double()
     if not bool(got.isfinite().all()):
         return False, math.inf, "output has NaN or inf on the checked slice"
     err = float((got - check.ref).abs().max())

@@ -1,8 +1,9 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-On a GPU it checks, times and records; on a CPU it says so, prints what it would run and the
-latest recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that
-raised or failed its check exit 1.
+Three modes: the throughput sweep (default), `--host-overhead` and `--decode`. On a GPU each
+checks, times and records; on a CPU it says so, prints what it would run and the latest
+recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that raised
+or failed its check exit 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS
+from fa4lab.bench.decode import (
+    DECODE_BATCH,
+    DECODE_PROVIDERS,
+    DECODE_SEQLEN_K,
+    DECODE_SEQLEN_Q,
+    HEAD_DIM,
+    HEADS_KV,
+    HEADS_Q,
+    PREFILL_SEQLEN,
+    copy_bandwidth,
+    decode_config,
+    describe_decode_run,
+    format_decode_table,
+    gqa_shapes,
+    make_decode_record,
+    run_decode,
+)
 from fa4lab.bench.host_overhead import (
     CALLS,
     HOST_LABELS,
@@ -33,10 +51,12 @@ from fa4lab.bench.host_overhead import (
 from fa4lab.bench.measure import run_sweep
 from fa4lab.bench.providers import Provider, resolve_providers, short_error
 from fa4lab.bench.records import (
+    DECODE,
     ERROR,
     FAILED,
     HOST_OVERHEAD,
     OK,
+    decode_results_of,
     default_record_path,
     host_results_of,
     latest_record,
@@ -55,6 +75,7 @@ from fa4lab.bench.sweep import (
     QUICK_SEQLENS,
     SEQLENS,
     TOTAL_TOKENS,
+    UNPACKED,
     BenchShape,
     parse_causal,
     sweep,
@@ -77,7 +98,8 @@ def add_cli(subparsers) -> None:
         description="Check every provider against the float64 reference, then time it with "
                     "triton.testing.do_bench; print a table with fa4lab/peer ratios, save a "
                     "JSON record and optionally a plot. --host-overhead times the host work "
-                    "of one tiny call instead. On a CPU: say so, print the plan of the run and "
+                    "of one tiny call instead; --decode times a GQA decode and a GQA prefill "
+                    "against the HBM floor. On a CPU: say so, print the plan of the run and "
                     "the latest recorded results, exit 0.")
     p.add_argument("--arch", default="auto", choices=("auto", "sm90", "sm100"),
                    help="the fa4lab kernel to run; auto = the GPU's (default)")
@@ -115,6 +137,27 @@ def add_cli(subparsers) -> None:
     host.add_argument("--repeats", type=int, default=REPEATS,
                       help=f"repeats per provider, the median is reported too (default "
                            f"{REPEATS})")
+    dec = p.add_argument_group(
+        "decode (GQA)", "a GQA decode and a GQA prefill, each provider's time against the HBM "
+                        "floor (the bytes K, V, q and out must move at the copy bandwidth of "
+                        "the same run); fa4lab runs with its default (pack_gqa=None) and as "
+                        f"{UNPACKED} (pack_gqa=False). --head-dim (one value, default "
+                        f"{HEAD_DIM}), --dtype, --peers and the timing options apply")
+    dec.add_argument("--decode", action="store_true",
+                     help="measure the decode and prefill shapes instead of the sweep")
+    dec.add_argument("--batch", type=int, default=DECODE_BATCH,
+                     help=f"decode batch (default {DECODE_BATCH})")
+    dec.add_argument("--seqlen-q", type=int, default=DECODE_SEQLEN_Q,
+                     help=f"decode query tokens per sequence (default {DECODE_SEQLEN_Q})")
+    dec.add_argument("--seqlen-k", type=int, default=DECODE_SEQLEN_K,
+                     help=f"decode K/V length (default {DECODE_SEQLEN_K})")
+    dec.add_argument("--heads-q", type=int, default=HEADS_Q,
+                     help=f"query heads of both shapes (default {HEADS_Q})")
+    dec.add_argument("--heads-kv", type=int, default=HEADS_KV,
+                     help=f"K/V heads of both shapes (default {HEADS_KV})")
+    dec.add_argument("--prefill-seqlen", type=int, default=PREFILL_SEQLEN,
+                     help=f"seqlen of the causal batch-1 GQA prefill (default "
+                          f"{PREFILL_SEQLEN}; 0 leaves it out)")
     p.set_defaults(func=main_args)
 
 
@@ -190,7 +233,33 @@ def recorded_summary(directory=None, *, gpu: str = "H200") -> str:
     return "\n".join(text)
 
 
+# Options that belong to one mode: given to another, they are an error rather than ignored.
+_DECODE_ONLY = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "prefill_seqlen")
+_SWEEP_ONLY = ("seqlen", "causal", "total_tokens", "hidden", "quick", "plot", "no_gemm")
+
+
+def _changed(args, names) -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    defaults = vars(parser.parse_args(["bench"]))
+    return ["--" + n.replace("_", "-") for n in names
+            if getattr(args, n, defaults[n]) != defaults[n]]
+
+
 def main_args(args) -> int:
+    if args.decode:
+        wrong = _changed(args, _SWEEP_ONLY) + (["--host-overhead"] if args.host_overhead
+                                               else [])
+        if wrong:
+            print(f"fa4lab bench --decode: {', '.join(wrong)} do not apply to --decode (its "
+                  f"shapes: --batch, --seqlen-q, --seqlen-k, --heads-q, --heads-kv, "
+                  f"--head-dim, --prefill-seqlen)", file=sys.stderr)
+            return 2
+        return decode_args(args)
+    wrong = _changed(args, _DECODE_ONLY)
+    if wrong:
+        print(f"fa4lab bench: {', '.join(wrong)} apply to --decode only", file=sys.stderr)
+        return 2
     if args.host_overhead:
         return host_overhead_args(args)
     try:
@@ -329,4 +398,96 @@ def host_overhead_args(args) -> int:
     record["first_calls"] = first_calls
     _save(record, args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
+    return 1 if (args.strict and bad) else 0
+
+
+# ---- --decode ----------------------------------------------------------------------------------
+def plan_of_decode(args):
+    """The GQA shapes and provider names `--decode` asks for (errors are ValueError). The
+    sweep's default --head-dim (three values) means the decode's 128; otherwise one value."""
+    head_dims = list(args.head_dim)
+    if head_dims == list(HEAD_DIMS):
+        head_dims = [HEAD_DIM]
+    if len(head_dims) != 1:
+        raise ValueError(f"--decode takes one --head-dim, got {head_dims}")
+    shapes = gqa_shapes(batch=args.batch, seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k,
+                        heads_q=args.heads_q, heads_kv=args.heads_kv, head_dim=head_dims[0],
+                        prefill_seqlen=args.prefill_seqlen, dtype=args.dtype)
+    peers = [p for p in _peers_from(args.peers) if p not in (OURS, UNPACKED)]
+    return shapes, [n for n in DECODE_PROVIDERS if n in (OURS, UNPACKED) or n in peers]
+
+
+def recorded_decode_summary(directory=None) -> str:
+    """The latest decode record as text (what the CPU path prints)."""
+    try:
+        records = load_records(directory, kinds=(DECODE,))
+    except ValueError as err:
+        return f"could not read the recorded results: {err}"
+    rec = latest_record(records)
+    if rec is None:
+        return f"no recorded decode results in {directory or 'benchmarks/'}"
+    return "\n".join([f"latest recorded GQA decode: {Path(rec['path']).name}",
+                      f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "",
+                      format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])])
+
+
+def decode_args(args) -> int:
+    try:
+        shapes, names = plan_of_decode(args)
+    except (ValueError, TypeError) as err:
+        print(f"fa4lab bench --decode: {err}", file=sys.stderr)
+        return 2
+    from fa4lab.environment import gpu
+    from fa4lab.hardware import H200
+
+    g = gpu()
+    if g is None:
+        providers = resolve_providers(names[1:], include_ours=True, arch=None)
+        print("fa4lab bench --decode: no CUDA GPU visible, so nothing is measured here.")
+        print("On a GPU this command would run:")
+        print(describe_decode_run(shapes, providers, hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9))
+        print("(the floors above use the H200 datasheet's bandwidth; the run measures its own)")
+        print()
+        print(recorded_decode_summary(args.records))
+        return 0
+
+    arch = g.arch if args.arch == "auto" else args.arch
+    no_kernel = g.arch is None or arch != g.arch
+    if no_kernel:
+        print(f"fa4lab bench --decode: the GPU is {g.name} (compute capability "
+              f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
+              f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
+              f"the peers are still measured.", file=sys.stderr)
+    providers = resolve_providers(names[1:], include_ours=True, arch=arch)
+    if no_kernel:
+        providers = [Provider(p.name, None, f"no fa4lab kernel for {g.name} with --arch {arch}")
+                     if p.name in (OURS, UNPACKED) else p for p in providers]
+    print(f"fa4lab bench --decode on {g.name}")
+    print(describe_decode_run(shapes, providers))
+    started = time.perf_counter()
+    copy = None
+    try:
+        copy = copy_bandwidth(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        print(f"memory bandwidth (device-to-device copy_ of {copy.nbytes / 2**30:g} GiB, read + "
+              f"write): {copy.gbps:.0f} GB/s")
+    except Exception as err:
+        print(f"memory bandwidth not measured, no HBM floor: {type(err).__name__}: "
+              f"{short_error(err)}", file=sys.stderr)
+    hbm_gbps = copy.gbps if copy else None
+    results = run_decode(shapes, providers, hbm_gbps=hbm_gbps, warmup_ms=args.warmup_ms,
+                         rep_ms=args.rep_ms)
+    wall_s = time.perf_counter() - started
+    print()
+    print(f"measured in {wall_s:.0f} s; first calls (compiles included): "
+          + ", ".join(f"{r.provider} {r.shape} {r.first_call_s:.1f} s" for r in results
+                      if r.first_call_s is not None))
+    print(format_decode_table(results, hbm_gbps=hbm_gbps))
+    config = decode_config(shapes, [p.name for p in providers], copy=copy,
+                           warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, wall_s=wall_s)
+    record = make_decode_record(results, hbm_gbps=hbm_gbps, gpu_name=g.name, arch=arch,
+                                command=command_line(args), config=config, label=args.label)
+    _save(record, args)
+    bad = [r for r in results if r.status in (FAILED, ERROR)]
+    if bad:
+        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
     return 1 if (args.strict and bad) else 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fa4lab.bench.records import package_version
-from fa4lab.bench.sweep import OURS, PEERS, PROVIDERS
+from fa4lab.bench.sweep import OURS, PEERS, PROVIDERS, UNPACKED
 
 Runner = Callable[..., Any]
 
@@ -45,7 +45,10 @@ def short_error(err: BaseException, limit: int = 300) -> str:
 # that layout, made once per shape outside the timed region (`to_bhsd`), so no backend pays
 # for a layout it would not see in a model, and none can refuse the strides of a transposed
 # view. seqlen_q == seqlen_k in the sweep, so SDPA's is_causal=True (top-left aligned) is the
-# same mask as fa4lab's bottom-right rule.
+# same mask as fa4lab's bottom-right rule. With GQA (fewer K/V heads than query heads, as in
+# `fa4lab bench --decode`) the runner passes enable_gqa=True, as `fa4lab.api.sdpa_same_dtype`
+# does, so K/V stay at their own head count (a backend that cannot take that raises, and the
+# bench reports it); K/V are never expanded, which would move more bytes than a model does.
 def to_bhsd(q, k, v):
     """(batch, seqlen, heads, d) -> contiguous (batch, heads, seqlen, d) copies, for SDPA."""
     return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -65,36 +68,44 @@ def sdpa_runner(backend_name: str, *, layout: str = "bshd") -> Runner:
         raise ValueError(f"layout {layout!r}: 'bshd' or 'bhsd'")
     views = layout == "bshd"
 
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
     def run(q, k, v, causal, softmax_scale):
         if views:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError("SDPA's is_causal is top-left aligned: with seqlen_q != seqlen_k "
+                             "it is not fa4lab's bottom-right causal mask")
+        # enable_gqa only where heads differ: the sweep's calls stay as they were
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
         with sdpa_kernel([backend]):
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                 scale=softmax_scale)
+            o = sdpa(q, k, v, is_causal=causal, scale=softmax_scale, **gqa)
         return o.transpose(1, 2)
 
     return run
 
 
-def fa4lab_runner() -> Runner:
+def fa4lab_runner(pack_gqa: bool | None = None) -> Runner:
     """`fa4lab.attention`, refusing its float64 fallback: where no kernel runs, `attention`
     computes the reference (with a SlowReferenceWarning), which must never be timed as fa4lab.
     The warning is an error on the first call (the check call); later calls take the same
-    dispatch, so they pay no extra cost."""
+    dispatch, so they pay no extra cost. pack_gqa None: attention's own default (it chooses);
+    True / False: passed on (the `fa4lab-unpacked` provider is pack_gqa=False)."""
     import warnings
 
     from fa4lab.api import SlowReferenceWarning, attention
 
     first = [True]
+    kw = {} if pack_gqa is None else {"pack_gqa": bool(pack_gqa)}
 
     def run(q, k, v, causal, softmax_scale):
         if first[0]:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", SlowReferenceWarning)
-                out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+                out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kw)
             first[0] = False
         else:
-            out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kw)
         return out[0] if isinstance(out, tuple) else out
 
     return run
@@ -127,12 +138,13 @@ def fa4_runner() -> Runner:
 def resolve_providers(names: Sequence[str], *, arch: str | None = None,
                       include_ours: bool = True) -> list[Provider]:
     """Providers by name, each with a runner or the reason it is missing (never dropped).
-    fa4lab's runner is `fa4lab.attention`, which picks its kernel from the tensors' device;
-    `arch` is accepted for callers that know it and changes nothing here."""
+    fa4lab's runner is `fa4lab.attention`, which picks its kernel from the tensors' device
+    (`fa4lab-unpacked`: the same with pack_gqa=False); `arch` is accepted for callers that
+    know it and changes nothing here."""
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
-        raise ValueError(f"unknown provider(s) {unknown}: choose from {list(PEERS)} "
-                         f"(fa4lab itself is always measured)")
+        raise ValueError(f"unknown provider(s) {unknown}: choose from {list(PEERS)} or "
+                         f"{UNPACKED!r} (fa4lab itself is always measured)")
     names = ([OURS] if include_ours else []) + [n for n in names if n != OURS]
     from fa4lab.environment import gpu
 
@@ -152,6 +164,8 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
                 runner = sdpa_runner("CUDNN_ATTENTION", layout="bhsd")
             elif name == "fa4":
                 runner = fa4_runner()
+            elif name == UNPACKED:
+                runner = fa4lab_runner(pack_gqa=False)
             else:
                 runner = fa4lab_runner()
             prepare = to_bhsd if name.startswith("sdpa-") else None

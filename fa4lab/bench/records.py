@@ -1,9 +1,11 @@
 """Bench records: one JSON file per run in `benchmarks/`, its schema, and what it says.
 
-Two families of record share the header (schema, kind, label, date, gpu, commit, versions,
+Three families of record share the header (schema, kind, label, date, gpu, commit, versions,
 command, config): throughput records ("measured", "reference-peers") hold one `Result` per
 (provider, shape) and the GEMM ceiling; "host-overhead" records hold one `HostResult` per
-provider. The format is described in benchmarks/README.md.
+provider; "decode" records (`fa4lab bench --decode`) hold one `DecodeResult` per (provider,
+shape) and the memory bandwidth the HBM floor was computed from. The format is described in
+benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
 planner's report can read records without an import cycle.
@@ -29,8 +31,9 @@ STATUSES = (OK, FAILED, ERROR, MISSING)
 
 SCHEMA = "fa4lab.bench/1"
 HOST_OVERHEAD = "host-overhead"
+DECODE = "decode"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD,)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _REPO = BENCHMARKS_DIR.parent
@@ -96,6 +99,43 @@ class HostResult:
         return _from_dict(cls, d, ("provider", "status"))
 
 
+@dataclass
+class DecodeResult:
+    """One provider on one GQA shape of `fa4lab bench --decode`. The times and rates are None
+    unless status == 'ok'; x_floor also when no bandwidth was measured."""
+
+    provider: str
+    shape: str              # "decode" or "prefill": which of the mode's shapes
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    dtype: str = "bf16"
+    status: str = OK
+    us: float | None = None          # median microseconds per call
+    x_floor: float | None = None     # us / floor_us: 1.0 is the HBM floor
+    floor_us: float | None = None    # hbm_bytes at the run's measured bandwidth
+    hbm_bytes: int | None = None     # bytes the call must move: K and V once, q and out
+    gbps: float | None = None        # hbm_bytes / us, GB/s (1e9 bytes)
+    tflops: float | None = None      # AttentionSpec.flops() / us
+    max_err: float | None = None     # the check before timing, as in Result
+    tol: float | None = None
+    first_call_s: float | None = None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DecodeResult:
+        return _from_dict(cls, d, ("provider", "shape", "batch", "seqlen_q", "seqlen_k",
+                                   "heads_q", "heads_kv", "head_dim", "causal", "status"))
+
+
 def _from_dict(cls, d: dict, required: tuple[str, ...]):
     if not isinstance(d, dict):
         raise ValueError(f"a result is a JSON object, got {d!r}")
@@ -108,15 +148,18 @@ def _from_dict(cls, d: dict, required: tuple[str, ...]):
 
 REQUIRED_RECORD_KEYS = ("schema", "kind", "label", "date", "gpu", "commit", "versions", "command",
                         "config", "gemm_tflops", "results")
-# A host-overhead run measures no GEMM ceiling.
+# A host-overhead run measures no GEMM ceiling; a decode run measures the memory bandwidth
+# instead (hbm_gbps: GB/s of a device-to-device copy, read + write; null if not measured).
 HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
+DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
 
 
 def validate_record(record: dict) -> dict:
     """Check a record's keys and values; return it. A bad record is a ValueError naming why."""
     if not isinstance(record, dict):
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
-    required = HOST_RECORD_KEYS if record.get("kind") == HOST_OVERHEAD else REQUIRED_RECORD_KEYS
+    required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS}.get(
+        record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
         raise ValueError(f"bench record lacks {missing} (see benchmarks/README.md, 'Record "
@@ -131,6 +174,12 @@ def validate_record(record: dict) -> dict:
             if res.status == OK and (res.mean_us is None or not res.mean_us > 0):
                 raise ValueError(f"result {r} has status ok but no positive mean_us")
         return record
+    if record["kind"] == DECODE:
+        for r in record["results"]:
+            res = DecodeResult.from_dict(r)
+            if res.status == OK and (res.us is None or not res.us > 0):
+                raise ValueError(f"result {r} has status ok but no positive us")
+        return record
     for r in record["results"]:
         res = Result.from_dict(r)
         if res.status == OK and (res.tflops is None or not res.tflops > 0):
@@ -143,14 +192,27 @@ def results_of(record: dict) -> list[Result]:
     if record.get("kind") == HOST_OVERHEAD:
         raise ValueError("a host-overhead record holds host times, not throughput: read it "
                          "with host_results_of")
+    if record.get("kind") == DECODE:
+        raise ValueError("a decode record holds GQA shapes against the HBM floor, not the "
+                         "sweep: read it with decode_results_of")
     return [Result.from_dict(r) for r in record["results"]]
 
 
 def host_results_of(record: dict) -> list[HostResult]:
     if record.get("kind") != HOST_OVERHEAD:
-        raise ValueError(f"a {record.get('kind')!r} record holds throughput: read it with "
-                         f"results_of")
+        reader = "decode_results_of" if record.get("kind") == DECODE else "results_of"
+        raise ValueError(f"a {record.get('kind')!r} record holds no host times: read it with "
+                         f"{reader}")
     return [HostResult.from_dict(r) for r in record["results"]]
+
+
+def decode_results_of(record: dict) -> list[DecodeResult]:
+    """The results of a "decode" record (`fa4lab bench --decode`)."""
+    if record.get("kind") != DECODE:
+        reader = "host_results_of" if record.get("kind") == HOST_OVERHEAD else "results_of"
+        raise ValueError(f"a {record.get('kind')!r} record holds no decode results: read it "
+                         f"with {reader}")
+    return [DecodeResult.from_dict(r) for r in record["results"]]
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -212,8 +274,11 @@ def latest_record(records: Sequence[dict], *, gpu: str | None = None,
 
 
 def _any_results(record: dict):
-    return (host_results_of(record) if record["kind"] == HOST_OVERHEAD
-            else results_of(record))
+    if record["kind"] == HOST_OVERHEAD:
+        return host_results_of(record)
+    if record["kind"] == DECODE:
+        return decode_results_of(record)
+    return results_of(record)
 
 
 # ---- record metadata -------------------------------------------------------------------------
@@ -297,9 +362,10 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
-    Throughput records carry no kind in the name; host-overhead ones end in _host-overhead."""
+    Throughput records carry no kind in the name; host-overhead ones end in _host-overhead,
+    decode ones in _decode."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")
-    suffix = f"_{HOST_OVERHEAD}" if record["kind"] == HOST_OVERHEAD else ""
+    suffix = f"_{record['kind']}" if record["kind"] in (HOST_OVERHEAD, DECODE) else ""
     return BENCHMARKS_DIR / f"{record['date']}_{gpu}_{commit}_{stamp}{suffix}.json"

@@ -25,10 +25,14 @@ SUPPORTED_HEAD_DIMS = ALL_HEAD_DIMS
 
 # ---- providers ------------------------------------------------------------------------------
 OURS = "fa4lab"
+# fa4lab with pack_gqa=False: `--decode` measures it beside fa4lab's default (which packs the
+# query heads of a KV head when GQA allows it); the sweep has no GQA, so it never runs there.
+UNPACKED = "fa4lab-unpacked"
 PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
-PROVIDERS = (OURS,) + PEERS
+PROVIDERS = (OURS, UNPACKED) + PEERS
 PROVIDER_LABELS = {
     OURS: "fa4lab",
+    UNPACKED: "fa4lab, pack_gqa=False",
     "sdpa-flash": "PyTorch SDPA (flash)",
     "sdpa-cudnn": "PyTorch SDPA (cuDNN)",
     "fa4": "upstream FA4 (flash-attn-4)",
