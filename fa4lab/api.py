@@ -15,10 +15,14 @@ Dispatch:
 
 Pack-GQA folds the query heads that share a KV head into one CTA's rows, so K/V are read once
 per group (decode and short seqlen_q gain most). By default (`pack_gqa=None`) it is on whenever
-heads_q / heads_kv > 1 divides the Q tile's rows (64 on Hopper, 128 on the B200:
-`fa4lab.limits.pack_gqa_default`), as upstream FA4 chooses; `pack_gqa=True` / `False` force it
+heads_q / heads_kv > 1 divides the Q tile's rows (64 on Hopper, 128 on the B200) and packing
+takes fewer Q tiles than not (`fa4lab.limits.pack_gqa_default`); `pack_gqa=True` / `False` force it
 (True with a ratio that does not divide the tile raises PlanError). The B200 packed kernel is
 compiled and audited but not yet run on a B200. The reference ignores it.
+
+`softcap=c > 0` caps the scores as Gemma 2 does: s -> c * tanh(s / c) on s = softmax_scale * q.k,
+before the softmax (0, the default, is off; Note [softcap] in `fa4lab.kernels.device.softmax`).
+The argument names are upstream FA4's `flash_attn_func`'s where the meaning is the same.
 
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
 `fa4lab.spec.check_inputs`). Inputs that require grad raise `GradientNotSupportedError` while
@@ -73,30 +77,32 @@ def _grad_error() -> GradientNotSupportedError:
         "torch.no_grad() / torch.inference_mode(), or pass q.detach(), k.detach(), v.detach().")
 
 
-def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None):
+def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
+             softcap: float = 0.0):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch)
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap)
     if arch is not None:
-        return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa)
-    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
+                              softcap)
+    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap)
     return out, (lse if return_lse else None)
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: float | None, return_lse: bool,
-                      pack_gqa: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      pack_gqa: bool | None, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
-    out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa)
+    out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa):
+def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap):
     check_qkv_shapes(q, k, v)
     b, sq, hq, _ = q.shape
     lse_shape = (b, hq, sq) if return_lse else (0,)
@@ -121,7 +127,7 @@ def _intercepted(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, pack_gqa: bool | None = None):
+              return_lse: bool = False, pack_gqa: bool | None = None, softcap: float = 0.0):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
@@ -130,13 +136,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     causal, return_lse = bool(causal), bool(return_lse)
     if _intercepted(q, k, v):
         scale = None if softmax_scale is None else float(softmax_scale)
-        out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa)
+        out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
+                                     float(softcap))
     else:
-        out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa)
+        out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap)
     return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, *, causal, softmax_scale):
+def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0):
     from fa4lab.reference import attention_reference
 
     where = f"CUDA device {q.device} (compute capability " \
@@ -146,7 +153,7 @@ def _reference(q, k, v, *, causal, softmax_scale):
         f"instead (correct, but orders of magnitude slower). The kernels run on Hopper "
         f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=4)
     out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                   return_lse=True)
+                                   return_lse=True, softcap=softcap)
     return out.to(q.dtype), lse.to(torch.float32)
 
 

@@ -42,19 +42,41 @@ def output_ulp_atol(v, dtype: str) -> float:
     return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - mantissa))
 
 
-def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, **kernel_options):
-    """Run `attn(q, k, v, ..., **kernel_options)` twice and hold it to the rule above."""
+def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0):
+    """Attention in eager PyTorch in the inputs' 16-bit dtype, for the options SDPA lacks (a
+    softcap): scores, cap, softmax and P V each rounded to q.dtype, as a straightforward
+    PyTorch implementation would; bottom-right causal; rows that see no key come out NaN."""
+    sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2) for x in (k, v))
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2)
+
+
+def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softcap=0.0,
+                 **kernel_options):
+    """Run `attn(q, k, v, ..., **kernel_options)` twice and hold it to the rule above (with a
+    softcap, against `torch_same_dtype`'s error: SDPA cannot cap)."""
     from fa4lab.api import sdpa_same_dtype
     from fa4lab.reference import attention_reference
 
+    capped = {"softcap": softcap} if softcap else {}
+
     def run():
         return attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                    **kernel_options)
+                    **capped, **kernel_options)
 
     (out, lse), (out2, lse2) = run(), run()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                       return_lse=True)
+                                       return_lse=True, softcap=softcap)
     assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -65,7 +87,11 @@ def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, **kern
     assert (lse[~seen] == -math.inf).all(), "a row that sees no key must have LSE -inf"
     if not seen.any():
         return
-    pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    if softcap:
+        pt = torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                              softcap=softcap)
+    else:
+        pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale)
     err = (out.double() - ref)[seen_rows].abs().max().item()
     pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
     assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"

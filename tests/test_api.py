@@ -46,6 +46,23 @@ def test_cpu_bf16_and_scale(rng):
     assert (out.double() - ref).abs().max() < 2e-2  # one bf16 rounding of values ~1
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_softcap_is_the_reference_s(rng, causal):
+    """softcap (upstream FA4's name and meaning) reaches the reference on a CPU; a cap changes
+    the answer, and a bad one raises before anything runs."""
+    q, k, v = _qkv(rng, sq=17, sk=9)
+    q = q * 8  # scores well past the cap
+    with pytest.warns(SlowReferenceWarning):
+        out, lse = fa4lab.attention(q, k, v, causal=causal, softcap=3.0, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softcap=3.0, return_lse=True)
+    np.testing.assert_allclose(out.double().numpy(), ref.numpy(), atol=1e-6)
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), atol=1e-5)
+    plain = attention_reference(q, k, v, causal=causal)
+    assert (ref - plain).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="softcap"):
+        fa4lab.attention(q, k, v, softcap=-1.0)
+
+
 @pytest.mark.parametrize("make, exc, words", [
     (lambda q, k, v: (q[0], k, v), ValueError, "expected 4 dims"),
     (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "batch"),

@@ -81,10 +81,11 @@ def test_opcheck(gen):
     """Schema, fake implementation, autograd registration and AOT dispatch of the op."""
     op = torch.ops.fa4lab.attention_forward.default
     q, k, v = _qkv(gen)
-    torch.library.opcheck(op, (q, k, v, True, None, True, False))
-    torch.library.opcheck(op, (q, k, v, False, 0.3, False, False))
+    torch.library.opcheck(op, (q, k, v, True, None, True, False, 0.0))
+    torch.library.opcheck(op, (q, k, v, False, 0.3, False, None, 0.0))
+    torch.library.opcheck(op, (q, k, v, True, None, True, None, 5.0))   # softcap
     q1, k1, v1 = _qkv(gen, sq=1, sk=1, hq=2, hkv=1)  # seqlen 1
-    torch.library.opcheck(op, (q1, k1, v1, True, None, True, False))
+    torch.library.opcheck(op, (q1, k1, v1, True, None, True, False, 0.0))
 
 
 def test_the_block_with_fa4lab_matches_sdpa(gen):
@@ -153,7 +154,7 @@ def test_the_op_itself_never_drops_a_gradient(gen):
     """Called directly (no wrapper check), the output keeps a grad_fn whose backward raises."""
     q, k, v = _qkv(gen)
     q.requires_grad_()
-    out, _ = torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False)
+    out, _ = torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
     assert out.requires_grad and out.grad_fn is not None
     with pytest.raises(GradientNotSupportedError):
         out.sum().backward()
@@ -161,9 +162,9 @@ def test_the_op_itself_never_drops_a_gradient(gen):
 
 def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
     q, k, v = _qkv(gen)
-    out, lse = torch.ops.fa4lab.attention_forward(q, k, v, True, None, False, False)
+    out, lse = torch.ops.fa4lab.attention_forward(q, k, v, True, None, False, False, 0.0)
     assert lse.numel() == 0 and out.shape == q.shape
-    out2, lse2 = torch.ops.fa4lab.attention_forward(q, k, v, True, None, True, False)
+    out2, lse2 = torch.ops.fa4lab.attention_forward(q, k, v, True, None, True, False, 0.0)
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(lse2.double(), ref_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out, out2)

@@ -32,13 +32,16 @@ SUBSET = [
     (64, False, 1, True, "fp16"),
 ]
 MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL
+# The options beyond the matrix, each on two configurations: softcap (a cap value; its value is
+# a runtime argument, so one compile serves every cap).
+OPTIONS = [(128, True, 4, True, "bf16", 30.0), (64, False, 1, False, "fp16", 5.0)]
 
 _compiled = {}
 
 
-def _spec(head_dim, causal, gqa, lse, dtype):
+def _spec(head_dim, causal, gqa, lse, dtype, softcap=0.0):
     return AttentionSpec(2, 300, 700, 8, 8 // gqa, head_dim, dtype=dtype, causal=causal,
-                         return_lse=lse)
+                         return_lse=lse, softcap=softcap)
 
 
 def _compile(config, tmp_path_factory):
@@ -50,10 +53,15 @@ def _compile(config, tmp_path_factory):
     return _compiled[config]
 
 
+def _config_id(c):
+    return "hd{}-{}-gqa{}-{}-{}".format(c[0], "causal" if c[1] else "full", c[2],
+                                        "lse" if c[3] else "nolse", c[4]) + (
+        f"-softcap{c[5]:g}" if len(c) > 5 else "")
+
+
 @pytest.mark.slow
 @pytest.mark.compile
-@pytest.mark.parametrize("config", MATRIX, ids=lambda c: "hd{}-{}-gqa{}-{}-{}".format(
-    c[0], "causal" if c[1] else "full", c[2], "lse" if c[3] else "nolse", c[4]))
+@pytest.mark.parametrize("config", MATRIX + OPTIONS, ids=_config_id)
 def test_compiles_and_passes_audit(config, tmp_path_factory):
     cf = _compile(config, tmp_path_factory)
     assert cf.ptx_path.stat().st_size > 0 and cf.cubin_path.stat().st_size > 0

@@ -86,19 +86,28 @@ def test_kernel_key_tells_packed_from_unpacked():
     one = spec(hq=4, hkv=4)  # nothing to pack: one kernel
     assert key(one, "sm90", True) == key(one, "sm90")
     # pack_gqa=None (the API's default) is limits.pack_gqa_default: pack a ratio that divides
-    # the Q tile's rows (64 on sm90, 128 on sm100), else not.
+    # the Q tile's rows (64 on sm90) when that takes fewer tiles (here 8 rows: 1 tile, not 4).
     assert key(s, "sm90", None) == key(s, "sm90", True) == key(s, "sm90", None)
     odd = spec(hq=6, hkv=2)
     assert key(odd, "sm90", None) == key(odd, "sm90", False)
     assert key(one, "sm90", None) == key(one, "sm90", False)
 
 
-def test_pack_gqa_default_follows_the_q_tile():
+def test_pack_gqa_default_packs_when_it_takes_fewer_tiles():
     from fa4lab.limits import Q_TILE_ROWS, pack_gqa_default
 
+    def tiles(sq, g, rows, packed):  # Q tiles the CTAs of one KV head compute, by enumeration
+        if packed:
+            return len({r // rows for r in range(sq * g)})
+        return sum(len({i // rows for i in range(sq)}) for _ in range(g))
+
     for arch, rows in Q_TILE_ROWS.items():
-        assert [g for g in range(1, 200) if pack_gqa_default(arch, g)] == \
-            [g for g in range(2, 200) if rows % g == 0]
+        for g in range(1, 20):
+            for sq in (1, 2, 7, rows // 2, rows - 1, rows, rows + 1, 3 * rows, 1000):
+                want = (g > 1 and rows % g == 0
+                        and tiles(sq, g, rows, True) < tiles(sq, g, rows, False))
+                assert pack_gqa_default(arch, g, sq) == want, (arch, g, sq)
+        assert pack_gqa_default(arch, 4, 1) and not pack_gqa_default(arch, 4, 8192)
         assert plan_forward(spec(), arch).tiles.m_block == rows   # the plans' tile, said once
 
 

@@ -306,9 +306,9 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
 
     calls, checked = [], []
 
-    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa):
+    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa, softcap):
         calls.append(dict(arch=arch, causal=causal, softmax_scale=softmax_scale,
-                          return_lse=return_lse, pack_gqa=pack_gqa))
+                          return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap))
         return q, None
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
@@ -317,8 +317,8 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
     monkeypatch.setattr(launch, "forward", forward)
     monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: checked.append(kw["arch"]))
-    for pack in (True, False):
-        fa4lab.attention(q, k, v, causal=True, pack_gqa=pack)
+    for pack in (True, False, None):
+        fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0)
         assert calls[-1] == dict(arch="sm100", causal=True, softmax_scale=None,
-                                 return_lse=False, pack_gqa=pack)
-    assert checked == ["sm100", "sm100"]
+                                 return_lse=False, pack_gqa=pack, softcap=2.0)
+    assert checked == ["sm100", "sm100", "sm100"]

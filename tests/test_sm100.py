@@ -113,8 +113,9 @@ def test_pack_gqa(head_dim, causal, gqa):
 
 
 def test_pack_gqa_is_chosen_by_default():
-    """pack_gqa=None packs a GQA ratio that divides the 128-row Q tile (the same kernel as
-    pack_gqa=True, bit for bit) and not one that does not (the unpacked kernel)."""
+    """pack_gqa=None packs a GQA ratio that divides the 128-row Q tile when that takes fewer
+    tiles (decode: the same kernel as pack_gqa=True, bit for bit), and not a ratio that does
+    not divide it, nor a long prompt (the unpacked kernel)."""
     import fa4lab
     from fa4lab.kernels.fwd_sm100 import attention_sm100
 
@@ -123,6 +124,8 @@ def test_pack_gqa_is_chosen_by_default():
     q, k, v = _inputs(2, 5, 700, 6, 2, 128, torch.bfloat16, seed=13)
     assert torch.equal(fa4lab.attention(q, k, v), attention_sm100(q, k, v, pack_gqa=False))
     _check(q, k, v, causal=True, pack_gqa=None)
+    q, k, v = _inputs(1, 1280, 700, 8, 2, 128, torch.bfloat16, seed=14)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm100(q, k, v, pack_gqa=False))
 
 
 def test_pack_gqa_through_fa4lab_attention():

@@ -17,7 +17,8 @@ Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is on
   seqlen_q > seqlen_k has fully masked rows); (4097, 4097) only at head_dim 128;
 * fp16: head_dim {64, 128, 256} x causal, GQA 2, the same seqlen pairs;
 * logits of magnitude 1e4 (q scaled), both dtypes; a custom softmax_scale; new scales that
-  must not recompile; return_lse=False;
+  must not recompile; softcap (its own yardstick: PyTorch eager in bf16, as SDPA cannot cap);
+  return_lse=False;
   q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching;
 * pack-GQA (`pack_gqa=True`): head_dim {64, 128} x causal x GQA ratio {2, 8}, seqlen pairs
   (1, 1000), (17, 1000), (1000, 17), (1000, 4097), held to the same rule (its summation order
@@ -161,9 +162,30 @@ def test_pack_gqa(head_dim, causal, gqa):
         _check_packed(q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_softcap(head_dim, causal):
+    """Gemma-2 capping (Note [softcap]): tails both ways, fully masked rows (causal, sq > sk),
+    GQA packed and not, a strong cap and a loose one, logits far past the cap; the cap's value
+    and the scale are runtime arguments, so all of it is one compile per flag set."""
+    from fa4lab.kernels import launch
+
+    for i, (sq, sk) in enumerate([(17, 1000), (1000, 17), (333, 777)]):
+        q, k, v = _inputs(2, sq, sk, 4, 2, head_dim, torch.bfloat16, seed=300 + i)
+        _check(q, k, v, causal=causal, softcap=30.0)
+        if i == 0:
+            before = launch.stats()["misses"]
+        _check(q, k, v, causal=causal, softcap=2.0, softmax_scale=0.2)
+        _check(q, k, v, causal=causal, softcap=30.0, pack_gqa=True)
+    q, k, v = _inputs(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=399, q_scale=100.0)
+    _check(q, k, v, causal=causal, softcap=10.0)
+    assert launch.stats()["misses"] == before + 1, "a new cap or scale value recompiled"
+
+
 def test_pack_gqa_is_chosen_by_default():
-    """pack_gqa=None packs a GQA ratio that divides the 64-row Q tile (the same kernel as
-    pack_gqa=True, bit for bit) and not one that does not (the unpacked kernel)."""
+    """pack_gqa=None packs a GQA ratio that divides the 64-row Q tile when that takes fewer
+    tiles (decode: the same kernel as pack_gqa=True, bit for bit), and not a ratio that does
+    not divide it, nor a long prompt (the unpacked kernel)."""
     import fa4lab
     from fa4lab.kernels.fwd_sm90 import attention_sm90
 
@@ -172,6 +194,8 @@ def test_pack_gqa_is_chosen_by_default():
     q, k, v = _inputs(2, 5, 700, 6, 2, 128, torch.bfloat16, seed=13)
     assert torch.equal(fa4lab.attention(q, k, v), attention_sm90(q, k, v, pack_gqa=False))
     _check(q, k, v, causal=True, pack_gqa=None)
+    q, k, v = _inputs(1, 640, 700, 8, 2, 128, torch.bfloat16, seed=14)
+    assert torch.equal(fa4lab.attention(q, k, v), attention_sm90(q, k, v, pack_gqa=False))
 
 
 def test_pack_gqa_through_fa4lab_attention():

@@ -82,6 +82,20 @@ def test_compiles_for_sm90a(head_dim, causal, tmp_path):
     assert isinstance(cf.kernel, FlashForwardSm90) and cf.seconds > 0
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_softcap_compiles_for_sm90a(head_dim, causal, tmp_path):
+    """With softcap (Note [softcap]): the same audit, the cap's tanh included."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 300, 700, 8, 2, head_dim, causal=causal, return_lse=True,
+                         softcap=30.0)
+    cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
+    assert "tanh.approx.f32" in cf.ptx_path.read_text()
+
+
 def test_port_table_reads_the_plans():
     pytest.importorskip("cutlass")
     from fa4lab.kernels.fwd_sm90 import port_table

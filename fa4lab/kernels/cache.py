@@ -96,13 +96,15 @@ def digest(text: str) -> str:
 
 def plan_key(plan) -> str:
     """The key of `plan`'s kernel: the plan without what the kernel takes at run time (batch,
-    sequence lengths, head counts and the softmax scale: Note [runtime scale] in
-    fa4lab.kernels.compile)."""
+    sequence lengths, head counts, the softmax scale and the cap's value: Note [runtime scale]
+    in fa4lab.kernels.compile)."""
     d = plan.to_dict()
     spec = d["spec"]
-    for size in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "softmax_scale"):
+    for size in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "softmax_scale",
+                 "softcap"):
         spec.pop(size, None)
     spec["qhead_per_kvhead"] = plan.spec.qhead_per_kvhead
+    spec["capped"] = bool(plan.spec.softcap)
     d.pop("derived", None)
     return "plan-" + digest(json.dumps(d, sort_keys=True, default=str))
 

@@ -44,10 +44,11 @@ LOG2E = math.log2(math.e)
 
 # Note [runtime scale]
 # The softmax scale is an argument of the compiled function, not a constant of the kernel:
-# callers pass scale_log2 = softmax_scale * log2(e) (`scale_log2_of`), after lse. A kernel
-# parameter lives in the constant bank, so the FFMA that scales a score reads it as an operand
-# and it costs no register; a new scale costs no compile (the launch key and the disk cache key
-# hold no scale, and the plans are built with the default one).
+# callers pass scale_log2 = softmax_scale * log2(e) and pre_scale (1, or softmax_scale / softcap
+# with a softcap: Note [softcap] in fa4lab.kernels.device.softmax) after lse (`scale_args`). A
+# kernel parameter lives in the constant bank, so the FFMA that scales a score reads it as an
+# operand and it costs no register; a new scale or cap value costs no compile (the launch key
+# and the disk cache key hold neither, and the plans are built with the default scale).
 
 
 def normalize_arch(arch: str) -> str:
@@ -96,13 +97,13 @@ def target_arch(arch: str):
 
 
 def fake_args(spec: AttentionSpec):
-    """Fake q, k, v, out, lse, scale_log2 and the stream placeholder: the kernels' contract.
+    """Fake q, k, v, out, lse, scale_log2, pre_scale and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
     and tensors are 16-byte aligned (lse: 4). 64-bit strides keep tensors of more than 2^31
-    elements addressable. lse is None when the spec does not return it; scale_log2 is a runtime
-    float (Note [runtime scale]).
+    elements addressable. lse is None when the spec does not return it; scale_log2 and pre_scale
+    are runtime floats (Note [runtime scale]).
     """
     import cutlass
     import cutlass.cute as cute
@@ -121,22 +122,27 @@ def fake_args(spec: AttentionSpec):
     if spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    return [q, k, v, o, lse, cutlass.Float32(spec.scale_log2),
+    scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap)
+    return [q, k, v, o, lse, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
-def scale_log2_of(softmax_scale: float | None, head_dim: int) -> float:
-    """The compiled functions' scale argument: softmax_scale (default 1/sqrt(head_dim)) times
-    log2(e) (Note [runtime scale])."""
-    return resolve_scale(softmax_scale, head_dim) * LOG2E
+def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0):
+    """The compiled functions' (scale_log2, pre_scale) arguments (Note [runtime scale]):
+    softmax_scale (default 1/sqrt(head_dim)) times log2(e) and 1; with a softcap c, c * log2(e)
+    and softmax_scale / c (Note [softcap] in fa4lab.kernels.device.softmax)."""
+    scale = resolve_scale(softmax_scale, head_dim)
+    if softcap:
+        return softcap * LOG2E, scale / softcap
+    return scale * LOG2E, 1.0
 
 
 def compile_plan(plan, *, options: str = "", mutation=None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
-    The compiled function takes torch tensors (q, k, v, out, lse or None) and scale_log2 (Note
-    [runtime scale]) and launches on the current stream (Note [TVM-FFI launch]); it can be
-    exported with `export_to_c`.
+    The compiled function takes torch tensors (q, k, v, out, lse or None), scale_log2 and
+    pre_scale (Note [runtime scale]) and launches on the current stream (Note [TVM-FFI
+    launch]); it can be exported with `export_to_c`.
     """
     import cutlass.cute as cute
 
@@ -190,7 +196,7 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     """e.g. "sm100a-hd128-causal-gqa4-lse-bf16": what a compiled kernel bakes in."""
     s = spec
     return (f"{arch}-hd{s.head_dim}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
-            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}")
+            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:

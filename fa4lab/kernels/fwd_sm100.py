@@ -168,6 +168,7 @@ class FlashForwardSm100:
         self.registers = {name: r.registers for name, r in roles.items()}
         self.threads_per_cta = plan.threads_per_cta
         self.rescale_threshold = plan.rescale_threshold
+        self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.
@@ -193,6 +194,7 @@ class FlashForwardSm100:
         mO: cute.Tensor,  # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) float32
         scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
+        pre_scale: Float32,   # softmax_scale / softcap when capped (Note [softcap]), else unused
         stream: cuda.CUstream,
     ):
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
@@ -253,8 +255,8 @@ class FlashForwardSm100:
                                     cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_O, tma_O, mLSE, scale_log2, sQ_layout, sK_layout, tP_layout, sV_layout,
-            sO_layout,
+            tma_atom_O, tma_O, mLSE, scale_log2, pre_scale, sQ_layout, sK_layout, tP_layout,
+            sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -275,6 +277,7 @@ class FlashForwardSm100:
         mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
         scale_log2: Float32,
+        pre_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -342,7 +345,7 @@ class FlashForwardSm100:
                 tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
                 self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
                              m_block, self.n_block_max(m_block, seqlen_q, seqlen_k),
-                             seqlen_q, seqlen_k, scale_log2)
+                             seqlen_q, seqlen_k, scale_log2, pre_scale)
                 self.sites.bar_arrive(f"softmax{stage}", "tmem")
         # ---------------------------------------------------------------- correction
         warps = self.correction_warps
@@ -565,7 +568,8 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k, scale_log2: Float32):
+                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k, scale_log2: Float32,
+                pre_scale: Float32):
         """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, blocks high to low.
 
         Masked blocks (causal diagonal or the seqlen_k tail) first, with the mask; then the
@@ -610,7 +614,7 @@ class FlashForwardSm100:
         s_phase = Int32(0)
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, limit, scale_log2)
+                pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale)
         for i in cutlass.range(n_block_max - mask_min, unroll=1):
             row_max, row_sum, s_phase, stats_phase = self.softmax_step(
                 n_block_max - 1 - i, True, row_max, row_sum, s_phase, stats_phase, *step)
@@ -632,13 +636,15 @@ class FlashForwardSm100:
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
                      sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
-                     scale_log2: Float32):
+                     scale_log2: Float32, pre_scale: Float32):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
         s_state = _phase_state(self.q_stage, stage, s_phase)
         role = f"softmax{stage}"
         self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=stage)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
+        if cutlass.const_expr(self.softcap):  # before the mask: Note [softcap]
+            softmax_mod.softcap_row(tSrS, pre_scale)
         if cutlass.const_expr(mask):
             mask_mod.mask_row(tSrS, tScS_t2r, limit - n_block * self.n_block)
         block_max = tSrS[0]
@@ -818,7 +824,7 @@ class FlashForwardSm100:
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                    pack_gqa=None):
+                    pack_gqa=None, softcap=0.0):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim), bf16 or
@@ -830,4 +836,4 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa)
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap)

@@ -61,7 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
-from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows, store_lse
+from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows, softcap_row, store_lse
 from fa4lab.kernels.protocol import Sites
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
@@ -175,6 +175,7 @@ class FlashForwardSm90:
             raise ValueError(f"pack-GQA needs qhead_per_kvhead ({self.pack}) to divide m_block "
                              f"({self.m_block})")
         self.rescale_threshold = float(plan.rescale_threshold)
+        self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
@@ -209,6 +210,7 @@ class FlashForwardSm90:
         mO: cute.Tensor,    # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) fp32
         scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
+        pre_scale: Float32,   # softmax_scale / softcap when capped (Note [softcap]), else unused
         stream: cuda.CUstream,
     ):
         dtype = self.dtype = mQ.element_type
@@ -265,7 +267,7 @@ class FlashForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
+            scale_log2, pre_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -281,6 +283,7 @@ class FlashForwardSm90:
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
         scale_log2: Float32,
+        pre_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -321,8 +324,14 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                          mbar_q, pipeline_k, pipeline_v,
-                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]), scale_log2)
+                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]), scale_log2, pre_scale)
         self.sites.finish()
+
+    @cute.jit
+    def softcap_scores(self, acc_S: cute.Tensor, pre_scale: Float32):
+        """Scores -> tanh(score * pre_scale) when the plan caps them (Note [softcap])."""
+        if const_expr(self.softcap):
+            softcap_row(acc_S, pre_scale)
 
     def make_pipeline(self, smem, x: str):
         """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v")."""
@@ -407,7 +416,7 @@ class FlashForwardSm90:
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
                 mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                scale_log2: Float32):
+                scale_log2: Float32, pre_scale: Float32):
         """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
@@ -460,7 +469,7 @@ class FlashForwardSm90:
         common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
                       tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS0_mn=tScS0_mn,
                       limits=limits, softmax=softmax, pipeline_k=pipeline_k,
-                      pipeline_v=pipeline_v)
+                      pipeline_v=pipeline_v, pre_scale=pre_scale)
         step = partial(self.block_step, **common)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
@@ -500,7 +509,7 @@ class FlashForwardSm90:
     @cute.jit
     def first_block(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                     acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
-                    pipeline_v):
+                    pipeline_v, pre_scale: Float32):
         """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
@@ -513,6 +522,7 @@ class FlashForwardSm90:
         warpgroup.wait_group(0)
         self.release(pipeline_k, state, "k_empty")
         acc_S_mn = acc_mn_view(acc_S)
+        self.softcap_scores(acc_S, pre_scale)
         mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         softmax.step(acc_S_mn, is_first=True)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
@@ -520,7 +530,7 @@ class FlashForwardSm90:
     @cute.jit
     def block_step(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                    acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
-                   pipeline_v, masked: cutlass.Constexpr[bool]):
+                   pipeline_v, pre_scale: Float32, masked: cutlass.Constexpr[bool]):
         """Block j with the previous block's P V in flight (FA3's intra-warpgroup overlap).
 
         Issue S_j = Q K_j^T and O += P_{j+1} V_{j+1}; when S_j lands, mask and run the softmax
@@ -542,6 +552,7 @@ class FlashForwardSm90:
         self.release(pipeline_k, state, "k_empty")
 
         acc_S_mn = acc_mn_view(acc_S)
+        self.softcap_scores(acc_S, pre_scale)
         if const_expr(masked):
             mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
         row_scale = softmax.step(acc_S_mn)
@@ -686,7 +697,7 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 
 
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                   pack_gqa=None):
+                   pack_gqa=None, softcap=0.0):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
@@ -696,7 +707,7 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa)
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap)
 
 
 def _role_registers(plan) -> tuple[int, int]:

@@ -9,8 +9,9 @@ checked once, by `fa4lab.spec.check_inputs`, before this is reached.
 On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
 compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
 kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
-pack-GQA -- and never on batch, sequence lengths, head counts or the softmax scale, which are
-runtime values (Note [runtime scale] in `fa4lab.kernels.compile`).
+pack-GQA, whether scores are capped -- and never on batch, sequence lengths, head counts, the
+softmax scale or the cap's value, which are runtime values (Note [runtime scale] in
+`fa4lab.kernels.compile`).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
@@ -26,7 +27,7 @@ from functools import cache
 # and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
 import tvm_ffi  # noqa: F401
 
-from fa4lab.kernels.compile import scale_log2_of
+from fa4lab.kernels.compile import scale_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
@@ -56,18 +57,19 @@ def device_arch(index: int) -> str | None:
     return arch_of_capability(torch.cuda.get_device_capability(index))
 
 
-def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None) -> tuple:
+def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
+           softcap: float = 0.0) -> tuple:
     """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`)."""
     g = q.shape[2] // k.shape[2]
-    packed = pack_gqa_default(arch, g) if pack_gqa is None else pack_gqa and g > 1
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, packed)
+    packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
+    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), packed)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores."""
-    _, d, dv, dtype, causal, g, lse, _ = key
+    _, d, dv, dtype, causal, g, lse, capped, _ = key
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
-                         return_lse=lse)
+                         return_lse=lse, softcap=1.0 if capped else 0.0)
 
 
 def _build(key: tuple):
@@ -103,15 +105,15 @@ def kernel_for(key: tuple):
 
 
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
-            pack_gqa: bool | None):
+            pack_gqa: bool | None, softcap: float = 0.0):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors."""
     import torch
 
-    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa))
+    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap))
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
-    fn(q, k, v, out, lse, scale_log2_of(softmax_scale, d))
+    fn(q, k, v, out, lse, *scale_args(softmax_scale, d, softcap))
     return out, lse
 
 
@@ -139,7 +141,7 @@ def compile_plan(plan, example):
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
-        fn(q, k, v, out, lse, scale_log2_of(softmax_scale, q.shape[3]))
+        fn(q, k, v, out, lse, *scale_args(softmax_scale, q.shape[3], spec.softcap))
         return out
 
     return run, seconds
@@ -152,7 +154,7 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                 pack_gqa=None):
+                 pack_gqa=None, softcap=0.0):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse)."""
     import torch
 
@@ -171,6 +173,7 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"the {arch} kernel runs only on {GPU_NAMES[arch]}; {where}. Use "
             f"{OTHER_KERNEL[arch]}, fa4lab.attention (which picks the kernel for the GPU it "
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch)
-    out, lse = forward(q, k, v, arch, bool(causal), softmax_scale, bool(return_lse), pack_gqa)
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap)
+    out, lse = forward(q, k, v, arch, bool(causal), softmax_scale, bool(return_lse), pack_gqa,
+                       float(softcap))
     return (out, lse) if return_lse else out

@@ -59,6 +59,24 @@ def _row_reduce_max(row: cute.Tensor, threads_per_row: cutlass.Constexpr[int]) -
 # ---- one row's rules, called by both kernels ---------------------------------------------------
 
 @cute.jit
+def softcap_row(row: cute.Tensor, pre_scale: Float32) -> None:
+    """row[j] = tanh(row[j] * pre_scale): Note [softcap], before any mask.
+
+    Note [softcap]
+        Gemma 2's logit cap turns a scaled score s = softmax_scale * q.k into c * tanh(s / c).
+        The kernels fold the constants as for the plain scale (Note [exp2 and scale_log2]): the
+        score is replaced by t = tanh(raw * pre_scale), pre_scale = softmax_scale / c, and the
+        softmax runs on t with scale_log2 = c * log2(e), both runtime arguments
+        (`fa4lab.kernels.compile.scale_args`). The cap comes before the mask: tanh(-inf) = -1
+        would let a masked key back in. t lies in [-1, 1], so the row max moves by at most
+        2c * log2(e) in log2 units, and the LSE (m * scale_log2 + log2 sum) is the log-sum-exp of
+        the capped scores, as the reference defines it.
+    """
+    for j in cutlass.range_constexpr(cute.size(row)):
+        row[j] = cute.math.tanh(row[j] * pre_scale, fastmath=True)
+
+
+@cute.jit
 def update_max(m_old: Float32, blk_max: Float32, scale_log2: Float32, threshold: Float32):
     """(m_new, row_scale) for a row whose block max is `blk_max`: Note [conditional rescale].
 
