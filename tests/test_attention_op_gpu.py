@@ -73,8 +73,8 @@ def test_opcheck_on_cuda():
     k = torch.randn(1, 90, 2, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     op = torch.ops.fa4lab.attention_forward.default
-    torch.library.opcheck(op, (q, k, v, True, None, True, False))
-    torch.library.opcheck(op, (q, k, v, False, 0.2, False, False))
+    torch.library.opcheck(op, (q, k, v, True, None, True, False, 0.0))
+    torch.library.opcheck(op, (q, k, v, False, 0.2, False, None, 3.0))
 
 
 def test_requires_grad_raises_on_the_gpu_too():
