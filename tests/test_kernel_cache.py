@@ -36,9 +36,7 @@ def test_plan_key_ignores_sizes_and_sees_what_the_kernel_bakes_in():
     base = cache.plan_key(_plan())
     assert cache.plan_key(_plan(batch=5, seqlen_q=1, seqlen_k=9000, heads_q=16,
                                 heads_kv=4)) == base          # same GQA ratio, other sizes
-    # A given scale is a runtime argument: any value, one kernel (not the default one).
-    assert cache.plan_key(_plan(softmax_scale=0.1)) == cache.plan_key(_plan(softmax_scale=0.3))
-    assert cache.plan_key(_plan(softmax_scale=0.1)) != base
+    assert cache.plan_key(_plan(softmax_scale=0.1)) == base   # the scale is a runtime argument
     for other in (dict(causal=True), dict(dtype="fp16"),
                   dict(return_lse=True), dict(heads_kv=8), dict(head_dim=64)):
         assert cache.plan_key(_plan(**other)) != base, other

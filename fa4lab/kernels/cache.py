@@ -105,7 +105,6 @@ def plan_key(plan) -> str:
         spec.pop(size, None)
     spec["qhead_per_kvhead"] = plan.spec.qhead_per_kvhead
     spec["capped"] = bool(plan.spec.softcap)
-    spec["runtime_scale"] = plan.spec.softmax_scale is not None   # Note [runtime scale]
     d.pop("derived", None)
     return "plan-" + digest(json.dumps(d, sort_keys=True, default=str))
 

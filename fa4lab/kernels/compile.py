@@ -46,13 +46,9 @@ LOG2E = math.log2(math.e)
 # The softmax scale is an argument of the compiled function, not a constant of the kernel:
 # callers pass scale_log2 = softmax_scale * log2(e) and pre_scale (1, or softmax_scale / softcap
 # with a softcap: Note [softcap] in fa4lab.kernels.device.softmax) after lse (`scale_args`). A
-# kernel parameter is read through a uniform register, so it costs no per-thread register; a new
-# scale or cap value costs no compile (the launch key and the disk cache key hold neither
-# value). One exception, for speed: a call with the default scale (softmax_scale=None) and no
-# cap runs a kernel that bakes 1/sqrt(head_dim) * log2(e) in as an immediate
-# (`fixed_scale_log2`), and ignores the argument: on the H200 the runtime-scale kernel measured
-# 3-5% slower at head_dim 256, non-causal (691 against 716 TFLOP/s at seqlen 8192, same run), and
-# as fast at head_dim 128. So the default scale is one kernel and every other scale another.
+# kernel parameter lives in the constant bank, so the FFMA that scales a score reads it as an
+# operand and it costs no register; a new scale or cap value costs no compile (the launch key
+# and the disk cache key hold neither, and the plans are built with the default scale).
 
 
 def normalize_arch(arch: str) -> str:
@@ -200,8 +196,7 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     """e.g. "sm100a-hd128-causal-gqa4-lse-bf16": what a compiled kernel bakes in."""
     s = spec
     return (f"{arch}-hd{s.head_dim}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
-            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
-            + ("-scale" if s.softmax_scale is not None else ""))
+            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:

@@ -169,7 +169,6 @@ class FlashForwardSm100:
         self.threads_per_cta = plan.threads_per_cta
         self.rescale_threshold = plan.rescale_threshold
         self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
-        self.fixed_scale_log2 = softmax_mod.fixed_scale_log2(spec)
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.
@@ -286,8 +285,6 @@ class FlashForwardSm100:
         sO_layout: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if cutlass.const_expr(self.fixed_scale_log2 is not None):  # Note [runtime scale]
-            scale_log2 = Float32(self.fixed_scale_log2)
         # Packed: `head` is the KV head and seqlen_q counts positions, not packed rows.
         seqlen_q = mQ.shape[0]
         if cutlass.const_expr(self.pack_gqa):

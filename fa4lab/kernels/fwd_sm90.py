@@ -61,13 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
-from fa4lab.kernels.device.softmax import (
-    OnlineSoftmax,
-    fixed_scale_log2,
-    rescale_rows,
-    softcap_row,
-    store_lse,
-)
+from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows, softcap_row, store_lse
 from fa4lab.kernels.protocol import Sites
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
@@ -182,7 +176,6 @@ class FlashForwardSm90:
                              f"({self.m_block})")
         self.rescale_threshold = float(plan.rescale_threshold)
         self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
-        self.fixed_scale_log2 = fixed_scale_log2(spec)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
@@ -455,8 +448,6 @@ class FlashForwardSm90:
                 tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)),
             self.dtype)
 
-        if const_expr(self.fixed_scale_log2 is not None):  # Note [runtime scale]
-            scale_log2 = Float32(self.fixed_scale_log2)
         softmax = OnlineSoftmax(cute.size(tScS_mn, mode=[0]), scale_log2,
                                 self.rescale_threshold, threads_per_row=4)
         softmax.reset()

@@ -58,22 +58,18 @@ def device_arch(index: int) -> str | None:
 
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
-           softcap: float = 0.0, softmax_scale: float | None = None) -> tuple:
-    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`). A
-    given softmax_scale selects the runtime-scale kernel, whatever its value (Note [runtime
-    scale])."""
+           softcap: float = 0.0) -> tuple:
+    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`)."""
     g = q.shape[2] // k.shape[2]
     packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap),
-            softmax_scale is not None, packed)
+    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), packed)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores."""
-    _, d, dv, dtype, causal, g, lse, capped, scaled, _ = key
+    _, d, dv, dtype, causal, g, lse, capped, _ = key
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
-                         return_lse=lse, softcap=1.0 if capped else 0.0,
-                         softmax_scale=1.0 if scaled else None)
+                         return_lse=lse, softcap=1.0 if capped else 0.0)
 
 
 def _build(key: tuple):
@@ -113,7 +109,7 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors."""
     import torch
 
-    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, softmax_scale))
+    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap))
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -130,7 +126,6 @@ def compile_plan(plan, example):
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan as compile_kernel
     from fa4lab.kernels.compile import config_name
-    from fa4lab.kernels.device.softmax import fixed_scale_log2
     from fa4lab.spec import check_inputs
 
     spec = plan.spec
@@ -138,16 +133,10 @@ def compile_plan(plan, example):
     fn, _, seconds = cache.load_or_compile(cache.plan_key(plan), lambda: compile_kernel(plan)[1],
                                            config_name(spec, plan.arch + "a") + " (custom)")
 
-    fixed = fixed_scale_log2(spec)
-
     def run(q, k, v, causal, softmax_scale):
         if bool(causal) != spec.causal:
             raise ValueError(f"this kernel was compiled for causal={spec.causal}; got "
                              f"causal={causal}")
-        if fixed is not None and softmax_scale is not None and softmax_scale != spec.scale:
-            raise ValueError(f"this kernel bakes in the default scale {spec.scale:.4g}; got "
-                             f"{softmax_scale:.4g} (plan with a softmax_scale for a kernel "
-                             f"that takes any)")
         b, sq, hq, _ = q.shape
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)

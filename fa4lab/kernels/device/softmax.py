@@ -58,13 +58,6 @@ def _row_reduce_max(row: cute.Tensor, threads_per_row: cutlass.Constexpr[int]) -
 
 # ---- one row's rules, called by both kernels ---------------------------------------------------
 
-def fixed_scale_log2(spec) -> float | None:
-    """The scale_log2 a kernel bakes in, or None when it takes the runtime argument: the
-    default scale (softmax_scale None, no softcap) is a compile-time constant, so the FFMA that
-    scales a score takes an immediate (Note [runtime scale] in fa4lab.kernels.compile)."""
-    return spec.scale_log2 if spec.softmax_scale is None and not spec.softcap else None
-
-
 @cute.jit
 def softcap_row(row: cute.Tensor, pre_scale: Float32) -> None:
     """row[j] = tanh(row[j] * pre_scale): Note [softcap], before any mask.
