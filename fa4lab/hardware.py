@@ -71,6 +71,13 @@ H200 = Hardware(
     ),
 )
 
+# The H200's L2 cache, in bytes, as an upper bound: NVIDIA's H100 Tensor Core GPU Architecture
+# whitepaper gives 50 MB for the H100 SXM5 product and 60 MB for the full GH100 die the H200
+# also uses. The benchmark's input rotation (Note [cold L2] in fa4lab.bench.timing) plans with
+# the larger, so it errs on the safe side. This project has not yet read the H200's own
+# torch.cuda.get_device_properties(0).L2_cache_size; when it does, that number goes here.
+H200_L2_BYTES = 60 * 1024 * 1024
+
 BY_ARCH = {"sm100": B200, "sm100a": B200, "sm90": H200, "sm90a": H200}
 
 # Published FA4 figures (labelled as such wherever they are shown): never measured here.

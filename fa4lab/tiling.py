@@ -497,7 +497,9 @@ class CostModel:
 # once: inside a section every m_block of every head is issued before the next section starts,
 # so CTAs running at the same time share K/V in L2. As FA4 does, the section is the largest
 # power of two of heads whose K+V (seqlen_k * (head_dim + head_dim_v) * element_size bytes)
-# fits in the L2 budget below (FA4 budgets 50 MiB for K and V on both Hopper and Blackwell).
+# fits in the L2 budget below. The budget is FA4's own constant (`size_l2` in
+# flash_attn/cute/tile_scheduler.py, the same on Hopper and Blackwell), not a cache size: it
+# stays below the H200's L2 (`fa4lab.hardware.H200_L2_BYTES`), leaving room for Q and O.
 L2_KV_BUDGET_BYTES = 50 * 1024 * 1024
 
 

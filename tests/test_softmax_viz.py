@@ -38,7 +38,7 @@ def test_block_stepper_moves_with_the_slider(qkv):
     stepper = BlockStepper(q, k, v, block_n=16, causal=True)
     slider = stepper.controls["block"]
     assert slider.min == 0 and slider.max == 6                       # 100 keys: 6 blocks + tail
-    assert "after block 0" in stepper.text.value
+    assert "after block 0</b> of 0..6" in stepper.text.value         # counted as the slider is
     first_png, first_text = stepper.image.value, stepper.text.value
     slider.value = 3
     assert "after block 3" in stepper.text.value and "after block 0" not in stepper.text.value

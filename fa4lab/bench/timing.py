@@ -14,19 +14,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fa4lab.hardware import H200_L2_BYTES
+
 # Timing knobs (triton's defaults; the standard sweep finishes in a few minutes with them).
 WARMUP_MS = 25
 REP_MS = 100
 SPIN_UP_S = 0.3  # see Note [clock ramp]
 GEMM_SIZE = 8192
-# Hopper's L2: 50 MB enabled on H100/H200 products, 60 MB on the full GH100 die; the larger is
-# used so the rotation rule (see Note [cold L2]) errs on the safe side.
-L2_BYTES = 60 * 1024 * 1024
+# The L2 the rotation rule (see Note [cold L2]) plans for: at most the H200's
+# (`fa4lab.hardware.H200_L2_BYTES`, the full GH100 die's 60 MB), so it errs on the safe side.
+L2_BYTES = H200_L2_BYTES
 
 
 # Note [cold L2]
-# One call of the standard sweep reads q, k, v and writes o: 4 x 64 MiB = 256 MiB, four times
-# or more the L2 (50 MB on an H100/H200), so the inputs are not rotated among copies: nothing a
+# One call of the standard sweep reads q, k, v and writes o: 4 x 64 MiB = 256 MiB, more than
+# four times the L2 (L2_BYTES), so the inputs are not rotated among copies: nothing a
 # call leaves in L2 is a meaningful head start for the next. On top of that
 # `triton.testing.do_bench` writes a 256 MB buffer before every timed call (outside the timed
 # region), so every call starts with a cold L2; the CUDA-event fallback below does the same.

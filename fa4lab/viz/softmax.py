@@ -149,8 +149,8 @@ class BlockStepper(LiveFigure):
                 f"<td>{'yes' if step.rescaled[b, h, r] else 'no'}</td>"
                 f"<td>{step.row_sum[b, h, r]:.6g}</td></tr>")
         done = sum(int(s.rescaled.sum()) for s in t.steps[:block + 1])
-        return (f"<div><b>after block {block}</b> (keys {n0}..{n1 - 1}, step {block + 1} of "
-                f"{len(t.steps)}); maxima in log2 units (score x scale_log2); rescales so far "
+        return (f"<div><b>after block {block}</b> of 0..{len(t.steps) - 1} (keys {n0}..{n1 - 1}); "
+                f"maxima in log2 units (score x scale_log2); rescales so far "
                 f"(all rows): {done}</div>"
                 f"<table style='font-family:monospace;font-size:12px'>{head_row}"
                 f"{''.join(cells)}</table>")
