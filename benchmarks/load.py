@@ -13,9 +13,12 @@ from pathlib import Path
 
 from fa4lab.bench import (
     DECODE,
+    FEATURES,
     HOST_OVERHEAD,
     decode_results_of,
+    feature_results_of,
     format_decode_table,
+    format_features_table,
     format_host_table,
     format_table,
     host_results_of,
@@ -30,6 +33,8 @@ def table_of(rec: dict) -> str:
         return format_host_table(host_results_of(rec))
     if rec["kind"] == DECODE:
         return format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])
+    if rec["kind"] == FEATURES:
+        return format_features_table(feature_results_of(rec))
     return format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops"))
 
 

@@ -71,7 +71,7 @@ def test_hbm_bytes_of_the_default_decode_shape():
 
 @pytest.mark.parametrize("kw,match", [
     ({"heads_q": 32, "heads_kv": 5}, "not a multiple of --heads-kv 5"),
-    ({"head_dim": 96}, r"--head-dim 96 is not supported"),
+    ({"head_dim": 100}, r"--head-dim 100 is not supported"),
     ({"batch": 0}, "--batch must be >= 1"),
     ({"seqlen_k": 0}, "--seqlen-k must be >= 1"),
     ({"prefill_seqlen": -1}, "--prefill-seqlen must be >= 0"),
@@ -338,7 +338,7 @@ def test_decode_on_cpu_says_it_needs_a_gpu_and_exits_0(tmp_path, capsys):
     (["--decode", "--heads-kv", "5"], "not a multiple of --heads-kv 5"),
     (["--decode", "--head-dim", "64", "128"], "one --head-dim"),
     (["--decode", "--quick"], "--quick do not apply to --decode"),
-    (["--decode", "--host-overhead"], "--host-overhead do not apply to --decode"),
+    (["--decode", "--host-overhead"], "--host-overhead and --decode are separate modes"),
     (["--decode", "--plot", "x.png"], "--plot do not apply"),
     (["--batch", "4"], "--batch apply to --decode only"),
     (["--host-overhead", "--seqlen-k", "4"], "--seqlen-k apply to --decode only"),

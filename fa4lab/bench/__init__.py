@@ -13,6 +13,10 @@ seqlen 1k..16k; causal and not), for each provider:
 plus the device's dense bf16 GEMM rate (8192^3 torch.matmul) as the ceiling.
 TFLOP/s = AttentionSpec.flops() / time = 4*B*H*Sq*Sk*D, halved for causal.
 `--host-overhead` measures instead the host time of one tiny call per provider.
+`--features` measures each attention option (windows, softcap, a learnable sink, ALiBi and
+relative-bias score_mods, document and prefix-LM mask_mods) at hd128 seqlen 8192 for fa4lab,
+upstream FA4 (where it has the option), PyTorch SDPA with materialized masks and FlexAttention,
+TFLOP/s counting only the visible (query, key) pairs.
 `--decode` measures a GQA decode (batch 32, seqlen_q 1, seqlen_k 8192, heads 32/8, hd128) and a
 GQA prefill (batch 1, seqlen 8192, causal) for fa4lab (default and pack_gqa=False, named
 `fa4lab-unpacked`), upstream FA4 and SDPA, each against the shape's HBM floor (the bytes K, V,
@@ -23,7 +27,8 @@ CUDA-event timer with the same cold-L2 rule is used and the record says so). On 
 command prints what it would run and the latest recorded results from `benchmarks/`, and
 exits 0. Every provider's output is checked against the float64 reference before it is timed;
 a provider that fails the check is reported as "failed" and not timed; one that raises is
-reported as "error" with its message; one that is not installed is reported as "missing".
+reported as "error" with its message; one that is not installed is reported as "missing";
+one that cannot express a feature, or that the run's time budget left out, as "skipped".
 The sweep always continues.
 
 How to run:
@@ -33,6 +38,7 @@ How to run:
     fa4lab bench --head-dim 128 --seqlen 4096 --causal true --plot out.png
     fa4lab bench --host-overhead       # host time per call, fa4lab / FA4 / SDPA
     fa4lab bench --decode              # GQA decode and prefill against the HBM floor
+    fa4lab bench --features --plot f.png   # each attention option beside FA4 and PyTorch
 
 The modules, one concept each:
 
@@ -40,9 +46,12 @@ The modules, one concept each:
     providers       a runner per provider (fa4lab, SDPA, upstream FA4)
     check           the check against the float64 reference before timing
     timing          median time with a cold L2, the spin-up, the GEMM ceiling
-    measure         check-then-time over shapes and providers; one plan's tiles
+    measure         the one check-then-time loop, run time limits; one plan's tiles
     host_overhead   host time per call on a tiny shape
     decode          GQA decode and prefill shapes, the HBM floor
+    features        the attention options, their calls, visible FLOPs, the plan of a run
+    pytorch_peers   SDPA with materialized masks and FlexAttention, per feature
+    features_cli    `fa4lab bench --features`
     records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
     table           TFLOP/s tables and fa4lab/peer ratios
     cli             `fa4lab bench ...`
@@ -50,7 +59,14 @@ The modules, one concept each:
 
 from __future__ import annotations
 
-from fa4lab.bench.check import ATOL, CHECK_HEADS, CheckSlice, check_output, reference_slice
+from fa4lab.bench.check import (
+    ATOL,
+    CHECK_HEADS,
+    OPTIONS,
+    CheckSlice,
+    check_output,
+    reference_slice,
+)
 from fa4lab.bench.cli import (
     add_cli,
     describe_run,
@@ -71,12 +87,31 @@ from fa4lab.bench.decode import (
     floor_us,
     format_decode_table,
     gqa_shapes,
-    hbm_bytes,
     make_decode_record,
     make_gqa_inputs,
     measure_gqa_shape,
     run_decode,
 )
+from fa4lab.bench.features import (
+    ALL_FEATURES,
+    FEATURE_NAMES,
+    FEATURE_PROVIDERS,
+    Feature,
+    FeatureCall,
+    FeatureCase,
+    PlannedRow,
+    feature_call,
+    feature_cases,
+    feature_flops,
+    features_named,
+    make_features_record,
+    measure_feature,
+    plan_features,
+    run_features,
+    visible_pairs,
+    why_not,
+)
+from fa4lab.bench.features_cli import plan_of_features, recorded_features_summary
 from fa4lab.bench.host_overhead import (
     HOST_SHAPE,
     format_host_table,
@@ -85,11 +120,16 @@ from fa4lab.bench.host_overhead import (
     measure_host_overhead,
 )
 from fa4lab.bench.measure import (
+    TIMEOUT_EXIT,
+    Measurement,
     PlanMeasurement,
+    RunGuard,
+    check_then_time,
     make_inputs,
     measure_plan,
     measure_shape,
     run_sweep,
+    run_with_progress,
     simulated_tflops,
 )
 from fa4lab.bench.providers import (
@@ -105,17 +145,21 @@ from fa4lab.bench.records import (
     DECODE,
     ERROR,
     FAILED,
+    FEATURES,
     HOST_OVERHEAD,
     MISSING,
     OK,
     RECORD_KINDS,
     SCHEMA,
+    SKIPPED,
     STATUSES,
     DecodeResult,
+    FeatureResult,
     HostResult,
     Result,
     decode_results_of,
     default_record_path,
+    feature_results_of,
     git_commit,
     host_results_of,
     latest_record,
@@ -146,10 +190,34 @@ from fa4lab.bench.sweep import (
     shape_for,
     sweep,
 )
-from fa4lab.bench.table import TableRow, format_table, geomean_ratios, providers_in, ratio_table
-from fa4lab.bench.timing import GEMM_SIZE, REP_MS, WARMUP_MS, gemm_tflops, time_ms, timer_name
+from fa4lab.bench.table import (
+    FeatureRatios,
+    TableRow,
+    feature_ratios,
+    format_features_table,
+    format_table,
+    geomean_ratios,
+    providers_in,
+    ratio_table,
+)
+from fa4lab.bench.timing import (
+    GEMM_SIZE,
+    REP_MS,
+    WARMUP_MS,
+    gemm_tflops,
+    hbm_bytes,
+    time_ms,
+    timer_name,
+)
 
 __all__ = [
+    "ALL_FEATURES", "FEATURES", "FEATURE_NAMES", "FEATURE_PROVIDERS", "OPTIONS", "SKIPPED",
+    "TIMEOUT_EXIT", "Feature", "FeatureCall", "FeatureCase", "FeatureRatios", "FeatureResult",
+    "Measurement", "PlannedRow", "RunGuard", "check_then_time", "feature_call", "feature_cases",
+    "feature_flops", "feature_ratios", "feature_results_of", "features_named",
+    "format_features_table", "make_features_record", "measure_feature", "plan_features",
+    "plan_of_features", "recorded_features_summary", "run_features", "run_with_progress",
+    "visible_pairs", "why_not",
     "COPY_BYTES", "DECODE", "DECODE_PROVIDERS", "UNPACKED", "CopyBandwidth", "DecodeResult",
     "GqaShape", "copy_bandwidth", "decode_config", "decode_results_of", "describe_decode_run",
     "floor_us", "format_decode_table", "gqa_shapes", "hbm_bytes", "make_decode_record",

@@ -16,32 +16,65 @@ from typing import Any
 # With GQA (heads_q = r * heads_kv, `fa4lab bench --decode`) the slice is KV heads 0..1 and
 # the 2r query heads that read them, so a kernel that maps a query head to the wrong KV head,
 # or packs a group wrongly, fails; `batches` may name more batch elements than 0 (the decode
-# mode checks the first and the last).
+# mode checks the first and the last). The attention options of `fa4lab bench --features`
+# (window_size, softcap, learnable_sink, score_mod, mask_mod, aux_tensors) go to the reference
+# as they go to the provider; the slice keeps heads 0.. and batch 0, so a mod sees the same
+# (b, h) indices in the slice as in the full call, and a sink is cut to the checked heads.
 # The tolerance is FA4's rule: at most twice the error of a plain PyTorch attention computed in
 # the input dtype (scores rounded to bf16, softmax in fp32, P rounded to bf16: what a correct
-# flash kernel also does), plus ATOL for the final rounding of the output. A provider whose
-# error is above that, or whose output has a NaN or the wrong shape, is "failed" and not timed.
+# flash kernel also does), plus ATOL for the final rounding of the output. With options, that
+# plain attention applies them as a bf16 PyTorch program would: softcap and sink in fp32, the
+# score_mod's result held in the input dtype (as a materialized bias passed to SDPA is), the
+# masks exact. A provider whose error is above that, or whose output has a NaN or the wrong
+# shape, is "failed" and not timed.
 CHECK_HEADS = 2
 ATOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
+# The attention options the check passes on to the reference (`fa4lab.reference`'s names).
+OPTIONS = ("window_size", "softcap", "learnable_sink", "score_mod", "mask_mod", "aux_tensors")
 
 
-def _same_dtype_attention(q, k, v, causal: bool, scale: float):
-    """(b, s, h, d) -> (b, s, h, d) in q.dtype, one head at a time; the baseline of the rule.
-    Query head h reads KV head h // (heads_q // heads_kv) (GQA)."""
+def _same_dtype_attention(q, k, v, causal: bool, scale: float, options: dict | None = None):
+    """(b, s, h, d) -> (b, s, h, d) in q.dtype, one head at a time; the baseline of the rule,
+    with the options of Note [the check before timing]. Query head h reads KV head
+    h // (heads_q // heads_kv) (GQA). A row that sees nothing gives 0, as in the reference."""
     import torch
 
+    from fa4lab.mods import check_mods
+    from fa4lab.reference import visible_mask
+
+    opts = options or {}
+    softcap, sink = opts.get("softcap", 0.0), opts.get("learnable_sink")
+    mods, aux = check_mods(opts.get("score_mod"), opts.get("mask_mod"),
+                           opts.get("aux_tensors"), q.device)
+    sq, sk = q.shape[1], k.shape[1]
+    visible = torch.as_tensor(visible_mask(sq, sk, causal,
+                                           window_size=opts.get("window_size", (None, None))),
+                              device=q.device)
+    idx = (torch.arange(q.shape[0], device=q.device)[:, None, None],
+           torch.arange(sq, device=q.device)[None, :, None],
+           torch.arange(sk, device=q.device)[None, None, :])
     outs = []
     group = q.shape[2] // k.shape[2]
     for h in range(q.shape[2]):
         qh, kh, vh = q[:, :, h], k[:, :, h // group], v[:, :, h // group]
-        s = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale
-        if causal:
-            sq, sk = s.shape[-2], s.shape[-1]
-            i = torch.arange(sq, device=s.device)[:, None]
-            j = torch.arange(sk, device=s.device)[None, :]
-            s = s.masked_fill(j > i + (sk - sq), -math.inf)
-        p = torch.softmax(s, dim=-1).to(q.dtype)
-        outs.append(torch.matmul(p, vh))
+        s = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale     # (b, sq, sk)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        seen = visible
+        if mods:
+            b_idx, q_idx, kv_idx = idx
+            h_idx = torch.full((1, 1, 1), h, dtype=torch.int64, device=q.device)
+            if mods.score_mod is not None:
+                s = mods.score(s, b_idx, h_idx, q_idx, kv_idx, aux).to(q.dtype).float()
+            if mods.mask_mod is not None:
+                seen = seen & mods.mask(b_idx, h_idx, q_idx, kv_idx, aux)
+        s = s.masked_fill(~seen, -math.inf)
+        if sink is not None:
+            column = sink[h].float().expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        outs.append(torch.matmul(p.nan_to_num(0.0).to(q.dtype), vh))
     return torch.stack(outs, dim=2)
 
 
@@ -55,21 +88,32 @@ class CheckSlice:
     batches: tuple[int, ...] = (0,)   # the batch elements checked
 
 
-def reference_slice(q, k, v, shape, *, batches: tuple[int, ...] = (0,)) -> CheckSlice:
+def reference_slice(q, k, v, shape, *, batches: tuple[int, ...] = (0,),
+                    options: dict | None = None) -> CheckSlice:
     """The float64 reference of the checked slice of q, k, v, for a `BenchShape` or any shape
     with a `.spec` (an AttentionSpec) and `.dtype`: batches `batches`, KV heads 0..1 and the
-    query heads that read them (Note [the check before timing])."""
+    query heads that read them (Note [the check before timing]). `options`: attention options
+    (names in OPTIONS) for the reference and the baseline; causal and the scale are the spec's."""
     from fa4lab.reference import attention_reference
 
     spec = shape.spec
+    opts = dict(options or {})
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"reference_slice: unknown option(s) {unknown}; it passes on {OPTIONS}")
     n_kv = min(CHECK_HEADS, spec.heads_kv)
     n_q = n_kv * (spec.heads_q // spec.heads_kv)
     bs = sorted({int(b) % spec.batch for b in batches})
+    if bs != [0] and (opts.get("score_mod") or opts.get("mask_mod")):
+        raise ValueError(f"reference_slice: a score_mod / mask_mod reads the batch index, so "
+                         f"the checked slice must be batch 0 alone, not {bs}")
     at = slice(0, 1) if bs == [0] else bs     # batch 0 alone: a view, as the sweep always had
     qs, ks, vs = q[at, :, :n_q], k[at, :, :n_kv], v[at, :, :n_kv]
+    if opts.get("learnable_sink") is not None:
+        opts["learnable_sink"] = opts["learnable_sink"][:n_q]
     scale = spec.scale
-    ref = attention_reference(qs, ks, vs, causal=spec.causal, softmax_scale=scale)
-    base = _same_dtype_attention(qs, ks, vs, spec.causal, scale).double()
+    ref = attention_reference(qs, ks, vs, causal=spec.causal, softmax_scale=scale, **opts)
+    base = _same_dtype_attention(qs, ks, vs, spec.causal, scale, opts).double()
     baseline_err = float((base - ref).abs().max())
     return CheckSlice(ref, 2.0 * baseline_err + ATOL[shape.dtype], baseline_err, tuple(bs))
 

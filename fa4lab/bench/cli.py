@@ -1,9 +1,10 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-Three modes: the throughput sweep (default), `--host-overhead` and `--decode`. On a GPU each
-checks, times and records; on a CPU it says so, prints what it would run and the latest
-recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that raised
-or failed its check exit 1.
+Four modes: the throughput sweep (default), `--host-overhead`, `--decode` and `--features`. On
+a GPU each checks, times and records; on a CPU it says so, prints what it would run and the
+latest recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that
+raised or failed its check exit 1; a `--features` run that outlives its step limit exits 3
+(TIMEOUT_EXIT, Note [run time limits]).
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ from fa4lab.bench.decode import (
     gqa_shapes,
     make_decode_record,
     run_decode,
+)
+from fa4lab.bench.features import (
+    BUDGET_S,
+    FEATURE_HEAD_DIM,
+    FEATURE_NAMES,
+    FEATURE_PEERS,
+    FEATURE_SEQLEN,
+    STEP_TIMEOUT_S,
 )
 from fa4lab.bench.host_overhead import (
     CALLS,
@@ -99,7 +108,8 @@ def add_cli(subparsers) -> None:
                     "triton.testing.do_bench; print a table with fa4lab/peer ratios, save a "
                     "JSON record and optionally a plot. --host-overhead times the host work "
                     "of one tiny call instead; --decode times a GQA decode and a GQA prefill "
-                    "against the HBM floor. On a CPU: say so, print the plan of the run and "
+                    "against the HBM floor; --features times each attention option beside "
+                    "upstream FA4 and PyTorch. On a CPU: say so, print the plan of the run and "
                     "the latest recorded results, exit 0.")
     p.add_argument("--arch", default="auto", choices=("auto", "sm90", "sm100"),
                    help="the fa4lab kernel to run; auto = the GPU's (default)")
@@ -158,6 +168,23 @@ def add_cli(subparsers) -> None:
     dec.add_argument("--prefill-seqlen", type=int, default=PREFILL_SEQLEN,
                      help=f"seqlen of the causal batch-1 GQA prefill (default "
                           f"{PREFILL_SEQLEN}; 0 leaves it out)")
+    feat = p.add_argument_group(
+        "features", f"each attention option (window, softcap, sink, score_mod / mask_mod) at "
+                    f"one shape (default hd{FEATURE_HEAD_DIM} s{FEATURE_SEQLEN}, batch and "
+                    f"heads as the sweep's), for fa4lab, upstream FA4, PyTorch SDPA and "
+                    f"FlexAttention ({','.join(FEATURE_PEERS)} for --peers); --head-dim and "
+                    f"--seqlen (one value each), --total-tokens, --hidden, --dtype, --plot and "
+                    f"the timing options apply")
+    feat.add_argument("--features", action="store_true",
+                      help="measure the attention features instead of the sweep")
+    feat.add_argument("--feature", nargs="+", default=None, metavar="NAME",
+                      help=f"only these features (default: all): {', '.join(FEATURE_NAMES)}")
+    feat.add_argument("--time-budget", type=float, default=BUDGET_S, metavar="S",
+                      help=f"start no provider after S seconds; the rows left are recorded as "
+                           f"skipped (default {BUDGET_S:g})")
+    feat.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="S",
+                      help=f"end the run, saving what was measured, when one provider on one "
+                           f"feature takes more than S seconds (default {STEP_TIMEOUT_S:g})")
     p.set_defaults(func=main_args)
 
 
@@ -236,6 +263,7 @@ def recorded_summary(directory=None, *, gpu: str = "H200") -> str:
 # Options that belong to one mode: given to another, they are an error rather than ignored.
 _DECODE_ONLY = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "prefill_seqlen")
 _SWEEP_ONLY = ("seqlen", "causal", "total_tokens", "hidden", "quick", "plot", "no_gemm")
+_FEATURES_ONLY = ("feature", "time_budget", "step_timeout")
 
 
 def _changed(args, names) -> list[str]:
@@ -246,10 +274,32 @@ def _changed(args, names) -> list[str]:
             if getattr(args, n, defaults[n]) != defaults[n]]
 
 
+def _modes(args) -> list[str]:
+    return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features")
+            if getattr(args, m, False)]
+
+
 def main_args(args) -> int:
+    modes = _modes(args)
+    if len(modes) > 1:
+        print(f"fa4lab bench: {' and '.join(modes)} are separate modes: choose one",
+              file=sys.stderr)
+        return 2
+    if args.features:
+        wrong = _changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)
+        if wrong:
+            print(f"fa4lab bench --features: {', '.join(wrong)} do not apply to --features",
+                  file=sys.stderr)
+            return 2
+        from fa4lab.bench.features_cli import features_args
+
+        return features_args(args)
+    wrong = _changed(args, _FEATURES_ONLY)
+    if wrong:
+        print(f"fa4lab bench: {', '.join(wrong)} apply to --features only", file=sys.stderr)
+        return 2
     if args.decode:
-        wrong = _changed(args, _SWEEP_ONLY) + (["--host-overhead"] if args.host_overhead
-                                               else [])
+        wrong = _changed(args, _SWEEP_ONLY)
         if wrong:
             print(f"fa4lab bench --decode: {', '.join(wrong)} do not apply to --decode (its "
                   f"shapes: --batch, --seqlen-q, --seqlen-k, --heads-q, --heads-kv, "
@@ -279,15 +329,10 @@ def main_args(args) -> int:
         print(recorded_summary(args.records))
         return 0
 
-    arch = g.arch if args.arch == "auto" else args.arch
-    if g.arch is None or arch != g.arch:
-        print(f"fa4lab bench: the GPU is {g.name} (compute capability "
-              f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
-              f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
-              f"the peers are still measured.", file=sys.stderr)
+    arch, no_kernel = _arch(args, g, "fa4lab bench")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
-    if g.arch is None or arch != g.arch:
-        providers[0] = Provider(OURS, None, f"no fa4lab kernel for {g.name} with --arch {arch}")
+    if no_kernel:
+        providers[0] = Provider(OURS, None, no_kernel)
     print(f"fa4lab bench on {g.name}")
     print(describe_run(shapes, providers))
     started = time.perf_counter()
@@ -329,6 +374,19 @@ def main_args(args) -> int:
     if bad:
         print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
     return 1 if (args.strict and bad) else 0
+
+
+def _arch(args, g, command: str) -> tuple[str | None, str]:
+    """(the arch fa4lab runs as, '' or why no fa4lab kernel runs on this GPU); says so on
+    stderr when none does (the peers are still measured)."""
+    arch = g.arch if args.arch == "auto" else args.arch
+    if g.arch is not None and arch == g.arch:
+        return arch, ""
+    print(f"{command}: the GPU is {g.name} (compute capability "
+          f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
+          f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
+          f"the peers are still measured.", file=sys.stderr)
+    return arch, f"no fa4lab kernel for {g.name} with --arch {arch}"
 
 
 def _save(record: dict, args) -> None:
@@ -451,17 +509,11 @@ def decode_args(args) -> int:
         print(recorded_decode_summary(args.records))
         return 0
 
-    arch = g.arch if args.arch == "auto" else args.arch
-    no_kernel = g.arch is None or arch != g.arch
-    if no_kernel:
-        print(f"fa4lab bench --decode: the GPU is {g.name} (compute capability "
-              f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
-              f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
-              f"the peers are still measured.", file=sys.stderr)
+    arch, no_kernel = _arch(args, g, "fa4lab bench --decode")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
     if no_kernel:
-        providers = [Provider(p.name, None, f"no fa4lab kernel for {g.name} with --arch {arch}")
-                     if p.name in (OURS, UNPACKED) else p for p in providers]
+        providers = [Provider(p.name, None, no_kernel) if p.name in (OURS, UNPACKED) else p
+                     for p in providers]
     print(f"fa4lab bench --decode on {g.name}")
     print(describe_decode_run(shapes, providers))
     started = time.perf_counter()

@@ -26,19 +26,14 @@ CPU; the command itself needs a CUDA GPU.
 
 from __future__ import annotations
 
-import math
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from fa4lab.bench.check import ATOL, CHECK_HEADS, check_output, reference_slice
-from fa4lab.bench.providers import Provider, short_error
+from fa4lab.bench.check import ATOL, CHECK_HEADS, reference_slice
+from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs, run_with_progress
+from fa4lab.bench.providers import Provider
 from fa4lab.bench.records import (
     DECODE,
-    ERROR,
-    FAILED,
-    MISSING,
     OK,
     DecodeResult,
     record_header,
@@ -53,11 +48,10 @@ from fa4lab.bench.sweep import (
     UNPACKED,
 )
 from fa4lab.bench.timing import (
-    L2_BYTES,
     REP_MS,
     SPIN_UP_S,
     WARMUP_MS,
-    rotating_call,
+    hbm_bytes,
     spin_up,
     sync_for,
     time_ms,
@@ -103,13 +97,6 @@ CHECK_BATCHES = (0, -1)
 # that mostly reads can go a little faster than a copy, so x_floor slightly below 1 is possible
 # and not an error. At the prefill shape the floor is far below the compute time: read its
 # TFLOP/s there.
-
-
-def hbm_bytes(spec: AttentionSpec) -> int:
-    """The bytes a forward call must move: K and V read once, q read and out written once."""
-    kv = spec.batch * spec.seqlen_k * spec.heads_kv * (spec.head_dim + spec.head_dim_v)
-    qo = spec.batch * spec.seqlen_q * spec.heads_q * (spec.head_dim + spec.head_dim_v)
-    return spec.element_bytes * (kv + qo)
 
 
 def floor_us(nbytes: int, gbps: float | None) -> float | None:
@@ -189,23 +176,8 @@ def gqa_shapes(*, batch: int = DECODE_BATCH, seqlen_q: int = DECODE_SEQLEN_Q,
     return shapes
 
 
-def make_gqa_inputs(shape: GqaShape, device: str, seed: int = 0):
-    """q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k, heads_kv, d), standard
-    normal, in the shape's dtype."""
-    import torch
-
-    dt = torch.bfloat16 if shape.dtype == "bf16" else torch.float16
-    gen = torch.Generator(device=device).manual_seed(seed + shape.seqlen_k + shape.head_dim)
-    q_dims = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim)
-    kv_dims = (shape.batch, shape.seqlen_k, shape.heads_kv, shape.head_dim)
-    return tuple(torch.randn(d, generator=gen, device=device, dtype=torch.float32).to(dt)
-                 for d in (q_dims, kv_dims, kv_dims))
-
-
-def rotation_copies(shape: GqaShape) -> int:
-    """How many copies of the inputs the timed calls rotate through (Note [cold L2] in
-    `fa4lab.bench.timing`): one when a call moves more than twice the L2."""
-    return max(1, min(8, math.ceil(2 * L2_BYTES / shape.hbm_bytes)))
+# The decode shapes' inputs are the sweep's: `make_inputs` takes any shape with a `.spec`.
+make_gqa_inputs = make_inputs
 
 
 # ---- the memory bandwidth ----------------------------------------------------------------------
@@ -244,103 +216,43 @@ def _result(provider: str, shape: GqaShape, hbm_gbps: float | None, **kw) -> Dec
                         floor_us=floor_us(shape.hbm_bytes, hbm_gbps), **kw)
 
 
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def measure_gqa_shape(shape: GqaShape, providers: Sequence[Provider], *,
                       hbm_gbps: float | None = None, device: str = "cuda",
                       warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
-                      on_result: Callable[[DecodeResult], None] | None = None
-                      ) -> list[DecodeResult]:
-    """Check, then time, every provider on one GQA shape, as `measure_shape` does for the
-    sweep. Never raises for a provider's failure: "failed", "error" and "missing" are
-    reported and the others still measured."""
+                      on_result: Callable[[DecodeResult], None] | None = None,
+                      guard: RunGuard | None = None) -> list[DecodeResult]:
+    """Check, then time, every provider on one GQA shape (`check_then_time`, the sweep's
+    loop), the check on the first and the last batch element. Never raises for a provider's
+    failure: "failed", "error" and "missing" are reported and the others still measured."""
     results = []
-
-    def done(r: DecodeResult):
+    floor = floor_us(shape.hbm_bytes, hbm_gbps)
+    check = lambda q, k, v: reference_slice(q, k, v, shape, batches=CHECK_BATCHES)
+    for m in check_then_time(shape, providers, check=check, device=device,
+                             warmup_ms=warmup_ms, rep_ms=rep_ms, guard=guard):
+        timed = {}
+        if m.status == OK:
+            us = m.ms * 1e3
+            timed = {"us": us, "x_floor": us / floor if floor else None,
+                     "gbps": shape.hbm_bytes / (us * 1e-6) / 1e9,
+                     "tflops": shape.flops / (us * 1e-6) / 1e12}
+        r = _result(m.provider, shape, hbm_gbps, **timed, **m.checked())
         results.append(r)
         if on_result:
             on_result(r)
-
-    sync = sync_for(device)
-    try:
-        q, k, v = make_gqa_inputs(shape, device)
-        check = reference_slice(q, k, v, shape, batches=CHECK_BATCHES)
-    except Exception as err:
-        for p in providers:
-            if p.missing:
-                done(_result(p.name, shape, hbm_gbps, status=MISSING, note=p.why_missing))
-            else:
-                done(_result(p.name, shape, hbm_gbps, status=ERROR,
-                             note=f"inputs/reference: {type(err).__name__}: {short_error(err)}"))
-        return results
-    copies = [(q, k, v)] + [tuple(t.clone() for t in (q, k, v))
-                            for _ in range(rotation_copies(shape) - 1)]
-    scale = shape.spec.scale
-    floor = floor_us(shape.hbm_bytes, hbm_gbps)
-    # fa4lab's two providers last, as in the sweep: if a kernel ever poisons the CUDA context,
-    # the peers of this shape are already measured.
-    for p in sorted(providers, key=lambda p: p.name in (OURS, UNPACKED)):
-        if p.missing:
-            done(_result(p.name, shape, hbm_gbps, status=MISSING, note=p.why_missing))
-            continue
-        try:
-            mine = [p.prepare(*c) for c in copies] if p.prepare else copies
-            sync()
-            t0 = time.perf_counter()
-            out = p.runner(*mine[0], shape.causal, scale)
-            sync()
-            first = time.perf_counter() - t0
-            passed, err, note = check_output(out, check, shape)
-            del out
-            if not passed:
-                done(_result(p.name, shape, hbm_gbps, status=FAILED, max_err=_finite(err),
-                             tol=check.tol, first_call_s=first, note=note))
-                continue
-            call = rotating_call(p.runner, mine, shape.causal, scale)
-            if device == "cuda":
-                spin_up(call, sync)
-            ms = time_ms(call, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device)
-            us = ms * 1e3
-            done(_result(p.name, shape, hbm_gbps, status=OK, us=us,
-                         x_floor=us / floor if floor else None,
-                         gbps=shape.hbm_bytes / (us * 1e-6) / 1e9,
-                         tflops=shape.flops / (us * 1e-6) / 1e12, max_err=err, tol=check.tol,
-                         first_call_s=first))
-        except Exception as err:
-            done(_result(p.name, shape, hbm_gbps, status=ERROR,
-                         note=f"{type(err).__name__}: {short_error(err)}"))
-    del copies, q, k, v
     return results
-
-
-def _tick(bar, r: DecodeResult) -> None:
-    bar.update(1)
-    if r.status not in (OK, MISSING):
-        bar.write(f"{r.provider} {r.shape}: {r.status}: {r.note}", file=sys.stderr)
 
 
 def run_decode(shapes: Sequence[GqaShape], providers: Sequence[Provider], *,
                hbm_gbps: float | None = None, device: str = "cuda",
                warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
-               progress: bool = True) -> list[DecodeResult]:
+               progress: bool = True, guard: RunGuard | None = None) -> list[DecodeResult]:
     """Every provider on every shape, in one process, with a tqdm bar over (shape, provider)."""
-    from tqdm.auto import tqdm
-
-    results: list[DecodeResult] = []
-    with tqdm(total=len(shapes) * len(providers), desc="bench --decode", unit="run",
-              disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        for shape in shapes:
-            bar.set_postfix_str(shape.label())
-            results += measure_gqa_shape(shape, providers, hbm_gbps=hbm_gbps, device=device,
-                                         warmup_ms=warmup_ms, rep_ms=rep_ms,
-                                         on_result=lambda r: _tick(bar, r))
-            if device == "cuda":
-                import torch
-
-                torch.cuda.empty_cache()
-    return results
+    return run_with_progress(
+        shapes, len(providers),
+        lambda shape, tick: measure_gqa_shape(shape, providers, hbm_gbps=hbm_gbps,
+                                              device=device, warmup_ms=warmup_ms,
+                                              rep_ms=rep_ms, on_result=tick, guard=guard),
+        desc="bench --decode", device=device, progress=progress)
 
 
 # ---- record and table --------------------------------------------------------------------------

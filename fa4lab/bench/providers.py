@@ -85,18 +85,20 @@ def sdpa_runner(backend_name: str, *, layout: str = "bshd") -> Runner:
     return run
 
 
-def fa4lab_runner(pack_gqa: bool | None = None) -> Runner:
+def fa4lab_runner(pack_gqa: bool | None = None, **options) -> Runner:
     """`fa4lab.attention`, refusing its float64 fallback: where no kernel runs, `attention`
     computes the reference (with a SlowReferenceWarning), which must never be timed as fa4lab.
     The warning is an error on the first call (the check call); later calls take the same
     dispatch, so they pay no extra cost. pack_gqa None: attention's own default (it chooses);
-    True / False: passed on (the `fa4lab-unpacked` provider is pack_gqa=False)."""
+    True / False: passed on (the `fa4lab-unpacked` provider is pack_gqa=False). `options`
+    (window_size, softcap, learnable_sink, score_mod, mask_mod, aux_tensors: `fa4lab bench
+    --features`) are passed on as they are."""
     import warnings
 
     from fa4lab.api import SlowReferenceWarning, attention
 
     first = [True]
-    kw = {} if pack_gqa is None else {"pack_gqa": bool(pack_gqa)}
+    kw = dict(options) if pack_gqa is None else {"pack_gqa": bool(pack_gqa), **options}
 
     def run(q, k, v, causal, softmax_scale):
         if first[0]:
@@ -125,11 +127,13 @@ def fa4_function() -> Callable[..., Any]:
     return flash_attn_func
 
 
-def fa4_runner() -> Runner:
+def fa4_runner(**options) -> Runner:
+    """Upstream FA4's `flash_attn_func` with `options` (window_size, softcap, learnable_sink:
+    its own names) passed on as they are."""
     flash_attn_func = fa4_function()
 
     def run(q, k, v, causal, softmax_scale):
-        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, **options)
         return out[0] if isinstance(out, tuple) else out
 
     return run

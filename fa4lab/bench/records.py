@@ -1,11 +1,12 @@
 """Bench records: one JSON file per run in `benchmarks/`, its schema, and what it says.
 
-Three families of record share the header (schema, kind, label, date, gpu, commit, versions,
+Four families of record share the header (schema, kind, label, date, gpu, commit, versions,
 command, config): throughput records ("measured", "reference-peers") hold one `Result` per
 (provider, shape) and the GEMM ceiling; "host-overhead" records hold one `HostResult` per
 provider; "decode" records (`fa4lab bench --decode`) hold one `DecodeResult` per (provider,
-shape) and the memory bandwidth the HBM floor was computed from. The format is described in
-benchmarks/README.md.
+shape) and the memory bandwidth the HBM floor was computed from; "features" records
+(`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider). The format is
+described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
 planner's report can read records without an import cycle.
@@ -25,15 +26,17 @@ from pathlib import Path
 
 import fa4lab
 
-# Status of one (provider, shape) cell.
-OK, FAILED, ERROR, MISSING = "ok", "failed", "error", "missing"
-STATUSES = (OK, FAILED, ERROR, MISSING)
+# Status of one (provider, shape) cell. "skipped": the provider is here but was not run, and
+# the note says why (it cannot express the feature, or the run's time budget was spent).
+OK, FAILED, ERROR, MISSING, SKIPPED = "ok", "failed", "error", "missing", "skipped"
+STATUSES = (OK, FAILED, ERROR, MISSING, SKIPPED)
 
 SCHEMA = "fa4lab.bench/1"
 HOST_OVERHEAD = "host-overhead"
 DECODE = "decode"
+FEATURES = "features"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _REPO = BENCHMARKS_DIR.parent
@@ -136,6 +139,39 @@ class DecodeResult:
                                    "heads_q", "heads_kv", "head_dim", "causal", "status"))
 
 
+@dataclass
+class FeatureResult:
+    """One provider on one feature of `fa4lab bench --features` (one attention option at the
+    mode's shape). us/tflops are None unless status == 'ok'; tflops counts only the visible
+    (query, key) pairs (Note [visible FLOPs] in `fa4lab.bench.features`)."""
+
+    provider: str
+    feature: str            # e.g. "window-1024-0": `fa4lab.bench.features.ALL_FEATURES` names
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str = "bf16"
+    status: str = OK
+    us: float | None = None          # median microseconds per call
+    tflops: float | None = None      # flops / us
+    flops: float | None = None       # 4 * batch * heads * head_dim * visible pairs
+    max_err: float | None = None     # the check before timing, as in Result
+    tol: float | None = None
+    first_call_s: float | None = None   # first call: compile, mask/block-mask building, check
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FeatureResult:
+        return _from_dict(cls, d, ("provider", "feature", "batch", "seqlen", "heads",
+                                   "head_dim", "causal", "status"))
+
+
 def _from_dict(cls, d: dict, required: tuple[str, ...]):
     if not isinstance(d, dict):
         raise ValueError(f"a result is a JSON object, got {d!r}")
@@ -152,14 +188,21 @@ REQUIRED_RECORD_KEYS = ("schema", "kind", "label", "date", "gpu", "commit", "ver
 # instead (hbm_gbps: GB/s of a device-to-device copy, read + write; null if not measured).
 HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
 DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
+# A features run measures neither: its rows are read against each other.
+FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
+# Each kind's row type and the time it must carry when ok (throughput rows: tflops).
+_ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
+         FEATURES: (FeatureResult, "us")}
+_READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
+            FEATURES: "feature_results_of"}
 
 
 def validate_record(record: dict) -> dict:
     """Check a record's keys and values; return it. A bad record is a ValueError naming why."""
     if not isinstance(record, dict):
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
-    required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS}.get(
-        record.get("kind"), REQUIRED_RECORD_KEYS)
+    required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
+                FEATURES: FEATURES_RECORD_KEYS}.get(record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
         raise ValueError(f"bench record lacks {missing} (see benchmarks/README.md, 'Record "
@@ -168,51 +211,46 @@ def validate_record(record: dict) -> dict:
         raise ValueError(f"bench record schema {record['schema']!r}; this fa4lab reads {SCHEMA!r}")
     if record["kind"] not in RECORD_KINDS:
         raise ValueError(f"bench record kind {record['kind']!r} is not one of {RECORD_KINDS}")
-    if record["kind"] == HOST_OVERHEAD:
-        for r in record["results"]:
-            res = HostResult.from_dict(r)
-            if res.status == OK and (res.mean_us is None or not res.mean_us > 0):
-                raise ValueError(f"result {r} has status ok but no positive mean_us")
-        return record
-    if record["kind"] == DECODE:
-        for r in record["results"]:
-            res = DecodeResult.from_dict(r)
-            if res.status == OK and (res.us is None or not res.us > 0):
-                raise ValueError(f"result {r} has status ok but no positive us")
-        return record
+    row, time_field = _ROWS.get(record["kind"], (Result, "tflops"))
     for r in record["results"]:
-        res = Result.from_dict(r)
-        if res.status == OK and (res.tflops is None or not res.tflops > 0):
-            raise ValueError(f"result {r} has status ok but no positive tflops")
+        res = row.from_dict(r)
+        value = getattr(res, time_field)
+        if res.status == OK and (value is None or not value > 0):
+            raise ValueError(f"result {r} has status ok but no positive {time_field}")
     return record
+
+
+def _rows_of(record: dict, kind: str | None, reader: str):
+    """The rows of `record`, which must be of `kind` (None: a throughput kind)."""
+    have = record.get("kind")
+    if (have in _ROWS) if kind is None else (have != kind):
+        what = {HOST_OVERHEAD: "host times", DECODE: "GQA shapes against the HBM floor",
+                FEATURES: "attention features"}.get(have, "the throughput sweep")
+        right = _READERS.get(have, "results_of")
+        raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
+                         f"with {right}")
+    row = _ROWS[kind][0] if kind else Result
+    return [row.from_dict(r) for r in record["results"]]
 
 
 def results_of(record: dict) -> list[Result]:
     """The throughput results of a "measured" or "reference-peers" record."""
-    if record.get("kind") == HOST_OVERHEAD:
-        raise ValueError("a host-overhead record holds host times, not throughput: read it "
-                         "with host_results_of")
-    if record.get("kind") == DECODE:
-        raise ValueError("a decode record holds GQA shapes against the HBM floor, not the "
-                         "sweep: read it with decode_results_of")
-    return [Result.from_dict(r) for r in record["results"]]
+    return _rows_of(record, None, "results_of")
 
 
 def host_results_of(record: dict) -> list[HostResult]:
-    if record.get("kind") != HOST_OVERHEAD:
-        reader = "decode_results_of" if record.get("kind") == DECODE else "results_of"
-        raise ValueError(f"a {record.get('kind')!r} record holds no host times: read it with "
-                         f"{reader}")
-    return [HostResult.from_dict(r) for r in record["results"]]
+    """The results of a "host-overhead" record (`fa4lab bench --host-overhead`)."""
+    return _rows_of(record, HOST_OVERHEAD, "host_results_of")
 
 
 def decode_results_of(record: dict) -> list[DecodeResult]:
     """The results of a "decode" record (`fa4lab bench --decode`)."""
-    if record.get("kind") != DECODE:
-        reader = "host_results_of" if record.get("kind") == HOST_OVERHEAD else "results_of"
-        raise ValueError(f"a {record.get('kind')!r} record holds no decode results: read it "
-                         f"with {reader}")
-    return [DecodeResult.from_dict(r) for r in record["results"]]
+    return _rows_of(record, DECODE, "decode_results_of")
+
+
+def feature_results_of(record: dict) -> list[FeatureResult]:
+    """The results of a "features" record (`fa4lab bench --features`)."""
+    return _rows_of(record, FEATURES, "feature_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -274,11 +312,7 @@ def latest_record(records: Sequence[dict], *, gpu: str | None = None,
 
 
 def _any_results(record: dict):
-    if record["kind"] == HOST_OVERHEAD:
-        return host_results_of(record)
-    if record["kind"] == DECODE:
-        return decode_results_of(record)
-    return results_of(record)
+    return _rows_of(record, record["kind"] if record["kind"] in _ROWS else None, "a record")
 
 
 # ---- record metadata -------------------------------------------------------------------------
@@ -362,10 +396,10 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
-    Throughput records carry no kind in the name; host-overhead ones end in _host-overhead,
-    decode ones in _decode."""
+    Throughput records carry no kind in the name; the others end in their kind
+    (_host-overhead, _decode, _features)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")
-    suffix = f"_{record['kind']}" if record["kind"] in (HOST_OVERHEAD, DECODE) else ""
+    suffix = f"_{record['kind']}" if record["kind"] in _ROWS else ""
     return BENCHMARKS_DIR / f"{record['date']}_{gpu}_{commit}_{stamp}{suffix}.json"

@@ -1,4 +1,5 @@
-"""The bench's tables: TFLOP/s per provider and shape, and fa4lab's ratio to each peer."""
+"""The bench's tables: TFLOP/s per provider and shape, and fa4lab's ratio to each peer; the
+same per feature for `fa4lab bench --features` (ratios to FA4 and to the faster PyTorch peer)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from fa4lab.bench.records import OK, Result
+from fa4lab.bench.features import FA4, FEATURE_NAMES, FEATURE_PROVIDERS, PYTORCH
+from fa4lab.bench.records import OK, FeatureResult, Result
 from fa4lab.bench.sweep import OURS, PROVIDERS
 from fa4lab.bench.timing import GEMM_SIZE
 
@@ -109,3 +111,79 @@ def _dedupe_notes(notes: list[str], limit: int = 12) -> list[str]:
         seen.add((prov, reason))
         out.append(n)
     return out[:limit] + ([f"- ... {len(out) - limit} more"] if len(out) > limit else [])
+
+
+# ---- fa4lab bench --features -------------------------------------------------------------------
+@dataclass
+class FeatureRatios:
+    """fa4lab's speed over FA4 and over the faster PyTorch peer on one feature (> 1: fa4lab
+    is faster); None where a side was not measured."""
+
+    feature: str
+    fa4lab_tflops: float | None = None
+    over_fa4: float | None = None
+    over_pytorch: float | None = None
+    best_pytorch: str | None = None
+    cells: dict[str, FeatureResult] = field(default_factory=dict)
+
+
+def feature_ratios(results: Sequence[FeatureResult]) -> list[FeatureRatios]:
+    """One FeatureRatios per feature, in the order of `fa4lab.bench.features.ALL_FEATURES`."""
+    by: dict[str, FeatureRatios] = {}
+    for r in results:
+        by.setdefault(r.feature, FeatureRatios(r.feature)).cells[r.provider] = r
+    order = {n: i for i, n in enumerate(FEATURE_NAMES)}
+    out = []
+    for name in sorted(by, key=lambda n: order.get(n, len(order))):
+        row = by[name]
+        ok = {p: c for p, c in row.cells.items() if c.status == OK and c.tflops}
+        mine = ok.get(OURS)
+        if mine:
+            row.fa4lab_tflops = mine.tflops
+            if FA4 in ok:
+                row.over_fa4 = mine.tflops / ok[FA4].tflops
+            torch_ok = [p for p in PYTORCH if p in ok]
+            if torch_ok:
+                row.best_pytorch = max(torch_ok, key=lambda p: ok[p].tflops)
+                row.over_pytorch = mine.tflops / ok[row.best_pytorch].tflops
+        out.append(row)
+    return out
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_features_table(results: Sequence[FeatureResult]) -> str:
+    """Markdown: one row per (feature, provider) with us, TFLOP/s and fa4lab's speed over it;
+    then fa4lab/FA4 and fa4lab/best PyTorch per feature; then the rows not measured."""
+    lines = ["| feature | provider | us | TFLOP/s | fa4lab/this |", "|---|---|---|---|---|"]
+    order = {p: i for i, p in enumerate(FEATURE_PROVIDERS)}
+    ratios = feature_ratios(results)
+    for row in ratios:
+        mine = row.cells.get(OURS)
+        for p in sorted(row.cells, key=lambda p: order.get(p, len(order))):
+            r = row.cells[p]
+            if r.status != OK:
+                lines.append(f"| {row.feature} | {p} | {r.status} | - | - |")
+                continue
+            speed = (mine.tflops / r.tflops if mine is not None and mine.status == OK
+                     else None)
+            lines.append(f"| {row.feature} | {p} | {r.us:.1f} | {r.tflops:.0f} | "
+                         f"{_num(speed, '.2f')} |")
+    lines += ["", "| feature | fa4lab TFLOP/s | fa4lab/FA4 | fa4lab/best PyTorch |",
+              "|---|---|---|---|"]
+    for row in ratios:
+        best = (f"{row.over_pytorch:.2f} ({row.best_pytorch})" if row.over_pytorch is not None
+                else "-")
+        lines.append(f"| {row.feature} | {_num(row.fa4lab_tflops, '.0f')} | "
+                     f"{_num(row.over_fa4, '.2f')} | {best} |")
+    notes: list[str] = []
+    for r in results:
+        if r.status != OK and r.note:
+            n = f"- {r.provider} {r.feature}: {r.status}: {r.note}"
+            if n not in notes:
+                notes.append(n)
+    if notes:
+        lines += ["", "not measured:"] + notes
+    return "\n".join(lines)

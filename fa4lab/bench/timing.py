@@ -101,11 +101,18 @@ def gemm_tflops(*, size: int = GEMM_SIZE, warmup_ms: float = WARMUP_MS,
     return 2.0 * size**3 / (ms * 1e-3) / 1e12
 
 
+def hbm_bytes(spec) -> int:
+    """The bytes a forward call of an `AttentionSpec` must move: K and V read once, q read and
+    out written once (Note [HBM floor] in `fa4lab.bench.decode`)."""
+    kv = spec.batch * spec.seqlen_k * spec.heads_kv * (spec.head_dim + spec.head_dim_v)
+    qo = spec.batch * spec.seqlen_q * spec.heads_q * (spec.head_dim + spec.head_dim_v)
+    return spec.element_bytes * (kv + qo)
+
+
 def rotation_copies(shape) -> int:
-    """How many copies of a `BenchShape`'s inputs the timed calls rotate through. See Note
-    [cold L2]."""
-    bytes_per_call = 4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2
-    return max(1, min(8, math.ceil(2 * L2_BYTES / bytes_per_call)))
+    """How many copies of a shape's inputs (anything with a `.spec`) the timed calls rotate
+    through: one when a call moves more than twice the L2 (`hbm_bytes`). See Note [cold L2]."""
+    return max(1, min(8, math.ceil(2 * L2_BYTES / hbm_bytes(shape.spec))))
 
 
 def rotating_call(runner: Callable[..., Any], copies: list, causal: bool, scale: float):

@@ -187,3 +187,51 @@ def plot_plan_prediction(sim, predicted_tflops: float, *, recorded: Mapping[str,
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+FEATURE_STYLE = {OURS: "#d62728", "fa4": "#1f77b4", "sdpa": "#2ca02c", "flex": "#ff7f0e"}
+
+
+def plot_features(data, *, title: str | None = None):
+    """`fa4lab bench --features`: TFLOP/s (visible pairs only) per feature, one bar per
+    provider (fa4lab, FA4, SDPA, Flex), grouped by feature. A provider not measured on a
+    feature gets its status written where its bar would be, never a silent gap.
+
+    data: a "features" record (dict) or a sequence of `fa4lab.bench.FeatureResult`."""
+    from fa4lab.bench.features import FEATURE_LABELS, FEATURE_NAMES, FEATURE_PROVIDERS
+    from fa4lab.bench.records import feature_results_of
+
+    results = feature_results_of(data) if isinstance(data, Mapping) else list(data)
+    meta = dict(data) if isinstance(data, Mapping) else {}
+    if not results:
+        raise ValueError("no results to plot: run `fa4lab bench --features` on a GPU or load a "
+                         "features record from benchmarks/")
+    order = {n: i for i, n in enumerate(FEATURE_NAMES)}
+    features = sorted({r.feature for r in results}, key=lambda n: order.get(n, len(order)))
+    provs = [p for p in FEATURE_PROVIDERS if any(r.provider == p for r in results)]
+    cell = {(r.feature, r.provider): r for r in results}
+    top = max([r.tflops for r in results if r.status == OK and r.tflops] + [1])
+    width = 0.8 / max(1, len(provs))
+    fig, ax = subplots(figsize=(max(7.0, 0.95 * len(features) + 2), 3.8))
+    for j, p in enumerate(provs):
+        xs = [i + (j - (len(provs) - 1) / 2) * width for i in range(len(features))]
+        for x, f in zip(xs, features):
+            r = cell.get((f, p))
+            if r is not None and r.status == OK:
+                ax.bar(x, r.tflops, width, color=FEATURE_STYLE.get(p, "#777777"))
+            elif r is not None:
+                ax.text(x, top * 0.02, r.status, rotation=90, ha="center", va="bottom",
+                        fontsize=6, color="0.4")
+        ax.bar([], [], color=FEATURE_STYLE.get(p, "#777777"),
+               label=FEATURE_LABELS.get(p, PROVIDER_LABELS.get(p, p)))
+    ax.set_xticks(range(len(features)), features, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (visible pairs)")
+    ax.set_ylim(0, top * 1.15)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
+    shape = meta.get("config", {}).get("shape", {})
+    where = f", {meta['gpu']} {meta.get('date', '')}" if meta.get("gpu") else ""
+    at = f"hd{shape['head_dim']} s{shape['seqlen']}" if shape else "attention features"
+    ax.set_title(title or f"forward attention by feature, {at}{where}".strip(), fontsize=10)
+    fig.tight_layout()
+    return fig
