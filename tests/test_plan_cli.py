@@ -67,3 +67,106 @@ def test_bad_arguments_are_explained(capsys):
     assert rc == EXIT_NO_PLAN
     rc, out = run_cli(capsys, "--n-block", "72")
     assert rc == EXIT_NO_PLAN and "multiple of 16" in out
+
+
+# ---- windows, softcap, sinks ----
+def run_cli_err(capsys, *argv) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="fa4lab")
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    rc = args.func(args)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+@pytest.mark.parametrize("argv,window", [
+    (["--causal", "--window", "700", "none"], (700, None)),
+    (["--window", "300", "0"], (300, None)),         # right = 0 is causal
+    (["--window", "none", "200", "--seqlen-k", "3000"], (None, 200)),
+    (["--window", "250", "100", "--gqa", "4"], (250, 100)),
+])
+def test_window_softcap_sink_plan(capsys, arch, argv, window):
+    """The report's tile counts are classify_tiles' on the plan's CTA x K/V block grid; the
+    Markdown names the window, the softcap and the sink."""
+    from fa4lab import tiling
+
+    base = ["--arch", arch, "--head-dim", "128", "--seqlen", "2048", "--softcap", "30",
+            "--sink", *argv]
+    rc, out = run_cli(capsys, *base, "--format", "json")
+    assert rc == 0
+    data = json.loads(out)
+    plan = Plan.from_dict(data)
+    s, t = plan.spec, plan.tiles
+    assert s.window_size == window and s.softcap == 30.0 and s.learnable_sink
+    assert plan == plan_forward(s, arch)
+    got = data["report"]["tiles"]
+    kw = dict(seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k, m_block_size=t.cta_m,
+              n_block_size=t.n_block, causal=s.causal, window_size=s.window_size)
+    tc = tiling.classify_tiles(**kw)
+    assert {k: got[k] for k in tc.counts} == tc.counts and got["tiles"] == tc.num_tiles
+    left = [tiling.n_block_left_masked_range(m, **kw) for m in range(tc.shape[0])]
+    assert got["left_edge_masked"] == sum(e - b for b, e in left)
+    assert got["skipped_fraction"] == pytest.approx(tc.skipped_fraction, abs=1e-4)
+    assert data["report"]["mask"]["effective_window"] == list(s.effective_window)
+    rc, md = run_cli(capsys, *base)
+    assert rc == 0
+    left_side, right_side = ("none" if x is None else str(x) for x in s.effective_window)
+    assert f"window ({left_side}, {right_side})" in md
+    assert "softcap 30" in md and "learnable sink" in md.lower()
+    assert "### Tile kinds" in md and f"| {tc.counts['SKIP']} | {tc.num_tiles} |" in md
+    assert "without the mask" in md and "no deadlock, no hazard" in md
+
+
+def test_windowed_plan_predicts_less_time(capsys):
+    argv = ["--head-dim", "128", "--seqlen", "4096", "--format", "json"]
+    dense = json.loads(run_cli(capsys, *argv)[1])["report"]
+    local = json.loads(run_cli(capsys, *argv, "--window", "512", "512")[1])["report"]
+    assert local["mask"]["dense_seconds"] == pytest.approx(dense["prediction"]["seconds"])
+    assert local["prediction"]["seconds"] < dense["prediction"]["seconds"]
+    assert dense["mask"]["dense_seconds"] is None and dense["tiles"]["SKIP"] == 0
+
+
+@pytest.mark.parametrize("argv,window,softcap", [
+    (["--window", "-1", "0"], (-1, 0), 0.0),
+    (["--window", "1.5", "none"], ("1.5", None), 0.0),
+    (["--window", "left", "2"], ("left", 2), 0.0),
+    (["--softcap", "-3"], (None, None), -3.0),
+    (["--softcap", "inf"], (None, None), float("inf")),
+    (["--softcap", "big"], (None, None), "big"),
+])
+def test_bad_window_or_softcap_exits_2_with_the_spec_message(capsys, argv, window, softcap):
+    from fa4lab.spec import check_softcap, check_window_size
+
+    with pytest.raises((TypeError, ValueError)) as err:
+        check_window_size(window)
+        check_softcap(softcap)
+    rc, out, errout = run_cli_err(capsys, *argv)
+    assert rc == EXIT_NO_PLAN and out == ""
+    assert str(err.value) in errout and "Traceback" not in errout
+
+
+def test_causal_with_a_right_side_exits_2(capsys):
+    from fa4lab.spec import normalize_mask
+
+    with pytest.raises(ValueError) as err:
+        normalize_mask(True, (4, 2))
+    rc, _, errout = run_cli_err(capsys, "--causal", "--window", "4", "2")
+    assert rc == EXIT_NO_PLAN and str(err.value) in errout
+
+
+def test_python_m_fa4lab_plan_takes_the_mask_flags():
+    """The same flags through `python -m fa4lab plan`: a plan, and a bad value's message
+    without a traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fa4lab", "plan", "--seqlen", "1024", "--causal"]
+    ok = subprocess.run(cmd + ["--window", "256", "0", "--softcap", "20", "--sink"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "window (256, 0)" in ok.stdout and "softcap 20" in ok.stdout
+    bad = subprocess.run(cmd + ["--window", "-4", "none"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == EXIT_NO_PLAN
+    assert "negative" in bad.stderr and "Traceback" not in bad.stderr

@@ -21,11 +21,10 @@ from fa4lab.plan.simulate import (
     Work,
     edge_check,
     mutation_check,
-    predict,
     programs_for,
     simulate,
-    useful_flops,
 )
+from fa4lab.plan.throughput import block_cycles, predict, tile_classes, useful_flops
 from fa4lab.spec import AttentionSpec
 
 SUPPORTED = [("sm100", 64), ("sm100", 128), ("sm90", 64), ("sm90", 128), ("sm90", 256)]
@@ -229,6 +228,118 @@ def test_prediction_never_beats_peak_on_lopsided_causal():
     assert 0 < predict(p).utilization < 1
 
 
+# ---- window-aware throughput (fa4lab.plan.throughput) ----
+def _work_cycles(p, s):
+    """(total, longest) cycles of every work tile of spec `s` on plan `p`, counted from
+    `fa4lab.tiling.classify_tiles` (a tile's masked blocks are those needing the element mask)
+    and the plan's simulated block costs."""
+    import numpy as np
+
+    b = block_cycles(p)
+    tc = tile_classes(dataclasses.replace(p, spec=s))
+    visible = tc.kinds != 0
+    masked = (visible & tc.needs_element_mask).sum(axis=1)
+    unmasked = (visible & ~tc.needs_element_mask).sum(axis=1)
+    per_tile = (max(b.fixed, 0.0) + b.unmasked * unmasked
+                + max(b.masked, b.unmasked) * masked)
+    heads = s.heads_kv if p.tiles.pack_gqa else s.heads_q
+    return float(np.sum(per_tile)) * s.batch * heads, float(per_tile.max())
+
+
+WINDOWS = [   # (causal, window_size, seqlen_q, seqlen_k)
+    (False, (None, None), 4096, 4096), (True, (None, None), 4096, 4096),
+    (True, (1024, None), 4096, 4096), (False, (512, 512), 4096, 4096),
+    (False, (0, 0), 3000, 3000), (True, (300, None), 1000, 5000), (False, (None, 700), 5000, 1000),
+]
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+@pytest.mark.parametrize("causal,window,sq,sk", WINDOWS)
+def test_prediction_follows_the_visible_blocks(arch, causal, window, sq, sk):
+    """Greedy dispatch (each tile to the first free SM) ends between total work / SMs and that
+    plus the longest tile; the work is the visible blocks of classify_tiles, so a window's
+    prediction shrinks with the blocks it skips."""
+    s = AttentionSpec(4, sq, sk, 16, 4, 128, causal=causal, window_size=window)
+    p = plan_forward(s, arch)
+    hw = p.hardware
+    total, longest = _work_cycles(p, s)
+    cycles = predict(p).seconds * hw.clock_ghz * 1e9
+    assert total / hw.num_sms * (1 - 1e-9) <= cycles <= (total / hw.num_sms + longest) * (1 + 1e-9)
+    dense = s.with_(causal=False, window_size=(None, None))
+    dense_total, dense_longest = _work_cycles(p, dense)
+    ratio = predict(p).seconds / predict(p, spec=dense).seconds
+    if s.has_mask:
+        assert ratio < 1
+    # So the ratio of the times is the ratio of the work, up to the longest tile per SM.
+    slack = hw.num_sms * max(longest, dense_longest) / dense_total
+    assert abs(ratio - total / dense_total) <= slack * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_block_cycles_match_simulated_tiles(arch):
+    """The fitted tile time (Note [tile time]) is the simulated one within a few percent, for
+    tile lengths and masked counts outside the fit's three points."""
+    p = plan(arch, 128)
+    b = block_cycles(p)
+    for n, m in [(2, 0), (4, 1), (6, 3), (12, 2), (16, 16), (30, 0)]:
+        simulated = simulate(p, n, 1, masked_blocks=m).cycles
+        assert b.tile(n - m, m) == pytest.approx(simulated, rel=0.07), (n, m)
+
+
+def test_softcap_costs_a_tanh_and_a_multiply_per_score():
+    from fa4lab.hardware import B200
+    from fa4lab.plan.costs import DEFAULT_COSTS as C
+
+    scores = 128 * 128
+    for f in (0.0, 0.25, 1.0):
+        for masked in (False, True):
+            plain = C.softmax_cycles(B200, scores, f, masked)
+            capped = C.softmax_cycles(B200, scores, f, masked, softcap=True)
+            assert capped > plain
+            free = C.with_(mufu_ops_per_softcap_score=0.0, fma_ops_per_softcap_score=0.0)
+            assert free.softmax_cycles(B200, scores, f, masked, softcap=True) == plain
+    # All exp2 on MUFU (f = 0) is MUFU-bound: the tanh doubles its MUFU work.
+    assert C.softmax_cycles(B200, scores, 0.0, softcap=True) == pytest.approx(
+        2 * C.softmax_cycles(B200, scores, 0.0))
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_softcap_and_sink_in_the_prediction(arch):
+    """sm100 is bound by exp2 already at half its MMA time, so a tanh per score slows it; the
+    sm90 ping-pong hides the softmax behind the other consumer's MMAs. A sink costs nothing
+    per block."""
+    base = AttentionSpec(2, 4096, 4096, 16, 16, 128, causal=True)
+    plain = predict(plan_forward(base, arch))
+    capped = predict(plan_forward(base.with_(softcap=30.0), arch))
+    sunk = predict(plan_forward(base.with_(learnable_sink=True), arch))
+    assert sunk.seconds == plain.seconds
+    if arch == "sm100":
+        assert capped.seconds > 1.2 * plain.seconds
+    else:
+        assert capped.seconds == pytest.approx(plain.seconds, rel=0.05)
+
+
+@pytest.mark.parametrize("window,sq,sk", [((2, 0), 7, 7), ((None, 1), 5, 9), ((3, 2), 9, 4),
+                                          ((0, None), 6, 6), ((1, 1), 1, 1)])
+def test_useful_flops_counts_windowed_scores(window, sq, sk):
+    import numpy as np
+
+    s = AttentionSpec(2, sq, sk, 3, 3, 16, window_size=window)
+    left, right = s.effective_window
+    i, j = np.meshgrid(np.arange(sq), np.arange(sk), indexing="ij")
+    d = sk - sq
+    seen = np.ones_like(i, dtype=bool)
+    if left is not None:
+        seen &= j >= i + d - left
+    if right is not None:
+        seen &= j <= i + d + right
+    expected = 2.0 * 2 * 3 * int(seen.sum()) * 32
+    if s.causal and sq == sk and (left is None or left >= sk - 1):
+        assert abs(useful_flops(s) - expected) <= 2.0 * 2 * 3 * sq * 32   # halved convention
+    else:
+        assert useful_flops(s) == expected
+
+
 # ---- store drains: cp.async.bulk.wait_group.read N (Note [store drains]) ----
 def test_engine_drain_waits_for_the_older_stores_only():
     from fa4lab.plan.costs import DEFAULT_COSTS as C
@@ -278,3 +389,18 @@ def test_o_empty_0_is_released_while_a_slow_store_1_is_in_flight():
     # Draining with wait-all (wait_group 0 both times) would hold o_empty[0] until store 1.
     r, _, store1 = _slow_store_1(p, drain=WaitEngine("tma_store"))
     assert r.phase_times["o_empty[0]"] == [store1]
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(8, 0)), dict(softcap=5.0),
+                                     dict(learnable_sink=True)])
+def test_data_simulator_refuses_what_it_does_not_model(options):
+    """The data-carrying simulator computes plain or causal attention; a window, softcap or sink
+    plan is refused before it runs rather than giving the wrong output."""
+    import numpy as np
+
+    from fa4lab.plan.datasim import run_plan
+
+    s = AttentionSpec(1, 64, 64, 1, 1, 64, **options)
+    q = np.zeros((1, 64, 1, 64), np.float32)
+    with pytest.raises(ValueError, match=next(iter(options))):
+        run_plan(plan_forward(s, "sm100"), q, q, q)

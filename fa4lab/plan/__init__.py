@@ -4,7 +4,7 @@
     plan = plan_forward(spec, arch="sm100")   # or "sm90"; overrides: n_block=..., kv_stage=...
 
 `fa4lab.plan.simulate.simulate(plan)` runs the roles' programs against the barrier graph
-(timeline, deadlocks, hazards) and `fa4lab.plan.simulate.predict(plan)` the throughput;
+(timeline, deadlocks, hazards) and `fa4lab.plan.throughput.predict(plan)` the throughput;
 `fa4lab plan` prints the report.
 """
 

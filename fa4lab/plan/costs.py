@@ -20,8 +20,16 @@ class CostModel:
     fma_ops_per_score: float = 3.5
     # The software exp2 (Cody-Waite range reduction + degree-3 polynomial + exponent insert).
     fma_ops_per_poly_exp2: float = 7.0
-    # Extra FMA-pipe instructions per score on a block cut by the causal diagonal (the mask).
+    # Extra FMA-pipe instructions per score on a block that needs the element mask (the causal
+    # diagonal, a sliding window's left or right edge, or the seqlen_k tail cuts it).
     fma_ops_per_masked_score: float = 2.0
+    # With a softcap, per score: one FMUL (raw score x pre_scale) on the FMA pipe and one
+    # tanh.approx.f32 on the MUFU (`fa4lab.kernels.device.softmax.softcap_row`; PTX ISA, tanh:
+    # SASS MUFU.TANH on sm_75+). ASSUMED: MUFU.TANH issues at the MUFU's exp2 rate
+    # (`Hardware.exp2_per_cycle`); the programming guide's throughput table lists ex2, lg2, sin,
+    # cos, rcp and rsqrt at that rate but not tanh. See Note [softcap] there.
+    fma_ops_per_softcap_score: float = 1.0
+    mufu_ops_per_softcap_score: float = 1.0
     # ASSUMED: bytes per cycle per SM a TMA load gets from L2 (K/V are shared by many CTAs, so
     # L2 rather than HBM feeds them), and its latency.
     l2_bytes_per_cycle: float = 64.0
@@ -54,13 +62,17 @@ class CostModel:
         return max(self.mma_cycles(hw, mma.m, mma.n, mma.k), self.smem_cycles(hw, smem))
 
     def softmax_cycles(self, hw: Hardware, scores: int, emulated: float,
-                       masked: bool = False) -> float:
-        """exp2 on MUFU for (1 - emulated) of the scores, the rest and the bookkeeping on FMA."""
-        mufu = scores * (1.0 - emulated) / hw.exp2_per_cycle
+                       masked: bool = False, softcap: bool = False) -> float:
+        """exp2 on MUFU for (1 - emulated) of the scores, the rest and the bookkeeping on FMA;
+        `masked` adds the element mask, `softcap` the cap's tanh (MUFU) and multiply (FMA)."""
+        mufu_ops = 1.0 - emulated
         ops = self.fma_ops_per_score + emulated * self.fma_ops_per_poly_exp2
         if masked:
             ops += self.fma_ops_per_masked_score
-        return max(mufu, scores * ops / hw.fma_per_cycle)
+        if softcap:
+            mufu_ops += self.mufu_ops_per_softcap_score
+            ops += self.fma_ops_per_softcap_score
+        return max(scores * mufu_ops / hw.exp2_per_cycle, scores * ops / hw.fma_per_cycle)
 
     def tmem_cycles(self, nbytes: int) -> float:
         return nbytes / self.tmem_bytes_per_cycle

@@ -750,6 +750,13 @@ def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None
         raise ValueError(f"the data-carrying simulator models the sm100 plan (TMEM), got "
                          f"{plan.arch!r}")
     spec = plan.spec
+    unmodelled = [name for name, on in (("window_size", spec.window_size != (None, None)),
+                                         ("softcap", bool(spec.softcap)),
+                                         ("learnable_sink", spec.learnable_sink)) if on]
+    if unmodelled:
+        raise ValueError(f"the data-carrying simulator computes unmasked or causal attention, "
+                         f"without {' or '.join(unmodelled)}: time such a plan with "
+                         f"fa4lab.plan.simulate, and take its output from fa4lab.reference")
     shapes = (tuple(np.shape(q)), tuple(np.shape(k)), tuple(np.shape(v)))
     want = ((spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim),
             (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim),

@@ -2,13 +2,15 @@
 timeline, the minimal validation and the risks, as Markdown or JSON.
 
     fa4lab plan --head-dim 128 --causal --gqa 4 --arch sm100
+    fa4lab plan --head-dim 128 --window 1024 0 --softcap 30 --sink   # sliding window, cap, sink
     fa4lab plan --head-dim 128 --format json > plan.json    # Plan.from_dict(json.load(...))
 
 Shapes default to the benchmark sweep's convention (16384 tokens, hidden 2048: batch =
 16384 / seqlen, heads = 2048 / head_dim). A spec the arch cannot plan (head_dim 256 on sm100:
 S + O need 768 of 512 TMEM columns) prints why and the fallbacks, and exits with status 2.
 JSON output is the plan's `to_dict()` (keys sorted) plus a "report" key, so it round-trips
-through `Plan.from_dict`.
+through `Plan.from_dict`. A bad window or softcap gets the spec's own message
+(`fa4lab.spec.check_window_size`, `check_softcap`) and status 2.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def _published(plan) -> dict:
 
 def _recorded(plan) -> dict:
     """Recorded H200 numbers for the benchmark sweep's shape at this (head_dim, causal, seqlen)."""
-    if plan.arch != "sm90":
-        return {}
+    s = plan.spec
+    if plan.arch != "sm90" or s.window_size != (None, None) or s.softcap or s.learnable_sink:
+        return {}   # the sweep runs no window, softcap or sink: no record of this problem
     try:
         from fa4lab.bench.records import latest_record, load_records, recorded_tflops
         rec = latest_record(load_records(), gpu="H200")
@@ -46,7 +49,6 @@ def _recorded(plan) -> dict:
         return {}
     if not rec:
         return {}
-    s = plan.spec
     found = recorded_tflops(rec, (s.head_dim, s.causal, s.seqlen_q))
     return {"label": f"measured on {rec['gpu']} ({rec['date']}), sweep shape at this seqlen",
             "tflops": found, "gemm_tflops": rec.get("gemm_tflops"),
@@ -59,7 +61,8 @@ def _bottleneck(plan, costs, per_block: float) -> dict:
     demand = {
         "tensor": t.q_stage * sum(costs.mma_op_cycles(hw, m) for m in plan.mmas),
         "exp2 (MUFU/FMA)": t.q_stage * costs.softmax_cycles(
-            hw, t.m_block * t.n_block, plan.exp2_emulation_fraction),
+            hw, t.m_block * t.n_block, plan.exp2_emulation_fraction,
+            softcap=bool(plan.spec.softcap)),
         "TMA K+V": costs.tma_cycles(t.n_block * (t.head_dim + t.head_dim_v) * eb),
     }
     top = max(demand, key=demand.get)
@@ -68,13 +71,47 @@ def _bottleneck(plan, costs, per_block: float) -> dict:
             "bound": top, "efficiency_vs_bound": round(demand[top] / per_block, 3)}
 
 
+def tile_summary(plan) -> dict:
+    """The plan's tiles of one (batch, head) (one KV head with pack-GQA) by kind
+    (`fa4lab.plan.throughput.tile_classes`, i.e. `fa4lab.tiling.classify_tiles`), the
+    left-edge run of a sliding window's masked blocks (`fa4lab.tiling.n_block_left_masked_range`)
+    and the share of the dense tiles and scores the mask skips."""
+    from fa4lab import tiling
+    from fa4lab.plan.throughput import tile_classes, workload
+
+    tc, w = tile_classes(plan), workload(plan)
+    kw = dict(seqlen_q=w.seqlen_q, seqlen_k=w.seqlen_k, m_block_size=w.m_block_size,
+              n_block_size=w.n_block_size, causal=w.causal, qhead_per_kvhead=w.qhead_per_kvhead,
+              window_size=w.window_size)
+    left = sum(end - start for start, end in (tiling.n_block_left_masked_range(m, **kw)
+                                              for m in range(w.num_m_blocks)))
+    return {**tc.counts, "left_edge_masked": left, "tiles": tc.num_tiles,
+            "m_block_size": w.m_block_size, "n_block_size": w.n_block_size,
+            "skipped_fraction": round(tc.skipped_fraction, 4),
+            "visible_fraction": round(tc.visible_element_fraction, 4)}
+
+
+def _mask(plan, costs) -> dict:
+    """The window in effect (causal is right = 0) and, when it hides keys, the predicted time
+    without it (the spec itself, softcap and sink included, is in the plan's JSON)."""
+    from fa4lab.plan.throughput import predict
+
+    s = plan.spec
+    out = {"effective_window": list(s.effective_window), "dense_seconds": None}
+    if s.has_mask:
+        dense = predict(plan, costs, s.with_(causal=False, window_size=(None, None)))
+        out["dense_seconds"] = dense.seconds
+    return out
+
+
 def build_report(plan, costs=None) -> dict:
     from fa4lab.plan.costs import DEFAULT_COSTS
-    from fa4lab.plan.simulate import mutation_check, predict, simulate, unobservable
+    from fa4lab.plan.simulate import mutation_check, simulate, unobservable
+    from fa4lab.plan.throughput import predict
 
     costs = costs or DEFAULT_COSTS
     pred = predict(plan, costs)
-    fixed, per = pred.tile_cycles
+    bc = pred.block_cycles
     n_sim = 6
     sim = simulate(plan, n_sim, 1, costs)
     hidden = unobservable(plan)
@@ -95,7 +132,10 @@ def build_report(plan, costs=None) -> dict:
     return {
         "prediction": {"tflops": round(pred.tflops, 1), "peak_tflops": round(pred.peak_tflops, 1),
                        "utilization": round(pred.utilization, 3), "tiles": pred.tiles,
-                       "tile_cycles": {"fixed": round(fixed, 1), "per_block": round(per, 1)},
+                       "seconds": pred.seconds,
+                       "tile_cycles": {"fixed": round(bc.fixed, 1),
+                                       "per_block": round(bc.unmasked, 1),
+                                       "per_masked_block": round(bc.masked, 1)},
                        "scaled_by_measured_gemm": None if scaled is None else round(scaled, 1),
                        "label": "simulated (fa4lab.plan.simulate; see assumptions)"},
         "published": _published(plan),
@@ -104,7 +144,9 @@ def build_report(plan, costs=None) -> dict:
                        "deadlock": sim.deadlock, "hazards": [str(h) for h in sim.hazards],
                        "busy": {k: round(v, 3) for k, v in sim.busy().items()},
                        "mutations": mutations},
-        "bottleneck": _bottleneck(plan, costs, per),
+        "bottleneck": _bottleneck(plan, costs, bc.unmasked),
+        "tiles": tile_summary(plan),
+        "mask": _mask(plan, costs),
         "alternatives": alternatives,
         "experiment": exp,
         "assumptions": {k: getattr(costs, k) for k in sorted(vars(costs))},
@@ -114,7 +156,7 @@ def build_report(plan, costs=None) -> dict:
 def _alternatives(plan, costs) -> list[dict]:
     """Neighbouring plans (one knob changed) that fit, with their predicted TFLOP/s."""
     from fa4lab.plan import plan_forward
-    from fa4lab.plan.simulate import predict
+    from fa4lab.plan.throughput import predict
 
     t = plan.tiles
     changes = [{"kv_stage": t.kv_stage - 1}, {"kv_stage": t.kv_stage + 1},
@@ -155,6 +197,7 @@ def contract_tables(plan) -> str:
         [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",
           f"{m.b_dtype} ({m.b_source})", m.acc_dtype, m.out, f"`{m.instruction}`"]
          for m in plan.mmas])]
+    parts += [_tile_table(plan, tile_summary(plan))]
     if plan.tmem is not None:
         tm = plan.tmem
         parts += [f"### TMEM ({tm.total_cols} of {tm.capacity_cols} columns used, "
@@ -187,13 +230,66 @@ def contract_tables(plan) -> str:
     return "\n\n".join(parts)
 
 
+def _per(plan) -> str:
+    return "(batch, KV head), pack-GQA" if plan.tiles.pack_gqa else "(batch, head)"
+
+
+def _tile_table(plan, tiles: dict) -> str:
+    return "\n\n".join([
+        f"### Tile kinds (one {_per(plan)}; CTAs of {tiles['m_block_size']} rows x K/V blocks of "
+        f"{tiles['n_block_size']} keys)",
+        _table(["FULL", "TAIL", "MASKED", "of which left-edge", "SKIP", "tiles",
+                "dense work skipped", "scores visible"],
+               [[tiles["FULL"], tiles["TAIL"], tiles["MASKED"], tiles["left_edge_masked"],
+                 tiles["SKIP"], tiles["tiles"], f"{tiles['skipped_fraction']:.1%}",
+                 f"{tiles['visible_fraction']:.1%}"]])])
+
+
+def _side(x) -> str:
+    return "none" if x is None else str(x)
+
+
+def _mask_text(spec) -> str:
+    """', causal', ', window (left, right)', ', softcap C', ', learnable sink' as set."""
+    out = ", causal" if spec.causal else ""
+    if spec.window_size != (None, None):
+        left, right = spec.effective_window
+        out += f", window ({_side(left)}, {_side(right)})"
+    if spec.softcap:
+        out += f", softcap {spec.softcap:g}"
+    if spec.learnable_sink:
+        out += ", learnable sink"
+    return out
+
+
+def _mask_lines(plan, rep: dict) -> list[str]:
+    """The conclusion's lines on what the mask skips and what the softcap and sink cost."""
+    s, tiles, mask = plan.spec, rep["tiles"], rep["mask"]
+    out = []
+    if mask["dense_seconds"]:
+        left, right = mask["effective_window"]
+        out.append(f"- Mask: effective window ({_side(left)}, {_side(right)}) (`fa4lab.spec`, "
+                   f"none = unbounded); {tiles['SKIP']} of {tiles['tiles']} tiles per "
+                   f"{_per(plan)} are never loaded, {tiles['skipped_fraction']:.0%} of the "
+                   f"dense work (Tile kinds below); predicted "
+                   f"{rep['prediction']['seconds'] * 1e3:.3g} ms against "
+                   f"{mask['dense_seconds'] * 1e3:.3g} ms without the mask.")
+    if s.softcap:
+        out.append(f"- Softcap {s.softcap:g}: one MUFU tanh and one FMA more per score "
+                   f"(`fa4lab.plan.costs.CostModel`).")
+    if s.learnable_sink:
+        out.append("- Learnable sink: one logit per query head joins each row's sum once, "
+                   "after the last block; no per-block cost.")
+    return out
+
+
 def render_markdown(plan, rep: dict) -> str:
     s, t, hw = plan.spec, plan.tiles, plan.hardware
     pred = rep["prediction"]
     sim = rep["simulation"]
     shape = (f"batch {s.batch}, seqlen {s.seqlen_q}x{s.seqlen_k}, heads {s.heads_q}/{s.heads_kv} "
              f"(GQA {s.gqa_ratio}), head_dim {s.head_dim}, {s.dtype}"
-             f"{', causal' if s.causal else ''}{', LSE' if s.return_lse else ''}")
+             f"{_mask_text(s)}{', LSE' if s.return_lse else ''}")
     clean = not sim["deadlock"] and not sim["hazards"]
     muts = rep["simulation"]["mutations"].values()
     caught = sum(v != "NOT CAUGHT" and not v.startswith("not observable") for v in muts)
@@ -213,6 +309,7 @@ def render_markdown(plan, rep: dict) -> str:
              f"{caught}" + (f" ({hidden} not observable in one tile)" if hidden else "") + ".",
              f"- Predicted **{pred['tflops']:.0f} TFLOP/s** ({pred['utilization']:.0%} of the "
              f"{pred['peak_tflops']:.0f} TFLOP/s dense MMA peak), {pred['label']}."]
+    lines += _mask_lines(plan, rep)
     if rep["published"]:
         p = rep["published"]
         lines.append(f"- Compare: {p['what']} {p['tflops']} TFLOP/s, {p['label']} "
@@ -236,6 +333,7 @@ def render_markdown(plan, rep: dict) -> str:
     lines += ["", "## Contract", "", contract_tables(plan), "",
               "## Simulated timeline", "",
               f"- A work tile costs {pred['tile_cycles']['per_block']:.0f} cycles per K/V block "
+              f"({pred['tile_cycles']['per_masked_block']:.0f} per masked block) "
               f"{_fixed_text(pred['tile_cycles']['fixed'])}; demand per block: {demand} cycles: "
               f"bound by {b['bound']} ({b['efficiency_vs_bound']:.0%} of it used).",
               "- Busy: " + ", ".join(f"{k} {v:.0%}" for k, v in sim["busy"].items()) + ".",
@@ -269,10 +367,27 @@ def render_markdown(plan, rep: dict) -> str:
               f"{', '.join(map(str, sorted({1, 4, s.gqa_ratio})))}; the audit checks "
               f"{plan.barriers.mbarrier_count} mbarrier inits and {plan.smem.total_bytes} bytes "
               f"of SMEM against this plan.",
+              *_mask_checks(s),
               f"- {exp_line}", "",
               "## Risks and fallbacks", ""]
     lines += [f"- {r}" for r in risks(plan)]
     return "\n".join(lines) + "\n"
+
+
+def _mask_checks(spec) -> list[str]:
+    """The minimal validation's line for a window, softcap or sink (none without them)."""
+    window = spec.window_size != (None, None)
+    cases = (["a window narrower than one K/V block", "both window edges inside one tile"]
+             if window else [])
+    if window or spec.learnable_sink:
+        cases.append("rows that see no key (O = 0; LSE = "
+                     + ("the sink's logit)" if spec.learnable_sink else "-inf)"))
+    if spec.softcap:
+        cases.append("scores far past the softcap")
+    if not cases:
+        return []
+    return [f"- Options ({_mask_text(spec).lstrip(', ')}): the same checks against the "
+            f"reference with the same options, and {', '.join(cases)}."]
 
 
 def _change(change: dict) -> str:
@@ -320,6 +435,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--heads", type=int, default=None, help="query heads; default 2048 // head_dim")
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", nargs=2, metavar=("LEFT", "RIGHT"), default=None,
+                   help="sliding window: keys seen left and right of the diagonal, each an int "
+                        ">= 0 or 'none' (unbounded); causal is RIGHT = 0")
+    p.add_argument("--softcap", default="0", metavar="C",
+                   help="scores become C * tanh(score / C) (Gemma 2); 0 = off")
+    p.add_argument("--sink", action="store_true",
+                   help="a learnable sink logit per query head (GPT-OSS)")
     p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
     p.add_argument("--dtype", default=KERNEL_DTYPES[0], choices=KERNEL_DTYPES)
     p.add_argument("--n-block", type=int, default=None)
@@ -329,6 +451,15 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _number(text: str, kind=float):
+    """`kind(text)`, or the text itself when it is not one: the spec's checks
+    (`fa4lab.spec.check_window_size`, `check_softcap`) then say what is wrong with it."""
+    try:
+        return kind(text)
+    except ValueError:
+        return text
+
+
 def spec_from_args(args):
     from fa4lab.spec import AttentionSpec
 
@@ -336,25 +467,41 @@ def spec_from_args(args):
     if heads % args.gqa:
         raise ValueError(f"--heads {heads} is not a multiple of --gqa {args.gqa}")
     batch = args.batch or max(1, 16384 // args.seqlen)
+    window = (None, None) if args.window is None else tuple(
+        None if x.lower() == "none" else _number(x, int) for x in args.window)
     return AttentionSpec(batch, args.seqlen, args.seqlen_k or args.seqlen, heads,
                          heads // args.gqa, args.head_dim, dtype=args.dtype, causal=args.causal,
-                         return_lse=args.lse)
+                         return_lse=args.lse, window_size=window,
+                         softcap=_number(args.softcap), learnable_sink=args.sink)
+
+
+def _mask_flags(spec) -> str:
+    """The `fa4lab plan` flags of the spec's mask, softcap and sink ("" when none is set)."""
+    flags = ["--causal"] if spec.causal else []
+    if spec.window_size != (None, None):
+        flags.append("--window " + " ".join(map(_side, spec.window_size)))
+    if spec.softcap:
+        flags.append(f"--softcap {spec.softcap:g}")
+    if spec.learnable_sink:
+        flags.append("--sink")
+    return "".join(" " + f for f in flags)
 
 
 def _fallbacks(spec, arch: str, overrides: dict) -> list[str]:
     """Commands that do plan this spec: other overrides on this arch, the other arch."""
+    from fa4lab.limits import kernel_builds
     from fa4lab.plan.plan import fitting_overrides
-    from fa4lab.plan.sm90 import SM90_TUNING, build_sm90
+    from fa4lab.plan.sm90 import build_sm90
     from fa4lab.plan.sm100 import build_sm100
 
-    base = f"fa4lab plan --head-dim {spec.head_dim}"
+    base = f"fa4lab plan --head-dim {spec.head_dim}{_mask_flags(spec)}"
     build = build_sm100 if arch == "sm100" else build_sm90
     out = []
     for fit in fitting_overrides(build, spec, overrides, limit=1):
         flags = " ".join(f"--{kv.split('=')[0].strip().replace('_', '-')} {kv.split('=')[1]}"
                          for kv in fit.split(", "))
         out.append(f"{base} --arch {arch} {flags}")
-    if arch == "sm100" and spec.head_dim in SM90_TUNING:
+    if arch == "sm100" and kernel_builds("sm90", spec.head_dim, spec.head_dim_v):
         out.append(f"{base} --arch sm90")
     return out
 

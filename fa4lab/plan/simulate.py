@@ -11,8 +11,8 @@ What it reports (`SimResult`):
   - deadlock: roles still waiting when nothing else can run, and on what;
   - hazards: two accesses to the same TMEM columns / SMEM buffer, at least one a write, that
     no chain of barrier edges orders (see Note [hazards by happens-before]).
-  - predicted throughput (`predict`): per-CTA tile time from the simulation, tiles spread
-    over the SMs.
+
+`fa4lab.plan.throughput.predict` turns the tile times simulated here into TFLOP/s.
 
 Run it:  `simulate(plan_forward(spec, "sm100"), n_blocks=6, n_tiles=2).summary()`
 """
@@ -606,63 +606,13 @@ def mutation_check(plan, n_blocks=(1, 6), n_tiles: int = 2,
             for b in plan.barriers.barriers}
 
 
-# ---- throughput ----
-@dataclass(frozen=True)
-class Prediction:
-    tflops: float
-    seconds: float
-    tile_cycles: tuple[float, float]      # per tile: fixed + per K/V block
-    tiles: int
-    peak_tflops: float
-    hardware: str
-
-    @property
-    def utilization(self) -> float:
-        return self.tflops / self.peak_tflops
+# ---- throughput: moved to fa4lab.plan.throughput, still importable from here ----
+_THROUGHPUT = ("Prediction", "predict", "tile_cost", "useful_flops")
 
 
-def tile_cost(plan, costs: CostModel = DEFAULT_COSTS, causal: bool | None = None,
-              ) -> tuple[float, float]:
-    """(fixed, per_block) cycles of one work tile (one CTA), fitted on two simulated tile
-    lengths."""
-    causal = plan.spec.causal if causal is None else causal
-    masked = max(1, plan.tiles.cta_m // plan.tiles.n_block) if causal else 0
-    pts = []
-    for n in (masked + 2, masked + 8):
-        pts.append((n, simulate(plan, n, 1, costs, masked_blocks=masked).cycles))
-    (n1, t1), (n2, t2) = pts
-    per = (t2 - t1) / (n2 - n1)
-    return t1 - per * n1, per
+def __getattr__(name: str):
+    if name in _THROUGHPUT:
+        from fa4lab.plan import throughput
 
-
-def predict(plan, costs: CostModel = DEFAULT_COSTS, spec=None) -> Prediction:
-    """Predicted forward TFLOP/s: every work tile's simulated time (fixed + per K/V block),
-    dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
-    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`)."""
-    from fa4lab import tiling
-
-    spec = spec or plan.spec
-    hw = plan.hardware
-    fixed, per = tile_cost(plan, costs, spec.causal)
-    work = tiling.Workload(batch=spec.batch, heads=spec.heads_q, seqlen_q=spec.seqlen_q,
-                           seqlen_k=spec.seqlen_k, m_block_size=plan.tiles.cta_m,
-                           n_block_size=plan.tiles.n_block, causal=spec.causal,
-                           head_dim=spec.head_dim, head_dim_v=spec.head_dim_v)
-    # tiling counts work in K/V blocks: a tile's fixed cycles become `fixed / per` blocks (a
-    # fit on two tile lengths can dip below 0 for persistent sm100 tiles; no tile costs less
-    # than its blocks). Masked blocks cost what the simulated tile says, hence 1.0 here.
-    unit = tiling.CostModel(masked_block_cost=1.0, tile_overhead=max(fixed, 0.0) / per)
-    sched = tiling.schedule(plan.tiles.order, work, num_sms=hw.num_sms, cost=unit)
-    seconds = sched.makespan * per / (hw.clock_ghz * 1e9)
-    return Prediction(useful_flops(spec) / seconds / 1e12, seconds, (fixed, per),
-                      len(sched.order), hw.peak_mma_tflops, hw.name)
-
-
-def useful_flops(spec) -> float:
-    """FLOPs of the visible scores: spec.flops() (4·B·H·Sq·Sk·D, halved for causal) when that
-    convention is exact enough (not causal, or seqlen_q == seqlen_k), else the exact count."""
-    if not spec.causal or spec.seqlen_q == spec.seqlen_k:
-        return spec.flops()
-    offset = spec.seqlen_k - spec.seqlen_q
-    pairs = sum(min(spec.seqlen_k, max(0, i + offset + 1)) for i in range(spec.seqlen_q))
-    return 2.0 * spec.batch * spec.heads_q * pairs * (spec.head_dim + spec.head_dim_v)
+        return getattr(throughput, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
