@@ -22,7 +22,20 @@ compiled and audited but not yet run on a B200. The reference ignores it.
 
 `softcap=c > 0` caps the scores as Gemma 2 does: s -> c * tanh(s / c) on s = softmax_scale * q.k,
 before the softmax (0, the default, is off; Note [softcap] in `fa4lab.kernels.device.softmax`).
-The argument names are upstream FA4's `flash_attn_func`'s where the meaning is the same.
+`window_size=(left, right)` is a sliding window on the bottom-right diagonal: query i sees key
+j iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q, None for an unbounded side
+(causal=True is right = 0; Note [window and causal] in `fa4lab.spec`). The kernels never load
+the key blocks outside it. `learnable_sink` (heads_q,) float32 adds e^{sink[h]} to every softmax
+denominator of query head h (GPT-OSS; Note [sinks] in `fa4lab.kernels.device.softmax`): a row
+that sees no key then gives out 0 and lse = sink[h]. A new window size, sink, scale or cap
+value never compiles a new kernel; which window sides exist and whether a sink comes do. The
+argument names are upstream FA4's `flash_attn_func`'s where the meaning is the same.
+
+`score_mod(score, b, h, q_idx, kv_idx[, aux])`, `mask_mod(b, h, q_idx, kv_idx[, aux])` and
+`aux_tensors` are FlexAttention-style user functions compiled into the kernel (`fa4lab.mods`:
+the contract, what a mod may use, ready-made ALiBi / relative-bias / document / prefix-LM mods).
+Each new mod compiles once per process (never cached on disk), and a call with mods skips the
+custom op: torch.compile graph-breaks there (Note [mods in the kernels] in `fa4lab.mods`).
 
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
 `fa4lab.spec.check_inputs`). Inputs that require grad raise `GradientNotSupportedError` while
@@ -44,7 +57,7 @@ import torch
 
 from fa4lab.errors import UnsupportedArchError
 from fa4lab.kernels import launch
-from fa4lab.spec import check_inputs, check_qkv_shapes
+from fa4lab.spec import check_inputs, check_qkv_shapes, normalize_mask
 
 
 class SlowReferenceWarning(UserWarning):
@@ -78,32 +91,58 @@ def _grad_error() -> GradientNotSupportedError:
 
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
-             softcap: float = 0.0):
+             softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
+             score_mod=None, mask_mod=None, aux_tensors=None):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap)
+    causal, window_size = normalize_mask(causal, window_size)
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
+                 window_size=window_size, learnable_sink=learnable_sink)
+    mods, aux = None, ()
+    if score_mod is not None or mask_mod is not None or aux_tensors is not None:
+        from fa4lab.mods import check_mods
+
+        mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
     if arch is not None:
         return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
-                              softcap)
-    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap)
+                              softcap, window_size, learnable_sink, mods, aux)
+    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                          window_size=window_size, learnable_sink=learnable_sink,
+                          score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
     return out, (lse if return_lse else None)
+
+
+@torch.compiler.disable
+def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                       window_size, learnable_sink, score_mod, mask_mod, aux_tensors):
+    """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
+    custom op, so a call with mods is a graph break (Note [mods in the kernels])."""
+    return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
+                    learnable_sink, score_mod, mask_mod, aux_tensors)
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: float | None, return_lse: bool,
-                      pack_gqa: bool | None, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
-    out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap)
+                      pack_gqa: bool | None, softcap: float, window_left: int | None = None,
+                      window_right: int | None = None,
+                      learnable_sink: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
+    window's sides are window_left / window_right (None = unbounded)."""
+    out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                        (window_left, window_right), learnable_sink)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap):
+def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                            window_left=None, window_right=None, learnable_sink=None):
     check_qkv_shapes(q, k, v)
+    normalize_mask(causal, (window_left, window_right))
     b, sq, hq, _ = q.shape
     lse_shape = (b, hq, sq) if return_lse else (0,)
     return (q.new_empty((b, sq, hq, v.shape[3])),
@@ -117,33 +156,45 @@ def _no_backward(ctx, grad_out, grad_lse):
 attention_forward.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _intercepted(q, k, v) -> bool:
+def _intercepted(*tensors) -> bool:
     """Something traces or intercepts the call: go through the op (Note [the attention op])."""
     return (torch.compiler.is_compiling()
             or torch._C._is_torch_function_mode_enabled()
             or torch._C._len_torch_dispatch_stack() > 0
             or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor
-                   for t in (q, k, v)))
+                   for t in tensors))
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, pack_gqa: bool | None = None, softcap: float = 0.0):
-    """Attention forward: out, or (out, lse) when return_lse. See the module docstring."""
+def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
+              window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
+              pack_gqa: bool | None = None, score_mod=None, mask_mod=None, aux_tensors=None,
+              return_lse: bool = False):
+    """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
+
+    The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v)):
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                       for t in (q, k, v, learnable_sink)):
         raise _grad_error()
     causal, return_lse = bool(causal), bool(return_lse)
-    if _intercepted(q, k, v):
+    if score_mod is not None or mask_mod is not None or aux_tensors is not None:
+        out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
+                                      softcap, window_size, learnable_sink, score_mod, mask_mod,
+                                      aux_tensors)
+    elif _intercepted(q, k, v, learnable_sink):
         scale = None if softmax_scale is None else float(softmax_scale)
+        causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
-                                     float(softcap))
+                                     float(softcap), left, right, learnable_sink)
     else:
-        out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap)
+        out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                            window_size, learnable_sink)
     return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0):
+def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None, None),
+               learnable_sink=None, **mods):
     from fa4lab.reference import attention_reference
 
     where = f"CUDA device {q.device} (compute capability " \
@@ -153,25 +204,28 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0):
         f"instead (correct, but orders of magnitude slower). The kernels run on Hopper "
         f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=4)
     out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                   return_lse=True, softcap=softcap)
+                                   return_lse=True, softcap=softcap, window_size=window_size,
+                                   learnable_sink=learnable_sink, **mods)
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None):
+def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, None)):
     """PyTorch's own attention in the inputs' dtype: the yardstick for the kernels' error.
 
-    GQA through `enable_gqa`, causal through an explicit bottom-right bool mask (SDPA's
-    `is_causal` is top-left aligned). Rows that see no key come out NaN here; callers drop them.
+    GQA through `enable_gqa`, causal and a window through an explicit bottom-right bool mask
+    (`fa4lab.reference.visible_mask`; SDPA's `is_causal` is top-left aligned). Rows that see no
+    key come out NaN here; callers drop them.
     """
     import torch
     import torch.nn.functional as F
 
+    from fa4lab.reference import visible_mask
+
     sq, sk = q.shape[1], k.shape[1]
     mask = None
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        mask = j <= i + sk - sq
+    if normalize_mask(causal, window_size) != (False, (None, None)):
+        mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
+                               device=q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])

@@ -1,17 +1,23 @@
 """Every constant the lesson, the planner, the kernels and the checks share, said once.
 
-What each kernel builds (head dims and dtypes per arch), which GPU runs which kernel
-(capability -> arch), element sizes, the conditional-rescale threshold and the software exp2
+What each kernel builds ((head_dim, head_dim_v) pairs and dtypes per arch), which GPU runs which
+kernel (capability -> arch), element sizes, the conditional-rescale threshold and the software exp2
 coefficients. Modules import these names; none keeps a copy.
 """
 
 from __future__ import annotations
 
 # ---- which kernel runs where ------------------------------------------------------------------
-# Head dims each arch's kernel builds (head_dim_v == head_dim). The sm100 planner plans any
-# head dim whose S + O fit TMEM; the kernel of this lab builds these.
-KERNEL_HEAD_DIMS = {"sm90": (64, 128, 256), "sm100": (64, 128)}
-ALL_HEAD_DIMS = tuple(sorted({d for dims in KERNEL_HEAD_DIMS.values() for d in dims}))
+# The (head_dim, head_dim_v) pairs each arch's kernel builds: the one table every entry point
+# (input check, dispatch, planners, kernels, compile matrices, notebooks) reads. (192, 128) is
+# DeepSeek's split of Q/K (192) and V (128). The sm100 planner plans any head dim whose S + O fit
+# TMEM; the sm100 kernel of this lab builds these.
+KERNEL_HEAD_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
+    "sm90": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+    "sm100": ((64, 64), (96, 96), (128, 128), (192, 128)),
+}
+# Every pair some kernel builds, sorted.
+ALL_HEAD_DIMS = tuple(sorted({p for pairs in KERNEL_HEAD_DIMS.values() for p in pairs}))
 KERNEL_DTYPES = ("bf16", "fp16")
 # Bytes per element: the 16-bit inputs and outputs, and the fp32 accumulators and statistics.
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -50,13 +56,65 @@ def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int) -> bool:
     return -(-seqlen_q * g // rows) < g * -(-seqlen_q // rows)
 
 
-def head_dims_for(arch: str) -> tuple[int, ...]:
-    """The head dims the kernel of `arch` ("sm90"/"sm100", with or without the "a") builds."""
-    key = arch.lower().replace("_", "").removesuffix("a")
+def _arch_key(arch: str) -> str:
+    key = str(arch).lower().replace("_", "").removesuffix("a")
     if key not in KERNEL_HEAD_DIMS:
         raise ValueError(f"unknown arch {arch!r}: fa4lab has kernels for 'sm100' (B200) and "
                          f"'sm90' (H100/H200)")
-    return KERNEL_HEAD_DIMS[key]
+    return key
+
+
+def head_dims_for(arch: str) -> tuple[tuple[int, int], ...]:
+    """The (head_dim, head_dim_v) pairs the kernel of `arch` ("sm90"/"sm100", with or without
+    the "a") builds."""
+    return KERNEL_HEAD_DIMS[_arch_key(arch)]
+
+
+def kernel_builds(arch: str, head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether the kernel of `arch` builds (head_dim, head_dim_v); head_dim_v defaults to
+    head_dim."""
+    return (head_dim, head_dim if head_dim_v is None else head_dim_v) in head_dims_for(arch)
+
+
+def equal_head_dims(arch: str | None = None) -> tuple[int, ...]:
+    """The head dims built with head_dim_v == head_dim, by `arch`'s kernel or (None) by any."""
+    pairs = ALL_HEAD_DIMS if arch is None else head_dims_for(arch)
+    return tuple(d for d, dv in pairs if d == dv)
+
+
+def head_dims_text(arch: str) -> str:
+    """What `arch`'s kernel builds, in words: "64, 96, 128, 256 (head_dim_v == head_dim) and
+    (192, 128)"."""
+    equal = ", ".join(map(str, equal_head_dims(arch)))
+    split = [f"({d}, {dv})" for d, dv in head_dims_for(arch) if d != dv]
+    return f"{equal} (head_dim_v == head_dim)" + (f" and {', '.join(split)}" if split else "")
+
+
+ARCH_GPUS = {"sm90": "H100/H200", "sm100": "B200"}
+
+
+def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
+    """The error for a (head_dim, head_dim_v) pair `arch`'s kernel does not build: what each
+    kernel builds, and what to do (pad to the smallest built pair that holds it, or run the
+    reference)."""
+    key = _arch_key(arch)
+    built = "; ".join(f"{a} ({ARCH_GPUS[a]}): {head_dims_text(a)}" for a in KERNEL_HEAD_DIMS)
+    covers = [(d, dv) for d, dv in head_dims_for(key) if d >= head_dim and dv >= head_dim_v]
+    if covers:
+        d, dv = min(covers, key=sum)
+        todo = (f"pad q and k with zeros to head_dim {d}" + (
+            f" and v to head_dim_v {dv}" if dv != head_dim_v else "") + (
+            f", pass softmax_scale={head_dim} ** -0.5 (the padded width would change the default)"
+            if d != head_dim else "") + (
+            f" and keep out[..., :{head_dim_v}]" if dv != head_dim_v else "") + ", or ")
+    else:
+        todo = ""
+    elsewhere = [f"the {a} kernel ({ARCH_GPUS[a]})" for a in KERNEL_HEAD_DIMS
+                 if a != key and kernel_builds(a, head_dim, head_dim_v)]
+    there = f"; {' and '.join(elsewhere)} builds it" if elsewhere else ""
+    return (f"(head_dim, head_dim_v) = ({head_dim}, {head_dim_v}) is not built by the {key} "
+            f"kernel{there}. The kernels build {built}. To run it, {todo}use "
+            f"fa4lab.reference.attention_reference (float64, slow)")
 
 
 # ---- the online softmax ---------------------------------------------------------------------

@@ -16,6 +16,12 @@ softcap * tanh(s / softcap); `learnable_sink` (heads_q,) adds e^{sink[h]} to eve
 denominator of head h (no value), so lse = log(sum_j e^{s_ij} + e^{sink[h]}) and a row that sees
 no key gives O = 0 and lse = sink[h].
 
+FlexAttention-style mods (`fa4lab.mods`): `score_mod(score, b, h, q_idx, kv_idx[, aux])` rewrites
+each scaled (and capped) score, `mask_mod(b, h, q_idx, kv_idx[, aux])` hides the keys where it is
+False, ANDed with causal and the window (Note [order of score transforms] in `fa4lab.mods`).
+The reference calls each mod once per chunk, on index tensors that broadcast over the chunk's
+(heads, queries, keys) grid, with float64 scores and the float aux tensors in float64.
+
 Constraints: q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim),
 v (batch, seqlen_k, heads_kv, head_dim_v), all floating point and finite; all numpy arrays or
 all torch tensors (on one device). The answer is always float64: numpy in gives numpy out,
@@ -29,6 +35,7 @@ elements, so a (1, 8192, 16, 128) problem on a GPU never holds all heads' S at o
     from fa4lab.reference import attention_reference
     out, lse = attention_reference(q, k, v, causal=True, return_lse=True)
     out = attention_reference(q, k, v, window_size=(128, 0), softcap=30.0, learnable_sink=sink)
+    out = attention_reference(q, k, v, score_mod=mod, mask_mod=mask, aux_tensors=(slopes,))
 """
 
 from __future__ import annotations
@@ -172,10 +179,11 @@ def check_sink(learnable_sink, q, kind: str):
 
 
 def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, None),
-                     softcap: float = 0.0, sink=None):
+                     softcap: float = 0.0, sink=None, mods=None, aux: tuple = ()):
     """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries.
 
-    `sink` is None or float64 (heads_q,) on q's device (`check_sink`)."""
+    `sink` is None or float64 (heads_q,) on q's device (`check_sink`); `mods` a
+    `fa4lab.mods.KernelMods` (or None) whose functions read `aux`."""
     import torch
 
     batch, seqlen_q, heads_q, _ = q.shape
@@ -204,7 +212,10 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, 
                 s = torch.einsum("qhd,khd->hqk", q[b, rows, heads], kb) * scale
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
-                s = s.masked_fill(~mask[rows], -math.inf)
+                visible = mask[rows]
+                if mods:
+                    s, visible = _apply_mods(mods, aux, s, visible, b, heads, rows, seqlen_k)
+                s = s.masked_fill(~visible, -math.inf)
                 row_max = s.amax(dim=-1, keepdim=True)
                 if sink is not None:
                     sink_h = sink[heads][:, None, None]          # (hc, 1, 1)
@@ -222,16 +233,36 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, 
     return out, lse
 
 
+def _apply_mods(mods, aux: tuple, s, visible, b: int, heads: slice, rows: slice,
+                seqlen_k: int):
+    """(score_mod(s), visible & mask_mod) on one chunk: s (hc, qc, seqlen_k) float64, indices
+    int64 shaped (1, 1, 1), (hc, 1, 1), (1, qc, 1), (1, 1, seqlen_k) to broadcast over it."""
+    import torch
+
+    dev = s.device
+    bi = torch.full((1, 1, 1), b, dtype=torch.int64, device=dev)
+    hi = torch.arange(heads.start, heads.stop, device=dev)[:, None, None]
+    qi = torch.arange(rows.start, rows.stop, device=dev)[None, :, None]
+    ki = torch.arange(seqlen_k, device=dev)[None, None, :]
+    if mods.score_mod is not None:
+        s = torch.broadcast_to(mods.score(s, bi, hi, qi, ki, aux).to(torch.float64), s.shape)
+    if mods.mask_mod is not None:
+        visible = visible & mods.mask(bi, hi, qi, ki, aux)
+    return s, visible
+
+
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         return_lse: bool = False, window_size=(None, None), softcap: float = 0.0,
-                        learnable_sink=None):
+                        learnable_sink=None, score_mod=None, mask_mod=None, aux_tensors=None):
     """Exact (float64) attention forward; returns out, or (out, lse) when return_lse.
 
     out: (batch, seqlen_q, heads_q, head_dim_v) float64; lse: (batch, heads_q, seqlen_q)
     float64, natural log, -inf for rows that see no key (sink[h] with a sink). numpy in ->
     numpy out; torch in -> float64 torch out on the same device. window_size=(left, right)
     (None = unbounded), softcap (0.0 = off) and learnable_sink ((heads_q,) or None) have
-    upstream FA4's semantics: see the module docstring and `fa4lab.spec`.
+    upstream FA4's semantics: see the module docstring and `fa4lab.spec`. score_mod, mask_mod
+    and aux_tensors (torch tensors on q's device; on the CPU for numpy inputs) are
+    `fa4lab.mods`'s, checked by `fa4lab.mods.check_mods`.
     """
     kind = check_attention_inputs(q, k, v)
     scale = resolve_scale(softmax_scale, int(q.shape[-1]))
@@ -245,8 +276,13 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     else:
         tq, tk, tv = (t.detach().to(torch.float64) for t in (q, k, v))
     sink = check_sink(learnable_sink, q, kind)
+    from fa4lab.mods import check_mods
+
+    mods, aux = check_mods(score_mod, mask_mod, aux_tensors, tq.device)
+    aux = tuple(t.to(torch.float64) if t.is_floating_point() else t for t in aux)
     out, lse = _attention_torch(tq, tk, tv, causal=bool(causal), scale=scale,
-                                window_size=window_size, softcap=softcap, sink=sink)
+                                window_size=window_size, softcap=softcap, sink=sink,
+                                mods=mods, aux=aux)
     if kind == "numpy":
         out, lse = out.numpy(), lse.numpy()
     return (out, lse) if return_lse else out

@@ -347,9 +347,9 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
     finite scale, window_size a pair of ints >= 0 or None, softcap 0.0 (off) or positive and
     finite, learnable_sink None or a float32 (heads_q,) tensor on q's device; and with `arch`
     ("sm90"/"sm100", the kernel that will run), what that kernel needs besides the math:
-    bf16/fp16, a head dim it builds, head_dim_v == head_dim, CUDA tensors, the last dim
-    contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying what is
-    wrong and what to do. (It never reads tensor values: no device synchronisation.)"""
+    bf16/fp16, a (head_dim, head_dim_v) pair it builds (`fa4lab.limits`), CUDA tensors, the
+    last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying
+    what is wrong and what to do. (It never reads tensor values: no device synchronisation.)"""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -386,17 +386,14 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
                              f"{q.device}; move it with learnable_sink.to(q.device)")
     if arch is None:
         return
-    from fa4lab.limits import head_dims_for
+    from fa4lab.limits import kernel_builds, unsupported_head_dims
 
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
                         f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
-    d, dv, dims = q.shape[3], v.shape[3], head_dims_for(arch)
-    if d not in dims:
-        raise ValueError(f"head_dim {d} is not supported by the {arch} kernel: use one of "
-                         f"{dims} (pad q and k with zeros to the next one)")
-    if dv != d:
-        raise ValueError(f"head_dim_v {dv} != head_dim {d}: the kernels need them equal")
+    d, dv = q.shape[3], v.shape[3]
+    if not kernel_builds(arch, d, dv):
+        raise ValueError(unsupported_head_dims(arch, d, dv))
     for name, t in (("q", q), ("k", k), ("v", v)):
         stride = t.stride()
         if stride[3] != 1:

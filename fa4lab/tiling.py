@@ -1,11 +1,13 @@
-"""Tiles, masks, GQA and scheduling, as plain-Python rules the kernels mirror.
+"""Tiles, masks, GQA and scheduling as plain-Python rules; the kernels share the block ranges.
 
 What it computes, for an attention forward pass cut into (m_block, n_block) tiles of
 `m_block_size` query rows by `n_block_size` keys:
 
 - `n_block_range`: the K/V blocks a query tile must visit (half-open), and
   `n_block_masked_range`: the last of those that need an element mask (causal or seqlen_k bound),
-  `n_block_left_masked_range`: the first of those that need one (a sliding window's left edge);
+  `n_block_left_masked_range`: the first of those that need one (a sliding window's left edge),
+  `visit_order`: the order the kernels visit them in; underneath, on positions, the functions
+  the kernels call too (`key_bounds`, `block_range`, `mask_split`, `visit_block`);
 - `classify_tiles`: every tile as SKIP / FULL / MASKED / TAIL, with counts;
 - the GQA maps: query head -> KV head, and pack-GQA (query heads sharing a KV head folded into M);
 - tile schedulers (grid, grid with m_blocks reversed, static persistent, LPT) and a cost
@@ -17,8 +19,9 @@ is visible. A sliding window `window_size=(left, right)` (None = unbounded side,
 right = 0) keeps i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q (Note [window and
 causal] in `fa4lab.spec`). Query head h reads KV head h // (heads_q // heads_kv).
 
-Everything here is integer arithmetic on Python ints (ceil-div, min, max) so that the CuTe DSL
-kernels in `fa4lab/kernels/` can mirror each formula line by line. Pure functions and frozen
+The block-range rules are integer arithmetic (ceil-div, min, max) written once, for Python ints
+and the CuTe DSL's Int32 alike: the kernels in `fa4lab/kernels/` call `block_range`,
+`mask_split` and `visit_block` themselves (Note [sliding window tiles]). Pure functions and frozen
 dataclasses; bad arguments raise ValueError naming the argument (TypeError for a window_size
 that is not a pair of int/None). CPU only, no GPU needed:
 
@@ -36,7 +39,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from fa4lab.spec import normalize_mask, visible_key_counts
+from fa4lab.spec import effective_window, normalize_mask, visible_key_counts
 
 __all__ = [
     "CostModel",
@@ -46,11 +49,14 @@ __all__ = [
     "TileClasses",
     "TileKind",
     "Workload",
+    "block_range",
     "ceil_div",
     "classify_tiles",
     "gqa_group_size",
+    "key_bounds",
     "kv_head_of",
     "lpt_order",
+    "mask_split",
     "grid_order",
     "grid_reversed_order",
     "n_block_left_masked_range",
@@ -66,7 +72,10 @@ __all__ = [
     "schedule_grid_reversed",
     "schedule_lpt",
     "schedule_static_persistent",
+    "tile_positions",
     "unpack_gqa_row",
+    "visit_block",
+    "visit_order",
 ]
 
 
@@ -169,18 +178,121 @@ def num_n_blocks(seqlen_k: int, n_block_size: int) -> int:
 #                                              - 1 - left, 0), n_block_size)
 #         (n_block_min when left is None), clamped into [n_block_min, n_block_mask_min] so the
 #         two runs never overlap (a narrow window can mask every block of a tile).
-# Blocks [n_block_left_mask_end, n_block_mask_min) need no mask at all. The kernels visit the
-# right-edge blocks first (from n_block_max - 1 down), then the unmasked ones, then the
-# left-edge ones, as upstream FA4 does. With the window's left side the clamp to the last
-# IN-BOUNDS row (min(.., seqlen_k) above) makes the split exact: rows past seqlen_q of the last
-# tile do not widen the left-edge run (upstream, which uses the tile's last row, may mark an
-# extra block). Every term is +, -, *, //, min, max on ints, each // on a non-negative value.
+# Blocks [n_block_left_mask_end, n_block_mask_min) need no mask at all (the order the kernels
+# visit the three runs in: Note [block visit order]). With the window's left side the clamp to
+# the last IN-BOUNDS row (min(.., seqlen_k) above) makes the split exact: rows past seqlen_q of
+# the last tile do not widen the left-edge run (upstream, which uses the tile's last row, may
+# mark an extra block). Every term is +, -, *, //, min, max on ints, each // on a non-negative
+# value.
+#
+# Each edge above is one row's edge (`key_bounds`): n_block_max and the left-edge run come from
+# the edges of the tile's last (in-bounds) row, n_block_min and n_block_mask_min from its first
+# row's. `key_bounds`, `block_range`, `mask_split` and `visit_block` are the ONE implementation
+# of these formulas: this module calls them on Python ints, the kernels
+# (`fa4lab.kernels.device.scheduler`, `fa4lab.kernels.device.mask`) on the DSL's Int32 values,
+# passing the DSL's min and max as `imin` / `imax`; None (no side) is a compile-time choice.
+
+# Note [block visit order]
+# Every role of a CTA walks the same key blocks in the same order (the loads, the MMAs and the
+# softmax must agree block for block): first the blocks that need the element mask, then the
+# unmasked ones, each run from its highest block down:
+#     [n_block_mask_min, n_block_max)       the right edge (causal diagonal, seqlen_k tail),
+#     [n_block_min, n_block_left_mask_end)  the window's left edge,
+#     [n_block_left_mask_end, n_block_mask_min)  unmasked.
+# So a kernel has exactly one masked loop and one unmasked loop (the protocol table's two loops
+# per softmax role) whatever the window; upstream FA4 visits the left-edge run last, in a third
+# loop. Without a left side the left-edge run is empty and the order is simply n_block_max - 1
+# down to n_block_min. The online softmax gives the same result in any order (up to rounding).
+# `visit_block(step)` is the block of step `step`; with a left-edge run it is
+#     n_block_max - 1 - step - [step >= R] * (n_block_mask_min - n_block_left_mask_end)
+#                            + [step >= M] * (n_block_mask_min - n_block_min)
+# with R = n_block_max - n_block_mask_min the right-edge run's length, M = R + (n_block_left_
+# mask_end - n_block_min) the masked steps, and [c] = 1 when c holds, written min(max(step - R +
+# 1, 0), 1) so that ints and Int32 take the same formula. A kernel's unmasked loop may count
+# the block index itself instead (n_block_mask_min - 1 down to n_block_left_mask_end).
 
 
-def _tile_positions(m_block, m_block_size, qhead_per_kvhead):
+def tile_positions(m_block, m_block_size, qhead_per_kvhead=1):
+    """[pos_lo, pos_hi): the query positions tile `m_block` covers (Note [bottom-right causal];
+    with pack-GQA, M rows are packed rows: Note [pack-GQA rows]). Ints or DSL Int32."""
     pos_lo = (m_block * m_block_size) // qhead_per_kvhead
     pos_hi = ceil_div((m_block + 1) * m_block_size, qhead_per_kvhead)
     return pos_lo, pos_hi
+
+
+def key_bounds(pos, seqlen_q, seqlen_k, left, right, *, imin=min):
+    """[first, end): the keys query position `pos` sees under the effective window (left,
+    right) (None = unbounded side; causal is right = 0): first = pos + d - left (None without a
+    left side; may be negative), end = min(seqlen_k, pos + d + right + 1) (seqlen_k without a
+    right side), d = seqlen_k - seqlen_q. The row sees no key when end <= max(first, 0). Ints or
+    DSL Int32 (`imin`: the DSL's min). See Note [sliding window tiles]."""
+    d = seqlen_k - seqlen_q
+    end = seqlen_k if right is None else imin(seqlen_k, pos + d + right + 1)
+    first = None if left is None else pos + d - left
+    return first, end
+
+
+def block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block_size, left, right, *, imin=min,
+                imax=max):
+    """HALF-OPEN [n_block_min, n_block_max): the key blocks a tile of positions [pos_lo,
+    pos_hi) visits; empty (0, 0) exactly when no row of the tile sees a key. The formulas of
+    Note [bottom-right causal] and Note [sliding window tiles], on ints or DSL Int32."""
+    _, end = key_bounds(pos_hi - 1, seqlen_q, seqlen_k, left, right, imin=imin)
+    n_block_max = ceil_div(imax(end, 0), n_block_size)
+    n_block_min = 0
+    first, _ = key_bounds(pos_lo, seqlen_q, seqlen_k, left, right, imin=imin)
+    if first is not None:
+        n_block_min = imin(imax(first, 0) // n_block_size, n_block_max)
+    return n_block_min, n_block_max
+
+
+def mask_split(pos_lo, pos_hi, n_block_min, n_block_max, seqlen_q, seqlen_k, n_block_size,
+               left, right, *, imin=min, imax=max):
+    """(n_block_left_mask_end, n_block_mask_min): the blocks of [n_block_min, n_block_max)
+    that a tile of positions [pos_lo, pos_hi) must mask, as two runs [n_block_min,
+    n_block_left_mask_end) and [n_block_mask_min, n_block_max) (Note [sliding window tiles]).
+
+    The range may be wider than the tile's own `block_range` (a CTA's, holding several tiles):
+    blocks of it the tile cannot see at all fall into the masked runs. Ints or DSL Int32."""
+    _, end = key_bounds(pos_lo, seqlen_q, seqlen_k, left, right, imin=imin)
+    n_block_mask_min = imin(imax(imax(end, 0) // n_block_size, n_block_min), n_block_max)
+    n_block_left_mask_end = n_block_min
+    if left is not None:
+        last_row = imin(pos_hi, seqlen_q) - 1       # the last in-bounds row
+        first, _ = key_bounds(last_row, seqlen_q, seqlen_k, left, right, imin=imin)
+        n_block_left_mask_end = imin(imax(ceil_div(imax(first, 0), n_block_size), n_block_min),
+                                     n_block_mask_min)
+    return n_block_left_mask_end, n_block_mask_min
+
+
+def visit_block(step, n_block_max, n_block_mask_min, left_run=None, *, imin=min, imax=max):
+    """The key block visited at step `step` of [0, n_block_max - n_block_min), in the order of
+    Note [block visit order]. `left_run` is (n_block_min, n_block_left_mask_end) with a window's
+    left side, else None: the blocks then simply go down from n_block_max - 1. Ints or DSL
+    Int32 (`imin` / `imax`: the DSL's min and max)."""
+    if left_run is None:
+        return n_block_max - 1 - step
+    n_block_min, n_block_left_mask_end = left_run
+    right = n_block_max - n_block_mask_min                   # steps of the right-edge run
+    masked = right + n_block_left_mask_end - n_block_min     # ... and of the left-edge run
+    past_right = imin(imax(step - right + 1, 0), 1)          # [step >= right]
+    past_masked = imin(imax(step - masked + 1, 0), 1)        # [step >= masked]
+    return (n_block_max - 1 - step - past_right * (n_block_mask_min - n_block_left_mask_end)
+            + past_masked * (n_block_mask_min - n_block_min))
+
+
+def visit_order(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
+                n_block_size: int, causal: bool, qhead_per_kvhead: int = 1,
+                window_size=(None, None)) -> tuple[list[int], int]:
+    """(blocks, masked): the key blocks tile `m_block` visits in the kernels' order and how
+    many of the first need the element mask. See Note [block visit order]."""
+    n_min, left_end, mask_min, n_max = _split(m_block, seqlen_q, seqlen_k, m_block_size,
+                                              n_block_size, causal, qhead_per_kvhead,
+                                              window_size)
+    left, _ = effective_window(causal, window_size)
+    left_run = None if left is None else (n_min, left_end)
+    blocks = [visit_block(s, n_max, mask_min, left_run) for s in range(n_max - n_min)]
+    return blocks, (n_max - mask_min) + (left_end - n_min)
 
 
 def _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead):
@@ -193,10 +305,13 @@ def _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead):
                          f"gives m_block in [0, {n_m})")
 
 
-def _effective_window(causal, window_size):
-    """(left, right) in effect (causal is right = 0), checked: see `fa4lab.spec`."""
-    causal, (left, right) = normalize_mask(causal, window_size)
-    return left, 0 if causal else right
+def _tile(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size, causal, qhead_per_kvhead,
+          window_size):
+    """Checked arguments of the public range functions: (pos_lo, pos_hi, left, right)."""
+    _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
+    _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead)
+    left, right = effective_window(causal, window_size)
+    return (*tile_positions(m_block, m_block_size, qhead_per_kvhead), left, right)
 
 
 def n_block_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
@@ -210,19 +325,20 @@ def n_block_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: i
     side); its left side makes n_block_min > 0. See Note [bottom-right causal] and Note
     [sliding window tiles].
     """
-    _check_sizes(seqlen_q, seqlen_k, m_block_size, n_block_size, qhead_per_kvhead)
-    _check_m_block(m_block, seqlen_q, m_block_size, qhead_per_kvhead)
-    left, right = _effective_window(causal, window_size)
-    pos_lo, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
-    n_block_min = 0
-    n_block_max = ceil_div(seqlen_k, n_block_size)
-    if right is not None:
-        n_idx_right = max(pos_hi + seqlen_k - seqlen_q + right, 0)
-        n_block_max = min(n_block_max, ceil_div(n_idx_right, n_block_size))
-    if left is not None:
-        n_idx_left = max(pos_lo + seqlen_k - seqlen_q - left, 0)
-        n_block_min = min(n_idx_left // n_block_size, n_block_max)
-    return n_block_min, n_block_max
+    pos_lo, pos_hi, left, right = _tile(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size,
+                                        causal, qhead_per_kvhead, window_size)
+    return block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block_size, left, right)
+
+
+def _split(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size, causal, qhead_per_kvhead,
+           window_size):
+    """(n_block_min, n_block_left_mask_end, n_block_mask_min, n_block_max) of a tile."""
+    pos_lo, pos_hi, left, right = _tile(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size,
+                                        causal, qhead_per_kvhead, window_size)
+    n_min, n_max = block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block_size, left, right)
+    left_end, mask_min = mask_split(pos_lo, pos_hi, n_min, n_max, seqlen_q, seqlen_k,
+                                    n_block_size, left, right)
+    return n_min, left_end, mask_min, n_max
 
 
 def n_block_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
@@ -237,18 +353,9 @@ def n_block_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_
     them need the left-edge mask (`n_block_left_masked_range`). See Note [bottom-right causal]
     and Note [sliding window tiles].
     """
-    n_block_min, n_block_max = n_block_range(
-        m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_block_size=m_block_size,
-        n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead,
-        window_size=window_size)
-    _, right = _effective_window(causal, window_size)
-    n_block_mask_min = seqlen_k // n_block_size     # the seqlen_k tail block, if any
-    if right is not None:
-        pos_lo, _ = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
-        n_right = max(pos_lo + seqlen_k - seqlen_q + right + 1, 0) // n_block_size
-        n_block_mask_min = min(n_block_mask_min, n_right)
-    n_block_mask_min = min(max(n_block_mask_min, n_block_min), n_block_max)
-    return n_block_mask_min, n_block_max
+    _, _, mask_min, n_max = _split(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size,
+                                   causal, qhead_per_kvhead, window_size)
+    return mask_min, n_max
 
 
 def n_block_left_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int,
@@ -263,19 +370,9 @@ def n_block_left_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int,
     masked, unmasked `[n_block_left_mask_end, n_block_mask_min)`, right-edge masked. See Note
     [sliding window tiles].
     """
-    kw = dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_block_size=m_block_size,
-              n_block_size=n_block_size, causal=causal, qhead_per_kvhead=qhead_per_kvhead,
-              window_size=window_size)
-    n_block_min, _ = n_block_range(m_block, **kw)
-    n_block_mask_min, _ = n_block_masked_range(m_block, **kw)
-    left, _ = _effective_window(causal, window_size)
-    n_block_left_mask_end = n_block_min
-    if left is not None:
-        _, pos_hi = _tile_positions(m_block, m_block_size, qhead_per_kvhead)
-        first_key_last_row = min(pos_hi + seqlen_k - seqlen_q, seqlen_k) - 1 - left
-        n_left = ceil_div(max(first_key_last_row, 0), n_block_size)
-        n_block_left_mask_end = min(max(n_left, n_block_min), n_block_mask_min)
-    return n_block_min, n_block_left_mask_end
+    n_min, left_end, _, _ = _split(m_block, seqlen_q, seqlen_k, m_block_size, n_block_size,
+                                   causal, qhead_per_kvhead, window_size)
+    return n_min, left_end
 
 
 # --------------------------------------------------------------------------- tile kinds
@@ -365,7 +462,7 @@ def classify_tiles(seqlen_q: int, seqlen_k: int, m_block_size: int, n_block_size
                                      m_block_size=m_block_size, n_block_size=n_block_size,
                                      causal=causal, qhead_per_kvhead=qhead_per_kvhead,
                                      window_size=window_size)
-        pos_lo, pos_hi = _tile_positions(m, m_block_size, qhead_per_kvhead)
+        pos_lo, pos_hi = tile_positions(m, m_block_size, qhead_per_kvhead)
         row_tail = (m + 1) * m_block_size > rows
         for n in range(n_min, n_max):
             last_col = min((n + 1) * n_block_size, seqlen_k) - 1

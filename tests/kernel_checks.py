@@ -5,8 +5,11 @@ same-dtype attention error (`fa4lab.api.sdpa_same_dtype`) plus ATOL = 1e-3. The 
 for cases where SDPA happens to be exact (seqlen_k = 1, or one-hot rows at extreme logits): it
 is below half a bf16 ulp at magnitude 0.5 (2**-9 ~ 2e-3), so it absorbs fp32 summation-order
 noise but not one output rounded the wrong way. Rows that see no key must give exactly 0 and
-LSE -inf; nothing may be NaN; LSE must match the reference to 1e-3 + 1e-5 * |lse| (fp32
-accumulation of 16-bit products); two runs on the same inputs must agree bit for bit.
+LSE -inf (with a learnable sink: the sink's logit, to the LSE tolerance; -inf for a -inf sink);
+nothing may be NaN; LSE must match the reference to 1e-3 + 1e-5 * |lse| (fp32 accumulation of
+16-bit products); two runs on the same inputs must agree bit for bit. With a softcap or a
+learnable sink the yardstick is `torch_same_dtype` (SDPA can do neither); a window is a mask,
+which SDPA takes.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0):
+def make_inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0, dv=None):
+    """q, k (head_dim d) and v (head_dim_v dv, default d) on the GPU, standard normal."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, sq, hq, d, device="cuda", generator=g) * q_scale
     k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
-    v = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
+    v = torch.randn(batch, sk, hkv, d if dv is None else dv, device="cuda", generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
@@ -42,10 +46,15 @@ def output_ulp_atol(v, dtype: str) -> float:
     return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - mantissa))
 
 
-def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0):
+def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0,
+                     window_size=(None, None), learnable_sink=None):
     """Attention in eager PyTorch in the inputs' 16-bit dtype, for the options SDPA lacks (a
-    softcap): scores, cap, softmax and P V each rounded to q.dtype, as a straightforward
-    PyTorch implementation would; bottom-right causal; rows that see no key come out NaN."""
+    softcap, a learnable sink): scores, cap, softmax and P V each rounded to q.dtype, as a
+    straightforward PyTorch implementation would; bottom-right causal and windows
+    (`fa4lab.reference.visible_mask`); the sink as one more logit per head, dropped after the
+    softmax. Rows that see no key come out NaN (0 with a sink)."""
+    from fa4lab.reference import visible_mask
+
     sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     g = q.shape[2] // k.shape[2]
@@ -53,48 +62,59 @@ def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0):
     s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2)
+    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
+                           device=q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :sk]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return (p @ vv).transpose(1, 2)
 
 
 def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softcap=0.0,
-                 **kernel_options):
+                 window_size=(None, None), learnable_sink=None, **kernel_options):
     """Run `attn(q, k, v, ..., **kernel_options)` twice and hold it to the rule above (with a
-    softcap, against `torch_same_dtype`'s error: SDPA cannot cap)."""
+    softcap or a sink, against `torch_same_dtype`'s error). softcap, window_size and
+    learnable_sink reach `attn` only when set."""
     from fa4lab.api import sdpa_same_dtype
-    from fa4lab.reference import attention_reference
+    from fa4lab.reference import attention_reference, visible_mask
 
-    capped = {"softcap": softcap} if softcap else {}
+    options = dict(softcap=softcap, window_size=window_size, learnable_sink=learnable_sink)
+    set_options = {name: options[name] for name, unset in (
+        ("softcap", softcap == 0.0), ("window_size", tuple(window_size) == (None, None)),
+        ("learnable_sink", learnable_sink is None)) if not unset}
 
     def run():
         return attn(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                    **capped, **kernel_options)
+                    **set_options, **kernel_options)
 
     (out, lse), (out2, lse2) = run(), run()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs differ: not deterministic"
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                       return_lse=True, softcap=softcap)
+                                       return_lse=True, **options)
     assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
-    seen = torch.isfinite(ref_lse)                      # (b, h, sq): rows that see a key
-    seen_rows = seen.transpose(1, 2)                    # (b, sq, h)
+    sees = torch.as_tensor(visible_mask(q.shape[1], k.shape[1], causal,
+                                        window_size=window_size).any(axis=1), device=q.device)
+    seen_rows = sees[None, :, None].expand(out.shape[:3])    # (b, sq, h): rows that see a key
     assert (out[~seen_rows] == 0).all(), "a row that sees no key must be exactly 0"
-    assert (lse[~seen] == -math.inf).all(), "a row that sees no key must have LSE -inf"
-    if not seen.any():
+    finite = torch.isfinite(ref_lse)      # rows that see a key, or a finite sink
+    assert (lse[~finite] == -math.inf).all(), "a row that sees no key must have LSE -inf"
+    if finite.any():
+        lse_err = (lse.double() - ref_lse)[finite].abs()
+        lse_tol = 1e-3 + 1e-5 * ref_lse[finite].abs()
+        assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"
+    if not sees.any():
         return
-    if softcap:
-        pt = torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              softcap=softcap)
+    if softcap or learnable_sink is not None:
+        pt = torch_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
     else:
-        pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        pt = sdpa_same_dtype(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                             window_size=window_size)
     err = (out.double() - ref)[seen_rows].abs().max().item()
     pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
     assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
-    lse_err = (lse.double() - ref_lse)[seen].abs()
-    lse_tol = 1e-3 + 1e-5 * ref_lse[seen].abs()
-    assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"

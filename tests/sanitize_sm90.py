@@ -4,7 +4,9 @@ Run by `make sanitize-gpu` as `compute-sanitizer --tool synccheck|racecheck pyth
 tests/sanitize_sm90.py` on a Hopper GPU. The cases cover one, two and three consumer
 warpgroups (head_dim 256, 128, 64: the ping-pong turns and the per-consumer epilogue barriers),
 causal and not, GQA with and without pack-GQA, key-length tails, and a fully masked first block
-(seqlen_q > seqlen_k, causal). Each output is also checked against the float64 reference, so a
+(seqlen_q > seqlen_k, causal); a sliding window (the left-edge masked blocks, a window that
+leaves rows without a key) with a learnable sink, packed and not, and a mask_mod (every block
+masked). Each output is also checked against the float64 reference, so a
 run that the tool passes but that computes garbage still fails. Small sizes: under the tool
 every launch is slow.
 """
@@ -18,30 +20,56 @@ import torch
 from fa4lab.kernels.fwd_sm90 import attention_sm90
 from fa4lab.reference import attention_reference
 
-CASES = [  # (head_dim, causal, seqlen_q, seqlen_k, heads_q, heads_kv, pack_gqa)
-    (64, True, 300, 333, 4, 2, False),
-    (128, False, 300, 333, 4, 2, True),
-    (128, True, 333, 300, 2, 2, False),
-    (256, True, 200, 200, 2, 1, False),
+CASES = [  # (head_dim, causal, seqlen_q, seqlen_k, heads_q, heads_kv, pack_gqa, options)
+    (64, True, 300, 333, 4, 2, False, {}),
+    (128, False, 300, 333, 4, 2, True, {}),
+    (128, True, 333, 300, 2, 2, False, {}),
+    (256, True, 200, 200, 2, 1, False, {}),
+    (128, False, 400, 300, 4, 2, False, {"window_size": (70, 5), "sink": True}),
+    (64, True, 300, 333, 8, 2, True, {"window_size": (100, 0)}),
+    (128, True, 300, 300, 2, 2, False, {"documents": 3}),
 ]
+
+
+def options_of(opts: dict, hq: int) -> dict:
+    """Keyword arguments for both the kernel and the reference."""
+    from fa4lab import mods
+
+    kw = {}
+    if "window_size" in opts:
+        kw["window_size"] = opts["window_size"]
+    if opts.get("sink"):
+        kw["learnable_sink"] = torch.linspace(-2.0, 3.0, hq, device="cuda")
+    if "documents" in opts:
+        mod, aux = mods.document_mask(torch.arange(300, device="cuda", dtype=torch.int32)
+                                      * opts["documents"] // 300)
+        kw["mask_mod"], kw["aux_tensors"] = mod, aux
+    return kw
+
+
+def on_cpu(kw: dict) -> dict:
+    return {k: (v.cpu() if isinstance(v, torch.Tensor)
+                else tuple(t.cpu() for t in v) if k == "aux_tensors" else v)
+            for k, v in kw.items()}
 
 
 def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
-    for d, causal, sq, sk, hq, hkv, pack in CASES:
+    for d, causal, sq, sk, hq, hkv, pack, opts in CASES:
         q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
-        out, lse = attention_sm90(q, k, v, causal=causal, return_lse=True, pack_gqa=pack)
+        kw = options_of(opts, hq)
+        out, lse = attention_sm90(q, k, v, causal=causal, return_lse=True, pack_gqa=pack, **kw)
         torch.cuda.synchronize()
         ref, ref_lse = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=causal,
-                                           return_lse=True)
+                                           return_lse=True, **on_cpu(kw))
         err = (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
         finite = torch.isfinite(torch.as_tensor(ref_lse))
         lse_err = (lse.double().cpu() - torch.as_tensor(ref_lse))[finite].abs().max().item()
         same_inf = torch.equal(torch.isinf(lse.cpu()), ~finite)
-        print(f"hd{d} causal={causal} {sq}x{sk} heads {hq}/{hkv} pack={pack}: "
+        print(f"hd{d} causal={causal} {sq}x{sk} heads {hq}/{hkv} pack={pack} {opts}: "
               f"max|out - ref| {err:.2e}, max|lse - ref| {lse_err:.2e}, -inf rows agree "
               f"{same_inf}", flush=True)
         if not same_inf:

@@ -90,14 +90,24 @@ def test_kernel_input_checks(rng):
     q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         check_inputs(q.float(), k.float(), v.float(), arch="sm90")
-    q96, k96, v96 = _qkv(rng, d=96, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"head_dim 96.*sm90.*\(64, 128, 256\)"):
-        check_inputs(q96, k96, v96, arch="sm90")
+    # Unsupported head dims: the error names what each kernel builds and what to do.
+    q80, k80, v80 = _qkv(rng, d=80, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(80, 80\) is not built by the sm90.*sm90 \(H100/H200\)"
+                       r": 64, 96, 128, 256.*\(192, 128\).*pad q and k with zeros to head_dim 96"):
+        check_inputs(q80, k80, v80, arch="sm90")
     q256, k256, v256 = _qkv(rng, d=256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"head_dim 256.*sm100.*\(64, 128\)"):
+    with pytest.raises(ValueError, match=r"\(256, 256\) is not built by the sm100 kernel; the "
+                                         r"sm90 kernel .* builds it"):
         check_inputs(q256, k256, v256, arch="sm100")
     with pytest.raises(ValueError, match="head_dim_v"):
         check_inputs(q, k, v[..., :32].contiguous(), arch="sm90")
+    # Built pairs pass the head-dim check (and stop at the next one: CPU tensors).
+    for d, dv in ((96, 96), (192, 128)):
+        qd, kd, _ = _qkv(rng, d=d, dtype=torch.bfloat16)
+        vd = _qkv(rng, d=dv, dtype=torch.bfloat16)[2]
+        for arch in ("sm90", "sm100"):
+            with pytest.raises(ValueError, match="needs CUDA tensors"):
+                check_inputs(qd, kd, vd, arch=arch)
     qt = q.transpose(1, 3).contiguous().transpose(1, 3)  # same values, last dim strided
     with pytest.raises(ValueError, match=r"\.contiguous\(\)"):
         check_inputs(qt, k, v, arch="sm90")

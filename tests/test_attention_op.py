@@ -84,6 +84,8 @@ def test_opcheck(gen):
     torch.library.opcheck(op, (q, k, v, True, None, True, False, 0.0))
     torch.library.opcheck(op, (q, k, v, False, 0.3, False, None, 0.0))
     torch.library.opcheck(op, (q, k, v, True, None, True, None, 5.0))   # softcap
+    torch.library.opcheck(op, (q, k, v, False, None, True, None, 0.0, 3, 2,   # window, sink
+                               torch.randn(4, generator=gen)))
     q1, k1, v1 = _qkv(gen, sq=1, sk=1, hq=2, hkv=1)  # seqlen 1
     torch.library.opcheck(op, (q1, k1, v1, True, None, True, False, 0.0))
 

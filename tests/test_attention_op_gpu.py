@@ -75,6 +75,8 @@ def test_opcheck_on_cuda():
     op = torch.ops.fa4lab.attention_forward.default
     torch.library.opcheck(op, (q, k, v, True, None, True, False, 0.0))
     torch.library.opcheck(op, (q, k, v, False, 0.2, False, None, 3.0))
+    sink = torch.randn(4, device="cuda")
+    torch.library.opcheck(op, (q, k, v, False, None, True, None, 0.0, 16, 4, sink))  # window
 
 
 def test_requires_grad_raises_on_the_gpu_too():

@@ -38,8 +38,14 @@ def test_plan_key_ignores_sizes_and_sees_what_the_kernel_bakes_in():
                                 heads_kv=4)) == base          # same GQA ratio, other sizes
     assert cache.plan_key(_plan(softmax_scale=0.1)) == base   # the scale is a runtime argument
     for other in (dict(causal=True), dict(dtype="fp16"),
-                  dict(return_lse=True), dict(heads_kv=8), dict(head_dim=64)):
+                  dict(return_lse=True), dict(heads_kv=8), dict(head_dim=64),
+                  dict(window_size=(64, None)), dict(window_size=(None, 64)),
+                  dict(learnable_sink=True)):
         assert cache.plan_key(_plan(**other)) != base, other
+    # a window's sizes are runtime arguments, its sides are not (Note [runtime window])
+    left = cache.plan_key(_plan(window_size=(64, None)))
+    assert cache.plan_key(_plan(window_size=(1000, None))) == left
+    assert cache.plan_key(_plan(window_size=(64, 3))) != left
     assert cache.plan_key(plan_forward(_plan().spec, "sm90", n_block=64)) != base
     assert cache.plan_key(plan_forward(_plan().spec, "sm90", pack_gqa=True)) != base
 

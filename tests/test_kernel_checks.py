@@ -37,3 +37,35 @@ def test_a_wrong_kernel_fails(bug):
     q, k, v = _inputs(seed=1)
     with pytest.raises(AssertionError, match="kernel error"):
         check_kernel(rounded_reference, q, k, v, causal=False, **bug)
+
+
+def windowed_reference(q, k, v, *, causal, softmax_scale, return_lse, window_size=(None, None),
+                       learnable_sink=None, drop=()):
+    """The reference rounded to 16 bits, optionally dropping a window or the sink (a bug)."""
+    window = (None, None) if "window" in drop else window_size
+    sink = None if "sink" in drop else learnable_sink
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   return_lse=True, window_size=window, learnable_sink=sink)
+    return out.to(q.dtype), lse.float()
+
+
+def _sink(hq=4, seed=3):
+    return torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("window", [(5, 0), (3, 7), (None, 2), (0, None)])
+def test_windows_and_sinks_pass_when_right(window):
+    q, k, v = _inputs(sq=70, sk=20)          # windows that leave rows with no key
+    check_kernel(windowed_reference, q, k, v, causal=False, window_size=window)
+    sink = _sink()
+    sink[1] = -float("inf")                  # no sink on head 1: its empty rows keep -inf
+    check_kernel(windowed_reference, q, k, v, causal=False, window_size=window,
+                 learnable_sink=sink)
+
+
+@pytest.mark.parametrize("drop", ["window", "sink"])
+def test_a_kernel_that_ignores_the_window_or_the_sink_fails(drop):
+    q, k, v = _inputs(seed=2)
+    with pytest.raises(AssertionError, match="kernel error|LSE|exactly 0"):
+        check_kernel(windowed_reference, q, k, v, causal=True, window_size=(4, 0),
+                     learnable_sink=_sink(), drop=(drop,))

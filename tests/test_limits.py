@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fa4lab import limits
@@ -19,11 +21,53 @@ def test_capability_to_arch(capability, arch):
 
 
 def test_head_dims_per_arch():
-    assert limits.head_dims_for("sm100a") == limits.head_dims_for("sm_100") == (64, 128)
-    assert limits.head_dims_for("SM90") == (64, 128, 256)
-    assert limits.ALL_HEAD_DIMS == (64, 128, 256)
+    """(head_dim, head_dim_v) pairs are the table's entries; every reading of it agrees."""
+    table = limits.KERNEL_HEAD_DIMS
+    assert limits.head_dims_for("sm100a") == limits.head_dims_for("sm_100") == table["sm100"]
+    assert limits.head_dims_for("SM90") == table["sm90"]
+    assert set(limits.ALL_HEAD_DIMS) == {p for pairs in table.values() for p in pairs}
+    assert list(limits.ALL_HEAD_DIMS) == sorted(limits.ALL_HEAD_DIMS)
+    for arch, pairs in table.items():
+        assert all(isinstance(d, int) and isinstance(dv, int) for d, dv in pairs)
+        assert {(96, 96), (192, 128)} <= set(pairs)         # both kernels build these
+        for d, dv in pairs:
+            assert limits.kernel_builds(arch, d, dv)
+            assert limits.kernel_builds(arch, d) == (d == dv or (d, d) in pairs)
+        assert limits.equal_head_dims(arch) == tuple(d for d, dv in pairs if d == dv)
+        text = limits.head_dims_text(arch)
+        assert all(str(d) in text for d, dv in pairs)
+        assert all(f"({d}, {dv})" in text for d, dv in pairs if d != dv)
+    assert not limits.kernel_builds("sm100", 256, 256) and limits.kernel_builds("sm90", 256)
     with pytest.raises(ValueError, match="sm100"):
         limits.head_dims_for("sm80")
+
+
+@pytest.mark.parametrize("arch", sorted(limits.KERNEL_HEAD_DIMS))
+@pytest.mark.parametrize("d, dv", [(80, 80), (32, 32), (160, 128), (192, 192), (256, 256),
+                                   (64, 32), (512, 512), (128, 64)])
+def test_unsupported_head_dims_error(arch, d, dv):
+    """The error says what every kernel builds, and a way to run it: padding to a built pair
+    that holds (d, dv) -- the smallest -- or the reference."""
+    if limits.kernel_builds(arch, d, dv):
+        return
+    msg = limits.unsupported_head_dims(arch, d, dv)
+    assert f"({d}, {dv})" in msg and f"not built by the {arch} kernel" in msg
+    for other in limits.KERNEL_HEAD_DIMS:
+        assert f"{other} ({limits.ARCH_GPUS[other]}): {limits.head_dims_text(other)}" in msg
+    assert "fa4lab.reference.attention_reference" in msg
+    covers = [p for p in limits.head_dims_for(arch) if p[0] >= d and p[1] >= dv]
+    if covers:
+        pd = int(re.search(r"zeros to head_dim (\d+)", msg).group(1))
+        found = re.search(r"v to head_dim_v (\d+)", msg)
+        pdv = int(found.group(1)) if found else dv
+        assert limits.kernel_builds(arch, pd, pdv) and pd >= d and pdv >= dv
+        assert pd + pdv == min(a + b for a, b in covers)
+        assert (f"softmax_scale={d} ** -0.5" in msg) == (pd != d)
+        assert (f"out[..., :{dv}]" in msg) == (pdv != dv)
+    else:
+        assert "pad" not in msg
+    others = [a for a in limits.KERNEL_HEAD_DIMS if a != arch and limits.kernel_builds(a, d, dv)]
+    assert all(f"the {a} kernel" in msg for a in others)
 
 
 def test_element_bytes_follow_the_dtype():
@@ -39,3 +83,12 @@ def test_exp2_coefficients_and_threshold():
     assert c0 + c1 + c2 + c3 == pytest.approx(2.0, rel=limits.EXP2_POLY3_MAX_REL_ERROR)
     assert limits.RESCALE_THRESHOLD == 8.0
     assert 0 < limits.EXP2_POLY3_MAX_REL_ERROR < 2.0**-13
+
+
+def test_readme_lists_the_table():
+    """The README's list of head dims is the table's, word for word."""
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert f"B200 kernel builds {limits.head_dims_text('sm100')}" in readme
+    assert f"Hopper kernel {limits.head_dims_text('sm90')}" in readme

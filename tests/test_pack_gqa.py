@@ -4,10 +4,10 @@ The GPU half (the kernel's numbers against the float64 reference) is `test_pack_
 tests/test_sm90.py. Here, tier 1:
 * `plan_forward(spec, "sm90", pack_gqa=True)` records the switch, round-trips through JSON,
   and refuses what the kernel cannot do (a head ratio that does not divide m_block);
-* the kernel's packed row map and its block ranges (scheduler formulas over positions, see
+* the kernel's packed row map and its block ranges (fa4lab.tiling's over positions, see
   Note [sm90 pack-GQA kernel] in fa4lab/kernels/fwd_sm90.py) agree with `fa4lab.tiling`, and
-  a numpy emulation of the tile loop covers every (position, head) row exactly once, skips
-  only invisible keys and leaves unmasked only fully visible blocks;
+  the kernel's own walk run on the CPU (tests/kernel_walk.py) covers every (position, head)
+  row exactly once, skips only invisible keys and leaves unmasked only fully visible blocks;
 * the Q/O TMA view maps tile rows to the right (head, position) coordinates (traced, static
   shapes), and the kernel compiles for sm_90a and passes the binary audit.
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from audit_checks import compile_and_audit
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_walk import check_walk
 
 from fa4lab import tiling
 from fa4lab.errors import PlanError
@@ -115,9 +115,11 @@ def test_pack_gqa_default_packs_when_it_takes_fewer_tiles():
 
 def kernel_row_map(m_block, wg, r, kv_head, g):
     """What the kernel computes for row r of consumer wg's tile (see fwd_sm90.epilogue)."""
+    from fa4lab.kernels.device.pack_gqa import unpack_row
+
     row = (m_block * Q_STAGE + wg) * M_BLOCK + r
-    pos = row // g
-    return row, kv_head * g + (row - pos * g), pos
+    pos, head = unpack_row(row, kv_head, g)
+    return row, head, pos
 
 
 @pytest.mark.parametrize("g", [2, 4, 8])
@@ -143,71 +145,26 @@ def test_row_map_matches_tiling(g):
        data=st.data())
 @settings(max_examples=300, deadline=None)
 def test_packed_block_ranges_match_tiling(sq, sk, g, q_stage, n, causal, data):
-    """The kernel calls the unpacked formulas with cta_m / g positions per CTA."""
+    """The kernel's block ranges with pack = g are fa4lab.tiling's packed ranges."""
     cta_m = M_BLOCK * q_stage
     m = data.draw(st.integers(0, tiling.num_m_blocks(sq, cta_m, g) - 1))
     kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=cta_m, n_block_size=n, causal=causal,
               qhead_per_kvhead=g)
     lo, hi = tiling.n_block_range(m, **kw)
     mask_lo, _ = tiling.n_block_masked_range(m, **kw)
-    assert lo == 0
-    assert scheduler.n_block_max(m, cta_m // g, n, sq, sk, causal) == hi
-    assert min(scheduler.n_block_full_end(m, cta_m // g, n, sq, sk, causal), hi) == mask_lo
-
-
-def emulate_mask(rows, cols, m_offset, n_offset, sq, sk, causal, g):
-    """numpy twin of fa4lab.kernels.device.mask.row_limits + apply_limits (g = qhead_per_kvhead).
-
-    True = keep."""
-    limit = np.full(rows, sk - n_offset)
-    if causal:
-        pos = (m_offset + np.arange(rows)) // g
-        limit = np.minimum(limit, pos + sk - sq + 1 - n_offset)
-    return np.arange(cols)[None, :] < limit[:, None]
+    right = 0 if causal else None
+    assert scheduler.block_range(m, cta_m, g, n, sq, sk, None, right) == (lo, hi)
+    assert scheduler.mask_split(m, cta_m, g, n, sq, sk, None, right, lo, hi)[1] == mask_lo
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1000), (17, 1000), (1000, 17), (300, 301), (5, 3)])
 @pytest.mark.parametrize("g", [2, 8])
 @pytest.mark.parametrize("causal", [False, True])
 def test_emulated_tile_loop(sq, sk, g, causal):
-    """Every packed tile as the kernel walks it: the rows it stores, the blocks it visits,
-    the ones it masks. Compared with the brute-force visibility of each (position, key)."""
-    n = 128
-    hkv, cta_m = 2, M_BLOCK * Q_STAGE
-    visible = np.ones((sq, sk), dtype=bool)
-    if causal:
-        visible &= np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
-    stored = np.zeros((sq, hkv * g), dtype=int)
-    for kv in range(hkv):
-        for m in range(scheduler.num_m_blocks(sq * g, cta_m)):
-            n_iter = max(scheduler.n_block_max(m, cta_m // g, n, sq, sk, causal), 1)
-            n_full = min(scheduler.n_block_full_end(m, cta_m // g, n, sq, sk, causal), n_iter)
-            n_masked = max(n_iter - n_full, 1)
-            masked_blocks = set(range(n_iter - n_masked, n_iter))
-            for wg in range(Q_STAGE):
-                m_offset = (m * Q_STAGE + wg) * M_BLOCK
-                seen = np.zeros((M_BLOCK, sk), dtype=bool)
-                for j in range(n_iter):
-                    cols = np.arange(j * n, (j + 1) * n)
-                    if j in masked_blocks:
-                        keep = emulate_mask(M_BLOCK, n, m_offset, j * n, sq, sk, causal, g)
-                    else:
-                        keep = np.ones((M_BLOCK, n), dtype=bool)
-                    inside = cols < sk
-                    seen[:, cols[inside]] = keep[:, inside]
-                    # A block visited without a mask must be fully visible to every real row.
-                    for r in range(M_BLOCK):
-                        row, head, pos = kernel_row_map(m, wg, r, kv, g)
-                        if row < sq * g and j not in masked_blocks:
-                            assert inside.all() and visible[pos, cols].all()
-                for r in range(M_BLOCK):
-                    row, head, pos = kernel_row_map(m, wg, r, kv, g)
-                    if row >= sq * g:
-                        continue  # past seqlen_q: TMA clips the store, LSE is guarded
-                    stored[pos, head] += 1
-                    # Exactly the visible keys: none skipped, none leaked through a mask.
-                    assert (seen[r] == visible[pos]).all(), (kv, m, wg, r)
-    assert (stored == 1).all()
+    """Every packed tile as the kernel walks it (its own index code on the CPU: the rows it
+    stores, the blocks it visits, the ones it masks) against the brute-force visibility of
+    each (position, key). Windows: tests/test_window_sink.py."""
+    check_walk("sm90", sq, sk, g, causal)
 
 
 # --------------------------------------------------------------- traced TMA view, compile

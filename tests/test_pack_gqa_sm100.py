@@ -5,11 +5,12 @@ tests/test_sm100.py, which needs a B200. Here, tier 0 and 1:
 * `plan_forward(spec, "sm100", pack_gqa=True)` records the switch, round-trips through JSON,
   keeps TMEM, SMEM, barriers, roles and MMAs of the unpacked plan, and refuses a head ratio that
   does not divide m_block = 128;
-* the kernel's block ranges (scheduler formulas over positions: cta_m / g per CTA, m_block / g
+* the kernel's block ranges (fa4lab.tiling's over positions: cta_m / g per CTA, m_block / g
   per Q tile for the softmax's mask_min, see Note [sm100 pack-GQA kernel] in
-  fa4lab/kernels/fwd_sm100.py) agree with `fa4lab.tiling`, and a numpy emulation of the
-  kernel's tile loop (softmax mask on row // g, LSE address) covers every (position, head) row
-  exactly once, sees exactly its visible keys and leaves unmasked only fully visible blocks;
+  fa4lab/kernels/fwd_sm100.py) agree with `fa4lab.tiling`, and the kernel's own walk run on
+  the CPU (tests/kernel_walk.py: softmax mask on row // g, LSE address) covers every
+  (position, head) row exactly once, sees exactly its visible keys and leaves unmasked only
+  fully visible blocks;
 * the Q TMA view (the score MMA's A-operand atom) and the O view map tile rows to the right
   (head, position) coordinates (traced, static shapes), and the packed kernel compiles for
   sm_100a and passes the binary audit.
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from audit_checks import compile_and_audit
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_walk import check_walk
 
 from fa4lab import tiling
 from fa4lab.errors import PlanError, UnsupportedArchError
@@ -98,9 +99,11 @@ def test_kernel_key_tells_packed_from_unpacked():
 def kernel_row_map(m_block, stage, r, kv_head, g):
     """What the kernel computes for row r (= TMEM lane) of Q tile `stage` (fwd_sm100's
     softmax row_start and correction's LSE address)."""
+    from fa4lab.kernels.device.pack_gqa import unpack_row
+
     row = (m_block * Q_STAGE + stage) * M_BLOCK + r
-    pos = row // g
-    return row, kv_head * g + (row - pos * g), pos
+    pos, head = unpack_row(row, kv_head, g)
+    return row, head, pos
 
 
 @pytest.mark.parametrize("g", [2, 4, 8, 16])
@@ -122,32 +125,22 @@ def test_row_map_matches_tiling(g):
        causal=st.booleans(), data=st.data())
 @settings(max_examples=300, deadline=None)
 def test_packed_block_ranges_match_tiling(sq, sk, g, causal, data):
-    """n_block_max per CTA (cta_m / g positions) and mask_min per Q tile (m_block / g)."""
+    """The block range per CTA (cta_m rows, pack g) and mask_min per Q tile (m_block rows)."""
     n = 128
+    right = 0 if causal else None
     m = data.draw(st.integers(0, tiling.num_m_blocks(sq, CTA_M, g) - 1))
     kw = dict(seqlen_q=sq, seqlen_k=sk, n_block_size=n, causal=causal, qhead_per_kvhead=g)
     lo, hi = tiling.n_block_range(m, m_block_size=CTA_M, **kw)
-    assert lo == 0
-    n_max = scheduler.n_block_max(m, CTA_M // g, n, sq, sk, causal)
-    assert n_max == hi
+    assert scheduler.block_range(m, CTA_M, g, n, sq, sk, None, right) == (lo, hi)
     for stage in range(Q_STAGE):
         tile = m * Q_STAGE + stage
         if tile >= tiling.num_m_blocks(sq, M_BLOCK, g):
             continue  # a Q tile wholly past seqlen_q * g: its rows are never stored
         mask_lo, mask_hi = tiling.n_block_masked_range(tile, m_block_size=M_BLOCK, **kw)
-        mask_min = min(scheduler.n_block_full_end(tile, M_BLOCK // g, n, sq, sk, causal), n_max)
+        _, mask_min = scheduler.mask_split(tile, M_BLOCK, g, n, sq, sk, None, right, lo, hi)
         # The tile's masked range starts at mask_min; the CTA's n_max may reach past the tile's
         # own range (the other Q tile's rows see more keys): those blocks are masked too.
-        assert mask_min == mask_lo and mask_hi <= n_max
-
-
-def emulate_softmax_mask(m_block_rows, n, row_start, n_offset, sq, sk, causal, g):
-    """numpy twin of FlashForwardSm100.softmax_step's mask: True = keep."""
-    limit = np.full(m_block_rows, sk - n_offset)
-    if causal:
-        pos = (row_start + np.arange(m_block_rows)) // g
-        limit = np.minimum(limit, pos + sk - sq + 1 - n_offset)
-    return np.arange(n)[None, :] < limit[:, None]
+        assert mask_min == mask_lo and mask_hi <= hi
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 1000), (17, 1000), (1000, 17), (300, 301),
@@ -155,44 +148,11 @@ def emulate_softmax_mask(m_block_rows, n, row_start, n_offset, sq, sk, causal, g
 @pytest.mark.parametrize("g", [2, 8])
 @pytest.mark.parametrize("causal", [False, True])
 def test_emulated_tile_loop(sq, sk, g, causal):
-    """Every packed CTA as the sm100 kernel walks it: the blocks each Q tile visits (masked ones
-    first, down from n_block_max; then unmasked ones below mask_min), the rows it stores and
-    the LSE address. Compared with the brute-force visibility of each (position, key)."""
-    n = 128
-    hkv = 2
-    visible = np.ones((sq, sk), dtype=bool)
-    if causal:
-        visible &= np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
-    stored = np.zeros((sq, hkv * g), dtype=int)
-    for kv in range(hkv):
-        for m in range(scheduler.num_m_blocks(sq * g, CTA_M)):
-            n_max = scheduler.n_block_max(m, CTA_M // g, n, sq, sk, causal)
-            for stage in range(Q_STAGE):
-                row_start = (m * Q_STAGE + stage) * M_BLOCK
-                mask_min = min(scheduler.n_block_full_end(m * Q_STAGE + stage, M_BLOCK // g, n,
-                                                          sq, sk, causal), n_max)
-                seen = np.zeros((M_BLOCK, sk), dtype=bool)
-                for j in range(n_max):
-                    cols = np.arange(j * n, (j + 1) * n)
-                    inside = cols < sk
-                    if j >= mask_min:
-                        keep = emulate_softmax_mask(M_BLOCK, n, row_start, j * n, sq, sk,
-                                                    causal, g)
-                    else:
-                        keep = np.ones((M_BLOCK, n), dtype=bool)
-                        for r in range(M_BLOCK):  # unmasked: fully visible to every real row
-                            row, _, pos = kernel_row_map(m, stage, r, kv, g)
-                            if row < sq * g:
-                                assert inside.all() and visible[pos, cols].all()
-                    seen[:, cols[inside]] = keep[:, inside]
-                for r in range(M_BLOCK):
-                    row, head, pos = kernel_row_map(m, stage, r, kv, g)
-                    if row >= sq * g:
-                        continue  # past seqlen_q: TMA clips the store, the LSE store is guarded
-                    stored[pos, head] += 1
-                    # Exactly the visible keys; n_max == 0 leaves the row empty (O 0, LSE -inf).
-                    assert (seen[r] == visible[pos]).all(), (kv, m, stage, r)
-    assert (stored == 1).all()
+    """Every packed CTA as the sm100 kernel walks it (its own index code on the CPU: the
+    blocks each Q tile visits, masked ones first; the rows it stores and the LSE address)
+    against the brute-force visibility of each (position, key). Windows:
+    tests/test_window_sink.py."""
+    check_walk("sm100", sq, sk, g, causal)
 
 
 # --------------------------------------------------------------- traced TMA views, compile
@@ -306,9 +266,12 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
 
     calls, checked = [], []
 
-    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa, softcap):
+    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                window_size, learnable_sink, mods=None, aux=()):
+        assert mods is None and aux == ()
         calls.append(dict(arch=arch, causal=causal, softmax_scale=softmax_scale,
-                          return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap))
+                          return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
+                          window_size=window_size, sink=learnable_sink))
         return q, None
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
@@ -317,8 +280,11 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
     monkeypatch.setattr(launch, "forward", forward)
     monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: checked.append(kw["arch"]))
+    sink = torch.zeros(4)
     for pack in (True, False, None):
-        fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0)
+        fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0,
+                         window_size=(7, None), learnable_sink=sink)
         assert calls[-1] == dict(arch="sm100", causal=True, softmax_scale=None,
-                                 return_lse=False, pack_gqa=pack, softcap=2.0)
+                                 return_lse=False, pack_gqa=pack, softcap=2.0,
+                                 window_size=(7, None), sink=sink)
     assert checked == ["sm100", "sm100", "sm100"]

@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200, H200
+from fa4lab.limits import ALL_HEAD_DIMS, KERNEL_HEAD_DIMS
 from fa4lab.plan import Plan, plan_forward
 from fa4lab.spec import AttentionSpec
 
 
-def spec(hd=128, causal=False, gqa=1, lse=False, seqlen=2048, batch=2, heads=8):
-    return AttentionSpec(batch, seqlen, seqlen, heads, heads // gqa, hd, causal=causal,
+def spec(hd=128, causal=False, gqa=1, lse=False, seqlen=2048, batch=2, heads=8, hd_v=None):
+    return AttentionSpec(batch, seqlen, seqlen, heads, heads // gqa, hd, hd_v, causal=causal,
                          return_lse=lse)
 
 
@@ -84,7 +85,9 @@ def test_unknown_and_bad_overrides():
     with pytest.raises(PlanError, match="unknown override.*n_blk.*known overrides"):
         plan_forward(spec(), "sm100", n_blk=64)
     with pytest.raises(PlanError, match="multiple of 16"):
-        plan_forward(spec(), "sm100", n_block=72)
+        plan_forward(spec(), "sm90", n_block=72)
+    with pytest.raises(PlanError, match="multiple of 32.*32 columns at a time"):
+        plan_forward(spec(), "sm100", n_block=80)   # a tcgen05 N, but not the softmax's chunks
     with pytest.raises(PlanError, match="unknown arch"):
         plan_forward(spec(), "sm80")
     with pytest.raises(PlanError, match="q_stage"):
@@ -128,41 +131,78 @@ def _check_invariants(p: Plan):
 
 
 @settings(max_examples=60, deadline=None)
-@given(arch=st.sampled_from(["sm100", "sm90"]), hd=st.sampled_from([64, 128, 256]),
+@given(arch=st.sampled_from(["sm100", "sm90"]), dims=st.sampled_from(ALL_HEAD_DIMS),
        n_block=st.sampled_from([None, 32, 64, 80, 96, 128, 144, 176, 256]),
        q_stage=st.sampled_from([None, 1, 2]), kv_stage=st.sampled_from([None, 2, 3, 4, 6]),
        causal=st.booleans(), gqa=st.sampled_from([1, 2, 4]))
-def test_plan_invariants(arch, hd, n_block, q_stage, kv_stage, causal, gqa):
+def test_plan_invariants(arch, dims, n_block, q_stage, kv_stage, causal, gqa):
     ov = {k: v for k, v in dict(n_block=n_block, q_stage=q_stage, kv_stage=kv_stage).items()
           if v is not None}
     try:
-        p = plan_forward(spec(hd, causal, gqa), arch, **ov)
+        p = plan_forward(spec(dims[0], causal, gqa, hd_v=dims[1]), arch, **ov)
     except PlanError as err:
         assert "over" in str(err) or "must" in str(err) or "registers" in str(err)
         return
     _check_invariants(p)
 
 
-@pytest.mark.parametrize("arch,hd", [("sm100", 64), ("sm100", 128), ("sm90", 64),
-                                     ("sm90", 128), ("sm90", 256)])
-def test_supported_defaults_fit(arch, hd):
-    _check_invariants(plan_forward(spec(hd), arch))
+@pytest.mark.parametrize("arch,dims", [(a, p) for a, pairs in KERNEL_HEAD_DIMS.items()
+                                      for p in pairs])
+@pytest.mark.parametrize("causal", [False, True])
+def test_supported_defaults_fit(arch, dims, causal):
+    _check_invariants(plan_forward(spec(dims[0], causal, gqa=4, hd_v=dims[1]), arch))
 
 
 def test_the_plans_read_the_shared_limits():
     """Head dims, threshold and element sizes come from fa4lab.limits, not from copies."""
-    from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, RESCALE_THRESHOLD
+    from fa4lab.limits import ELEMENT_BYTES, RESCALE_THRESHOLD, head_dims_text
     from fa4lab.plan.sm90 import SM90_TUNING
+    from fa4lab.plan.sm100 import SM100_TUNING
 
-    assert sorted(SM90_TUNING) == sorted(KERNEL_HEAD_DIMS["sm90"])   # one tuning row per dim
-    for arch, dims in KERNEL_HEAD_DIMS.items():
-        for d in dims:
-            p = plan_forward(spec(d), arch)
+    # One tuning row per (head_dim, head_dim_v) pair each kernel builds.
+    assert sorted(SM90_TUNING) == sorted(KERNEL_HEAD_DIMS["sm90"])
+    assert sorted(SM100_TUNING) == sorted(KERNEL_HEAD_DIMS["sm100"])
+    for arch, pairs in KERNEL_HEAD_DIMS.items():
+        for d, dv in pairs:
+            p = plan_forward(spec(d, hd_v=dv), arch)
             assert p.rescale_threshold == RESCALE_THRESHOLD
             assert p.spec.element_bytes == ELEMENT_BYTES[p.spec.dtype] == 2
             rows = p.tiles.m_block if arch == "sm100" else p.tiles.cta_m   # one Q load's rows
             assert p.barriers.barrier("q_full").tx_bytes == rows * d * p.spec.element_bytes
-    with pytest.raises(PlanError, match="64, 128 or 256"):
-        plan_forward(spec(96), "sm90")
-    with pytest.raises(PlanError, match="builds head_dim 64, 128"):
+    with pytest.raises(PlanError, match=r"\(80, 80\) is not built by the sm90 kernel"):
+        plan_forward(spec(80), "sm90")
+    with pytest.raises(PlanError) as err:
         plan_forward(spec(256), "sm100")
+    assert head_dims_text("sm100") in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+@pytest.mark.parametrize("options", [
+    dict(window_size=(256, 0)), dict(window_size=(None, 64)), dict(window_size=(0, 0)),
+    dict(softcap=30.0), dict(learnable_sink=True),
+    dict(causal=True, window_size=(100, None), softcap=5.0, learnable_sink=True, lse=True),
+])
+def test_plans_take_window_softcap_sink(arch, options):
+    lse = options.pop("lse", False)
+    s = spec(128, lse=lse).with_(**options)
+    p = plan_forward(s, arch)
+    assert p.spec == s
+    _check_invariants(p)    # the JSON round trip keeps the window, softcap and sink
+
+
+def _softmax_work(p) -> list[float]:
+    """Cycles of every softmax step the simulator runs over a 4-block tile, 1 block masked."""
+    from fa4lab.plan.simulate import Work, programs_for
+
+    return [op.cycles for ops in programs_for(p, 4, masked_blocks=1).values() for op in ops
+            if isinstance(op, Work) and op.unit == "mufu"]
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_softcap_adds_softmax_work_and_a_sink_none(arch):
+    base = plan_forward(spec(128, causal=True), arch)
+    plain = _softmax_work(base)
+    capped = _softmax_work(plan_forward(base.spec.with_(softcap=30.0), arch))
+    assert plain and len(capped) == len(plain)
+    assert all(c > p for c, p in zip(capped, plain))
+    assert _softmax_work(plan_forward(base.spec.with_(learnable_sink=True), arch)) == plain

@@ -10,8 +10,9 @@ ATOL = 1e-3 (a floor for the cases where SDPA is exact, e.g. seqlen_k = 1; below
 at 0.5). Rows that see no key must be exactly 0 with LSE -inf; nothing may be NaN; LSE within
 1e-3 + 1e-5 |lse| of the reference; two runs bit-identical.
 
-Grid (trimmed: each (head_dim, dtype, causal, GQA) is one compile): head_dim {64, 128} x
-causal x GQA {1, 4} in bf16 with seqlen pairs (1, 1), (17, 1000), (1000, 17), (1000, 4097)
+Grid (trimmed: each (head_dim, dtype, causal, GQA) is one compile): every (head_dim,
+head_dim_v) pair of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` x causal x GQA {1, 4} in bf16
+with seqlen pairs (1, 1), (17, 1000), (1000, 17), (1000, 4097)
 -- tails on both sides, one key, one query, causal with seqlen_q > seqlen_k (fully masked rows
 and whole CTAs that see nothing); fp16 at both head dims; logits of magnitude 1e4 (the
 conditional rescale and the exp2 polynomial at their extremes); a custom softmax_scale and
@@ -39,6 +40,7 @@ from kernel_checks import (  # noqa: E402
 from kernel_checks import make_inputs as _inputs  # noqa: E402
 
 from fa4lab.api import sdpa_same_dtype  # noqa: E402
+from fa4lab.limits import KERNEL_HEAD_DIMS  # noqa: E402
 
 pytestmark = pytest.mark.sm100
 
@@ -57,10 +59,11 @@ def _check_packed(q, k, v, **checks):
 
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bf16_matrix(head_dim, causal, gqa):
+@pytest.mark.parametrize("dims", KERNEL_HEAD_DIMS["sm100"],
+                         ids=lambda p: f"hd{p[0]}" + (f"x{p[1]}" if p[1] != p[0] else ""))
+def test_bf16_matrix(dims, causal, gqa):
     for i, (sq, sk) in enumerate(SEQLENS):
-        q, k, v = _inputs(2, sq, sk, 8, 8 // gqa, head_dim, torch.bfloat16, seed=i)
+        q, k, v = _inputs(2, sq, sk, 8, 8 // gqa, dims[0], torch.bfloat16, seed=i, dv=dims[1])
         _check(q, k, v, causal=causal)
 
 
@@ -139,3 +142,18 @@ def test_pack_gqa_through_fa4lab_attention():
     assert torch.equal(out, attention_sm100(q, k, v, causal=True, pack_gqa=True))
     assert launch.stats()["misses"] == before, "the packed kernel was not cached"
     _check_packed(q, k, v, causal=True, softmax_scale=0.2)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (100, None)), (False, (None, 50)),
+                                           (False, (30, 70)), (True, (200, 0)), (True, (5, 0))])
+def test_windows_and_sinks(causal, window):
+    """Sliding windows (the walk each role shares: tests/kernel_walk.py) and learnable sinks,
+    packed and not; (1000, 17) leaves rows with no key, whose LSE is then the sink."""
+    import math
+
+    for i, (sq, sk) in enumerate([(1, 1000), (17, 1000), (1000, 17), (300, 777)]):
+        q, k, v = _inputs(2, sq, sk, 8, 2, 128, torch.bfloat16, seed=900 + i)
+        sink = torch.tensor([0.5, -2.0, 30.0, -30.0, -math.inf, 1e3, 3.0, -1e3], device="cuda")
+        _check(q, k, v, causal=causal, window_size=window)
+        _check(q, k, v, causal=causal, window_size=window, learnable_sink=sink)
+        _check_packed(q, k, v, causal=causal, window_size=window, learnable_sink=sink)

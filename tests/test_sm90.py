@@ -11,7 +11,8 @@ reference to 1e-3 + 1e-5 * |lse| (fp32 accumulation of 16-bit products); and two
 same inputs must agree bit for bit.
 
 Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is one compile):
-* bf16: head_dim {64, 128, 256} x causal {no, yes} x GQA ratio {1, 2, 8}, each with the
+* bf16: every (head_dim, head_dim_v) pair of `fa4lab.limits.KERNEL_HEAD_DIMS["sm90"]` (64, 96,
+  128, 256 and (192, 128)) x causal {no, yes} x GQA ratio {1, 2, 8}, each with the
   seqlen pairs (1, 1), (17, 1000), (1000, 17) and (1000, 4097) -- tails on both sides, the
   single-key and single-query rows, seqlen_q != seqlen_k both ways (causal with
   seqlen_q > seqlen_k has fully masked rows); (4097, 4097) only at head_dim 128;
@@ -20,7 +21,8 @@ Grid (trimmed to run in a few minutes; each (head_dim, dtype, causal, GQA) is on
   must not recompile; softcap (its own yardstick: PyTorch eager in bf16, as SDPA cannot cap);
   return_lse=False;
   q/k/v slices of a packed qkv tensor (non-compact strides); compile-once caching;
-* pack-GQA (`pack_gqa=True`): head_dim {64, 128} x causal x GQA ratio {2, 8}, seqlen pairs
+* pack-GQA (`pack_gqa=True`): head_dim {64, 128} x causal x GQA ratio {2, 8}, and the pairs
+  added later (96, (192, 128)) at GQA 8 (trimmed), seqlen pairs
   (1, 1000), (17, 1000), (1000, 17), (1000, 4097), held to the same rule (its summation order
   may differ from the unpacked kernel's, so the two are not compared bit for bit).
 """
@@ -41,6 +43,7 @@ from kernel_checks import (  # noqa: E402
 from kernel_checks import make_inputs as _inputs  # noqa: E402
 
 from fa4lab.api import sdpa_same_dtype  # noqa: E402
+from fa4lab.limits import KERNEL_HEAD_DIMS  # noqa: E402
 
 pytestmark = pytest.mark.sm90
 
@@ -57,16 +60,22 @@ def _check_packed(q, k, v, **checks):
     _check(q, k, v, pack_gqa=True, **checks)
 
 
+def _dims_id(dims):
+    d, dv = dims
+    return f"hd{d}" if d == dv else f"hd{d}x{dv}"
+
+
 @pytest.mark.parametrize("gqa", [1, 2, 8])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_bf16_matrix(head_dim, causal, gqa):
+@pytest.mark.parametrize("dims", KERNEL_HEAD_DIMS["sm90"], ids=_dims_id)
+def test_bf16_matrix(dims, causal, gqa):
+    head_dim, head_dim_v = dims
     heads_q = 8
     pairs = SEQLENS + ([(4097, 4097)] if head_dim == 128 else [])
     for i, (sq, sk) in enumerate(pairs):
         batch = 2 if sq * sk < 10**6 else 1
         q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
-                          seed=1000 * head_dim + 10 * gqa + i)
+                          seed=1000 * head_dim + head_dim_v + 10 * gqa + i, dv=head_dim_v)
         _check(q, k, v, causal=causal)
 
 
@@ -149,16 +158,21 @@ def test_fa4lab_attention_dispatches_to_sm90():
     assert torch.equal(out, out2) and out.is_cuda
 
 
-@pytest.mark.parametrize("gqa", [2, 8])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_pack_gqa(head_dim, causal, gqa):
+_PACK_CONFIGS = [((d, d), c, g) for d in (64, 128) for c in (False, True) for g in (2, 8)] + [
+    (dims, c, 8) for dims in ((96, 96), (192, 128)) for c in (False, True)]
+
+
+@pytest.mark.parametrize("dims,causal,gqa", _PACK_CONFIGS, ids=[
+    f"{_dims_id(dims)}-{'causal' if c else 'full'}-gqa{g}" for dims, c, g in _PACK_CONFIGS])
+def test_pack_gqa(dims, causal, gqa):
     """One CTA per (KV head, packed row tile); 16 query heads so several KV heads exist."""
+    head_dim, head_dim_v = dims
     heads_q = 16
     for i, (sq, sk) in enumerate([(1, 1000), (17, 1000), (1000, 17), (1000, 4097)]):
         batch = 2 if sq * sk < 10**6 else 1
         q, k, v = _inputs(batch, sq, sk, heads_q, heads_q // gqa, head_dim, torch.bfloat16,
-                          seed=3000 + 100 * head_dim + 10 * gqa + i)
+                          seed=3000 + 100 * head_dim + head_dim_v + 10 * gqa + i,
+                          dv=head_dim_v)
         _check_packed(q, k, v, causal=causal)
 
 

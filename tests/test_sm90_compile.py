@@ -10,21 +10,27 @@ from hypothesis import strategies as st
 from fa4lab import tiling
 from fa4lab.kernels.device import scheduler
 from fa4lab.limits import KERNEL_HEAD_DIMS
-from fa4lab.spec import AttentionSpec
+from fa4lab.spec import AttentionSpec, effective_window
+
+_SIDE = st.one_of(st.none(), st.integers(0, 3000))
 
 
 @given(sq=st.integers(1, 3000), sk=st.integers(1, 3000), cta_m=st.sampled_from([64, 128]),
-       n=st.sampled_from([80, 128, 176]), causal=st.booleans(), data=st.data())
+       n=st.sampled_from([80, 128, 176]), causal=st.booleans(), left=_SIDE, right=_SIDE,
+       data=st.data())
 @settings(max_examples=300, deadline=None)
-def test_block_ranges_match_tiling(sq, sk, cta_m, n, causal, data):
+def test_block_ranges_match_tiling(sq, sk, cta_m, n, causal, left, right, data):
+    """The device scheduler on Python ints (the DSL's min/max) is fa4lab.tiling's rule."""
+    right = 0 if causal and right else right
     m = data.draw(st.integers(0, tiling.num_m_blocks(sq, cta_m) - 1))
-    kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=cta_m, n_block_size=n, causal=causal)
+    kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=cta_m, n_block_size=n, causal=causal,
+              window_size=(left, right))
     lo, hi = tiling.n_block_range(m, **kw)
     mask_lo, _ = tiling.n_block_masked_range(m, **kw)
-    assert lo == 0
-    assert scheduler.n_block_max(m, cta_m, n, sq, sk, causal) == hi
-    full = min(scheduler.n_block_full_end(m, cta_m, n, sq, sk, causal), hi)
-    assert full == mask_lo
+    _, left_end = tiling.n_block_left_masked_range(m, **kw)
+    eff = effective_window(causal, (left, right))
+    assert scheduler.block_range(m, cta_m, 1, n, sq, sk, *eff) == (lo, hi)
+    assert scheduler.mask_split(m, cta_m, 1, n, sq, sk, *eff, lo, hi) == (left_end, mask_lo)
 
 
 @given(batch=st.integers(1, 6), heads=st.integers(1, 40), sq=st.integers(1, 5000),
@@ -65,10 +71,18 @@ def test_plans_name_their_tile_order(causal):
     assert plan_forward(spec, "sm90").tiles.order in tiling.SCHEDULERS
 
 
+# Every (head_dim, head_dim_v) pair the kernel builds; 64, 128 and 256 both ways of causal, the
+# others (96, (192, 128)) causal only (trimmed: one compile per added pair).
+_GRID_DIMS = (64, 128, 256)
+SM90_CONFIGS = [((d, dv), c) for d, dv in KERNEL_HEAD_DIMS["sm90"] for c in (False, True)
+                if c or (d == dv and d in _GRID_DIMS)]
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", KERNEL_HEAD_DIMS["sm90"])
-def test_compiles_for_sm90a(head_dim, causal, tmp_path):
+@pytest.mark.parametrize("dims,causal", SM90_CONFIGS, ids=[
+    f"hd{d if d == dv else f'{d}x{dv}'}-{'causal' if c else 'full'}"
+    for (d, dv), c in SM90_CONFIGS])
+def test_compiles_for_sm90a(dims, causal, tmp_path):
     """Every sm90 kernel configuration compiles and its binary holds to the plan: resources,
     no spills, and the barrier protocol (inits, per-path op sequence, loops, named barriers,
     SMEM offsets) against `plan.protocol`."""
@@ -77,9 +91,27 @@ def test_compiles_for_sm90a(head_dim, causal, tmp_path):
     from fa4lab.kernels.fwd_sm90 import FlashForwardSm90
     from fa4lab.plan import plan_forward
 
-    spec = AttentionSpec(2, 300, 700, 8, 2, head_dim, causal=causal, return_lse=causal)
+    spec = AttentionSpec(2, 300, 700, 8, 2, *dims, causal=causal, return_lse=causal)
     cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
     assert isinstance(cf.kernel, FlashForwardSm90) and cf.seconds > 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("options", [
+    dict(head_dim=64, causal=True, window_size=(100, 0)),      # the tightest registers
+    dict(head_dim=256, causal=False, window_size=(None, 40), learnable_sink=True),
+], ids=["hd64-causal-left", "hd256-right-sink"])
+def test_window_and_sink_compile_for_sm90a(options, tmp_path):
+    """A sliding window (left with causal; right alone) and a learnable sink: the same audit
+    (no spills; one masked and one unmasked loop per consumer, as the protocol table has)."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 300, 700, 8, 2, return_lse=True, **options)
+    cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
+    assert ("-sink" in cf.keep_dir.name) == spec.learnable_sink
+    assert "-window" in cf.keep_dir.name
 
 
 @pytest.mark.compile
@@ -94,6 +126,37 @@ def test_softcap_compiles_for_sm90a(head_dim, causal, tmp_path):
                          softcap=30.0)
     cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
     assert "tanh.approx.f32" in cf.ptx_path.read_text()
+
+
+def _mod_configs():
+    """One score_mod config (ALiBi, reading an aux tensor, after a softcap) and one mask_mod
+    config (document ids), as `fa4lab.mods.KernelMods`."""
+    import torch
+
+    from fa4lab import mods
+
+    alibi, slopes = mods.alibi(torch.ones(8))
+    documents, doc_ids = mods.document_mask(torch.zeros(16, dtype=torch.int32))
+    return {"score_mod": mods.kernel_mods(alibi, None, slopes),
+            "mask_mod": mods.kernel_mods(None, documents, doc_ids)}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("which,head_dim,softcap", [("score_mod", 128, 30.0),
+                                                    ("mask_mod", 128, 0.0)])
+def test_mods_compile_for_sm90a(which, head_dim, softcap, tmp_path):
+    """A score_mod and a mask_mod compiled in (fa4lab.kernels.device.mods): the same audit, no
+    spills and the protocol table unchanged (Note [mask_mod blocks])."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 300, 700, 8, 2, head_dim, causal=True, return_lse=True,
+                         softcap=softcap)
+    cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path,
+                           mods=_mod_configs()[which])
+    assert cf.keep_dir.name.endswith("-mods")
+    assert "ld.global" in cf.ptx_path.read_text()      # the aux tensor's reads
 
 
 def test_port_table_reads_the_plans():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fa4lab.spec import AttentionSpec
+from fa4lab.spec import AttentionSpec, effective_window
 from fa4lab.tiling import (
     SCHEDULERS,
     CostModel,
@@ -569,14 +569,20 @@ def test_figures_and_widgets_render():
     assert "lpt: makespan" in sched.text.value and sched.image.value
 
 
-def test_kernel_scheduler_mirrors_the_tiling_rules():
-    # The device helpers take Python ints too: the kernels and this plan must agree exactly.
+def test_kernel_scheduler_calls_the_tiling_rules():
+    # The device helpers take Python ints too: the kernels and this plan must agree exactly
+    # (the DSL's min/max on ints, the tile's rows and pack, windows included).
     ks = pytest.importorskip("fa4lab.kernels.device.scheduler")
     for sq, sk in itertools.product((1, 7, 64, 100, 129, 300, 513), (1, 5, 64, 127, 300, 640)):
-        for bm, bn, causal in itertools.product((64, 128), (64, 128), (False, True)):
-            kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal)
+        for bm, bn, causal, window in itertools.product((64, 128), (64, 128), (False, True),
+                                                        ((None, None), (70, None), (3, 0))):
+            kw = dict(seqlen_q=sq, seqlen_k=sk, m_block_size=bm, n_block_size=bn, causal=causal,
+                      window_size=window)
+            left, right = effective_window(causal, window)
             for m in range(-(-sq // bm)):
                 lo, hi = n_block_range(m, **kw)
                 mlo, _ = n_block_masked_range(m, **kw)
-                assert ks.n_block_max(m, bm, bn, sq, sk, causal) == hi, (kw, m)
-                assert min(ks.n_block_full_end(m, bm, bn, sq, sk, causal), hi) == mlo, (kw, m)
+                _, left_end = n_block_left_masked_range(m, **kw)
+                assert ks.block_range(m, bm, 1, bn, sq, sk, left, right) == (lo, hi), (kw, m)
+                assert ks.mask_split(m, bm, 1, bn, sq, sk, left, right, lo, hi) == (
+                    left_end, mlo), (kw, m)

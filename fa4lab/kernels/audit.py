@@ -61,7 +61,7 @@ from fa4lab.limits import (
     EXP2_POLY3,
     KERNEL_DTYPES,
     KERNEL_HEAD_DIMS,
-    head_dims_for,
+    head_dims_text,
 )
 from fa4lab.plan.protocol import barrier_name
 
@@ -455,14 +455,16 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
     poly = count_ffma_immediate(text, EXP2_POLY3[2])
     steps = kernel.softmax_step_sites
     emu_expected = steps * 2 * sum(kernel.emulated)
-    mufu_p = steps * (plan.tiles.n_block - 2 * sum(kernel.emulated))
+    mufu_p = (steps * (plan.tiles.n_block - 2 * sum(kernel.emulated))
+              + kernel.finalize_exp2_sites)
     mufu = count_prefix(ops, "MUFU.EX2")
     rows.append(_row("exp2 on FMA (polynomial)", emu_expected, poly,
                      note=f"{steps} softmax-step sites x {2 * sum(kernel.emulated)} of "
                           f"{plan.tiles.n_block} (fraction {plan.exp2_emulation_fraction})"))
     rows.append(_row("MUFU.EX2", f"{mufu_p}..{mufu_p + steps}", mufu,
                      mufu_p <= mufu <= mufu_p + steps,
-                     note="P on MUFU, plus at most one row-scale exp2 per site"))
+                     note="P on MUFU (and the sink's in the finalize), plus at most one "
+                          "row-scale exp2 per site"))
     rows.append(AuditRow("FFMA2 (SASS)", "-", ops["FFMA2"], True, "packed FMAs, shown"))
     found_fraction = poly / max(poly + mufu, 1)
     rows.append(AuditRow("emulated exp2 fraction", plan.exp2_emulation_fraction,
@@ -504,8 +506,9 @@ def _spec_from_args(args):
 
     heads_q = 8
     return AttentionSpec(batch=1, seqlen_q=4096, seqlen_k=4096, heads_q=heads_q,
-                         heads_kv=heads_q // args.gqa, head_dim=args.head_dim, dtype=args.dtype,
-                         causal=args.causal, return_lse=args.lse)
+                         heads_kv=heads_q // args.gqa, head_dim=args.head_dim,
+                         head_dim_v=args.head_dim_v, dtype=args.dtype, causal=args.causal,
+                         return_lse=args.lse)
 
 
 def _main(args) -> int:
@@ -540,9 +543,11 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("audit", help="compile a kernel on CPU and check it against the plan",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=[f"{a}a" for a in KERNEL_HEAD_DIMS], default="sm100a")
-    p.add_argument("--head-dim", type=int, default=128, choices=ALL_HEAD_DIMS,
-                   help="; ".join(f"{', '.join(map(str, head_dims_for(a)))} ({a}a)"
-                                  for a in KERNEL_HEAD_DIMS))
+    p.add_argument("--head-dim", type=int, default=128,
+                   choices=sorted({d for d, _ in ALL_HEAD_DIMS}),
+                   help="; ".join(f"{head_dims_text(a)} ({a}a)" for a in KERNEL_HEAD_DIMS))
+    p.add_argument("--head-dim-v", type=int, default=None,
+                   help="V's head dim (default: --head-dim), e.g. 128 with --head-dim 192")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--gqa", type=int, default=1, help="query heads per KV head (1, 2, 4, 8)")
     p.add_argument("--lse", action="store_true", help="also write the log-sum-exp")

@@ -68,7 +68,9 @@ class Audit:
 
 def describe(spec) -> str:
     """The configuration a compiled kernel bakes in, for an audit's title."""
-    return (f"head_dim {spec.head_dim}, {spec.dtype}, {'causal' if spec.causal else 'non-causal'},"
+    hd = f"{spec.head_dim}" + (f" (head_dim_v {spec.head_dim_v})"
+                               if spec.head_dim_v != spec.head_dim else "")
+    return (f"head_dim {hd}, {spec.dtype}, {'causal' if spec.causal else 'non-causal'},"
             f" GQA {spec.qhead_per_kvhead}, LSE {'on' if spec.return_lse else 'off'}")
 
 

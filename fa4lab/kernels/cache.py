@@ -8,8 +8,10 @@ $XDG_CACHE_HOME/fa4lab/kernels, else ~/.cache/fa4lab/kernels). The fingerprint h
 every kernel depends on besides its configuration: fa4lab's version and the sources of the
 modules that plan and build kernels, the CuTe DSL and TVM-FFI versions, the Python version and
 the machine. The key hashes what one kernel bakes in: for `fa4lab.attention`, the launch key
-(arch, head dims, dtype, causal, scale, GQA ratio, LSE, pack-GQA), from which the sources
-derive the plan; for any other plan, the plan itself (`plan_key`). Any change to either gives
+(arch, head dims, dtype, causal, GQA ratio, LSE, pack-GQA, softcap on or off, a window's
+sides, a learnable sink or not), from which the sources derive the plan; for any other plan,
+the plan itself (`plan_key`). Never the values the kernel takes at run time: sizes, the scale,
+the cap, the window's sizes, the sink's logits. Any change to either gives
 a new file name, so a stale kernel is never loaded; `fa4lab cache info` lists the folders of
 old fingerprints and `clear` removes them.
 
@@ -96,15 +98,16 @@ def digest(text: str) -> str:
 
 def plan_key(plan) -> str:
     """The key of `plan`'s kernel: the plan without what the kernel takes at run time (batch,
-    sequence lengths, head counts, the softmax scale and the cap's value: Note [runtime scale]
-    in fa4lab.kernels.compile)."""
+    sequence lengths, head counts, the softmax scale, the cap's value and the window's sizes:
+    Note [runtime scale] and Note [runtime window] in fa4lab.kernels.compile)."""
     d = plan.to_dict()
     spec = d["spec"]
     for size in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "softmax_scale",
-                 "softcap"):
+                 "softcap", "window_size"):
         spec.pop(size, None)
     spec["qhead_per_kvhead"] = plan.spec.qhead_per_kvhead
     spec["capped"] = bool(plan.spec.softcap)
+    spec["window_sides"] = [side is not None for side in plan.spec.window_size]
     d.pop("derived", None)
     return "plan-" + digest(json.dumps(d, sort_keys=True, default=str))
 

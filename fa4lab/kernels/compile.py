@@ -53,6 +53,17 @@ LOG2E = math.log2(math.e)
 # slower at head_dim 256, non-causal (716 -> 691 TFLOP/s at seqlen 8192, 667 -> 621 at 16384,
 # old and new kernels in one session), and no different at head_dim 128.
 
+# Note [runtime window]
+# A sliding window's sizes are arguments of the compiled function too (`window_args`: Int32
+# window_left, window_right after pre_scale), so a new window costs no compile; which sides
+# exist is compile-time (the spec's window_size with None for a missing side, in the launch key
+# and the disk cache key): a missing side costs no instruction, and causal keeps right = 0 as a
+# constant. A missing side's argument is passed as 0 and never read. Each side is clamped to
+# what can hide a key (left <= seqlen_k, right <= seqlen_q: a wider side hides nothing either),
+# so i + d + right and i + d - left stay far from the Int32 range's ends. The learnable sink is
+# a (heads_q,) float32 tensor argument after lse, None when the spec has none (Note [sinks] in
+# fa4lab.kernels.device.softmax).
+
 
 def normalize_arch(arch: str) -> str:
     """"sm100a" or "sm90a" from any spelling ("sm100", "sm_90a", ...)."""
@@ -99,14 +110,18 @@ def target_arch(arch: str):
             os.environ["CUTE_DSL_ARCH"] = old_env
 
 
-def fake_args(spec: AttentionSpec):
-    """Fake q, k, v, out, lse, scale_log2, pre_scale and the stream: the kernels' contract.
+def fake_args(spec: AttentionSpec, mods=None):
+    """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux and
+    the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
-    and tensors are 16-byte aligned (lse: 4). 64-bit strides keep tensors of more than 2^31
-    elements addressable. lse is None when the spec does not return it; scale_log2 and pre_scale
-    are runtime floats (Note [runtime scale]).
+    and tensors are 16-byte aligned (lse, sink: 4). 64-bit strides keep tensors of more than
+    2^31 elements addressable. lse is None when the spec does not return it, sink when it has
+    no learnable sink (a (heads_q,) float32 tensor of any stride); scale_log2 and pre_scale are
+    runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
+    window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
+    any (`fa4lab.kernels.device.mods.fake_aux`).
     """
     import cutlass
     import cutlass.cute as cute
@@ -125,35 +140,60 @@ def fake_args(spec: AttentionSpec):
     if spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap)
-    return [q, k, v, o, lse, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
+    sink = None
+    if spec.learnable_sink:
+        sink = make_fake_tensor(cutlass.Float32, (hq,), (cute.sym_int64(),), assumed_align=4)
+    from fa4lab.kernels.device.mods import fake_aux
+
+    scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap,
+                                       score_mod=mods is not None and mods.score_mod is not None)
+    left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
+    return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
+            cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods),
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
-def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0):
+def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
+               score_mod: bool = False):
     """The compiled functions' (scale_log2, pre_scale) arguments (Note [runtime scale]):
     softmax_scale (default 1/sqrt(head_dim)) times log2(e) and 1; with a softcap c, c * log2(e)
-    and softmax_scale / c (Note [softcap] in fa4lab.kernels.device.softmax)."""
+    and softmax_scale / c (Note [softcap] in fa4lab.kernels.device.softmax); with a score_mod
+    and no softcap, log2(e) and softmax_scale (Note [score_mod and the scale] in
+    fa4lab.kernels.device.mods)."""
     scale = resolve_scale(softmax_scale, head_dim)
     if softcap:
         return softcap * LOG2E, scale / softcap
+    if score_mod:
+        return LOG2E, scale
     return scale * LOG2E, 1.0
 
 
-def compile_plan(plan, *, options: str = "", mutation=None):
+def window_args(window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """The compiled functions' (window_left, window_right) arguments (Note [runtime window]):
+    each side of the stored window_size (`fa4lab.spec.normalize_mask`'s form; causal's right = 0
+    is the kernel's constant), clamped to seqlen_k (left) and seqlen_q (right), 0 for a side that
+    is None."""
+    left, right = window_size
+    return (0 if left is None else min(int(left), int(seqlen_k)),
+            0 if right is None else min(int(right), int(seqlen_q)))
+
+
+def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
-    The compiled function takes torch tensors (q, k, v, out, lse or None), scale_log2 and
-    pre_scale (Note [runtime scale]) and launches on the current stream (Note [TVM-FFI
-    launch]); it can be exported with `export_to_c`.
+    The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
+    scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
+    window]) and the aux tensors (a tuple, or None) and launches on the current stream (Note
+    [TVM-FFI launch]); it can be exported with `export_to_c`. `mods` (`fa4lab.mods.KernelMods`)
+    compiles a score_mod / mask_mod into the kernel.
     """
     import cutlass.cute as cute
 
     arch = normalize_arch(plan.arch)
     # A mutation (fa4lab.kernels.protocol.Mutation: tests of the audit) breaks the barrier
     # protocol on purpose; only compile_forward passes one, and it never writes the disk cache.
-    kernel = kernel_class(arch)(plan, mutation=mutation)
-    args = fake_args(plan.spec)
+    kernel = kernel_class(arch)(plan, mutation=mutation, mods=mods)
+    args = fake_args(plan.spec, mods)
     with target_arch("sm_" + arch.removeprefix("sm")):
         t0 = time.perf_counter()
         compiled = cute.compile(kernel, *args, options=" ".join(("--enable-tvm-ffi", options)))
@@ -196,10 +236,15 @@ def _plan_of(spec_or_plan, plan_arch: str):
 
 
 def config_name(spec: AttentionSpec, arch: str) -> str:
-    """e.g. "sm100a-hd128-causal-gqa4-lse-bf16": what a compiled kernel bakes in."""
+    """e.g. "sm100a-hd128-causal-gqa4-lse-bf16" ("hd192x128" when head_dim_v differs): what a
+    compiled kernel bakes in."""
     s = spec
-    return (f"{arch}-hd{s.head_dim}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
-            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else ""))
+    hd = f"{s.head_dim}" + (f"x{s.head_dim_v}" if s.head_dim_v != s.head_dim else "")
+    left, right = s.window_size     # its sides, not their sizes: Note [runtime window]
+    window = ("L" if left is not None else "") + ("R" if right is not None else "")
+    return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
+            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
+            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
@@ -212,11 +257,11 @@ def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
 
 
 def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
-                    mutation=None) -> CompiledForward:
+                    mutation=None, mods=None) -> CompiledForward:
     """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir.
 
     `mutation` (a `fa4lab.kernels.protocol.Mutation`) compiles a deliberately broken barrier
-    protocol for the audit's tests."""
+    protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod."""
     arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
@@ -224,11 +269,13 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
     keep = root / (config_name(plan.spec, arch)
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
-                   + ("-mutated" if mutation is not None else ""))
+                   + ("-mutated" if mutation is not None else "")
+                   + ("-mods" if mods else ""))
     keep.mkdir(parents=True, exist_ok=True)
     start_wall = time.time()
     kernel, compiled, seconds = compile_plan(
-        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation)
+        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation,
+        mods=mods)
     storage = getattr(kernel, "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(

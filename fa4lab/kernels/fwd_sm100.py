@@ -3,12 +3,16 @@
 What it computes: O = softmax(Q K^T * scale) V per (batch, query head), and optionally
 LSE = log(sum(exp(Q K^T * scale))) per row, with the semantics of `fa4lab.spec.AttentionSpec`:
 GQA (query head h reads KV head h // (heads_q // heads_kv)), any seqlen_q >= 1 and
-seqlen_k >= 1 (tails), causal bottom-right aligned; a row that sees no key gives O = 0 and
-LSE = -inf.
+seqlen_k >= 1 (tails), causal bottom-right aligned, a sliding window (left, right), softcap and
+a learnable sink per query head; a row that sees no key gives O = 0 and LSE = -inf (the sink's
+logit with a sink). Key blocks outside the window are never loaded (Note [block visit order]
+in fa4lab.tiling gives the order every role walks the others in).
 
-Constraints: head_dim == head_dim_v in {64, 128}; bf16 or fp16; last dim contiguous. No
-persistent scheduler (one CTA per 2 x m_block query rows, per head, per batch; causal grids start
-with the longest tiles, fa4lab.kernels.device.scheduler), no split-KV, no varlen.
+Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
+head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
+contiguous. No persistent scheduler (one CTA per 2 x m_block query rows, per head, per batch;
+causal grids start with the longest tiles, fa4lab.kernels.device.scheduler), no split-KV, no
+varlen.
 
 pack-GQA (`plan.tiles.pack_gqa`, Note [sm100 pack-GQA kernel]): optionally a CTA serves the
 qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O TMA views,
@@ -62,9 +66,10 @@ from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3
+from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
 from fa4lab.kernels.protocol import Sites
-from fa4lab.limits import KERNEL_HEAD_DIMS
+from fa4lab.limits import kernel_builds, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -85,10 +90,31 @@ _PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUm
 # tile (g, m_block / g), O's the plain store atom with the same box; local_tile over the packed
 # mode then gives Q tile / O tile i exactly as without packing. A CTA covers positions
 # [m * cta_m / g, (m + 1) * cta_m / g) and Q tile i positions from (m * q_stage + i) * m_block / g,
-# so the scheduler formulas with cta_m / g (n_block_max) and m_block / g (the softmax's
-# mask_min) rows per tile are fa4lab.tiling's packed ranges. The softmax's mask compares keys
-# with the position (row_start + row) // g; the correction writes LSE at
+# so the scheduler's block ranges with pack = g (the CTA's in `visit_plan`, the Q tile's in the
+# softmax) are fa4lab.tiling's packed ranges. The softmax's mask compares keys with the
+# position (row_start + row) // g; the correction writes LSE and reads the learnable sink at
 # (position, kv * g + row % g). TMEM, SMEM, barriers and the MMAs do not change.
+
+
+# Note [sm100 head_dim_v < head_dim]
+# With (head_dim, head_dim_v) = (192, 128) K and V still take turns in one ring of buffers, each
+# as large as a K block (plan.smem "kv"). V's SMEM layout is built for its own (dv, n_block)
+# tile and then given K's stage stride (`_stages_at`), so V_j lands at the start of the buffer
+# K used; a V phase of kv_full expects the V box's bytes (`Barrier.slot_tx_bytes("V")`), passed
+# to the producer's acquire. The plan stages O in Q's bytes at Q's stage stride (O_i inside
+# Q_i): the correction writes O_i only after o_final, and that commit fires after every MMA
+# issued before it, the last score MMAs of both Q tiles included.
+
+
+def _stages_at(layout, like):
+    """`layout` (a swizzled SMEM layout whose last mode is the stage) with `like`'s stage
+    stride: V in the K-sized ring buffers, O staged in Q's tiles."""
+    def flat(x):   # a stage mode may be nested, e.g. (1, 2):(0, s)
+        return max(flat(y) for y in x) if isinstance(x, tuple) else x
+
+    shape, stride = layout.outer.shape, layout.outer.stride
+    return cute.make_composed_layout(layout.inner, 0, cute.make_layout(
+        (*shape[:-1], cute.size(shape[-1])), stride=(*stride[:-1], flat(like.outer.stride[-1]))))
 
 
 def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
@@ -119,20 +145,21 @@ def _q_tma(op, mQ: cute.Tensor, sQ_layout, tiled_mma_qk, mma_tiler_qk, cluster_s
 class FlashForwardSm100:
     """The kernel class. `__init__` reads the plan (no DSL code); `__call__` launches."""
 
-    def __init__(self, plan, mutation=None):
+    def __init__(self, plan, mutation=None, mods=None):
         spec = plan.spec
         if plan.arch != "sm100":
             raise ValueError(f"FlashForwardSm100 needs an sm100 plan, got arch={plan.arch!r}")
-        if spec.head_dim != spec.head_dim_v or spec.head_dim not in KERNEL_HEAD_DIMS["sm100"]:
-            raise ValueError(
-                f"FlashForwardSm100 supports head_dim == head_dim_v in "
-                f"{KERNEL_HEAD_DIMS['sm100']}, got "
-                f"{spec.head_dim}/{spec.head_dim_v}; use fa4lab.reference.attention_reference")
+        if not kernel_builds("sm100", spec.head_dim, spec.head_dim_v):
+            raise ValueError(f"FlashForwardSm100: "
+                             f"{unsupported_head_dims('sm100', spec.head_dim, spec.head_dim_v)}")
         self.plan = plan
         self.dtype = _DTYPES[spec.dtype]
         self.head_dim = spec.head_dim
         self.head_dim_v = spec.head_dim_v
         self.causal = spec.causal
+        # Which sides of a window the kernel has; their sizes are runtime arguments (Note
+        # [runtime window]): causal is right = 0, a constant.
+        self.window_size = spec.window_size
         self.tile_order = plan.tiles.order  # Note [tile order] in fa4lab.kernels.device.scheduler
         self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
         self.return_lse = spec.return_lse
@@ -169,11 +196,17 @@ class FlashForwardSm100:
         self.threads_per_cta = plan.threads_per_cta
         self.rescale_threshold = plan.rescale_threshold
         self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
+        # score_mod / mask_mod (fa4lab.mods.KernelMods), compiled in: fa4lab.kernels.device.mods
+        self.mods = mods if mods else None
+        self.has_score_mod = self.mods is not None and mods.score_mod is not None
+        self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.
         self.mma_sites = {"score": 2 * self.q_stage, "value": 2 * self.q_stage}
         self.softmax_step_sites = 2 * self.q_stage
+        # With a learnable sink each Q tile's finalize takes two exp2 (Note [sinks]).
+        self.finalize_exp2_sites = 2 * self.q_stage if spec.learnable_sink else 0
         # Compile-time choice of which exp2 pairs of a 128-wide row run on the FMA pipe.
         self.emulated = emulated_pairs(self.n_block, plan.exp2_emulation_fraction)
         # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
@@ -183,6 +216,11 @@ class FlashForwardSm100:
             storage.pipeline_barriers(plan, full, empty)  # checks the table's order and stages
         self.arrivals = {b.name: b.arrive_count for b in bars.barriers}
         self.tx_bytes = {b.name: b.tx_bytes for b in bars.barriers}
+        # Note [sm100 head_dim_v < head_dim]: a V phase of the ring expects fewer bytes than K's.
+        v_bytes = bars.barrier("kv_full").slot_tx_bytes("V")
+        self.v_acquire = {} if v_bytes == self.tx_bytes["kv_full"] else {"expected_tx": v_bytes}
+        self.v_tx_bytes = v_bytes
+        self.o_in_q = plan.smem.region("o").alias_of == "q"   # O staged in Q's bytes
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -193,8 +231,12 @@ class FlashForwardSm100:
         mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim_v)
         mO: cute.Tensor,  # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) float32
+        mSink: cute.Tensor | None,  # (heads_q,) float32 learnable sink logits: Note [sinks]
         scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
         pre_scale: Float32,   # softmax_scale / softcap when capped (Note [softcap]), else unused
+        window_left: Int32,   # the window's sides, runtime values (Note [runtime window]); a
+        window_right: Int32,  # side the plan's spec does not have is unused
+        aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         stream: cuda.CUstream,
     ):
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
@@ -227,6 +269,10 @@ class FlashForwardSm100:
         self.epi_tile = (self.m_block, self.head_dim_v)
         sO_layout = sm100_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
+        if cutlass.const_expr(self.head_dim_v != self.head_dim):
+            sV_layout = _stages_at(sV_layout, sK_layout)   # Note [sm100 head_dim_v < head_dim]
+        if cutlass.const_expr(self.o_in_q):
+            sO_layout = _stages_at(sO_layout, sQ_layout)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_Q, tma_Q = _q_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
@@ -245,7 +291,7 @@ class FlashForwardSm100:
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
                 self.epi_tile)
-        self.check_tx_bytes(sQ_layout, sK_layout)
+        self.check_tx_bytes(sQ_layout, sK_layout, sV_layout)
         self.shared_storage = self.storage_struct(sQ_layout, sK_layout, sO_layout)
 
         # seqlen_q * g packed rows per KV head with pack-GQA (Note [sm100 pack-GQA kernel]).
@@ -255,8 +301,8 @@ class FlashForwardSm100:
                                     cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_O, tma_O, mLSE, scale_log2, pre_scale, sQ_layout, sK_layout, tP_layout,
-            sV_layout, sO_layout,
+            tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
+            aux, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -276,8 +322,12 @@ class FlashForwardSm100:
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
+        mSink: cute.Tensor | None,  # (heads_q,)
         scale_log2: Float32,
         pre_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        aux: tuple | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -290,6 +340,7 @@ class FlashForwardSm100:
         if cutlass.const_expr(self.pack_gqa):
             seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
+        window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
         m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
                                                      self.bytes_per_key)
 
@@ -311,9 +362,10 @@ class FlashForwardSm100:
 
         sQ = smem.q.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = smem.kv.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        # V shares K's stage buffers (same shape for head_dim == head_dim_v).
+        # V shares K's stage buffers (at K's stage stride: Note [sm100 head_dim_v < head_dim]).
         sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
-        sO = smem.o.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = getattr(smem, "q" if self.o_in_q else "o").get_tensor(sO_layout.outer,
+                                                                  swizzle=sO_layout.inner)
         sScale = smem.stats.get_tensor(cute.make_layout(self.q_stage * self.m_block * 2))
 
         thr_mma_qk = tiled_mma_qk.get_slice(0)
@@ -330,7 +382,7 @@ class FlashForwardSm100:
             cute.arch.setmaxregister_decrease(self.registers["load"])
             self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
                       sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch,
-                      self.n_block_max(m_block, seqlen_q, seqlen_k))
+                      self.visit_plan(m_block, seqlen_q, seqlen_k, *window))
         # ---------------------------------------------------------------- epilogue (TMA store)
         if warp_idx == self.epilogue_warp:
             cute.arch.setmaxregister_decrease(self.registers["epilogue"])
@@ -344,8 +396,8 @@ class FlashForwardSm100:
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
                 self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
-                             m_block, self.n_block_max(m_block, seqlen_q, seqlen_k),
-                             seqlen_q, seqlen_k, scale_log2, pre_scale)
+                             m_block, seqlen_q, seqlen_k, scale_log2, pre_scale, head, batch,
+                             aux, *window)
                 self.sites.bar_arrive(f"softmax{stage}", "tmem")
         # ---------------------------------------------------------------- correction
         warps = self.correction_warps
@@ -354,9 +406,9 @@ class FlashForwardSm100:
             self.sites.bar_sync("correction", "tmem")
             tmem_ptr = tmem.retrieve_ptr(Float32)
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
-            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
+            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
                             pipe_epi, m_block, head, batch,
-                            self.n_block_max(m_block, seqlen_q, seqlen_k), seqlen_q,
+                            self.visit_plan(m_block, seqlen_q, seqlen_k, *window)[0], seqlen_q,
                             scale_log2)
             self.sites.bar_arrive("correction", "tmem")
 
@@ -370,19 +422,21 @@ class FlashForwardSm100:
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
                      pipe_q, pipe_kv, pipe_s, pipe_o,
-                     self.n_block_max(m_block, seqlen_q, seqlen_k))
+                     self.visit_plan(m_block, seqlen_q, seqlen_k, *window)[0])
             tmem.relinquish_alloc_permit()
             self.sites.bar_sync("mma", "tmem")
             tmem.free(tmem_ptr)
         self.sites.finish()
 
-    def check_tx_bytes(self, sQ_layout, sK_layout):
+    def check_tx_bytes(self, sQ_layout, sK_layout, sV_layout):
         """The TMA boxes bring the bytes the table's full barriers expect."""
-        for name, layout in (("q_full", sQ_layout), ("kv_full", sK_layout)):
+        for name, layout, want in (("q_full", sQ_layout, self.tx_bytes["q_full"]),
+                                   ("kv_full", sK_layout, self.tx_bytes["kv_full"]),
+                                   ("kv_full (V)", sV_layout, self.v_tx_bytes)):
             nbytes = cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1, 2]))
-            if nbytes != self.tx_bytes[name]:
+            if nbytes != want:
                 raise ValueError(f"{name}: the TMA brings {nbytes} bytes, the table expects "
-                                 f"{self.tx_bytes[name]}")
+                                 f"{want}")
 
     def storage_struct(self, sQ_layout, sK_layout, sO_layout):
         """SharedStorage in plan.smem's order (fa4lab.kernels.device.storage)."""
@@ -405,15 +459,22 @@ class FlashForwardSm100:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
             barrier_storage=getattr(smem, pb.full).data_ptr(), defer_sync=True, **kw)
 
-    @cute.jit
-    def n_block_max(self, m_block, seqlen_q, seqlen_k):
-        """This CTA visits K/V blocks [0, n_block_max) (fa4lab.kernels.device.scheduler).
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right):
+        """(n_blocks, n_masked, order) of this CTA (fa4lab.kernels.device.scheduler): it visits
+        n_blocks key blocks, none when no row of it sees a key; step s is block
+        scheduler.visit_block(s, *order) (Note [block visit order] in fa4lab.tiling), the
+        first n_masked of them masked for some row of the CTA.
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
         """
-        return scheduler.n_block_max(m_block, self.cta_m // self.pack, self.n_block, seqlen_q,
-                                     seqlen_k, self.causal)
+        n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
+                                             seqlen_q, seqlen_k, left, right)
+        left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
+                                                  seqlen_q, seqlen_k, left, right, n_min, n_max)
+        left_run = None if left is None else (n_min, left_end)
+        n_masked = (n_max - mask_min) + (left_end - n_min)
+        return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
     @cute.jit
     def tmem_tensors(self, thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr):
@@ -434,8 +495,10 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, n_block_max):
-        """TMA: Q tile 0, K_last, Q tile 1, V_last, then (K_j, V_j) down to block 0."""
+             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, visit):
+        """TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each next block in
+        the visit order `visit` (`visit_plan`)."""
+        n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
@@ -453,7 +516,7 @@ class FlashForwardSm100:
                                            cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
-        if n_block_max > 0:
+        if n_blocks > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 q_state = _phase_state(self.q_stage, stage, 1)
                 self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
@@ -463,23 +526,25 @@ class FlashForwardSm100:
                 if cutlass.const_expr(stage == 0):
                     self.sites("load", "wait kv_empty; expect_tx kv_full",
                                pipe_kv.producer_acquire, kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1], tKsK[None, kv_state.index],
+                    cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
+                              tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                     kv_state.advance()
             self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
-                       kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block_max - 1], tVsV[None, kv_state.index],
+                       kv_state, **self.v_acquire)
+            cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(0, *order)],
+                      tVsV[None, kv_state.index],
                       tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             kv_state.advance()
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                n = n_block_max - 2 - i
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n = scheduler.visit_block(i + 1, *order)
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                            kv_state)
                 cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
-                           kv_state)
+                           kv_state, **self.v_acquire)
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
@@ -487,14 +552,15 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: mma
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
-            pipe_q, pipe_kv, pipe_s, pipe_o, n_block_max):
-        """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j."""
+            pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks):
+        """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j, for the
+        n_blocks key blocks the load warp brings, in its order."""
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)
         tSrK = tiled_mma_qk.make_fragment_B(sK)
         tOrV = tiled_mma_pv.make_fragment_B(sV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stage)
-        if n_block_max > 0:
+        if n_blocks > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("mma", "wait q_full", pipe_q.consumer_wait,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
@@ -510,7 +576,7 @@ class FlashForwardSm100:
             p_phase = Int32(0)
             o_phase = Int32(1)  # o_rescaled starts released: the first value MMA needs no wait
             accumulate = Boolean(False)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            for i in cutlass.range(n_blocks - 1, unroll=1):
                 self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)  # V_j
                 v_state = kv_state.clone()
                 kv_state.advance()
@@ -568,12 +634,13 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, m_block, n_block_max, seqlen_q, seqlen_k, scale_log2: Float32,
-                pre_scale: Float32):
-        """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, blocks high to low.
+                pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
+                pre_scale: Float32, head, batch, aux, left, right):
+        """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, the CTA's blocks in
+        its visit order (Note [block visit order] in fa4lab.tiling).
 
-        Masked blocks (causal diagonal or the seqlen_k tail) first, with the mask; then the
-        fully visible ones without it. See fa4lab.tiling.n_block_masked_range.
+        Masked blocks (causal diagonal, a window's edges, the seqlen_k tail) first, with the
+        mask; then the fully visible ones without it (`softmax_plan`).
         """
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.softmax_warps[stage]))
         tSAcc = tStS[(None, None), 0, 0]  # (m_block, n_block) fp32 columns
@@ -598,30 +665,31 @@ class FlashForwardSm100:
             cute.make_identity_tensor((self.m_block, p_cols))).shape
 
         row_start = (m_block * self.q_stage + stage) * self.m_block
-        # This thread's row's first hidden key, once per tile (fa4lab.kernels.device.mask).
-        limit = mask_mod.key_limit(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, self.causal,
-                               self.pack)
-        # Blocks [mask_min, n_block_max) need the element mask: the fa4lab.tiling rule for this
-        # Q tile (its first row), not for the whole CTA.
-        # Packed: the tile's first position is its first row / g (Note [sm100 pack-GQA kernel]).
-        mask_min = scheduler.n_block_full_end(m_block * self.q_stage + stage,
-                                              self.m_block // self.pack, self.n_block, seqlen_q,
-                                              seqlen_k, self.causal)
-        mask_min = cutlass.min(mask_min, n_block_max)
+        # This thread's row's visible keys, once per tile (fa4lab.kernels.device.mask).
+        limit = mask_mod.key_range(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, left, right,
+                                   self.pack)
+        n_blocks, n_masked, order, unmasked_end = self.softmax_plan(
+            stage, m_block, seqlen_q, seqlen_k, left, right)
+        n_max, mask_min, left_run = order
+        mod_rows = None
+        if cutlass.const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
+            mod_rows = ModRows(self.mods, aux, batch, head, [row_start + tScS_t2r[0][0]],
+                               seqlen_q, seqlen_k, self.pack)
 
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         s_phase = Int32(0)
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale)
-        for i in cutlass.range(n_block_max - mask_min, unroll=1):
+                pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
+        for i in cutlass.range(n_masked, unroll=1):
             row_max, row_sum, s_phase, stats_phase = self.softmax_step(
-                n_block_max - 1 - i, True, row_max, row_sum, s_phase, stats_phase, *step)
-        for i in cutlass.range(mask_min, unroll=1):
+                scheduler.visit_block(i, n_max, mask_min, left_run), True, row_max, row_sum,
+                s_phase, stats_phase, *step)
+        for n in cutlass.range(mask_min - 1, unmasked_end - 1, -1, unroll=1):
             row_max, row_sum, s_phase, stats_phase = self.softmax_step(
-                mask_min - 1 - i, False, row_max, row_sum, s_phase, stats_phase, *step)
-        if n_block_max > 0:
+                n, False, row_max, row_sum, s_phase, stats_phase, *step)
+        if n_blocks > 0:
             # Final statistics for the correction warpgroup's normalisation and LSE.
             stats_state = _phase_state(self.q_stage, stage, stats_phase)
             role = f"softmax{stage}"
@@ -632,21 +700,54 @@ class FlashForwardSm100:
             self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
                        stage=stage)
 
+    def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right):
+        """(n_blocks, n_masked, order, unmasked_end) of Q tile `stage`'s softmax: it walks the
+        CTA's n_blocks blocks, steps [0, n_masked) masked (block scheduler.visit_block(s,
+        *order)), then blocks order[1] - 1 down to unmasked_end unmasked.
+
+        Note [sm100 masked blocks]
+        All roles walk the CTA's blocks in one order (`visit_plan`). Without a window's left
+        side that order is plain n_max - 1 down, so each Q tile masks only the blocks ITS rows
+        need masked: [mask_min, n_max) by the fa4lab.tiling rule for this Q tile (its first
+        row, position row_start / g packed: Note [sm100 pack-GQA kernel]) within the CTA's
+        range. With a left side the order puts the CTA's masked runs first, and both Q tiles
+        mask those (each Q tile's own masked blocks are among them: at most one block per edge
+        more than its own rule would mask).
+        """
+        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right)
+        n_max, mask_min, left_run = order
+        if left is not None:
+            return n_blocks, n_masked, order, left_run[1]
+        _, mask_min = scheduler.mask_split(m_block * self.q_stage + stage, self.m_block,
+                                           self.pack, self.n_block, seqlen_q, seqlen_k, left,
+                                           right, 0, n_max)
+        return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), 0
+
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
                      sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
-                     scale_log2: Float32, pre_scale: Float32):
+                     scale_log2: Float32, pre_scale: Float32, mod_rows):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
         s_state = _phase_state(self.q_stage, stage, s_phase)
         role = f"softmax{stage}"
         self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=stage)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
-        if cutlass.const_expr(self.softcap):  # before the mask: Note [softcap]
+        if cutlass.const_expr(self.softcap and not self.has_score_mod):  # Note [softcap]
             softmax_mod.softcap_row(tSrS, pre_scale)
+        if cutlass.const_expr(self.has_score_mod):  # Note [score_mod and the scale]
+            mod_rows.scores(0, tSrS, tScS_t2r, n_block * self.n_block, pre_scale, scale_log2,
+                            self.softcap, mask)
         if cutlass.const_expr(mask):
-            mask_mod.mask_row(tSrS, tScS_t2r, limit - n_block * self.n_block)
+            first, end = limit
+            if cutlass.const_expr(first is None):
+                mask_mod.mask_row(tSrS, tScS_t2r, end - n_block * self.n_block)
+            else:
+                mask_mod.mask_row(tSrS, tScS_t2r, end - n_block * self.n_block,
+                                  first - n_block * self.n_block)
+        if cutlass.const_expr(self.has_mask_mod):  # every block: Note [mask_mod blocks]
+            mod_rows.mask(0, tSrS, tScS_t2r, n_block * self.n_block, mask)
         block_max = tSrS[0]
         for j in cutlass.range_constexpr(1, cute.size(tSrS)):
             block_max = cute.arch.fmax(block_max, tSrS[j])
@@ -692,13 +793,14 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: correction
     @cute.jit
-    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, pipe_o, pipe_stats,
-                   pipe_epi, m_block, head, batch, n_block_max, seqlen_q, scale_log2: Float32):
-        """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO, and LSE."""
+    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
+                   pipe_epi, m_block, head, batch, n_blocks, seqlen_q, scale_log2: Float32):
+        """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO (the sink in
+        the sum: Note [sinks]), and LSE."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.q_stage)
-        for i in cutlass.range(n_block_max, unroll=1):
+        for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("correction", "wait stats_full", pipe_stats.consumer_wait, stats_state,
                            stage=stage)
@@ -715,7 +817,7 @@ class FlashForwardSm100:
         for stage in cutlass.range_constexpr(self.q_stage):
             row_sum = Float32(0.0)
             row_max = -Float32.inf
-            if n_block_max > 0:
+            if n_blocks > 0:
                 self.sites("correction", "wait stats_full", pipe_stats.consumer_wait, stats_state,
                            stage=stage)
                 row_sum = sScale[stage * self.m_block + tidx]
@@ -725,22 +827,25 @@ class FlashForwardSm100:
                 stats_state.advance()
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
-            # Note [empty rows] in fa4lab.kernels.device.softmax.
-            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2)
+            row = (m_block * self.q_stage + stage) * self.m_block + tidx
+            # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
+            sink = None
+            if cutlass.const_expr(mSink is not None):
+                sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
+            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
             epi_state = _phase_state(self.q_stage, stage, 1)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
             self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
-                                     inv_sum, n_block_max > 0)
+                                     inv_sum, n_blocks > 0)
             cute.arch.fence_view_async_shared()
             self.sites("correction", "arrive o_staged", pipe_epi.producer_commit, epi_state,
                        stage=stage)
-            if n_block_max > 0:
+            if n_blocks > 0:
                 cute.arch.fence_view_async_tmem_load()
                 self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             if cutlass.const_expr(self.return_lse):
-                row = (m_block * self.q_stage + stage) * self.m_block + tidx
                 softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
 
     @cute.jit
@@ -824,16 +929,23 @@ class FlashForwardSm100:
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                    pack_gqa=None, softcap=0.0):
+                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
+                    score_mod=None, mask_mod=None, aux_tensors=None):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
-    q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim), bf16 or
-    fp16, head_dim 64 or 128; lse is (batch, heads_q, seqlen_q) float32, natural log.
+    q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
+    seqlen_k, heads_kv, head_dim_v), bf16 or fp16, (head_dim, head_dim_v) one of
+    `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`; lse is (batch, heads_q, seqlen_q) float32,
+    natural log.
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
     kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
-    heads_q == heads_kv.
+    heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
+    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) as in
+    `fa4lab.attention`.
     """
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap)
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
+                        window_size=window_size, learnable_sink=learnable_sink,
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)

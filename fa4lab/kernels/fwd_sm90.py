@@ -2,11 +2,13 @@
 
 What it computes: O = softmax(Q K^T * scale) V and, if asked, LSE = logsumexp per query row
 (natural log), for q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d), with
-GQA (query head h reads kv head h // (heads_q // heads_kv)), bottom-right causal masking, any
-seqlen_q, seqlen_k >= 1. Rows that see no key give O = 0 and LSE = -inf.
+GQA (query head h reads kv head h // (heads_q // heads_kv)), bottom-right causal masking, a
+sliding window (left, right) and a learnable sink per query head (`fa4lab.spec`'s semantics),
+softcap, any seqlen_q, seqlen_k >= 1. Rows that see no key give O = 0 and LSE = -inf (the
+sink's logit with a sink).
 
-Constraints: head_dim 64, 128 or 256 (head_dim_v == head_dim), bf16 or fp16, last dim contiguous,
-16-byte aligned rows; sm_90a (wgmma, setmaxnreg, TMA).
+Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm90"]` (the plan
+checks), bf16 or fp16, last dim contiguous, 16-byte aligned rows; sm_90a (wgmma, setmaxnreg, TMA).
 
 How it is built (every number from `plan_forward(spec, arch="sm90")`):
 
@@ -26,16 +28,19 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   (fa4lab.plan.sm90.build_protocol): every op goes through `self.sites` (fa4lab.kernels.protocol)
   by name, named barriers in their unaligned form with the table's ids and thread counts.
 * Per key block, a consumer: S = Q K^T (wgmma, A and B from SMEM), mask if the block is MASKED
-  or TAIL, online softmax in base 2 with the conditional rescale (`fa4lab.kernels.device.softmax`),
-  P converted to 16 bits in registers and fed as wgmma's A operand for O += P V (B = V^T view).
-  Intra-warpgroup overlap (FA3): the value wgmma of block j+1 runs while the softmax of block j
-  does; the ping-pong hands the tensor core round the consumers; O is multiplied only
-  when some row's max grew past the threshold (the point of the conditional rescale).
-* Epilogue: O / row_sum to SMEM (stmatrix; in Q's bytes when the plan aliases them), TMA store
-  to global (out-of-range rows are clipped by TMA); LSE written directly from registers.
+  or TAIL (the blocks outside a window are never visited; Note [block visit order] in
+  fa4lab.tiling gives the order the producer and the consumers share), online softmax in
+  base 2 with the conditional rescale (`fa4lab.kernels.device.softmax`), P converted to 16
+  bits in registers and fed as wgmma's A operand for O += P V (B = V^T view). Intra-warpgroup
+  overlap (FA3): the value wgmma of block j+1 runs while the softmax of block j does; the
+  ping-pong hands the tensor core round the consumers; O is multiplied only when some row's
+  max grew past the threshold (the point of the conditional rescale).
+* Epilogue: O / row_sum (with a sink in the sum: Note [sinks]) to SMEM (stmatrix; in Q's bytes
+  when the plan aliases them), TMA store to global (out-of-range rows are clipped by TMA); LSE
+  written directly from registers.
 * pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
-  the grid, the block ranges and the causal row index change.
+  the grid, the block ranges, the mask's row index and the LSE and sink addresses change.
 
 Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal
 tiles run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
@@ -60,8 +65,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
+from fa4lab.kernels.device.mods import ModRows, tile_rows
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
-from fa4lab.kernels.device.softmax import OnlineSoftmax, rescale_rows, softcap_row, store_lse
+from fa4lab.kernels.device.softmax import (
+    OnlineSoftmax,
+    rescale_rows,
+    sink_log2,
+    softcap_row,
+    store_lse,
+)
 from fa4lab.kernels.protocol import Sites
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
@@ -114,12 +126,11 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 # consumer's 64-row tile is local_tile over the packed mode and the KV head picks the group.
 # Since g | m_block, every tile starts at head 0 of a position: rows past seqlen_q * g are
 # positions past seqlen_q, which TMA zero-fills on load and clips on store, as without packing.
-# The causal mask compares keys with the position (m_offset + row) // g, and the block ranges
-# are the unpacked formulas over positions: a CTA covers positions
-# [m_block * cta_m / g, (m_block + 1) * cta_m / g), so scheduler.n_block_max/full_end with
-# cta_m / g rows per tile are exactly fa4lab.tiling's packed ranges. LSE is written per
-# (position, query head) from the same r -> (r // g, kv * g + r % g) map. The views are
-# fa4lab.kernels.device.pack_gqa's (`packed_tma`), shared with the sm100 kernel.
+# The mask (causal, a window's edges) compares keys with the position (m_offset + row) // g, and
+# the block ranges are fa4lab.tiling's packed ones: a CTA covers positions
+# [m_block * cta_m / g, (m_block + 1) * cta_m / g) (`scheduler.block_range` with pack = g). LSE
+# and the learnable sink use the same r -> (r // g, kv * g + r % g) map (`unpack_row`). The
+# views are fa4lab.kernels.device.pack_gqa's (`packed_tma`), shared with the sm100 kernel.
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int):
@@ -151,11 +162,9 @@ class FlashForwardSm90:
     # conditional rescale); a class knob so a benchmark can compare both.
     skip_unneeded_rescale = True
 
-    def __init__(self, plan, mutation=None):
+    def __init__(self, plan, mutation=None, mods=None):
         spec = plan.spec
         t = plan.tiles
-        if t.head_dim != t.head_dim_v:
-            raise ValueError(f"the sm90 kernel needs head_dim_v == head_dim, got {t.head_dim_v}")
         self.plan = plan
         self.head_dim = t.head_dim
         self.head_dim_v = t.head_dim_v
@@ -176,6 +185,13 @@ class FlashForwardSm90:
                              f"({self.m_block})")
         self.rescale_threshold = float(plan.rescale_threshold)
         self.softcap = bool(spec.softcap)  # its value is a runtime argument (Note [softcap])
+        # score_mod / mask_mod (fa4lab.mods.KernelMods), compiled in: fa4lab.kernels.device.mods
+        self.mods = mods if mods else None
+        self.has_score_mod = self.mods is not None and mods.score_mod is not None
+        self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
+        # Which sides of a window the kernel has; their sizes are runtime arguments (Note
+        # [runtime window]): causal is right = 0, a constant.
+        self.window_size = spec.window_size
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
@@ -209,8 +225,12 @@ class FlashForwardSm90:
         mV: cute.Tensor,    # (batch, seqlen_k, heads_kv, head_dim_v)
         mO: cute.Tensor,    # (batch, seqlen_q, heads_q, head_dim_v)
         mLSE: cute.Tensor | None,  # (batch, heads_q, seqlen_q) fp32
+        mSink: cute.Tensor | None,  # (heads_q,) fp32 learnable sink logits: Note [sinks]
         scale_log2: Float32,  # softmax_scale * log2(e), a runtime value: Note [runtime scale]
         pre_scale: Float32,   # softmax_scale / softcap when capped (Note [softcap]), else unused
+        window_left: Int32,   # the window's sides, runtime values (Note [runtime window]); a
+        window_right: Int32,  # side the plan's spec does not have is unused
+        aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         stream: cuda.CUstream,
     ):
         dtype = self.dtype = mQ.element_type
@@ -267,7 +287,8 @@ class FlashForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            scale_log2, pre_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mSink, scale_log2, pre_scale, window_left, window_right, aux, sQ_layout, sK_layout,
+            sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -282,8 +303,12 @@ class FlashForwardSm90:
         tma_atom_V: cute.CopyAtom, mV: cute.Tensor,   # (seqlen_k, dv, heads_kv, batch)
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
+        mSink: cute.Tensor | None,                    # (heads_q,)
         scale_log2: Float32,
         pre_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        aux: tuple | None,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -318,20 +343,41 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                          mbar_q, pipeline_k, pipeline_v)
+                          mbar_q, pipeline_k, pipeline_v, window_left, window_right)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
-                         mbar_q, pipeline_k, pipeline_v,
-                         self.seqlen_q_of(mQ), cute.size(mK.shape[0]), scale_log2, pre_scale)
+            self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
+                         sO, mbar_q, pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
+                         cute.size(mK.shape[0]), scale_log2, pre_scale, aux,
+                         *self.window(window_left, window_right))
         self.sites.finish()
 
     @cute.jit
     def softcap_scores(self, acc_S: cute.Tensor, pre_scale: Float32):
-        """Scores -> tanh(score * pre_scale) when the plan caps them (Note [softcap])."""
-        if const_expr(self.softcap):
+        """Scores -> tanh(score * pre_scale) when the plan caps them (Note [softcap]); with a
+        score_mod, `mod_scores` caps them."""
+        if const_expr(self.softcap and not self.has_score_mod):
             softcap_row(acc_S, pre_scale)
+
+    @cute.jit
+    def mod_scores(self, acc_S_mn: cute.Tensor, tScS0_mn: cute.Tensor, n_block: Int32,
+                   mod_rows, pre_scale: Float32, scale_log2: Float32,
+                   masked: cutlass.Constexpr[bool]):
+        """Scores -> score_mod(scaled, capped score): Note [score_mod and the scale]."""
+        if const_expr(self.has_score_mod):
+            mod_rows.scores_mn(acc_S_mn, tScS0_mn, n_block * self.n_block, pre_scale,
+                               scale_log2, self.softcap, masked)
+
+    @cute.jit
+    def mask_scores(self, acc_S_mn: cute.Tensor, tScS0_mn: cute.Tensor, limits: cute.Tensor,
+                    n_block: Int32, mod_rows, masked: cutlass.Constexpr[bool]):
+        """The key-length / causal / window limits in a masked block, then the mask_mod in
+        every block (Note [mask_mod blocks])."""
+        if const_expr(masked):
+            mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
+        if const_expr(self.has_mask_mod):
+            mod_rows.mask_mn(acc_S_mn, tScS0_mn, n_block * self.n_block, masked)
 
     def make_pipeline(self, smem, x: str):
         """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v")."""
@@ -352,17 +398,43 @@ class FlashForwardSm90:
             return cute.size(mQ.shape[0][1])
         return cute.size(mQ.shape[0])
 
-    def cta_positions(self) -> int:
-        """Query positions one CTA covers: cta_m, or cta_m / g packed (g divides m_block)."""
-        return self.cta_m // self.pack
+    def window(self, window_left, window_right):
+        """(left, right) for the mask and the block ranges (`mask.window_sides`)."""
+        return mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
+
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right):
+        """(n_blocks, n_masked, order) of this CTA: it visits n_blocks key blocks, the first
+        n_masked of them masked, step s being block scheduler.visit_block(s, *order) (Note
+        [block visit order] in fa4lab.tiling). The producer and the consumers both call this,
+        so they walk the same blocks in the same order. Block ranges are the whole CTA's (one
+        K/V stream feeds every consumer), so a consumer may mask a block its own rows see whole.
+        """
+        n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
+                                             seqlen_q, seqlen_k, left, right)
+        # Note [fully masked CTAs]: a CTA whose rows all see no key (causal or a window's right
+        # side with seqlen_q > seqlen_k: the range is [0, 0)) still visits block 0 fully
+        # masked, which yields O = 0 and LSE = -inf through the normal path (no special case,
+        # no uninitialised output).
+        n_max = cutlass.max(n_max, n_min + 1)
+        left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
+                                                  seqlen_q, seqlen_k, left, right, n_min, n_max)
+        # The first block visited is always masked (`first_block`): n_max - 1 in the right run.
+        mask_min = cutlass.min(mask_min, n_max - 1)
+        left_run = None
+        if left is not None:
+            left_end = cutlass.min(left_end, mask_min)
+            left_run = (n_min, left_end)
+        n_masked = (n_max - mask_min) + (left_end - n_min)
+        return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-             mbar_q, pipeline_k, pipeline_v):
-        """Producer warp: Q once, then K and V block by block from the last block down.
+             mbar_q, pipeline_k, pipeline_v, window_left: Int32, window_right: Int32):
+        """Producer warp: Q once, then K and V block by block in the visit order (`visit_plan`).
 
-        Order K_last, then (K_j, V_j+1) pairs, then V_first: a consumer issues the score wgmma
-        of block j before the value wgmma of block j+1 (see `consume`), so K runs one ahead.
+        Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
+        consumer issues the score wgmma of step s + 1 before the value wgmma of step s (see
+        `consume`), so K runs one ahead.
         """
         m_block, head, batch = scheduler.tile_coords(
             self.tile_order, mQ, cute.size(mK.shape[0]), self.cta_m, self.bytes_per_key)
@@ -390,33 +462,31 @@ class FlashForwardSm90:
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
                       tma_bar_ptr=mbar_q)
 
-        # See Note [fully masked CTAs] in consume().
-        n_iter = cutlass.max(scheduler.n_block_max(
-            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), 1)
+        n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k,
+                                             *self.window(window_left, window_right))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
-        cute.copy(tma_atom_K, tKgK[None, n_iter - 1], tKsK[None, state.index],
-                  tma_bar_ptr=pipeline_k.producer_get_barrier(state))
-        for i in cutlass.range(n_iter - 1, unroll=1):
-            n = n_iter - 2 - i
+        cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
+                  tKsK[None, state.index], tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+        for i in cutlass.range(n_blocks - 1, unroll=1):
             prev = state.clone()
             state.advance()
             self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire,
                        state)
-            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+            cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(i + 1, *order)],
+                      tKsK[None, state.index], tma_bar_ptr=pipeline_k.producer_get_barrier(state))
             self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire,
                        prev)
-            cute.copy(tma_atom_V, tVgV[None, n + 1], tVsV[None, prev.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(prev))
+            cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(i, *order)],
+                      tVsV[None, prev.index], tma_bar_ptr=pipeline_v.producer_get_barrier(prev))
         self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
-        cute.copy(tma_atom_V, tVgV[None, 0], tVsV[None, state.index],
-                  tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+        cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(n_blocks - 1, *order)],
+                  tVsV[None, state.index], tma_bar_ptr=pipeline_v.producer_get_barrier(state))
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, sQ, sK, sV, sO,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
                 mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                scale_log2: Float32, pre_scale: Float32):
+                scale_log2: Float32, pre_scale: Float32, aux, left, right):
         """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
@@ -440,8 +510,13 @@ class FlashForwardSm90:
         # Thread 0's coordinates are compile-time constants (Note [static columns] in mask).
         tScS0_mn = acc_mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
         # Each row's first hidden key, once per tile (masked blocks then only compare).
-        limits = mask_mod.row_limits(tScS_mn, tScS0_mn, m_offset, seqlen_q, seqlen_k,
-                                     self.causal, self.pack)
+        limits = mask_mod.row_limits(tScS_mn, tScS0_mn, m_offset, seqlen_q, seqlen_k, left,
+                                     right, self.pack)
+        mod_rows = None
+        if const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
+            mod_rows = ModRows(self.mods, aux, batch, head, tile_rows(tScS_mn, m_offset),
+                               seqlen_q, seqlen_k, self.pack,
+                               col_offset=tScS_mn[0, 0][1] - tScS0_mn[0, 0][1])
         # P stays in registers between its softmax and the next block's value wgmma.
         tOrP = cute.make_rmem_tensor_like(
             acc_as_operand_a(cute.make_rmem_tensor(
@@ -452,14 +527,8 @@ class FlashForwardSm90:
                                 self.rescale_threshold, threads_per_row=4)
         softmax.reset()
 
-        # Note [fully masked CTAs]: with causal and seqlen_q > seqlen_k the top rows see no key;
-        # a CTA whose rows all see none still visits block 0 fully masked, which yields O = 0 and
-        # LSE = -inf through the normal path (no special case, no uninitialised output).
-        n_iter = cutlass.max(scheduler.n_block_max(
-            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), 1)
-        n_full = cutlass.min(scheduler.n_block_full_end(
-            m_block, self.cta_positions(), self.n_block, seqlen_q, seqlen_k, self.causal), n_iter)
-        n_masked = cutlass.max(n_iter - n_full, 1)  # the first block visited is always masked
+        # See Note [fully masked CTAs] in visit_plan.
+        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right)
 
         if const_expr(self.pingpong):
             if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
@@ -469,19 +538,17 @@ class FlashForwardSm90:
         common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
                       tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS0_mn=tScS0_mn,
                       limits=limits, softmax=softmax, pipeline_k=pipeline_k,
-                      pipeline_v=pipeline_v, pre_scale=pre_scale)
+                      pipeline_v=pipeline_v, pre_scale=pre_scale, mod_rows=mod_rows)
         step = partial(self.block_step, **common)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
-        # MASKED / TAIL blocks (the diagonal and the key-length edge) first, then FULL ones.
-        self.first_block(state, n_iter - 1, **common)
-        # The loops count the block index itself down to one bound each: blocks [0, n_rest)
-        # are FULL, [n_rest, n_iter - 1) masked.
-        n_rest = n_iter - n_masked
-        for n in cutlass.range(n_iter - 2, n_rest - 1, -1, unroll=1):
-            state = step(state, n, masked=True)
-        for n in cutlass.range(n_rest - 1, -1, -1, unroll=1):
-            state = step(state, n, masked=False)
+        # The masked blocks (the diagonal, a window's edges, the key-length tail) first, then
+        # the FULL ones (Note [block visit order] in fa4lab.tiling).
+        self.first_block(state, scheduler.visit_block(0, *order), **common)
+        for s in cutlass.range(1, n_masked, unroll=1):
+            state = step(state, scheduler.visit_block(s, *order), masked=True)
+        for s in cutlass.range(n_masked, n_blocks, unroll=1):
+            state = step(state, scheduler.visit_block(s, *order), masked=False)
         # The last block's value wgmma.
         self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, state)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
@@ -494,8 +561,6 @@ class FlashForwardSm90:
             if self._consumer_index() == 0:
                 self.sites.bar_sync("consumer", "mma_turn0")
 
-        inv_sum, lse = softmax.finalize()
-        softmax.rescale(acc_mn_view(acc_O), inv_sum)
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
@@ -503,13 +568,20 @@ class FlashForwardSm90:
             self.tile_order, mO, seqlen_k, self.cta_m, self.bytes_per_key)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
+        sinks = None
+        if const_expr(mSink is not None):  # Note [sinks]: each row's own query head
+            sinks = cute.make_rmem_tensor(softmax.num_rows, Float32)
+            for r in cutlass.range_constexpr(softmax.num_rows):
+                sinks[r] = sink_log2(mSink, m_offset + tScS_mn[r, 0][0], head, self.pack)
+        inv_sum, lse = softmax.finalize(sinks)
+        softmax.rescale(acc_mn_view(acc_O), inv_sum)
         self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
                       tidx % _WG, m_block, head, batch, m_offset, seqlen_q)
 
     @cute.jit
     def first_block(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                     acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
-                    pipeline_v, pre_scale: Float32):
+                    pipeline_v, pre_scale: Float32, mod_rows):
         """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
@@ -523,14 +595,16 @@ class FlashForwardSm90:
         self.release(pipeline_k, state, "k_empty")
         acc_S_mn = acc_mn_view(acc_S)
         self.softcap_scores(acc_S, pre_scale)
-        mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
+        self.mod_scores(acc_S_mn, tScS0_mn, n_block, mod_rows, pre_scale, softmax.scale_log2,
+                        masked=True)
+        self.mask_scores(acc_S_mn, tScS0_mn, limits, n_block, mod_rows, masked=True)
         softmax.step(acc_S_mn, is_first=True)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
     def block_step(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                    acc_O, tOrP, tScS0_mn, limits, softmax: OnlineSoftmax, pipeline_k,
-                   pipeline_v, pre_scale: Float32, masked: cutlass.Constexpr[bool]):
+                   pipeline_v, pre_scale: Float32, mod_rows, masked: cutlass.Constexpr[bool]):
         """Block j with the previous block's P V in flight (FA3's intra-warpgroup overlap).
 
         Issue S_j = Q K_j^T and O += P_{j+1} V_{j+1}; when S_j lands, mask and run the softmax
@@ -553,8 +627,9 @@ class FlashForwardSm90:
 
         acc_S_mn = acc_mn_view(acc_S)
         self.softcap_scores(acc_S, pre_scale)
-        if const_expr(masked):
-            mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
+        self.mod_scores(acc_S_mn, tScS0_mn, n_block, mod_rows, pre_scale, softmax.scale_log2,
+                        masked)
+        self.mask_scores(acc_S_mn, tScS0_mn, limits, n_block, mod_rows, masked)
         row_scale = softmax.step(acc_S_mn)
         warpgroup.wait_group(0)
         self.release(pipeline_v, prev, "v_empty")
@@ -697,17 +772,21 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 
 
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                   pack_gqa=None, softcap=0.0):
+                   pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
+                   score_mod=None, mask_mod=None, aux_tensors=None):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
     kernel]); it needs qhead_per_kvhead to divide 64 (else PlanError) and changes nothing when
-    heads_q == heads_kv.
+    heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
+    aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`.
     """
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap)
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
+                        window_size=window_size, learnable_sink=learnable_sink,
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
 
 
 def _role_registers(plan) -> tuple[int, int]:

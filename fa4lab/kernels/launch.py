@@ -9,9 +9,14 @@ checked once, by `fa4lab.spec.check_inputs`, before this is reached.
 On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
 compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
 kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
-pack-GQA, whether scores are capped -- and never on batch, sequence lengths, head counts, the
-softmax scale or the cap's value, which are runtime values (Note [runtime scale] in
-`fa4lab.kernels.compile`).
+pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes
+-- and never on batch, sequence lengths, head counts, the softmax scale, the cap's value, the
+window's sizes or the sink's values, which are runtime values (Note [runtime scale] and Note
+[runtime window] in `fa4lab.kernels.compile`).
+
+With a score_mod / mask_mod (`fa4lab.mods`) the key also holds the mods' identity, and the
+kernel is compiled in this process, never read from or written to disk (Note [mods in the
+kernels] in `fa4lab.mods`).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
@@ -27,9 +32,9 @@ from functools import cache
 # and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
 import tvm_ffi  # noqa: F401
 
-from fa4lab.kernels.compile import scale_args
+from fa4lab.kernels.compile import scale_args, window_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
-from fa4lab.spec import AttentionSpec, normalize_dtype
+from fa4lab.spec import AttentionSpec, normalize_dtype, normalize_mask
 
 _lock = threading.Lock()
 _kernels: dict[tuple, object] = {}
@@ -58,18 +63,25 @@ def device_arch(index: int) -> str | None:
 
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
-           softcap: float = 0.0) -> tuple:
-    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`)."""
+           softcap: float = 0.0, window_size=(None, None), learnable_sink=None) -> tuple:
+    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`).
+    causal and window_size in `fa4lab.spec.normalize_mask`'s form: the key holds which sides
+    the window has, not their sizes (Note [runtime window])."""
     g = q.shape[2] // k.shape[2]
     packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), packed)
+    sides = (window_size[0] is not None, window_size[1] is not None)
+    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), sides,
+            learnable_sink is not None, packed)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
-    """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores."""
-    _, d, dv, dtype, causal, g, lse, capped, _ = key
+    """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
+    (a window side's size included)."""
+    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _ = key
+    window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
-                         return_lse=lse, softcap=1.0 if capped else 0.0)
+                         return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
+                         learnable_sink=sink)
 
 
 def _build(key: tuple):
@@ -94,33 +106,56 @@ def _build(key: tuple):
     return fn
 
 
-def kernel_for(key: tuple):
-    fn = _kernels.get(key)
+def _build_with_mods(key: tuple, mods):
+    """The kernel of `key` with `mods` compiled in: in this process only, never on disk
+    (Note [mods in the kernels] in fa4lab.mods)."""
+    from fa4lab.kernels.compile import compile_plan
+    from fa4lab.plan import plan_forward
+
+    plan = plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1])
+    fn = compile_plan(plan, mods=mods)[1]
+    _stats["compiled"] += 1
+    return fn
+
+
+def kernel_for(key: tuple, mods=None):
+    """The compiled function of `key` (and of `mods`, a `fa4lab.mods.KernelMods`, by
+    `mods.key`), built on the first miss."""
+    full = key + (mods.key,) if mods else key
+    fn = _kernels.get(full)
     if fn is None:
         with _lock:
-            fn = _kernels.get(key)
+            fn = _kernels.get(full)
             if fn is None:
-                fn = _kernels[key] = _build(key)
+                fn = _kernels[full] = _build_with_mods(key, mods) if mods else _build(key)
     return fn
 
 
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
-            pack_gqa: bool | None, softcap: float = 0.0):
-    """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors."""
+            pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
+            learnable_sink=None, mods=None, aux: tuple = ()):
+    """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
+    and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
+    `fa4lab.mods.check_mods` (or None and ())."""
     import torch
 
-    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap))
+    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
+                           learnable_sink), mods)
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
-    fn(q, k, v, out, lse, *scale_args(softmax_scale, d, softcap))
+    score_mod = mods is not None and mods.score_mod is not None
+    fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
+       *window_args(window_size, sq, k.shape[1]), aux or None)
     return out, lse
 
 
 def compile_plan(plan, example):
     """Compile exactly `plan`'s kernel (its own tiles) for this GPU and return (runner, compile
-    seconds); runner(q, k, v, causal, softmax_scale) -> out refuses another causal flag than the
-    plan's. `example` (q, k, v) is checked as any call's inputs are."""
+    seconds); runner(q, k, v, causal, softmax_scale, window_size=None, learnable_sink=None) ->
+    out refuses another causal flag, or other window sides or sink presence, than the plan's
+    (window_size None: the plan's own window). `example` (q, k, v) is checked as any call's
+    inputs are."""
     import torch
 
     from fa4lab.kernels import cache
@@ -133,15 +168,24 @@ def compile_plan(plan, example):
     fn, _, seconds = cache.load_or_compile(cache.plan_key(plan), lambda: compile_kernel(plan)[1],
                                            config_name(spec, plan.arch + "a") + " (custom)")
 
-    def run(q, k, v, causal, softmax_scale):
-        if bool(causal) != spec.causal:
+    def run(q, k, v, causal, softmax_scale, window_size=None, learnable_sink=None):
+        window = spec.window_size if window_size is None else window_size
+        if normalize_mask(causal, window)[0] != spec.causal:
             raise ValueError(f"this kernel was compiled for causal={spec.causal}; got "
-                             f"causal={causal}")
+                             f"causal={causal} with window_size={window}")
+        window = normalize_mask(causal, window)[1]
+        if ([side is None for side in window] != [side is None for side in spec.window_size]
+                or (learnable_sink is None) == spec.learnable_sink):
+            raise ValueError(f"this kernel was compiled for window_size={spec.window_size} "
+                             f"(its sides; their sizes may change) and learnable_sink="
+                             f"{spec.learnable_sink}; got window_size={window_size}, "
+                             f"learnable_sink {'None' if learnable_sink is None else 'given'}")
         b, sq, hq, _ = q.shape
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
-        fn(q, k, v, out, lse, *scale_args(softmax_scale, q.shape[3], spec.softcap))
+        fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
+           *window_args(window, sq, k.shape[1]), None)
         return out
 
     return run, seconds
@@ -154,7 +198,8 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                 pack_gqa=None, softcap=0.0):
+                 pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
+                 score_mod=None, mask_mod=None, aux_tensors=None):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse)."""
     import torch
 
@@ -173,7 +218,12 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"the {arch} kernel runs only on {GPU_NAMES[arch]}; {where}. Use "
             f"{OTHER_KERNEL[arch]}, fa4lab.attention (which picks the kernel for the GPU it "
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap)
-    out, lse = forward(q, k, v, arch, bool(causal), softmax_scale, bool(return_lse), pack_gqa,
-                       float(softcap))
+    causal, window_size = normalize_mask(causal, window_size)
+    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
+                 window_size=window_size, learnable_sink=learnable_sink)
+    from fa4lab.mods import check_mods
+
+    mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
+    out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
+                       float(softcap), window_size, learnable_sink, mods if mods else None, aux)
     return (out, lse) if return_lse else out

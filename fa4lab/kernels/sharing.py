@@ -16,7 +16,7 @@ The rule, per kernel (`kernels/fwd_sm100.py`, `kernels/fwd_sm90.py`):
   layouts and launching) included, since it is what builds the device code.
 * Reachable: anything a reachable function references by name, transitively, through every
   module of `fa4lab.kernels` it imports (`from fa4lab.kernels.device import scheduler` then
-  `scheduler.n_block_max`, `from ... import OnlineSoftmax`, `import ... as mask_mod`, relative
+  `scheduler.block_range`, `from ... import OnlineSoftmax`, `import ... as mask_mod`, relative
   and function-local imports), resolving `module.attr` through the import aliases. Names bound
   inside the function (arguments, assignments) shadow module names; type annotations are not
   references. A module-level constant that a function reads brings in what its initialiser

@@ -36,6 +36,13 @@ class Barrier:
     per_role_stage: bool = False
     named_id: int = 0          # bar.sync / bar.arrive id of a named barrier
     ring: str = ""             # "kv", "k", "v": stages used as a ring (Note [ring slots])
+    # Bytes of a V phase of a shared "kv" ring when V rows are narrower than K's (head_dim_v <
+    # head_dim); 0: tx_bytes, as for every other phase.
+    tx_bytes_v: int = 0
+
+    def slot_tx_bytes(self, slot: str) -> int:
+        """Bytes one phase of `slot` (a stage, or a ring slot "K", "V+1", ...) expects."""
+        return self.tx_bytes_v if self.tx_bytes_v and slot[:1] == "V" else self.tx_bytes
 
     @property
     def producers(self) -> tuple[str, ...]:

@@ -327,7 +327,7 @@ def _dynamic(ex: _Expansion, body, env) -> None:
             elif n.kind in ("arrive", "named_arrive"):
                 ex.ops.append(Arrive(b.name, s, count))
             elif n.kind == "expect_tx":
-                ex.ops.append(Arrive(b.name, s, 1, expect_tx=b.tx_bytes))
+                ex.ops.append(Arrive(b.name, s, 1, expect_tx=b.slot_tx_bytes(n.stage)))
             else:
                 ex.ops.append(Commit("tensor", b.name, s))
         elif isinstance(n, Step):

@@ -5,18 +5,29 @@ two softmax warpgroups ping-pong (while one computes exp2 on its S the tensor co
 other's), a correction warpgroup rescales O in TMEM when a row max grows by more than the
 threshold and runs the epilogue, and single warps issue the TMA loads and stores.
 
-Constraints: head_dim == head_dim_v, a multiple of 16; S + O of every Q stage within the 512
-TMEM columns (head_dim 64 and 128 with q_stage 2; head_dim 256 needs q_stage 1); SMEM within
-the per-CTA limit. The role programs for the protocol simulator live here too (`programs`).
+Constraints: head_dim a multiple of 16 up to 256, head_dim_v == head_dim or a pair the kernel
+builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`); S + O of every Q stage within the 512 TMEM
+columns (every built pair fits with q_stage 2; head_dim 256 needs q_stage 1); SMEM within the
+per-CTA limit. The tuning choices sit in `SM100_TUNING`, keyed by (head_dim, head_dim_v). The
+role programs for the protocol simulator live here too (`programs`).
 
 `pack_gqa=True` (see Note [sm100 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200
-from fa4lab.limits import ELEMENT_BYTES, KERNEL_HEAD_DIMS, Q_TILE_ROWS, RESCALE_THRESHOLD
+from fa4lab.limits import (
+    ELEMENT_BYTES,
+    KERNEL_HEAD_DIMS,
+    Q_TILE_ROWS,
+    RESCALE_THRESHOLD,
+    head_dims_text,
+    unsupported_head_dims,
+)
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import Plan
@@ -29,12 +40,37 @@ from fa4lab.tiling import kernel_tile_order
 
 # Defaults (FA4 on B200). Tuning knobs sit together.
 M_BLOCK = Q_TILE_ROWS["sm100"]  # one TMEM lane per query row: the MMA's M and a softmax warpgroup
-N_BLOCK = 128
-Q_STAGE = 2
-KV_STAGE = 3             # K and V share one ring of buffers (K_j, V_j, K_j+1, ...)
+
+
+@dataclass(frozen=True)
+class Sm100Tuning:
+    n_block: int = 128
+    q_stage: int = 2
+    kv_stage: int = 3          # K and V share one ring of buffers (K_j, V_j, K_j+1, ...)
+    o_in_q: bool = False       # stage O for the TMA store in Q's SMEM (Q is dead by then)
+
+
+# Note [sm100 tuning table]
+# The choices of the B200 plan per (head_dim, head_dim_v); a head dim the kernel does not build
+# is planned with the default row. (192, 128) cannot hold Q (2 x 48 KiB), three 48 KiB K/V
+# buffers and O staging (2 x 32 KiB) in 227 KiB. It stages O in Q's bytes (as upstream FA4
+# does) and takes 96-key blocks, so three 36 KiB K/V buffers fit (207 KiB in all). The other
+# ways out were measured on the compiled binary, not on a B200: two 128-key buffers spill (with
+# kv_stage 2 ptxas spills the softmax's loop state, at every head dim, and the MMA warp's
+# descriptors for 12 K steps do not fit 48 registers); upstream keeps three 128-key buffers by
+# packing the ring unevenly ([K 48, V 32, K 48] KiB, a phase-dependent offset for the middle
+# one), a larger kernel change.
+DEFAULT_TUNING = Sm100Tuning()
+SM100_TUNING = {
+    (64, 64): DEFAULT_TUNING,
+    (96, 96): DEFAULT_TUNING,
+    (128, 128): DEFAULT_TUNING,
+    (192, 128): Sm100Tuning(n_block=96, o_in_q=True),
+}
 REGISTERS = {"softmax": 192, "correction": 80, "other": 48}
 SOFTMAX_REG_OVERHEAD = 48   # registers a softmax thread needs besides its row of S
 TMEM_BARRIER_ID = 1         # named barrier of the TMEM hand-off (0 is __syncthreads)
+S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per softmax exp2 chunk
 
 
 # Note [sm100 pack-GQA]
@@ -60,11 +96,11 @@ def _tmem_error(spec, tiles: Tiles, limit: int) -> PlanError:
         why = (f" O alone needs {q}x{dv}={q * dv} columns, so no n_block helps; q_stage=1 "
                f"fits TMEM but keeps one Q tile per CTA and loses the softmax ping-pong.")
     fallback = ""
-    built = KERNEL_HEAD_DIMS["sm100"]   # what the kernel builds; the planner plans any that fit
-    if spec.head_dim not in built:
-        fallback = (f" Fallback for head_dim {spec.head_dim}: the Hopper-style design (S, P, O "
-                    f"in registers: arch='sm90') or q_stage=1; this lab's sm100 kernel builds "
-                    f"head_dim {', '.join(map(str, built))}.")
+    pair = (spec.head_dim, spec.head_dim_v)
+    if pair not in KERNEL_HEAD_DIMS["sm100"]:   # the planner plans any that fit
+        fallback = (f" Fallback for {pair}: the Hopper-style design (S, P, O in registers: "
+                    f"arch='sm90') or q_stage=1; this lab's sm100 kernel builds "
+                    f"{head_dims_text('sm100')}.")
     return PlanError(
         f"TMEM over budget: S {q}x{n} cols + O {q}x{dv} cols (fp32) = {need} columns > "
         f"{limit} per SM ({need - limit} over) for head_dim {spec.head_dim}.{why}{fallback}")
@@ -96,6 +132,7 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
     corr_threads = 32 * 4
     q_bytes = tiles.m_block * tiles.head_dim * eb
     kv_bytes = tiles.n_block * tiles.head_dim * eb
+    v_bytes = tiles.n_block * tiles.head_dim_v * eb
     tmem_users = [r for r in roles if r.name.startswith("softmax")
                   or r.name in ("correction", "mma")]
     b = [
@@ -106,7 +143,8 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
                 "(tcgen05.commit; one tile per CTA: only its first, released, phase is waited)",
                 starts_released=True),
         Barrier("kv_full", "load", "mma", 1, kv, kv_bytes, PHASE_FULL,
-                "a K or V block landed in its ring buffer before an MMA reads it", ring="kv"),
+                "a K or V block landed in its ring buffer before an MMA reads it", ring="kv",
+                tx_bytes_v=v_bytes if v_bytes != kv_bytes else 0),
         Barrier("kv_empty", "mma", "load", 1, kv, 0, PHASE_EMPTY,
                 "the MMAs reading a K/V buffer completed before TMA refills it "
                 "(tcgen05.commit)", starts_released=True, ring="kv"),
@@ -167,22 +205,28 @@ def build_roles(q_stage: int) -> tuple[Role, ...]:
     return tuple(roles)
 
 
-def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
-                kv_stage=KV_STAGE, pack_gqa: bool = False) -> Plan:
+def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
+                pack_gqa: bool = False) -> Plan:
     hw = B200
     d, dv = spec.head_dim, spec.head_dim_v
-    if d != dv:
-        raise PlanError(f"sm100 plan needs head_dim == head_dim_v (got {d} and {dv}): K and V "
-                        f"share one SMEM ring of equal buffers")
+    if d != dv and (d, dv) not in SM100_TUNING:
+        raise PlanError(unsupported_head_dims("sm100", d, dv) + "; the planner plans "
+                        "head_dim_v == head_dim, a multiple of 16 up to 256, besides these")
     if d % 16 or not 16 <= d <= 256:
         raise PlanError(f"head_dim {d} must be a multiple of 16 in [16, 256] (MMA K step 16)")
+    tuning = SM100_TUNING.get((d, dv), DEFAULT_TUNING)
+    n_block = tuning.n_block if n_block is None else n_block
+    q_stage = tuning.q_stage if q_stage is None else q_stage
+    kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if m_block != M_BLOCK:
         raise PlanError(f"m_block={m_block}: sm100 plans use m_block 128 (one TMEM lane per "
                         f"query row; each softmax warp owns 32 lanes)")
     if q_stage not in (1, 2):
         raise PlanError(f"q_stage={q_stage}: use 1 or 2 (two softmax warpgroups at most)")
-    if n_block % 16 or not 16 <= n_block <= 256:
-        raise PlanError(f"n_block={n_block} must be a multiple of 16 in [16, 256] (tcgen05 N)")
+    if n_block % S_CHUNK or not S_CHUNK <= n_block <= 256:
+        raise PlanError(f"n_block={n_block} must be a multiple of {S_CHUNK} in [{S_CHUNK}, 256]: "
+                        f"tcgen05 N is a multiple of 16 up to 256, and the softmax moves S and P "
+                        f"between TMEM and registers {S_CHUNK} columns at a time")
     if kv_stage < 2:
         raise PlanError(f"kv_stage={kv_stage}: the K/V ring needs >= 2 buffers (K and V of "
                         f"one block)")
@@ -202,9 +246,11 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=N_BLOCK, q_stage=Q_STAGE,
     barriers = build_barriers(tiles, eb, roles)
     regions = (   # the kernel's shared-storage struct declares them in this order
         SmemRegion("q", m_block * d * eb, q_stage, what="Q tiles, one per Q stage"),
-        SmemRegion("kv", n_block * d * eb, kv_stage,
+        SmemRegion("kv", n_block * max(d, dv) * eb, kv_stage,
                    what="K/V ring: K_j and V_j take turns in the same buffers"),
-        SmemRegion("o", m_block * dv * eb, q_stage, what="O staging for the TMA store"),
+        SmemRegion("o", m_block * dv * eb, q_stage, alias_of="q" if tuning.o_in_q else None,
+                   what="O staging for the TMA store" + (" (in Q's bytes)" if tuning.o_in_q
+                                                         else "")),
         SmemRegion("stats", m_block * 2 * ELEMENT_BYTES["fp32"], q_stage, align=16,
                    what="softmax -> correction mailbox: rescale factor and row sum per row"),
         SmemRegion("barriers", MBARRIER_BYTES, barriers.mbarrier_count, align=8,
@@ -320,16 +366,22 @@ def _steps(plan: Plan, costs, n_blocks: int):
     eb, acc_b = plan.spec.element_bytes, ELEMENT_BYTES["fp32"]   # inputs, P; S and O (fp32)
     f = plan.exp2_emulation_fraction
     kv = plan.barriers.barrier("kv_full")
-    q_bytes, kv_bytes, o_bytes = m * d * eb, n * d * eb, m * dv * acc_b
+    q_bytes, o_bytes = m * d * eb, m * dv * acc_b
+    kv_bytes = {"K": n * d * eb, "V": n * dv * eb}
     qk = costs.mma_op_cycles(hw, plan.mma("score"))
     pv = costs.mma_op_cycles(hw, plan.mma("value"))
     rescale_at = costs.rescale_blocks(n_blocks)
+    capped = bool(plan.spec.softcap)   # the softmax also pays the cap (CostModel)
 
     def tref(name, i):
         r = tm.region(name, i)
         return Ref("tmem", name, i, r.col_offset, r.col_end)
 
+    o_region = plan.smem.region("o")
+
     def sref(name, i):
+        if name == "o" and o_region.alias_of:   # O_i staged in Q_i's bytes (SmemPlan)
+            name = o_region.alias_of
         return Ref("smem", name, i)
 
     def ring(stage, env):
@@ -349,7 +401,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
             return [Issue("tma", f"Q{i}", costs.tma_cycles(q_bytes), writes=(sref("q", i),),
                           complete_tx=("q_full", i, q_bytes))]
         if w in ("load K", "load V"):
-            return load(w[-1], kv_bytes, stage, env)
+            return load(w[-1], kv_bytes[w[-1]], stage, env)
         if w == "QK":
             buf, blk = ring(stage, env)
             return [Issue("tensor", f"S{i}=Q{i}K{blk}", qk,
@@ -371,8 +423,8 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w in ("post scale", "post row sum"):
             return [Work(w, 8, writes=(sref("stats", i),))]
         if w == "exp2":
-            return [Work(f"exp2 S{i}", costs.softmax_cycles(hw, m * n, f, env["tag"] == "masked"),
-                         unit="mufu")]
+            cycles = costs.softmax_cycles(hw, m * n, f, env["tag"] == "masked", capped)
+            return [Work(f"exp2 S{i}", cycles, unit="mufu")]
         if w == "st P":
             return [Work(f"st P{i}", costs.tmem_cycles(m * n * eb), writes=(tref("P", i),))]
         if w in ("read scale", "read row sum"):

@@ -6,9 +6,9 @@ M = 64). The consumers take turns at the tensor core through one named barrier e
 ping-pong, a ring with three): while one issues its wgmmas the others run their softmax. No
 TMEM: `plan.tmem` is None.
 
-The tuning numbers live in the single table `SM90_TUNING` below, keyed by head_dim; the sm90
-kernel reads them only through the plan. Supported head_dim: those of
-`fa4lab.limits.KERNEL_HEAD_DIMS["sm90"]` (== head_dim_v), one table row each.
+The tuning numbers live in the single table `SM90_TUNING` below, keyed by (head_dim,
+head_dim_v); the sm90 kernel reads them only through the plan. Supported: the pairs of
+`fa4lab.limits.KERNEL_HEAD_DIMS["sm90"]`, one table row each.
 
 `pack_gqa=True` (see Note [sm90 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
-from fa4lab.limits import KERNEL_HEAD_DIMS, Q_TILE_ROWS, RESCALE_THRESHOLD
+from fa4lab.limits import Q_TILE_ROWS, RESCALE_THRESHOLD, kernel_builds, unsupported_head_dims
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
 from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, Unroll, expand
@@ -41,11 +41,17 @@ class Sm90Tuning:
 # The only numbers of the Hopper plan that are choices rather than consequences. head_dim 64
 # runs three consumers (a 192-row CTA, as upstream FA4's Hopper path does): its per-block
 # GEMMs are short, so a third warpgroup's softmax is needed to keep the tensor core fed, and
-# its small accumulators fit the 160 registers three consumers leave each thread.
+# its small accumulators fit the 160 registers three consumers leave each thread. head_dim 96
+# keeps two: upstream FA4 runs it with three (192 rows) only by passing P through SMEM, since P
+# and O in registers do not fit three consumers' 160 (consumer_registers_needed: 176). (192, 128)
+# takes 112-key blocks so Q, two K and two V buffers and O staging fit without aliasing (128-key
+# blocks need O in Q's bytes, as upstream does). See Note [head dims 96 and 192/128].
 SM90_TUNING = {
-    64: Sm90Tuning(n_block=128, kv_stage=2, q_stage=3, o_in_q=False),
-    128: Sm90Tuning(n_block=128, kv_stage=2, q_stage=2, o_in_q=False),
-    256: Sm90Tuning(n_block=80, kv_stage=2, q_stage=2, o_in_q=True),
+    (64, 64): Sm90Tuning(n_block=128, kv_stage=2, q_stage=3, o_in_q=False),
+    (96, 96): Sm90Tuning(n_block=128, kv_stage=2, q_stage=2, o_in_q=False),
+    (128, 128): Sm90Tuning(n_block=128, kv_stage=2, q_stage=2, o_in_q=False),
+    (192, 128): Sm90Tuning(n_block=112, kv_stage=2, q_stage=2, o_in_q=False),
+    (256, 256): Sm90Tuning(n_block=80, kv_stage=2, q_stage=2, o_in_q=True),
 }
 # setmaxnreg (producer, each consumer) by consumer count. Each pair keeps
 # 128 * producer + 128 * consumers * consumer <= 65536 (the SM's register file, one CTA per SM)
@@ -130,11 +136,9 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                pack_gqa: bool = False) -> Plan:
     hw = H200
     d, dv = spec.head_dim, spec.head_dim_v
-    dims = KERNEL_HEAD_DIMS["sm90"]
-    if d != dv or d not in dims:
-        raise PlanError(f"sm90 plans head_dim {', '.join(map(str, dims[:-1]))} or {dims[-1]} "
-                        f"with head_dim_v == head_dim (got {d}, {dv})")
-    tuning = SM90_TUNING[d]
+    if not kernel_builds("sm90", d, dv):
+        raise PlanError(unsupported_head_dims("sm90", d, dv))
+    tuning = SM90_TUNING[(d, dv)]
     n_block = tuning.n_block if n_block is None else n_block
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
@@ -260,6 +264,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
     o_region = plan.smem.region("o")
     turn = Ref("turn", "tensor-core turn", 0)
     rescale_at = costs.rescale_blocks(n_blocks)
+    capped = bool(plan.spec.softcap)   # the softmax also pays the cap (CostModel)
     qk = costs.mma_op_cycles(hw, plan.mma("score"))
     pv = costs.mma_op_cycles(hw, plan.mma("value"))
     q_bytes = t_.cta_m * d * eb
@@ -294,7 +299,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
             return [Work(f"O{c}+=P{c}V{blk}", pv, unit="tensor", reads=(sref("v", buf),),
                          writes=(turn,) if w == "PV" else ())]
         if w == "softmax":
-            cyc = costs.softmax_cycles(hw, m * n, 0.0, env["tag"] != "unmasked")
+            cyc = costs.softmax_cycles(hw, m * n, 0.0, env["tag"] != "unmasked", capped)
             if env["j"] in rescale_at:
                 cyc += m * dv / hw.fma_per_cycle
             return [Work(f"softmax{c}", cyc, unit="mufu")]

@@ -3,7 +3,9 @@
 Regions are laid out in the order listed, each at its alignment (1024 bytes for swizzled
 tiles), and the total is rounded up to the largest alignment, as a C struct (and the CuTe DSL's
 `@cute.struct`) is: `total_bytes` is the size of the kernel's shared-storage struct declared in
-the same order. A region with `alias_of` reuses another region's bytes and adds nothing.
+the same order. A region with `alias_of` reuses another region's bytes and adds nothing: its
+stage i lies in the target's stage i (the kernels give it the target's stage stride), so it
+never overlaps another stage of the target.
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ class SmemPlan:
         for r in regions:
             if r.alias_of is not None:
                 target = next(x for x in regions if x.name == r.alias_of)
-                if r.bytes > target.bytes:
-                    raise PlanError(f"SMEM region {r.name} ({r.bytes} B) cannot alias "
-                                    f"{target.name} ({target.bytes} B): too big")
+                if r.bytes_per_stage > target.bytes_per_stage or r.stages > target.stages:
+                    raise PlanError(f"SMEM region {r.name} ({r.stages}x{r.bytes_per_stage} B) "
+                                    f"cannot alias {target.name} ({target.stages}x"
+                                    f"{target.bytes_per_stage} B): each of its stages must fit "
+                                    f"in a stage of {target.name}")
         if total > limit_bytes:
             parts = ", ".join(f"{r.name} {r.stages}x{r.bytes_per_stage} B" for r in regions
                               if r.alias_of is None)

@@ -15,6 +15,21 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 
+# Note [head dims 96 and 192/128]
+# What a head dim changes is the width of the SMEM tiles and of the MMAs, never the tile rows:
+# * Swizzle. Both kernels take the widest swizzle whose atom row divides a tile row (the CuTe
+#   DSL helpers: `sm90_utils.get_smem_layout_atom`, `sm100_utils.make_smem_layout_a/b/epi`).
+#   16-bit rows of 64, 128, 192 and 256 elements are whole 128-byte atoms (SWIZZLE_128B); a
+#   96-element row is 192 bytes, which 128-byte atoms do not divide, so 96 takes 64-byte atoms
+#   (SWIZZLE_64B, 32 elements: a mode TMA, wgmma and tcgen05 descriptors all take). No padding:
+#   the TMA box is the tile, 96 columns wide.
+# * MMAs. head_dim is the score MMA's K (16 per instruction: 6 steps for 96, 12 for 192);
+#   head_dim_v is the value MMA's N (wgmma N a multiple of 8, tcgen05 N of 16, up to 256).
+# * Memory. K's width (head_dim) costs SMEM only; V's (head_dim_v) costs SMEM, the O
+#   accumulator (sm90 registers, sm100 TMEM columns) and the O staging. (192, 128) therefore
+#   fits TMEM as 128 does and pays its wider K in SMEM: see Note [sm90 tuning table] and
+#   Note [sm100 tuning table] for the tiles each arch takes.
+
 
 @dataclass(frozen=True)
 class Tiles:

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from fa4lab.errors import PlanError
-from fa4lab.limits import ALL_HEAD_DIMS
+from fa4lab.limits import equal_head_dims
 from fa4lab.plan.plan import ARCHS
 from fa4lab.viz._live import LiveFigure, View, close, subplots
 
@@ -91,14 +91,17 @@ def draw_tmem(plan, ax=None):
     return fig
 
 
-def draw_tmem_budget(spec, n_blocks=(64, 128), head_dims=(64, 128, 192, 256), q_stage=2):
-    """Columns S + O need per head_dim, against the 512-column budget (P costs nothing)."""
+def draw_tmem_budget(spec, n_blocks=(64, 128),
+                     head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (192, 192),
+                                (256, 256)), q_stage=2):
+    """Columns S + O need per (head_dim, head_dim_v), against the 512-column budget (P costs
+    nothing; O's columns are head_dim_v's)."""
     from fa4lab.plan.sm100 import tmem_columns
 
-    fig, ax = subplots(figsize=(7, 3))
+    fig, ax = subplots(figsize=(8, 3))
     width = 0.8 / len(n_blocks)
     for k, nb in enumerate(n_blocks):
-        need = [tmem_columns(q_stage, nb, d) for d in head_dims]
+        need = [tmem_columns(q_stage, nb, dv) for _, dv in head_dims]
         xs = [i + k * width for i in range(len(head_dims))]
         bars = ax.bar(xs, need, width, label=f"n_block {nb}")
         for b, v in zip(bars, need):
@@ -107,7 +110,8 @@ def draw_tmem_budget(spec, n_blocks=(64, 128), head_dims=(64, 128, 192, 256), q_
     ax.axhline(512, color="black", ls="--", lw=1)
     ax.text(-0.45, 522, "512 columns per SM", fontsize=8, ha="left")
     ax.set_xticks([i + width * (len(n_blocks) - 1) / 2 for i in range(len(head_dims))],
-                  [f"head_dim {d}" for d in head_dims])
+                  [f"{d}" if d == dv else f"{d}/{dv}" for d, dv in head_dims])
+    ax.set_xlabel("head_dim (/ head_dim_v when it differs)")
     ax.set_ylabel(f"TMEM columns (q_stage {q_stage})")
     ax.set_title(f"S + O for {q_stage} Q stage(s), P inside S: red does not fit", fontsize=10)
     ax.set_ylim(0, 900)
@@ -333,7 +337,7 @@ def tmem_widget(*, head_dim=128, n_block=128, q_stage=2) -> LiveFigure:
 
     style = {"description_width": "initial"}
     controls = {
-        "head_dim": w.Dropdown(options=list(ALL_HEAD_DIMS), value=head_dim,
+        "head_dim": w.Dropdown(options=list(equal_head_dims()), value=head_dim,
                                description="head_dim",
                                style=style),
         "n_block": w.Dropdown(options=[32, 64, 96, 128, 160, 192, 256], value=n_block,
@@ -365,7 +369,7 @@ def timeline_widget(*, arch="sm100", head_dim=128, kv_stage=3, n_blocks=6,
     style = {"description_width": "initial"}
     controls = {
         "arch": w.Dropdown(options=list(ARCHS), value=arch, description="arch", style=style),
-        "head_dim": w.Dropdown(options=list(ALL_HEAD_DIMS), value=head_dim,
+        "head_dim": w.Dropdown(options=list(equal_head_dims()), value=head_dim,
                                description="head_dim",
                                style=style),
         "kv_stage": w.Dropdown(options=[2, 3, 4], value=kv_stage, description="kv_stage",

@@ -1,23 +1,28 @@
-"""Masking a score tile in registers: the key-length tail and the causal diagonal (device code).
+"""Masking a score tile in registers: the key-length tail, the causal diagonal and a sliding
+window's edges (device code).
 
 Shared by the sm90 and sm100 kernels. Inputs are arch-neutral: a thread's scores in an
 (rows, cols) view and the matching view of an identity (coordinate) tensor, which tells each
 register which (row, col) of the tile it holds. The caller offsets the tile into the whole
 problem with `m_offset` (first query row of the tile) and `n_offset` (first key of the block):
-`row_limits` turns the rows into one limit each, once per tile; `apply_limits` masks a block.
-Both are built from the one-row forms `key_limit` and `mask_row`, which the sm100 softmax (one
+`row_limits` turns the rows into their limits, once per tile; `apply_limits` masks a block.
+Both are built from the one-row forms `key_range` and `mask_row`, which the sm100 softmax (one
 row per thread) calls directly.
 
-The rule (bottom-right aligned causal, the contract in `fa4lab.spec`): query i sees key j iff
-j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q. Masked scores become -inf so the
-softmax step gives them probability exactly 0; a row with no visible key stays at -inf and the
-softmax's finalize turns it into output 0 and LSE -inf.
+The rule (the contract in `fa4lab.spec`, one row's form `fa4lab.tiling.key_bounds`): query
+position p sees key j iff first <= j < end, with end = min(seqlen_k, p + d + right + 1) (seqlen_k
+without a right side; causal is right = 0) and first = p + d - left (no bound without a left
+side), d = seqlen_k - seqlen_q. A side is None (unbounded, compile time), 0 (causal) or a
+runtime Int32 (Note [runtime window] in fa4lab.kernels.compile). Masked scores become -inf so
+the softmax step gives them probability exactly 0; a row with no visible key stays at -inf and
+the softmax's finalize turns it into output 0 and LSE -inf (Note [empty rows]).
 
-With pack-GQA (`qhead_per_kvhead` = g > 1) a tile row is a packed row: the causal rule
-compares keys with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
+With pack-GQA (`qhead_per_kvhead` = g > 1) a tile row is a packed row: the rule compares keys
+with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
 
-Which blocks need this at all comes from the tile kinds (`fa4lab.tiling`, see
-`fa4lab.kernels.device.scheduler`): FULL blocks skip it, MASKED / TAIL blocks call `apply_limits`.
+Which blocks need this at all comes from `fa4lab.kernels.device.scheduler.mask_split`: FULL
+blocks skip it, the others (both edges of a window, the diagonal, the seqlen_k tail) call
+`apply_limits`.
 """
 
 from __future__ import annotations
@@ -26,22 +31,30 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from fa4lab.tiling import key_bounds
+
+
+def window_sides(window_size, causal: bool, window_left, window_right):
+    """(left, right) as `key_range` and the block ranges take them: None for a side the spec's
+    stored `window_size` (`fa4lab.spec.normalize_mask`) lacks, 0 for causal's right side, else
+    the kernel's runtime argument `window_left` / `window_right` (Note [runtime window])."""
+    left, right = window_size
+    return (None if left is None else window_left,
+            0 if causal else (None if right is None else window_right))
+
+
+def key_range(row, seqlen_q, seqlen_k, left, right, qhead_per_kvhead: int = 1):
+    """(first, end) for tile row `row`: its first visible key (None without a left side) and
+    its first invisible key (the rule above, one row)."""
+    if qhead_per_kvhead > 1:
+        row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
+    return key_bounds(row, seqlen_q, seqlen_k, left, right, imin=cutlass.min)
+
 
 @cute.jit
-def key_limit(row, seqlen_q, seqlen_k, causal: cutlass.Constexpr[bool],
-              qhead_per_kvhead: cutlass.Constexpr[int] = 1):
-    """The first key index query row `row` may NOT see (the rule above, one row)."""
-    limit = seqlen_k
-    if cutlass.const_expr(causal):
-        if cutlass.const_expr(qhead_per_kvhead > 1):
-            row = row // qhead_per_kvhead  # the position; row >= 0, so // truncates = floors
-        limit = cutlass.min(limit, row + seqlen_k - seqlen_q + 1)
-    return limit
-
-
-@cute.jit
-def mask_row(row: cute.Tensor, cols: cute.Tensor, limit) -> None:
-    """row[j] = -inf where cols[j]'s column is at or past `limit` (a block's own column frame).
+def mask_row(row: cute.Tensor, cols: cute.Tensor, end, first=None) -> None:
+    """row[j] = -inf where cols[j]'s column is at or past `end`, or (with a left side) before
+    `first` (both in the block's own column frame).
 
     `cols` holds (row, col) coordinates; when they are compile-time constants each test is one
     compare with an immediate (Note [static columns]).
@@ -53,7 +66,9 @@ def mask_row(row: cute.Tensor, cols: cute.Tensor, limit) -> None:
     # at head_dim 64: 1058 FSEL in a masked block of 64 scores per thread, about as many
     # instructions as the rest of the block step).
     for j in cutlass.range_constexpr(cute.size(row)):
-        row[j] = -Float32.inf if cols[j][1] >= limit else row[j]
+        row[j] = -Float32.inf if cols[j][1] >= end else row[j]
+        if cutlass.const_expr(first is not None):
+            row[j] = -Float32.inf if cols[j][1] < first else row[j]
 
 
 @cute.jit
@@ -63,13 +78,15 @@ def row_limits(
     m_offset: Int32,        # query index of tile row 0
     seqlen_q: Int32,
     seqlen_k: Int32,
-    causal: cutlass.Constexpr[bool],
+    left,                   # the window's sides: None, 0 (causal) or Int32
+    right,
     qhead_per_kvhead: cutlass.Constexpr[int] = 1,  # g > 1: rows are packed rows (pack-GQA)
-) -> cute.Tensor:
-    """Per row of this thread: the first key index it may NOT see, in thread 0's column frame.
+):
+    """Per row of this thread: (ends, firsts) -- its first invisible key and (with a left side,
+    else None) its first visible key, in thread 0's column frame.
 
-    Computed once per tile, so a masked block costs one subtraction per row and one compare
-    with an immediate per score (`apply_limits`).
+    Computed once per tile, so a masked block costs one subtraction per row and bound and one
+    compare with an immediate per score and bound (`apply_limits`).
     """
     # Note [static columns]
     # In an MMA accumulator a thread's column coordinates are thread 0's plus one offset per
@@ -79,20 +96,31 @@ def row_limits(
     # which a 160-register consumer (three sm90 warpgroups) cannot afford.
     num_rows = cute.size(coord_mn, mode=[0])
     col_offset = coord_mn[0, 0][1] - coord0_mn[0, 0][1]
-    limits = cute.make_rmem_tensor(num_rows, Int32)
+    ends = cute.make_rmem_tensor(num_rows, Int32)
+    firsts = None
+    if cutlass.const_expr(left is not None):
+        firsts = cute.make_rmem_tensor(num_rows, Int32)
     for r in cutlass.range_constexpr(num_rows):
-        limits[r] = key_limit(m_offset + coord_mn[r, 0][0], seqlen_q, seqlen_k, causal,
-                              qhead_per_kvhead) - col_offset
-    return limits
+        first, end = key_range(m_offset + coord_mn[r, 0][0], seqlen_q, seqlen_k, left, right,
+                               qhead_per_kvhead)
+        ends[r] = end - col_offset
+        if cutlass.const_expr(left is not None):
+            firsts[r] = first - col_offset
+    return ends, firsts
 
 
 @cute.jit
 def apply_limits(
     acc_mn: cute.Tensor,     # (rows, cols) scores of one thread
     coord0_mn: cute.Tensor,  # thread 0's (row, col) coordinates (compile-time)
-    limits: cute.Tensor,     # from row_limits
+    limits,                  # (ends, firsts) from row_limits
     n_offset: Int32,         # key index of tile column 0
 ) -> None:
-    """Set to -inf every score whose key index is at or past its row's limit."""
+    """Set to -inf every score whose key index is outside its row's [first, end)."""
+    ends, firsts = limits
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        mask_row(acc_mn[r, None], coord0_mn[r, None], limits[r] - n_offset)
+        if cutlass.const_expr(firsts is None):
+            mask_row(acc_mn[r, None], coord0_mn[r, None], ends[r] - n_offset)
+        else:
+            mask_row(acc_mn[r, None], coord0_mn[r, None], ends[r] - n_offset,
+                     firsts[r] - n_offset)

@@ -12,12 +12,25 @@ over that view with the tile ((g, rows / g), cols), and the atom's coordinate te
 into ((g, seqlen), d, heads_kv, batch) (`split_packed`), so a kernel tiles mode 0 with
 local_tile and picks the group with the KV head. Rows past seqlen * g are positions past seqlen,
 which TMA zero-fills on load and clips on store, as without packing.
+
+On the device, `unpack_row` is the same map for one row: (position, query head) of a tile row,
+which the LSE store and the learnable sink read (fa4lab.kernels.device.softmax).
 """
 
 from __future__ import annotations
 
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
+
+
+def unpack_row(row, head, pack: int):
+    """(position, query head) of tile row `row` of grid head `head`: (row, head) unpacked;
+    with pack = g > 1, head is the KV head and the row is packed: (row // g, head * g + row %
+    g) (Note [pack-GQA rows] in fa4lab.tiling). Ints or DSL Int32, row >= 0."""
+    if pack == 1:
+        return row, head
+    pos = row // pack
+    return pos, head * pack + (row - pos * pack)
 
 
 def heads_positions(mX: cute.Tensor) -> cute.Tensor:

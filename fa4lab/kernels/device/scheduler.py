@@ -1,19 +1,22 @@
-"""Which tile a CTA computes and which key blocks it visits (device code, also plain Python).
+"""Which tile a CTA computes and which key blocks it visits, in what order (device code).
 
-Shared by the sm90 and sm100 kernels. The formulas are the ones `fa4lab.tiling` teaches
-(`n_block_range`, `classify_tiles`): for a CTA owning query rows [m0, m0 + cta_m), with
-d = seqlen_k - seqlen_q (bottom-right causal alignment):
+Shared by the sm90 and sm100 kernels. The block ranges are `fa4lab.tiling`'s own functions
+(`block_range`, `mask_split`, `visit_block`: Note [sliding window tiles] and Note [block visit
+order] there), called here on the DSL's Int32 values with the DSL's min and max, for a tile of
+`rows` M rows (a CTA, or one Q tile of it) holding query positions [m * rows / g, (m + 1) *
+rows / g) (g = qhead_per_kvhead with pack-GQA, else 1):
 
-* non-causal: key blocks [0, ceil(seqlen_k / n_block));
-* causal: the last row m0 + cta_m - 1 sees keys up to m0 + cta_m - 1 + d, so blocks
-  [0, min(ceil(seqlen_k / n), ceil((m0 + cta_m + d) / n))); blocks past that are SKIP.
-* A block is FULL (no mask needed) when every key in it is visible to the CTA's FIRST row and
-  lies inside seqlen_k: n < min(seqlen_k // n_block, floor((m0 + d + 1) / n_block)).
-  The others in range are MASKED (diagonal) or TAIL (key-length edge) and go through
-  `fa4lab.kernels.device.mask.apply_limits`.
+* `block_range`: the key blocks [n_block_min, n_block_max) the CTA visits; blocks outside it
+  are SKIP (right of the causal diagonal or a window's right edge, left of its left edge);
+* `mask_split`: which of them need the element mask (`fa4lab.kernels.device.mask`): the runs
+  [n_block_mask_min, n_block_max) (diagonal, right edge, seqlen_k tail) and [n_block_min,
+  n_block_left_mask_end) (left edge); the blocks between them are FULL;
+* `visit_block`: the block of each step, in the order every role of the CTA walks them (Note
+  [block visit order] in fa4lab.tiling: the masked runs first, then the FULL run).
 
-The functions take Python ints (tests, notebooks) or DSL Int32 values (inside a kernel): they
-use only +, -, *, // on non-negative numbers and `cutlass.max` / `cutlass.min`.
+A window side is None (unbounded: a compile-time choice), the constant 0 (causal: right = 0)
+or a runtime Int32 (`window_left` / `window_right`, Note [runtime window] in
+`fa4lab.kernels.compile`). With Python ints these functions run on the CPU too (tests).
 
 Scheduling: one CTA per (m_block, head, batch) tile, in the order the plan names
 (`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]).
@@ -24,33 +27,36 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from fa4lab import tiling
 from fa4lab.tiling import L2_KV_BUDGET_BYTES
 
-
-def ceil_div(a, b):
-    return (a + b - 1) // b
+_DSL_MIN_MAX = {"imin": cutlass.min, "imax": cutlass.max}
 
 
-def n_block_max(m_block, cta_m, n_block_size, seqlen_q, seqlen_k, causal: bool):
-    """One past the last key block the CTA visits (0 when causal hides every key)."""
-    n_max = ceil_div(seqlen_k, n_block_size)
-    if causal:
-        last_visible = cutlass.max((m_block + 1) * cta_m + seqlen_k - seqlen_q, 0)
-        n_max = cutlass.min(n_max, ceil_div(last_visible, n_block_size))
-    return n_max
+def block_range(m_block, rows: int, pack: int, n_block: int, seqlen_q, seqlen_k, left, right):
+    """(n_block_min, n_block_max) of tile `m_block` of `rows` M rows (`fa4lab.tiling`)."""
+    pos_lo, pos_hi = tiling.tile_positions(m_block, rows, pack)
+    return tiling.block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block, left, right,
+                              **_DSL_MIN_MAX)
 
 
-def n_block_full_end(m_block, cta_m, n_block_size, seqlen_q, seqlen_k, causal: bool):
-    """Key blocks [0, this) need no mask for any row of the CTA (FULL tiles)."""
-    full = seqlen_k // n_block_size
-    if causal:
-        first_row_sees = cutlass.max(m_block * cta_m + seqlen_k - seqlen_q + 1, 0)
-        full = cutlass.min(full, first_row_sees // n_block_size)
-    return full
+def mask_split(m_block, rows: int, pack: int, n_block: int, seqlen_q, seqlen_k, left, right,
+               n_block_min, n_block_max):
+    """(n_block_left_mask_end, n_block_mask_min) of tile `m_block` of `rows` M rows within the
+    visited range [n_block_min, n_block_max), which may be a wider tile's (`fa4lab.tiling`)."""
+    pos_lo, pos_hi = tiling.tile_positions(m_block, rows, pack)
+    return tiling.mask_split(pos_lo, pos_hi, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                             n_block, left, right, **_DSL_MIN_MAX)
 
 
-def num_m_blocks(seqlen_q, cta_m):
-    return ceil_div(seqlen_q, cta_m)
+def visit_block(step, n_block_max, n_block_mask_min, left_run=None):
+    """The key block of step `step` (`fa4lab.tiling.visit_block`); left_run = (n_block_min,
+    n_block_left_mask_end) only with a window's left side."""
+    return tiling.visit_block(step, n_block_max, n_block_mask_min, left_run, **_DSL_MIN_MAX)
+
+
+def num_m_blocks(rows, cta_m):
+    return tiling.ceil_div(rows, cta_m)
 
 
 # Note [tile order]

@@ -4,7 +4,8 @@ Two levels:
 
 * the rules for one row, which both kernels call: `update_max` (threshold and row scale),
   `exp2_basis`, `update_sum`, `rescale_needed` / `warp_rescale_needed` (the rescale vote),
-  `finalize_row` (1/sum, LSE and the empty-row rule) and `store_lse`;
+  `finalize_row` (1/sum, LSE, the empty-row rule and a learnable sink: Note [sinks]),
+  `sink_log2` and `store_lse`;
 * `OnlineSoftmax`, the sm90 form over a thread's scores as a register tensor in an (rows, cols)
   view -- the "MN view" -- of a wgmma accumulator, where four threads (a quad) hold pieces of each
   row, so row reductions finish with a 4-wide butterfly shuffle (`threads_per_row=4`). The sm100
@@ -42,7 +43,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from fa4lab.kernels.device.pack_gqa import unpack_row
+
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
 
 
 @cute.jit
@@ -121,20 +125,58 @@ def warp_rescale_needed(row_scale: Float32):
 
 
 @cute.jit
-def finalize_row(row_sum: Float32, row_max: Float32, scale_log2: Float32):
-    """(1 / row_sum, LSE in natural log) of a row's final state: Note [empty rows].
+def finalize_row(row_sum: Float32, row_max: Float32, scale_log2: Float32, sink_log2=None):
+    """(factor, LSE in natural log) of a row's final state: O = O_acc * factor, factor being
+    1 / row_sum without a sink. Note [empty rows]; with a sink (`sink_log2`, the row's sink
+    logit times log2(e)), Note [sinks].
 
     Note [empty rows]
         A row that saw no key (fully masked, or a CTA with no key block) has row_sum 0; a row
         whose sum became NaN (an infinite score) is treated the same way, so neither divides by
         0 nor writes a NaN LSE: the scale is 0 (O = 0) and LSE = -inf, the values the float64
         reference gives a row with no visible key.
+
+    Note [sinks]
+        A learnable sink adds e^{sink[h]} to the softmax denominator of every row of query head
+        h, unscaled and uncapped, with no value (`fa4lab.spec`). The row's O and row_sum are
+        sums of 2^(s * scale_log2 - b) in the basis b = row_max * scale_log2 (Note [conditional
+        rescale]); the sink in the same base-2 units is sink * log2(e) (`sink_log2`), so the
+        denominator is row_sum + 2^(sink_log2 - b). That term overflows fp32 once the sink
+        exceeds the row's max by 128 log2 units, and a row that saw no key has no basis at all,
+        so finalize moves to the basis t = max(b, sink_log2) (b = -inf for an empty row):
+            sum = row_sum * 2^(b - t) + 2^(sink_log2 - t),   factor = 2^(b - t) / sum,
+            LSE = (t + log2(sum)) * ln 2,
+        every exp2 of a non-positive number. A row with no visible key gets sum = 1, O = 0 and
+        LSE = sink; a sink of -inf adds 0 (a row with no key then stays at 0 and -inf). Each row
+        reads the sink of its own query head: with pack-GQA head * g + row % g (`sink_log2`,
+        the same map as `store_lse`). The sink is read once per row, in the finalize step only.
     """
     empty = row_sum == Float32(0.0) or row_sum != row_sum
-    inv_sum = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
-    lse = (-Float32.inf if empty
-           else (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * Float32(LN2))
-    return inv_sum, lse
+    if cutlass.const_expr(sink_log2 is None):
+        factor = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+        lse = (-Float32.inf if empty
+               else (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True))
+               * Float32(LN2))
+    else:
+        basis = -Float32.inf if empty else row_max * scale_log2
+        top = cute.arch.fmax(basis, sink_log2)
+        top = Float32(0.0) if top == -Float32.inf else top   # no key and a -inf sink
+        keep = cute.math.exp2(basis - top, fastmath=True)
+        total = ((Float32(0.0) if empty else row_sum) * keep
+                 + cute.math.exp2(sink_log2 - top, fastmath=True))
+        nothing = total == Float32(0.0)
+        factor = Float32(0.0) if nothing else keep * cute.arch.rcp_approx(total)
+        lse = (-Float32.inf if nothing
+               else (top + cute.math.log2(total, fastmath=True)) * Float32(LN2))
+    return factor, lse
+
+
+@cute.jit
+def sink_log2(mSink: cute.Tensor, row, head, pack: cutlass.Constexpr[int]) -> Float32:
+    """sink[q_head] * log2(e) for tile row `row` of grid head `head` (the KV head with pack-GQA:
+    q_head = head * g + row % g, `unpack_row`). See Note [sinks]."""
+    _, q_head = unpack_row(row, head, pack)
+    return mSink[q_head] * Float32(LOG2E)
 
 
 @cute.jit
@@ -145,13 +187,9 @@ def store_lse(mLSE: cute.Tensor, row, lse: Float32, head, batch, seqlen_q,
     With pack-GQA (pack = g > 1) the row is a packed row: position row // g of query head
     head * g + row % g, `head` being the KV head (Note [pack-GQA rows] in fa4lab.tiling).
     """
-    if cutlass.const_expr(pack > 1):
-        if row < seqlen_q * pack:
-            pos = row // pack
-            mLSE[pos, head * pack + (row - pos * pack), batch] = lse
-    else:
-        if row < seqlen_q:
-            mLSE[row, head, batch] = lse
+    if row < seqlen_q * pack:
+        pos, q_head = unpack_row(row, head, pack)
+        mLSE[pos, q_head, batch] = lse
 
 
 @cute.jit
@@ -226,9 +264,10 @@ class OnlineSoftmax:
         rescale_rows(acc_o_mn, row_scale)
 
     @cute.jit
-    def finalize(self) -> tuple[cute.Tensor, cute.Tensor]:
+    def finalize(self, sinks=None) -> tuple[cute.Tensor, cute.Tensor]:
         """(row_scale = 1/sum, lse in natural log) per row, after the sum's reduction over the
-        row's threads (`finalize_row`: 0 and -inf for rows that saw no key)."""
+        row's threads (`finalize_row`: 0 and -inf for rows that saw no key). `sinks`: None, or
+        each row's sink logit times log2(e) (Note [sinks])."""
         scale_log2 = Float32(self.scale_log2)
         inv_sum = cute.make_rmem_tensor(self.num_rows, Float32)
         lse = cute.make_rmem_tensor(self.num_rows, Float32)
@@ -236,5 +275,8 @@ class OnlineSoftmax:
             s = self.row_sum[r]
             if cutlass.const_expr(self.threads_per_row > 1):
                 s = cute.arch.warp_reduction_sum(s, threads_in_group=self.threads_per_row)
-            inv_sum[r], lse[r] = finalize_row(s, self.row_max[r], scale_log2)
+            if cutlass.const_expr(sinks is None):
+                inv_sum[r], lse[r] = finalize_row(s, self.row_max[r], scale_log2)
+            else:
+                inv_sum[r], lse[r] = finalize_row(s, self.row_max[r], scale_log2, sinks[r])
         return inv_sum, lse
