@@ -41,11 +41,16 @@ elements, so a (1, 8192, 16, 128) problem on a GPU never holds all heads' S at o
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
-from fa4lab.spec import check_qkv_shapes, check_sink_shape, check_softcap, effective_window
+from fa4lab.spec import (
+    check_qkv_shapes,
+    check_sink_shape,
+    check_softcap,
+    effective_window,
+    resolve_scale,
+)
 
 # At most this many float64 scores live at once (2**25 * 8 B = 256 MiB, plus a few same-sized
 # temporaries). Large enough that small problems run in one chunk.
@@ -88,18 +93,6 @@ def kv_head_index(heads_q: int, heads_kv: int) -> np.ndarray:
         raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
     return np.arange(heads_q) // (heads_q // heads_kv)
 
-
-def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
-    """softmax_scale, defaulting to 1/sqrt(head_dim); must be a positive finite number."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {scale}")
-    return scale
 
 
 def _is_torch(t) -> bool:

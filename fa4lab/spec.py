@@ -32,6 +32,21 @@ from typing import Any
 
 import numpy as np
 
+LOG2E = math.log2(math.e)  # the kernels work in base 2: Note [exp2 and scale_log2]
+
+
+def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
+    """softmax_scale, defaulting to 1/sqrt(head_dim); must be a positive finite number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {scale}")
+    return scale
+
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
@@ -204,24 +219,20 @@ class AttentionSpec:
                 f"{[d for d in range(1, self.heads_q + 1) if self.heads_q % d == 0]}"
             )
         if self.softmax_scale is not None:
-            s = float(self.softmax_scale)
-            if not math.isfinite(s) or s <= 0:
-                raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
-            object.__setattr__(self, "softmax_scale", s)
+            object.__setattr__(self, "softmax_scale",
+                               resolve_scale(self.softmax_scale, self.head_dim))
         object.__setattr__(self, "qhead_per_kvhead", self.heads_q // self.heads_kv)
 
     # ---- derived quantities (computed, never stored twice) ----
     @property
     def scale(self) -> float:
-        """softmax_scale, defaulting to 1/sqrt(head_dim)."""
-        if self.softmax_scale is not None:
-            return self.softmax_scale
-        return 1.0 / math.sqrt(self.head_dim)
+        """softmax_scale, defaulting to 1/sqrt(head_dim) (`resolve_scale`)."""
+        return resolve_scale(self.softmax_scale, self.head_dim)
 
     @property
     def scale_log2(self) -> float:
         """scale * log2(e): the kernels work in base 2. See Note [exp2 and scale_log2]."""
-        return self.scale * math.log2(math.e)
+        return self.scale * LOG2E
 
     @property
     def effective_window(self) -> tuple[int | None, int | None]:
