@@ -27,6 +27,16 @@ def test_committed_without_outputs(path):
     assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_a_unique_id(path):
+    """nbformat 4.5 cell ids: a cell added by hand without one is fixed up (with a warning)
+    by every reader today and will be an error in future nbformat versions."""
+    ids = [c.get("id") for c in json.loads(path.read_text())["cells"]]
+    missing = [i for i, cid in enumerate(ids) if not cid]
+    assert not missing, f"{path.name}: cells {missing} have no id; add one (any unique string)"
+    assert len(set(ids)) == len(ids), f"{path.name}: cell ids repeat"
+
+
 def test_detects_a_notebook_with_outputs(tmp_path):
     import nbformat
 
