@@ -14,7 +14,7 @@ LAB_ARGS ?=
 # What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
 FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
 
-.PHONY: install lab test test-fast test-gpu sanitize-gpu browser-deps lint clean
+.PHONY: install lab test test-fast test-gpu sanitize-gpu browser-deps lint clean course
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,12 @@ sanitize-gpu:
 	for tool in synccheck racecheck; do \
 	  compute-sanitizer --tool $$tool --error-exitcode 1 $(PY) tests/sanitize_sm90.py || exit 1; \
 	done
+
+# The student release of the notebooks: solutions replaced by stubs, outputs cleared, and
+# points.json (see notebooks/README.md). Grade a notebook with
+# `python -m fa4lab.exercises grade course/release/01_online_softmax.ipynb`.
+course: install
+	$(VENV)/bin/python -m fa4lab.exercises release notebooks course/release
 
 lint: install
 	$(VENV)/bin/ruff check fa4lab tests

@@ -1,0 +1,50 @@
+"""python -m fa4lab.exercises release SRC_DIR OUT_DIR | grade NOTEBOOK [--solutions-from NB]
+
+release: the student notebooks (solutions stubbed, outputs cleared) and points.json.
+grade: execute a notebook and print the points per exercise with each failing check's message
+(--json: the same as JSON). Grading exits 0 whatever the score; a missing file is exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fa4lab.exercises import notebook
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fa4lab.exercises",
+                                     description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rel = sub.add_parser("release", help="write the student notebooks and points.json")
+    rel.add_argument("src_dir", help="the instructor notebooks, e.g. notebooks/")
+    rel.add_argument("out_dir", help="where the release goes, e.g. course/release")
+    gra = sub.add_parser("grade", help="execute a notebook and score its autograded cells")
+    gra.add_argument("notebook")
+    gra.add_argument("--solutions-from", metavar="INSTRUCTOR_NB",
+                     help="put back this notebook's solution cells first (by grade_id)")
+    gra.add_argument("--json", action="store_true", help="print the report as JSON")
+    gra.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "release":
+            summary = notebook.release(args.src_dir, args.out_dir)
+            for name, points in summary["notebooks"].items():
+                listed = ", ".join(f"{gid} {p:g}" for gid, p in points.items())
+                print(f"{name}: {listed}")
+            print(f"released into {args.out_dir}: {summary['total']:g} points in all "
+                  f"(points.json)")
+            return 0
+        report = notebook.grade(args.notebook, solutions_from=args.solutions_from,
+                                timeout=args.timeout)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

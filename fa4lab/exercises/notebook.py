@@ -1,0 +1,234 @@
+"""Release and autograde exercise notebooks, honouring nbgrader's conventions.
+
+The cells carry nbgrader's metadata (`{"nbgrader": {"solution": true, "grade_id": ...}}` on a
+solution cell, `{"grade": true, "locked": true, "points": n, ...}` on an autograded test cell,
+`schema_version` 3), and a solution cell marks its instructor code with `### BEGIN SOLUTION` /
+`### END SOLUTION`. So an instructor can run real nbgrader on the same notebooks; this module
+is the small part of it the lab needs, with no Jupyter server:
+
+- `release(src_dir, out_dir)`: copy every notebook with outputs cleared, each solution region
+  replaced by nbgrader's stub (`# YOUR CODE HERE` / `raise NotImplementedError()`, indented like
+  the marker, so the signature and docstring stay) and locked cells made read-only; writes
+  `points.json` (points per exercise).
+- `grade(notebook, solutions_from=None)`: execute the notebook top to bottom (nbclient, errors
+  allowed, CPU is enough) and score each autograded cell: full points if it ran without error,
+  else 0 with the error's message (the checks in `fa4lab.exercises` say what is wrong).
+  `solutions_from` first puts back the solution cells of an instructor notebook (by grade_id).
+
+Command line: `python -m fa4lab.exercises release|grade ...` (`fa4lab.exercises.__main__`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["BEGIN_SOLUTION", "END_SOLUTION", "CODE_STUB", "ExerciseResult", "GradeReport",
+           "release", "strip_solutions", "points_of", "grade", "restore_solutions"]
+
+BEGIN_SOLUTION = "### BEGIN SOLUTION"
+END_SOLUTION = "### END SOLUTION"
+CODE_STUB = ("# YOUR CODE HERE", "raise NotImplementedError()")   # nbgrader's default stub
+TEXT_STUB = "YOUR ANSWER HERE"
+_NBFORMAT = 4
+
+
+def _meta(cell) -> dict:
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def _is_solution(cell) -> bool:
+    return bool(_meta(cell).get("solution"))
+
+
+def _is_graded(cell) -> bool:
+    return bool(_meta(cell).get("grade")) and cell.cell_type == "code"
+
+
+def strip_solutions(source: str, where: str = "cell") -> str:
+    """source with each BEGIN/END SOLUTION region replaced by the stub, at the marker's indent."""
+    out, inside = [], None
+    for line in source.splitlines():
+        marker = line.strip()
+        if marker == BEGIN_SOLUTION:
+            if inside is not None:
+                raise ValueError(f"{where}: '{BEGIN_SOLUTION}' inside another solution region")
+            inside = line[:len(line) - len(line.lstrip())]
+            out += [inside + stub for stub in CODE_STUB]
+        elif marker == END_SOLUTION:
+            if inside is None:
+                raise ValueError(f"{where}: '{END_SOLUTION}' without '{BEGIN_SOLUTION}'")
+            inside = None
+        elif inside is None:
+            out.append(line)
+    if inside is not None:
+        raise ValueError(f"{where}: '{BEGIN_SOLUTION}' is never closed by '{END_SOLUTION}'")
+    return "\n".join(out)
+
+
+def _release_notebook(nb, name: str):
+    for i, cell in enumerate(nb.cells):
+        where = f"{name} cell {i}"
+        has_marker = BEGIN_SOLUTION in cell.source
+        if has_marker and not _is_solution(cell):
+            raise ValueError(f"{where} has '{BEGIN_SOLUTION}' but no nbgrader solution metadata; "
+                             f'add {{"nbgrader": {{"solution": true, ...}}}} to the cell')
+        if _is_solution(cell):
+            if cell.cell_type == "code":
+                if not has_marker:
+                    raise ValueError(f"{where} is a solution cell without a '{BEGIN_SOLUTION}' "
+                                     f"region: mark the lines the student writes")
+                cell.source = strip_solutions(cell.source, where)
+            else:
+                cell.source = TEXT_STUB
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        if _meta(cell).get("locked"):
+            cell.metadata["editable"] = False
+            cell.metadata["deletable"] = False
+    return nb
+
+
+def points_of(nb) -> dict[str, float]:
+    """{grade_id: points} of the notebook's autograded cells, in order."""
+    points = {}
+    for i, cell in enumerate(nb.cells):
+        if _is_graded(cell):
+            gid = _meta(cell).get("grade_id") or f"cell-{i}"
+            if gid in points:
+                raise ValueError(f"grade_id {gid!r} appears twice; each graded cell needs its own")
+            points[gid] = float(_meta(cell).get("points", 0))
+    return points
+
+
+def release(src_dir: str | Path, out_dir: str | Path) -> dict:
+    """Write the student version of every notebook of src_dir into out_dir, and points.json.
+
+    Returns the summary written to points.json: {"notebooks": {name: {grade_id: points}},
+    "total": points over all notebooks}.
+    """
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    paths = sorted(src_dir.glob("*.ipynb"))
+    if not paths:
+        raise FileNotFoundError(f"no notebooks (*.ipynb) in {src_dir}; pass the instructor "
+                                f"notebooks' folder, e.g. notebooks/")
+    if out_dir.resolve() == src_dir.resolve():
+        raise ValueError(f"release would overwrite the instructor notebooks in {src_dir}; "
+                         f"choose another output folder, e.g. course/release")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"notebooks": {}, "total": 0.0}
+    for path in paths:
+        nb = _release_notebook(nbformat.read(path, as_version=_NBFORMAT), path.name)
+        nbformat.write(nb, out_dir / path.name)
+        points = points_of(nb)
+        if points:
+            summary["notebooks"][path.name] = points
+            summary["total"] += sum(points.values())
+    (out_dir / "points.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def restore_solutions(nb, instructor_nb):
+    """nb with every solution cell's source taken from the instructor's cell of the same
+    grade_id (the reverse of `release`, for testing the autograder)."""
+    sources = {_meta(c).get("grade_id"): c.source for c in instructor_nb.cells if _is_solution(c)}
+    for i, cell in enumerate(nb.cells):
+        if _is_solution(cell):
+            gid = _meta(cell).get("grade_id")
+            if gid not in sources:
+                raise ValueError(f"solution cell {i} ({gid!r}) has no cell of that grade_id in "
+                                 f"the instructor notebook (it has {sorted(sources)})")
+            cell.source = sources[gid]
+    return nb
+
+
+@dataclass
+class ExerciseResult:
+    grade_id: str
+    points: float
+    earned: float
+    message: str      # the check's summary when passed, its failure message otherwise
+
+
+@dataclass
+class GradeReport:
+    notebook: str
+    exercises: list[ExerciseResult]
+    cell_errors: list[str] = field(default_factory=list)   # errors outside the graded cells
+
+    @property
+    def earned(self) -> float:
+        return sum(e.earned for e in self.exercises)
+
+    @property
+    def possible(self) -> float:
+        return sum(e.points for e in self.exercises)
+
+    def to_json(self) -> dict:
+        return {"notebook": self.notebook, "earned": self.earned, "possible": self.possible,
+                "exercises": [asdict(e) for e in self.exercises], "cell_errors": self.cell_errors}
+
+    def text(self) -> str:
+        lines = [f"{self.notebook}: {self.earned:g} / {self.possible:g} points"]
+        for e in self.exercises:
+            mark = "ok  " if e.earned == e.points else "FAIL"
+            lines.append(f"  {mark} {e.grade_id}: {e.earned:g} / {e.points:g}")
+            if e.earned != e.points:
+                lines += ["       " + line for line in e.message.splitlines()]
+        lines += [f"  note: {err}" for err in self.cell_errors]
+        return "\n".join(lines)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _error_message(outputs) -> str | None:
+    for out in outputs:
+        if out.get("output_type") == "error":
+            return _ANSI.sub("", f"{out.get('ename')}: {out.get('evalue')}")
+    return None
+
+
+def _stdout(outputs) -> str:
+    return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream").strip()
+
+
+def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
+          timeout: int = 600, kernel_name: str = "python3") -> GradeReport:
+    """Execute `notebook` (a student's, or a release) and score its autograded cells."""
+    from nbclient import NotebookClient
+
+    path = Path(notebook)
+    if not path.is_file():
+        raise FileNotFoundError(f"no notebook at {path}")
+    nb = nbformat.read(path, as_version=_NBFORMAT)
+    if solutions_from is not None:
+        nb = restore_solutions(nb, nbformat.read(Path(solutions_from), as_version=_NBFORMAT))
+    points = points_of(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    results, errors = [], []
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=True,
+                       resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
+    except Exception as e:   # a cell past the timeout, a dead kernel: grade what ran
+        errors.append(f"execution stopped: {type(e).__name__}: {str(e).splitlines()[0]}")
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        err = _error_message(cell.outputs)
+        if cell.execution_count is None and not cell.outputs:
+            err = err or "this cell did not run (execution stopped before it)"
+        if _is_graded(cell):
+            gid = _meta(cell).get("grade_id") or f"cell-{i}"
+            pts = points[gid]
+            results.append(ExerciseResult(gid, pts, 0.0 if err else pts,
+                                          err or _stdout(cell.outputs)))
+        elif err and cell.execution_count is not None:
+            errors.append(f"cell {i} raised {err.splitlines()[0]}")
+    return GradeReport(path.name, results, errors)

@@ -1,0 +1,270 @@
+"""The course machinery: release strips the solutions, the checks teach, the autograder scores.
+
+Fast tests run the checks in-process on the instructor solutions (taken from the notebooks) and
+on typical wrong answers. The slow ones execute the released notebooks with a kernel, as the
+grader does: solutions put back give full marks, the raw release zero with each check's own
+"not implemented yet" message (four notebook runs in parallel: a minute or two on a 2-core
+CPU). That the instructor notebooks themselves run is `make test`'s nbmake pass.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+
+from fa4lab import exercises, tiling
+from fa4lab import online_softmax as osm
+from fa4lab.exercises import notebook as course
+from fa4lab.exercises.__main__ import main
+from fa4lab.tiling import TileKind
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# notebook -> (solution grade_id, the name the solution cell defines, its check), in order
+EXERCISES = {
+    "01_online_softmax.ipynb": [("update_state", "update_state", exercises.check_update_state),
+                                ("merge_states", "merge_states", exercises.check_merge_states)],
+    "02_tiles_masks_gqa.ipynb": [
+        ("n_block_range", "my_n_block_range", exercises.check_n_block_range),
+        ("classify_tiles", "my_classify_tiles", exercises.check_classify_tiles)],
+}
+
+
+def _nb(name):
+    return nbformat.read(NOTEBOOKS / name, as_version=4)
+
+
+def _meta(cell):
+    return cell.metadata.get("nbgrader", {})
+
+
+def _solution_source(name, grade_id):
+    (cell,) = [c for c in _nb(name).cells if _meta(c).get("grade_id") == grade_id]
+    assert _meta(cell)["solution"] and not _meta(cell)["grade"]
+    return cell.source
+
+
+def _instructor_function(name, grade_id, defined):
+    scope = {"np": np, "osm": osm, "TileKind": TileKind}
+    exec(_solution_source(name, grade_id), scope)
+    return scope[defined]
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    assert main(["release", str(NOTEBOOKS), str(out)]) == 0
+    return out
+
+
+# ------------------------------------------------------------------------------ the notebooks
+
+def test_every_exercise_has_task_solution_and_locked_test_cell():
+    for name, exs in EXERCISES.items():
+        cells = _nb(name).cells
+        ids = [_meta(c).get("grade_id") for c in cells]
+        for grade_id, defined, check in exs:
+            i = ids.index(grade_id)
+            task, sol, test = cells[i - 1], cells[i], cells[i + 1]
+            assert task.cell_type == "markdown" and "Exercise" in task.source
+            assert course.BEGIN_SOLUTION in sol.source and f"def {defined}(" in sol.source
+            meta = _meta(test)
+            assert meta["grade"] and meta["locked"] and meta["points"] > 0, (name, grade_id)
+            assert meta["schema_version"] == 3 and not meta["solution"]
+            assert f"{check.__name__}({defined})" in test.source
+
+
+def test_instructor_solutions_do_not_call_what_they_are_graded_against():
+    graded = {"update_state": "osm.update_state", "merge_states": "osm.merge_states",
+              "n_block_range": "tiling.", "classify_tiles": "tiling."}
+    for name, exs in EXERCISES.items():
+        for grade_id, _, _ in exs:
+            assert graded[grade_id] not in _solution_source(name, grade_id), grade_id
+
+
+@pytest.mark.parametrize("name,grade_id,defined,check",
+                         [(n, *e) for n, exs in EXERCISES.items() for e in exs],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_instructor_solution_passes_its_check(name, grade_id, defined, check):
+    assert "match" in check(_instructor_function(name, grade_id, defined))
+
+
+# ------------------------------------------------------------------------------ the checks
+
+def _failure(check, fn) -> str:
+    with pytest.raises(exercises.ExerciseFailed) as err:
+        check(fn)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("mistake", ["skip_rescale", "normalize_early"])
+def test_update_state_check_names_the_row_and_hints(mistake):
+    def wrong(state, s, v_block, rescale_threshold=0.0):
+        return osm.update_state(state, s, v_block, rescale_threshold=rescale_threshold,
+                                mistake=mistake)[0]
+    msg = _failure(exercises.check_update_state, wrong)
+    assert "step" in msg and "row" in msg and "expected" in msg and "hint:" in msg
+    assert "alpha" in msg
+
+
+def test_update_state_check_catches_an_ignored_threshold():
+    def eager(state, s, v_block, rescale_threshold=0.0):
+        return osm.update_state(state, s, v_block, rescale_threshold=0.0)[0]
+    msg = _failure(exercises.check_update_state, eager)
+    assert "row_max" in msg and "rescale_threshold" in msg
+
+
+def test_merge_check_catches_nan_from_empty_states():
+    def unguarded(a, b):
+        m = np.maximum(a.row_max, b.row_max)
+        with np.errstate(invalid="ignore"):
+            wa, wb = (np.exp2((x.row_max - m) * x.scale_log2) for x in (a, b))
+        return osm.SoftmaxState(m, wa * a.row_sum + wb * b.row_sum,
+                                wa[..., None] * a.acc_o + wb[..., None] * b.acc_o, a.scale_log2)
+    # one problem always has rows that see no key: causal with seqlen_q > seqlen_k
+    msg = _failure(exercises.check_merge_states, unguarded)
+    assert "NaN" in msg and "weight 0" in msg
+
+
+def test_n_block_range_check_spots_top_left_alignment():
+    solution = _instructor_function("02_tiles_masks_gqa.ipynb", "n_block_range",
+                                    "my_n_block_range")
+
+    def top_left(m_block, *, seqlen_q, seqlen_k, **kw):
+        return solution(m_block, seqlen_q=seqlen_k, seqlen_k=seqlen_k, **kw)
+    msg = _failure(exercises.check_n_block_range, top_left)
+    assert "bottom right" in msg and "m_block" in msg
+
+
+def test_classify_check_names_the_tile_and_a_witness():
+    def tail_is_masked(sq, sk, bm, bn, causal, window_size=(None, None)):
+        kinds = np.array(tiling.classify_tiles(sq, sk, bm, bn, causal,
+                                               window_size=window_size).kinds)
+        kinds[kinds == TileKind.TAIL] = TileKind.MASKED
+        return kinds
+    msg = _failure(exercises.check_classify_tiles, tail_is_masked)
+    assert "m_block" in msg and "n_block" in msg and "in bounds" in msg
+
+
+def test_a_crash_is_reported_with_its_input():
+    msg = _failure(exercises.check_n_block_range, lambda m, **kw: 1 // 0)
+    assert "ZeroDivisionError" in msg and "seqlen_q=" in msg
+
+
+# ------------------------------------------------------------------------------ release
+
+def test_release_strips_every_solution_and_keeps_signatures(released):
+    summary = json.loads((released / "points.json").read_text())
+    assert summary["total"] == sum(sum(p.values()) for p in summary["notebooks"].values()) > 0
+    assert sorted(summary["notebooks"]) == sorted(EXERCISES)
+    for name, exs in EXERCISES.items():
+        cells = nbformat.read(released / name, as_version=4).cells
+        by_id = {_meta(c).get("grade_id"): c for c in cells}
+        for grade_id, _, _ in exs:
+            stub, solution = by_id[grade_id].source, _solution_source(name, grade_id)
+            assert "raise NotImplementedError()" in stub and course.BEGIN_SOLUTION not in stub
+            assert stub.split("    # YOUR CODE HERE")[0] == solution.split(
+                f"    {course.BEGIN_SOLUTION}")[0], "signature and docstring must stay"
+            test = by_id[f"test_{grade_id}"]
+            assert test.metadata["editable"] is False and test.metadata["deletable"] is False
+        assert not any(c.get("outputs") for c in cells if c.cell_type == "code")
+    assert sorted(p.name for p in released.glob("*.ipynb")) == sorted(
+        p.name for p in NOTEBOOKS.glob("*.ipynb"))
+
+
+def test_strip_solutions_indents_the_stub_and_rejects_broken_markers():
+    src = f"def f():\n    '''doc'''\n    {course.BEGIN_SOLUTION}\n    return 1\n" \
+          f"    {course.END_SOLUTION}\n"
+    assert course.strip_solutions(src) == ("def f():\n    '''doc'''\n    # YOUR CODE HERE\n"
+                                           "    raise NotImplementedError()")
+    with pytest.raises(ValueError, match="never closed"):
+        course.strip_solutions(f"{course.BEGIN_SOLUTION}\nx = 1")
+    with pytest.raises(ValueError, match="without"):
+        course.strip_solutions(f"x = 1\n{course.END_SOLUTION}")
+
+
+def test_release_refuses_unmarked_solutions_and_overwriting(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(f"{course.BEGIN_SOLUTION}\nx = 1\n"
+                                          f"{course.END_SOLUTION}")]
+    nbformat.write(nb, tmp_path / "a.ipynb")
+    with pytest.raises(ValueError, match="no nbgrader solution metadata"):
+        course.release(tmp_path, tmp_path / "out")
+    with pytest.raises(ValueError, match="overwrite"):
+        course.release(tmp_path, tmp_path)
+    assert main(["release", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
+
+
+# ------------------------------------------------------------------------------ grading
+
+@pytest.fixture(scope="module")
+def graded(released):
+    """{(notebook, "solutions" | "raw"): the grader's JSON report}, through the command line
+    as an instructor runs it; the four runs go in parallel (each is a kernel mostly waiting)."""
+    runs = {}
+    for name in EXERCISES:
+        for kind, extra in (("solutions", ["--solutions-from", str(NOTEBOOKS / name)]),
+                            ("raw", [])):
+            cmd = [sys.executable, "-m", "fa4lab.exercises", "grade", str(released / name),
+                   "--json", *extra]
+            runs[name, kind] = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)
+    reports = {}
+    for key, proc in runs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{key}: grading exited {proc.returncode}\n{err}"
+        reports[key] = json.loads(out)
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_release_with_solutions_put_back_gets_full_marks(graded, name):
+    report = graded[name, "solutions"]
+    assert report["possible"] > 0 and report["earned"] == report["possible"], report
+    assert report["cell_errors"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_raw_release_gets_zero_and_each_check_says_what_to_write(graded, name):
+    report = graded[name, "raw"]
+    assert report["earned"] == 0 and report["possible"] > 0
+    for ex, (_, defined, _) in zip(report["exercises"], EXERCISES[name], strict=True):
+        assert ex["earned"] == 0
+        assert f"write {defined} " in ex["message"], ex["message"]
+    # the stubs break only their own graded cells: the rest of the lesson still runs
+    assert report["cell_errors"] == []
+
+
+@pytest.mark.slow
+def test_grading_scores_what_ran_when_execution_stops(tmp_path):
+    def graded_cell(src, gid, points):
+        return nbformat.v4.new_code_cell(src, metadata={"nbgrader": {
+            "grade": True, "grade_id": gid, "locked": True, "points": points,
+            "schema_version": 3, "solution": False, "task": False}})
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1"), graded_cell("assert x == 1", "a", 1),
+                graded_cell("assert x == 2, 'x is not 2'", "b", 2),
+                nbformat.v4.new_code_cell("import time\ntime.sleep(60)"),
+                graded_cell("pass", "c", 4)]
+    nbformat.write(nb, tmp_path / "t.ipynb")
+    report = course.grade(tmp_path / "t.ipynb", timeout=3)
+    assert [(e.grade_id, e.earned, e.points) for e in report.exercises] == [
+        ("a", 1, 1), ("b", 0, 2), ("c", 0, 4)]
+    assert "x is not 2" in report.exercises[1].message
+    assert "did not run" in report.exercises[2].message
+    assert any("execution stopped" in e for e in report.cell_errors)
+
+
+def test_make_course_releases_into_the_ignored_folder():
+    root = NOTEBOOKS.parent
+    run = subprocess.run(["make", "--no-print-directory", "-n", "course"], cwd=root,
+                         capture_output=True, text=True, timeout=60)
+    assert "-m fa4lab.exercises release notebooks course/release" in run.stdout, run.stdout
+    assert "/course/" in (root / ".gitignore").read_text().splitlines()
