@@ -17,15 +17,16 @@ LESSONS = (
     Lesson("00_start_here.ipynb", "Start here", "the map of the lab and what this machine can run",
            "CPU"),
     Lesson("01_online_softmax.ipynb", "The online-softmax state machine",
-           "naive -> safe -> online softmax, exp2, conditional rescaling, LSE, failure modes",
-           "CPU"),
+           "naive -> safe -> online softmax, exp2, conditional rescaling, LSE, failure modes; "
+           "graded: update_state, merge_states", "CPU"),
     Lesson("02_tiles_masks_gqa.ipynb", "Tiles, masks, GQA and scheduling",
-           "SKIP/FULL/MASKED/TAIL tiles, sliding windows, pack-GQA, persistent and LPT schedules",
-           "CPU"),
+           "SKIP/FULL/MASKED/TAIL tiles, sliding windows, pack-GQA, persistent and LPT schedules; "
+           "graded: n_block_range, the tile classifier", "CPU"),
     Lesson("03_tmem_layout.ipynb", "The TMEM layout of S, P and O",
            "tensor-memory columns, P aliasing S, the 512-column budget", "CPU"),
     Lesson("04_roles_and_barriers.ipynb", "Warp roles and the mbarrier graph",
-           "who does what, which barrier orders it, a simulated timeline, mutation checks", "CPU"),
+           "warp roles, the protocol table, a simulated timeline, a data-carrying simulation where "
+           "a removed barrier corrupts the output, mutation checks", "CPU"),
     Lesson("05_b200_kernel.ipynb", "The B200 forward kernel in the CuTe DSL",
            "the kernel role by role, compiled for sm_100a, PTX/SASS and the audit",
            "CPU compile; B200 to run"),
@@ -39,6 +40,12 @@ LESSONS = (
 
 
 def lesson_table_markdown() -> str:
+    """The table notebook 00 shows and the README carries between `<!-- lessons:begin -->` and
+    `<!-- lessons:end -->` (`python -m fa4lab.lessons` prints it; a test keeps them equal)."""
     rows = ["| notebook | what it teaches | runs on |", "|---|---|---|"]
     rows += [f"| `{x.notebook}` {x.title} | {x.teaches} | {x.tier} |" for x in LESSONS]
     return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(lesson_table_markdown())

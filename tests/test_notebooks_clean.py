@@ -64,3 +64,14 @@ def test_lesson_table_matches_notebooks():
 
     assert [x.notebook for x in LESSONS] == [p.name for p in NOTEBOOKS], (
         "fa4lab/lessons.py and notebooks/ disagree: add or rename the lesson entry")
+
+
+def test_readme_carries_the_lesson_table():
+    """The README's notebook table is `lesson_table_markdown()`, said once in fa4lab.lessons."""
+    from fa4lab.lessons import lesson_table_markdown
+
+    readme = (NOTEBOOKS[0].parents[1] / "README.md").read_text()
+    block = readme.split("<!-- lessons:begin -->\n")[1].split("\n<!-- lessons:end -->")[0]
+    assert block == lesson_table_markdown(), (
+        "README.md's notebook table is stale: paste `python -m fa4lab.lessons` between the "
+        "lessons markers")
