@@ -55,7 +55,10 @@ Note [mods in the kernels]
     mods are never written to the disk cache (a function is not a stable name across
     processes). `fa4lab.attention` runs them through the launch path directly, not through the
     torch custom op (a callable cannot be an op argument), so torch.compile graph-breaks at a
-    call with mods. Kernel side: `fa4lab.kernels.device.mods`.
+    call with mods. Kernel side: `fa4lab.kernels.device.mods`. A mask_mod is also evaluated
+    once on the host, into a block table that lets each CTA skip the key blocks it hides and
+    visit those it shows whole without calling it (`fa4lab.mods_blocks`, cached per mod, aux
+    tensors and shapes: Note [block table cache] there).
 """
 
 from __future__ import annotations

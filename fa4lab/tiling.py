@@ -281,6 +281,39 @@ def visit_block(step, n_block_max, n_block_mask_min, left_run=None, *, imin=min,
             + past_masked * (n_block_mask_min - n_block_min))
 
 
+# Note [mask_mod block table]
+# A mask_mod (`fa4lab.mods`) may hide whole key blocks (documents, a prefix-LM's future). The
+# host evaluates it once per call configuration and reduces it to one row per CTA tile
+# (`fa4lab.mods_blocks.block_table`): [lo, hi), the first and one-past-last key block where ANY
+# (batch, head, row of the tile) sees a key, and [full_lo, full_hi), a run of blocks where EVERY
+# one sees every in-bounds key (empty: full_lo = full_hi). A CTA then narrows the formulas'
+# range and unmasked middle to them (`table_range`, `table_split`):
+#     n_block_max' = min(n_block_max, hi),  n_block_min' = min(max(n_block_min, lo), n_block_max')
+#     the unmasked middle [left_end, mask_min) intersected with [full_lo, full_hi),
+# and every other block of [n_block_min', n_block_max') joins a masked run, where the element
+# mask AND the mask_mod apply. So the walk keeps the shape of Note [block visit order] (a left
+# masked run, the unmasked middle, a right masked run), and the result depends on the table only
+# through "blocks outside [lo, hi) are hidden from every row" and "blocks of [full_lo, full_hi)
+# are visible to every row": a wider [lo, hi) or a narrower full run costs time, never accuracy.
+# A row (0, 0, 0, 0) empties the range, and the CTA behaves as any CTA whose rows see nothing.
+
+
+def table_range(n_block_min, n_block_max, lo, hi, *, imin=min, imax=max):
+    """[n_block_min, n_block_max) narrowed to a mask table row's [lo, hi) (Note [mask_mod block
+    table]); empty (n_block_max' == n_block_min') when they do not meet. Ints or DSL Int32."""
+    n_block_max = imin(n_block_max, hi)
+    return imin(imax(n_block_min, lo), n_block_max), n_block_max
+
+
+def table_split(n_block_min, n_block_max, n_block_left_mask_end, n_block_mask_min, full_lo,
+                full_hi, *, imin=min, imax=max):
+    """`mask_split`'s (n_block_left_mask_end, n_block_mask_min) with the unmasked middle
+    narrowed to a mask table row's [full_lo, full_hi) (Note [mask_mod block table]): still
+    n_block_min <= left_end <= mask_min <= n_block_max. Ints or DSL Int32."""
+    mask_min = imin(imax(imin(n_block_mask_min, full_hi), n_block_min), n_block_max)
+    return imin(imax(n_block_left_mask_end, full_lo), mask_min), mask_min
+
+
 def visit_order(m_block: int, *, seqlen_q: int, seqlen_k: int, m_block_size: int,
                 n_block_size: int, causal: bool, qhead_per_kvhead: int = 1,
                 window_size=(None, None)) -> tuple[list[int], int]:

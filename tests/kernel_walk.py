@@ -7,10 +7,13 @@ and calls the very functions its launch and device code call, on Python ints: th
 every CTA it walks the blocks as each role does and checks, against the math contract
 (`fa4lab.reference.visible_mask`):
 * every role of a CTA visits the same blocks in the same order, each block once, inside
-  [0, ceil(seqlen_k / n_block)) (sm90's fully masked CTA: one block, block 0);
+  [0, ceil(seqlen_k / n_block)) (sm90's fully masked CTA: one block);
 * a block visited without the mask is in bounds and fully visible to every row stored;
 * each stored row sees exactly its visible keys (none skipped, none leaked), and every
   (position, query head) is stored exactly once.
+With a `mask_mod` the CTA narrows its walk with the mod's block table
+(`fa4lab.mods_blocks.block_table`, Note [mask_mod block table] in fa4lab.tiling), a masked
+block also applies the mod and an unmasked one must be visible whole under it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,21 @@ def kernel_of(arch: str, g: int):
     return FlashForwardSm100(plan)
 
 
-def check_walk(arch, sq, sk, g, causal, window=(None, None), heads_kv=2):
+class _Rows:
+    """A (rows, 4) table read as the kernels read theirs, table[m, i], as Python ints."""
+
+    def __init__(self, table):
+        self.table = table.cpu().numpy()
+
+    def __getitem__(self, index):
+        return int(self.table[index])
+
+
+def check_walk(arch, sq, sk, g, causal, window=(None, None), heads_kv=2, mask_mod=None,
+               aux=(), batch=0):
+    """The walk of every CTA of batch row `batch` (the mask_mod's b; its table spans batch +
+    1 rows) against the math contract: see the module's docstring."""
+    user_mask = mask_mod
     from fa4lab.kernels.compile import window_args
     from fa4lab.kernels.device import mask as mask_mod
     from fa4lab.kernels.device import scheduler
@@ -52,15 +69,29 @@ def check_walk(arch, sq, sk, g, causal, window=(None, None), heads_kv=2):
     visible = visible_mask(sq, sk, causal, window_size=window)
     stored = np.zeros((sq, heads_kv * g), dtype=int)
     n_blocks_k = -(-sk // n)
+    table, mod_vis = None, np.ones((heads_kv * g, sq, sk), dtype=bool)
+    if user_mask is not None:
+        import torch
+
+        from fa4lab.mods import kernel_mods
+        from fa4lab.mods_blocks import block_table
+
+        mods = kernel_mods(None, user_mask, aux)
+        table = _Rows(block_table(mods, aux, batch=batch + 1, heads_q=heads_kv * g, seqlen_q=sq,
+                                  seqlen_k=sk, cta_m=kern.cta_m, n_block=n, pack=kern.pack,
+                                  device="cpu"))
+        grid = torch.meshgrid(torch.tensor([batch]), torch.arange(heads_kv * g),
+                              torch.arange(sq), torch.arange(sk), indexing="ij")
+        mod_vis = np.broadcast_to(mods.mask(*grid, aux).numpy(), (1, heads_kv * g, sq, sk))[0]
     for kv in range(heads_kv):
         for m in range(-(-sq * g // kern.cta_m)):
-            n_blocks, n_masked, order = kern.visit_plan(m, sq, sk, left, right)
+            n_blocks, n_masked, order = kern.visit_plan(m, sq, sk, left, right, table)
             walk = [scheduler.visit_block(s, *order) for s in range(n_blocks)]   # load, MMA
             assert len(set(walk)) == len(walk) and all(0 <= b < n_blocks_k for b in walk), walk
             for stage in range(q_stage):
                 if arch == "sm100":   # each Q tile's softmax: its own masked prefix
                     _, n_masked, t_order, unmasked_end = kern.softmax_plan(
-                        stage, m, sq, sk, left, right)
+                        stage, m, sq, sk, left, right, table)
                     walk_t = [scheduler.visit_block(s, *t_order) for s in range(n_masked)]
                     walk_t += list(range(t_order[1] - 1, unmasked_end - 1, -1))
                     assert walk_t == walk, (m, stage, walk_t, walk)
@@ -73,12 +104,15 @@ def check_walk(arch, sq, sk, g, causal, window=(None, None), heads_kv=2):
                 first = np.array([0 if f is None else f for f, _ in bounds])[:, None]
                 end = np.array([e for _, e in bounds])[:, None]
                 pos_head = [unpack_row(r, kv, g) for r in rows]
-                vis = visible[[p for p, _ in pos_head]]
+                vis = visible[[p for p, _ in pos_head]] & mod_vis[
+                    [h for _, h in pos_head], [p for p, _ in pos_head]]
+                shown = mod_vis[[h for _, h in pos_head], [p for p, _ in pos_head]]
                 seen = np.zeros(vis.shape, dtype=bool)
                 for step, b in enumerate(walk):
                     cols = np.arange(b * n, min((b + 1) * n, sk))
                     if step < n_masked:
-                        seen[:, cols] |= (cols[None] < end) & (cols[None] >= first)
+                        seen[:, cols] |= ((cols[None] < end) & (cols[None] >= first)
+                                          & shown[:, cols])
                     else:                       # unmasked: in bounds, all visible
                         assert (b + 1) * n <= sk and vis[:, cols].all(), (m, stage, b)
                         seen[:, cols] = True

@@ -8,8 +8,9 @@ LSE -inf; nothing is NaN; LSE within 1e-3 + 1e-5 * |lse|; two runs agree bit for
 
 Grid (trimmed: every mod configuration is a compile of its own, ~15 s): each ready-made mod
 with tails on both sides; mods with causal, GQA and pack-GQA (the query head of a packed row);
-extreme scores; a mask_mod that leaves rows with no key; softcap then score_mod; and the launch
-cache (a lambda re-created per call compiles once).
+extreme scores; a mask_mod that leaves rows with no key; softcap then score_mod; block skipping
+by the mask_mod's block table (many documents, CTAs whose rows see nothing, an aux tensor edited
+in place); and the launch cache (a lambda re-created per call compiles once).
 """
 
 from __future__ import annotations
@@ -177,6 +178,48 @@ def test_a_mask_mod_can_leave_rows_without_keys():
     for pack_gqa in (False, True):
         q, k, v = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, seed=80)
         _check(q, k, v, causal=True, pack_gqa=pack_gqa, mask_mod=late_rows_most_heads)
+
+
+# ---- block skipping: Note [mask_mod block table] in fa4lab.tiling ---------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_documents_skip_most_blocks(causal):
+    """40 documents of random lengths in 2048 keys (a 2-D per-batch-row table as well): most
+    key blocks of every CTA are skipped, the rest masked or FULL by the block table."""
+    s = 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bounds = torch.randint(0, s, (2, 39), device="cuda", generator=g)
+    doc_ids = (torch.arange(s, device="cuda")[None, :, None] >= bounds[:, None]).sum(-1).int()
+    for i, ids in enumerate((doc_ids[0], doc_ids)):
+        mask_mod, aux = mods.document_mask(ids.contiguous())
+        q, k, v = make_inputs(2, s, s, 4, 4, 128, torch.bfloat16, seed=85 + i)
+        _check(q, k, v, causal=causal, mask_mod=mask_mod, aux_tensors=aux)
+
+
+def test_a_mask_mod_that_hides_every_key_from_some_rows():
+    """Rows [300, 700) see no key under any head (whole CTAs with an empty table row), and a
+    mod that hides everything from everyone."""
+    def middle_rows_hidden(b, h, q_idx, kv_idx):
+        return (q_idx < 300) | (q_idx >= 700)
+
+    def nothing(b, h, q_idx, kv_idx):
+        return kv_idx < 0
+
+    for pack_gqa in (False, True):
+        q, k, v = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, seed=86)
+        _check(q, k, v, pack_gqa=pack_gqa, mask_mod=middle_rows_hidden)
+        _check(q, k, v, causal=True, pack_gqa=pack_gqa, mask_mod=nothing)
+
+
+def test_an_aux_tensor_changed_in_place_rebuilds_the_table():
+    """Note [block table cache]: the table follows doc_ids edited in place."""
+    s = 1000
+    doc_ids = (torch.arange(s, device="cuda") // 100).int()
+    mask_mod, aux = mods.document_mask(doc_ids)
+    q, k, v = make_inputs(1, s, s, 4, 4, 128, torch.bfloat16, seed=87)
+    _check(q, k, v, mask_mod=mask_mod, aux_tensors=aux)
+    doc_ids.copy_((torch.arange(s, device="cuda") // 333).int())
+    _check(q, k, v, mask_mod=mask_mod, aux_tensors=aux)
 
 
 # ---- the launch path -------------------------------------------------------------------------

@@ -111,8 +111,8 @@ def target_arch(arch: str):
 
 
 def fake_args(spec: AttentionSpec, mods=None):
-    """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux and
-    the stream: the kernels' contract.
+    """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
+    mask_blocks and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -121,7 +121,8 @@ def fake_args(spec: AttentionSpec, mods=None):
     no learnable sink (a (heads_q,) float32 tensor of any stride); scale_log2 and pre_scale are
     runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
     window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
-    any (`fa4lab.kernels.device.mods.fake_aux`).
+    any (`fa4lab.kernels.device.mods.fake_aux`); mask_blocks a mask_mod's block table, None
+    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling).
     """
     import cutlass
     import cutlass.cute as cute
@@ -143,13 +144,13 @@ def fake_args(spec: AttentionSpec, mods=None):
     sink = None
     if spec.learnable_sink:
         sink = make_fake_tensor(cutlass.Float32, (hq,), (cute.sym_int64(),), assumed_align=4)
-    from fa4lab.kernels.device.mods import fake_aux
+    from fa4lab.kernels.device.mods import fake_aux, fake_mask_blocks
 
     scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap,
                                        score_mod=mods is not None and mods.score_mod is not None)
     left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
-            cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods),
+            cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
@@ -183,7 +184,8 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
 
     The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
-    window]) and the aux tensors (a tuple, or None) and launches on the current stream (Note
+    window]), the aux tensors (a tuple, or None) and a mask_mod's block table (or None:
+    `fa4lab.mods_blocks.block_table`) and launches on the current stream (Note
     [TVM-FFI launch]); it can be exported with `export_to_c`. `mods` (`fa4lab.mods.KernelMods`)
     compiles a score_mod / mask_mod into the kernel.
     """

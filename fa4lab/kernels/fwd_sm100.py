@@ -237,8 +237,12 @@ class FlashForwardSm100:
         window_left: Int32,   # the window's sides, runtime values (Note [runtime window]); a
         window_right: Int32,  # side the plan's spec does not have is unused
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
-        stream: cuda.CUstream,
+        mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
+        stream: cuda.CUstream,            # block table] in fa4lab.tiling; else None
     ):
+        if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
+            raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
+                             "does: see Note [mask_mod block table] in fa4lab.tiling")
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]
@@ -302,7 +306,7 @@ class FlashForwardSm100:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
-            aux, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+            aux, mask_blocks, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -328,6 +332,7 @@ class FlashForwardSm100:
         window_left: Int32,
         window_right: Int32,
         aux: tuple | None,
+        mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -382,7 +387,7 @@ class FlashForwardSm100:
             cute.arch.setmaxregister_decrease(self.registers["load"])
             self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
                       sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch,
-                      self.visit_plan(m_block, seqlen_q, seqlen_k, *window))
+                      self.visit_plan(m_block, seqlen_q, seqlen_k, *window, mask_blocks))
         # ---------------------------------------------------------------- epilogue (TMA store)
         if warp_idx == self.epilogue_warp:
             cute.arch.setmaxregister_decrease(self.registers["epilogue"])
@@ -397,7 +402,7 @@ class FlashForwardSm100:
                 tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
                 self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
                              m_block, seqlen_q, seqlen_k, scale_log2, pre_scale, head, batch,
-                             aux, *window)
+                             aux, mask_blocks, *window)
                 self.sites.bar_arrive(f"softmax{stage}", "tmem")
         # ---------------------------------------------------------------- correction
         warps = self.correction_warps
@@ -408,7 +413,8 @@ class FlashForwardSm100:
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
                             pipe_epi, m_block, head, batch,
-                            self.visit_plan(m_block, seqlen_q, seqlen_k, *window)[0], seqlen_q,
+                            self.visit_plan(m_block, seqlen_q, seqlen_k, *window,
+                                            mask_blocks)[0], seqlen_q,
                             scale_log2)
             self.sites.bar_arrive("correction", "tmem")
 
@@ -422,7 +428,7 @@ class FlashForwardSm100:
             tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
             self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
                      pipe_q, pipe_kv, pipe_s, pipe_o,
-                     self.visit_plan(m_block, seqlen_q, seqlen_k, *window)[0])
+                     self.visit_plan(m_block, seqlen_q, seqlen_k, *window, mask_blocks)[0])
             tmem.relinquish_alloc_permit()
             self.sites.bar_sync("mma", "tmem")
             tmem.free(tmem_ptr)
@@ -459,20 +465,26 @@ class FlashForwardSm100:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
             barrier_storage=getattr(smem, pb.full).data_ptr(), defer_sync=True, **kw)
 
-    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right):
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None):
         """(n_blocks, n_masked, order) of this CTA (fa4lab.kernels.device.scheduler): it visits
         n_blocks key blocks, none when no row of it sees a key; step s is block
         scheduler.visit_block(s, *order) (Note [block visit order] in fa4lab.tiling), the
-        first n_masked of them masked for some row of the CTA.
+        first n_masked of them masked for some row of the CTA. With a mask_mod, `mask_blocks`
+        is its block table (Note [mask_mod block table] in fa4lab.tiling).
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
         """
         n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
                                              seqlen_q, seqlen_k, left, right)
+        row = scheduler.table_row(mask_blocks, m_block)
+        if row is not None:
+            n_min, n_max = scheduler.table_range(n_min, n_max, row)
         left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
                                                   seqlen_q, seqlen_k, left, right, n_min, n_max)
-        left_run = None if left is None else (n_min, left_end)
+        if row is not None:
+            left_end, mask_min = scheduler.table_split(n_min, n_max, left_end, mask_min, row)
+        left_run = None if left is None and row is None else (n_min, left_end)
         n_masked = (n_max - mask_min) + (left_end - n_min)
         return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
@@ -635,7 +647,7 @@ class FlashForwardSm100:
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
                 pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
-                pre_scale: Float32, head, batch, aux, left, right):
+                pre_scale: Float32, head, batch, aux, mask_blocks, left, right):
         """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, the CTA's blocks in
         its visit order (Note [block visit order] in fa4lab.tiling).
 
@@ -669,7 +681,7 @@ class FlashForwardSm100:
         limit = mask_mod.key_range(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, left, right,
                                    self.pack)
         n_blocks, n_masked, order, unmasked_end = self.softmax_plan(
-            stage, m_block, seqlen_q, seqlen_k, left, right)
+            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
         n_max, mask_min, left_run = order
         mod_rows = None
         if cutlass.const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
@@ -700,7 +712,8 @@ class FlashForwardSm100:
             self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
                        stage=stage)
 
-    def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right):
+    def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right,
+                     mask_blocks=None):
         """(n_blocks, n_masked, order, unmasked_end) of Q tile `stage`'s softmax: it walks the
         CTA's n_blocks blocks, steps [0, n_masked) masked (block scheduler.visit_block(s,
         *order)), then blocks order[1] - 1 down to unmasked_end unmasked.
@@ -710,13 +723,15 @@ class FlashForwardSm100:
         side that order is plain n_max - 1 down, so each Q tile masks only the blocks ITS rows
         need masked: [mask_min, n_max) by the fa4lab.tiling rule for this Q tile (its first
         row, position row_start / g packed: Note [sm100 pack-GQA kernel]) within the CTA's
-        range. With a left side the order puts the CTA's masked runs first, and both Q tiles
-        mask those (each Q tile's own masked blocks are among them: at most one block per edge
-        more than its own rule would mask).
+        range. With a left side (or a mask_mod's block table: its runs need not be the Q tile's
+        own) the order puts the CTA's masked runs first, and both Q tiles mask those (each Q
+        tile's own masked blocks are among them: at most one block per edge more than its own
+        rule would mask).
         """
-        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right)
+        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
+                                                    mask_blocks)
         n_max, mask_min, left_run = order
-        if left is not None:
+        if left_run is not None:
             return n_blocks, n_masked, order, left_run[1]
         _, mask_min = scheduler.mask_split(m_block * self.q_stage + stage, self.m_block,
                                            self.pack, self.n_block, seqlen_q, seqlen_k, left,
@@ -746,8 +761,8 @@ class FlashForwardSm100:
             else:
                 mask_mod.mask_row(tSrS, tScS_t2r, end - n_block * self.n_block,
                                   first - n_block * self.n_block)
-        if cutlass.const_expr(self.has_mask_mod):  # every block: Note [mask_mod blocks]
-            mod_rows.mask(0, tSrS, tScS_t2r, n_block * self.n_block, mask)
+        if cutlass.const_expr(self.has_mask_mod and mask):  # Note [mask_mod blocks]
+            mod_rows.mask(0, tSrS, tScS_t2r, n_block * self.n_block, True)
         block_max = tSrS[0]
         for j in cutlass.range_constexpr(1, cute.size(tSrS)):
             block_max = cute.arch.fmax(block_max, tSrS[j])

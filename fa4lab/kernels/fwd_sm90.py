@@ -231,8 +231,12 @@ class FlashForwardSm90:
         window_left: Int32,   # the window's sides, runtime values (Note [runtime window]); a
         window_right: Int32,  # side the plan's spec does not have is unused
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
-        stream: cuda.CUstream,
+        mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
+        stream: cuda.CUstream,            # block table] in fa4lab.tiling; else None
     ):
+        if const_expr(self.has_mask_mod != (mask_blocks is not None)):
+            raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
+                             "does: see Note [mask_mod block table] in fa4lab.tiling")
         dtype = self.dtype = mQ.element_type
         # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch).
         mQ, mK, mV, mO = [
@@ -287,8 +291,8 @@ class FlashForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            mSink, scale_log2, pre_scale, window_left, window_right, aux, sQ_layout, sK_layout,
-            sV_layout, sO_layout,
+            mSink, scale_log2, pre_scale, window_left, window_right, aux, mask_blocks, sQ_layout,
+            sK_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -309,6 +313,7 @@ class FlashForwardSm90:
         window_left: Int32,
         window_right: Int32,
         aux: tuple | None,
+        mask_blocks: cute.Tensor | None,              # (cta tiles, 4) int32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -343,13 +348,13 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                          mbar_q, pipeline_k, pipeline_v, window_left, window_right)
+                          mbar_q, pipeline_k, pipeline_v, window_left, window_right, mask_blocks)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                          sO, mbar_q, pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
-                         cute.size(mK.shape[0]), scale_log2, pre_scale, aux,
+                         cute.size(mK.shape[0]), scale_log2, pre_scale, aux, mask_blocks,
                          *self.window(window_left, window_right))
         self.sites.finish()
 
@@ -372,12 +377,12 @@ class FlashForwardSm90:
     @cute.jit
     def mask_scores(self, acc_S_mn: cute.Tensor, tScS0_mn: cute.Tensor, limits: cute.Tensor,
                     n_block: Int32, mod_rows, masked: cutlass.Constexpr[bool]):
-        """The key-length / causal / window limits in a masked block, then the mask_mod in
-        every block (Note [mask_mod blocks])."""
+        """The key-length / causal / window limits and the mask_mod in a masked block; an
+        unmasked block is visible whole (Note [mask_mod blocks])."""
         if const_expr(masked):
             mask_mod.apply_limits(acc_S_mn, tScS0_mn, limits, n_block * self.n_block)
-        if const_expr(self.has_mask_mod):
-            mod_rows.mask_mn(acc_S_mn, tScS0_mn, n_block * self.n_block, masked)
+            if const_expr(self.has_mask_mod):
+                mod_rows.mask_mn(acc_S_mn, tScS0_mn, n_block * self.n_block, True)
 
     def make_pipeline(self, smem, x: str):
         """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v")."""
@@ -402,15 +407,19 @@ class FlashForwardSm90:
         """(left, right) for the mask and the block ranges (`mask.window_sides`)."""
         return mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
 
-    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right):
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None):
         """(n_blocks, n_masked, order) of this CTA: it visits n_blocks key blocks, the first
         n_masked of them masked, step s being block scheduler.visit_block(s, *order) (Note
         [block visit order] in fa4lab.tiling). The producer and the consumers both call this,
         so they walk the same blocks in the same order. Block ranges are the whole CTA's (one
         K/V stream feeds every consumer), so a consumer may mask a block its own rows see whole.
+        With a mask_mod, `mask_blocks` is its block table (Note [mask_mod block table]).
         """
         n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
                                              seqlen_q, seqlen_k, left, right)
+        row = scheduler.table_row(mask_blocks, m_block)
+        if row is not None:
+            n_min, n_max = scheduler.table_range(n_min, n_max, row)
         # Note [fully masked CTAs]: a CTA whose rows all see no key (causal or a window's right
         # side with seqlen_q > seqlen_k: the range is [0, 0)) still visits block 0 fully
         # masked, which yields O = 0 and LSE = -inf through the normal path (no special case,
@@ -418,10 +427,12 @@ class FlashForwardSm90:
         n_max = cutlass.max(n_max, n_min + 1)
         left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
                                                   seqlen_q, seqlen_k, left, right, n_min, n_max)
+        if row is not None:
+            left_end, mask_min = scheduler.table_split(n_min, n_max, left_end, mask_min, row)
         # The first block visited is always masked (`first_block`): n_max - 1 in the right run.
         mask_min = cutlass.min(mask_min, n_max - 1)
         left_run = None
-        if left is not None:
+        if left is not None or row is not None:
             left_end = cutlass.min(left_end, mask_min)
             left_run = (n_min, left_end)
         n_masked = (n_max - mask_min) + (left_end - n_min)
@@ -429,7 +440,8 @@ class FlashForwardSm90:
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-             mbar_q, pipeline_k, pipeline_v, window_left: Int32, window_right: Int32):
+             mbar_q, pipeline_k, pipeline_v, window_left: Int32, window_right: Int32,
+             mask_blocks):
         """Producer warp: Q once, then K and V block by block in the visit order (`visit_plan`).
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
@@ -463,7 +475,8 @@ class FlashForwardSm90:
                       tma_bar_ptr=mbar_q)
 
         n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k,
-                                             *self.window(window_left, window_right))
+                                             *self.window(window_left, window_right),
+                                             mask_blocks)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
         cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
@@ -486,7 +499,7 @@ class FlashForwardSm90:
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
                 mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                scale_log2: Float32, pre_scale: Float32, aux, left, right):
+                scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, left, right):
         """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
@@ -528,7 +541,8 @@ class FlashForwardSm90:
         softmax.reset()
 
         # See Note [fully masked CTAs] in visit_plan.
-        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right)
+        n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
+                                                    mask_blocks)
 
         if const_expr(self.pingpong):
             if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first

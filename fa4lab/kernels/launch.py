@@ -16,7 +16,8 @@ window's sizes or the sink's values, which are runtime values (Note [runtime sca
 
 With a score_mod / mask_mod (`fa4lab.mods`) the key also holds the mods' identity, and the
 kernel is compiled in this process, never read from or written to disk (Note [mods in the
-kernels] in `fa4lab.mods`).
+kernels] in `fa4lab.mods`); a mask_mod comes with its block table (`mask_blocks_for`, cached:
+Note [block table cache] in `fa4lab.mods_blocks`).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
@@ -118,6 +119,31 @@ def _build_with_mods(key: tuple, mods):
     return fn
 
 
+@cache
+def cta_tiles(key: tuple) -> tuple[int, int, int]:
+    """(cta_m, n_block, pack) of the kernel of `key`: the tiles a mask_mod's block table is
+    made for (`fa4lab.mods_blocks.block_table`)."""
+    from fa4lab.plan import plan_forward
+
+    plan = plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1])
+    t = plan.tiles
+    pack = plan.spec.qhead_per_kvhead if getattr(t, "pack_gqa", False) else 1
+    return t.m_block * t.q_stage, t.n_block, pack
+
+
+def mask_blocks_for(key: tuple, mods, aux: tuple, q, k):
+    """The block table of `mods`' mask_mod for the kernel of `key` (Note [mask_mod block
+    table] in fa4lab.tiling), or None without a mask_mod."""
+    if mods is None or mods.mask_mod is None:
+        return None
+    from fa4lab.mods_blocks import block_table
+
+    cta_m, n_block, pack = cta_tiles(key)
+    return block_table(mods, aux, batch=q.shape[0], heads_q=q.shape[2], seqlen_q=q.shape[1],
+                       seqlen_k=k.shape[1], cta_m=cta_m, n_block=n_block, pack=pack,
+                       device=q.device)
+
+
 def kernel_for(key: tuple, mods=None):
     """The compiled function of `key` (and of `mods`, a `fa4lab.mods.KernelMods`, by
     `mods.key`), built on the first miss."""
@@ -139,14 +165,16 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     `fa4lab.mods.check_mods` (or None and ())."""
     import torch
 
-    fn = kernel_for(key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                           learnable_sink), mods)
+    key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
+                 learnable_sink)
+    fn = kernel_for(key, mods)
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
     score_mod = mods is not None and mods.score_mod is not None
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
-       *window_args(window_size, sq, k.shape[1]), aux or None)
+       *window_args(window_size, sq, k.shape[1]), aux or None,
+       mask_blocks_for(key, mods, aux, q, k))
     return out, lse
 
 
@@ -185,7 +213,7 @@ def compile_plan(plan, example):
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None)
+           *window_args(window, sq, k.shape[1]), None, None)
         return out
 
     return run, seconds

@@ -8,8 +8,8 @@ of aux tensors (cute.Tensors in global memory). A kernel builds one `ModRows` pe
 * `ModRows.scores` where softcap would be applied (before any mask): the raw q.k becomes the
   scaled (and capped) score the mod expects, then the mod's result (Note [score_mod and the
   scale]);
-* `ModRows.mask` after the block's causal / window / key-length mask: -inf where the mask_mod
-  is False (Note [mask_mod blocks]).
+* `ModRows.mask` after a masked block's causal / window / key-length mask: -inf where the
+  mask_mod is False (Note [mask_mod blocks]).
 
 A row holds scores in a (rows, cols) view, with `cols` the coordinates of a thread's columns in
 the block's own frame (thread 0's compile-time ones plus `col_offset`, as in
@@ -34,12 +34,14 @@ Note [mod indices]
     ones); the mask there is the key-length bound, whatever the mod says.
 
 Note [mask_mod blocks]
-    The kernels cannot know which blocks a mask_mod leaves fully visible or fully hidden: with
-    one, every key block the causal / window range visits is masked by it (per score: the mod
-    and one select), FULL blocks included, and no block is skipped because of the mod. A
-    document or prefix mask therefore costs as much as its causal / window range, not its
-    visible fraction. The block ranges and the loops over them stay as without a mod (the
-    audit holds the binary to the same protocol); only the FULL blocks' kv_idx needs no clamp.
+    With a mask_mod the kernel takes the mod's block table (Note [mask_mod block table] in
+    fa4lab.tiling, built by `fa4lab.mods_blocks.block_table`): the CTA skips the key blocks the
+    mod hides from all its rows and visits the blocks it shows whole to all of them unmasked,
+    without calling the mod; every other visited block is masked, by the key-length / causal /
+    window limits and by the mod, per score (the mod and one select), with kv_idx clamped. So a
+    document or prefix mask costs about its visible fraction, as FlexAttention's BlockMask
+    does, and the loops keep their two kinds (masked, unmasked): the audit holds the binary to
+    the same protocol.
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def fake_aux(mods):
         make_fake_tensor(_AUX_TYPES[dtype], tuple(cute.sym_int() for _ in range(ndim)),
                          tuple(cute.sym_int64() for _ in range(ndim)), assumed_align=4)
         for dtype, ndim in mods.aux_signature)
+
+
+def fake_mask_blocks(mods):
+    """A fake (cta tiles, 4) int32 block table, contiguous, when `mods` has a mask_mod (Note
+    [mask_mod blocks]); None otherwise (the kernel's parameter is then None)."""
+    if mods is None or mods.mask_mod is None:
+        return None
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(Int32, (cute.sym_int(), 4), (4, 1), assumed_align=4)
 
 
 def query_of_row(row, head, seqlen_q, pack: int):

@@ -13,6 +13,8 @@ rows / g) (g = qhead_per_kvhead with pack-GQA, else 1):
   n_block_left_mask_end) (left edge); the blocks between them are FULL;
 * `visit_block`: the block of each step, in the order every role of the CTA walks them (Note
   [block visit order] in fa4lab.tiling: the masked runs first, then the FULL run).
+* `table_row`, `table_range`, `table_split`: with a mask_mod, the range and the FULL run
+  narrowed to the CTA's row of the mod's block table (Note [mask_mod block table] there).
 
 A window side is None (unbounded: a compile-time choice), the constant 0 (causal: right = 0)
 or a runtime Int32 (`window_left` / `window_right`, Note [runtime window] in
@@ -53,6 +55,26 @@ def visit_block(step, n_block_max, n_block_mask_min, left_run=None):
     """The key block of step `step` (`fa4lab.tiling.visit_block`); left_run = (n_block_min,
     n_block_left_mask_end) only with a window's left side."""
     return tiling.visit_block(step, n_block_max, n_block_mask_min, left_run, **_DSL_MIN_MAX)
+
+
+def table_row(mask_blocks, m_block):
+    """(lo, hi, full_lo, full_hi) of CTA tile `m_block` in a mask_mod's block table
+    (`mask_blocks`, (num_m_blocks, 4) int32: Note [mask_mod block table] in fa4lab.tiling), or
+    None without one."""
+    if mask_blocks is None:
+        return None
+    return tuple(mask_blocks[m_block, i] for i in range(4))
+
+
+def table_range(n_block_min, n_block_max, row):
+    """[n_block_min, n_block_max) narrowed to a table row (`fa4lab.tiling.table_range`)."""
+    return tiling.table_range(n_block_min, n_block_max, row[0], row[1], **_DSL_MIN_MAX)
+
+
+def table_split(n_block_min, n_block_max, left_end, mask_min, row):
+    """(left_end, mask_min) narrowed to a table row's full run (`fa4lab.tiling.table_split`)."""
+    return tiling.table_split(n_block_min, n_block_max, left_end, mask_min, row[2], row[3],
+                              **_DSL_MIN_MAX)
 
 
 def num_m_blocks(rows, cta_m):
