@@ -33,9 +33,7 @@ import numpy as np
 from fa4lab.limits import EXP2_CLAMP_LOW, EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR, EXP2_ROUND_MAGIC
 from fa4lab.limits import RESCALE_THRESHOLD as FA4_RESCALE_THRESHOLD
 from fa4lab.reference import check_attention_inputs, kv_head_index, visible_mask
-from fa4lab.spec import LOG2E, resolve_scale
-
-LN2 = math.log(2.0)
+from fa4lab.spec import LN2, LOG2E, resolve_scale
 
 # The failure modes lesson 01 demonstrates; `online_attention(..., mistake=name)`.
 MISTAKES = {

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 LOG2E = math.log2(math.e)  # the kernels work in base 2: Note [exp2 and scale_log2]
+LN2 = math.log(2.0)        # and turn base-2 log-sum-exps back into natural logs
 
 
 def resolve_scale(softmax_scale: Any, head_dim: int) -> float:

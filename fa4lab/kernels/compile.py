@@ -18,7 +18,6 @@ sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForward
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -26,11 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fa4lab.reference import resolve_scale
-from fa4lab.spec import AttentionSpec
+from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
-LOG2E = math.log2(math.e)
 
 # Note [TVM-FFI launch]
 # The kernels are compiled with `--enable-tvm-ffi` and a stream placeholder that reads the

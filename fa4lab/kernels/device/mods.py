@@ -46,16 +46,14 @@ Note [mask_mod blocks]
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 from cutlass.base_dsl.typing import Float
 
 from fa4lab.mods import ModCompileError, call_mod, describe, one_line, where
+from fa4lab.spec import LN2
 
-LN2 = math.log(2.0)
 _AUX_TYPES = {"float32": cutlass.Float32, "int32": cutlass.Int32}
 
 

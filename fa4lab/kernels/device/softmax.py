@@ -37,16 +37,12 @@ rules; `fa4lab.kernels.sharing` counts what of the sm100 kernel runs there).
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
 from fa4lab.kernels.device.pack_gqa import unpack_row
-
-LN2 = math.log(2.0)
-LOG2E = math.log2(math.e)
+from fa4lab.spec import LN2, LOG2E
 
 
 @cute.jit
