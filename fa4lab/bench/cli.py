@@ -69,6 +69,7 @@ from fa4lab.bench.records import (
     default_record_path,
     host_results_of,
     latest_record,
+    latest_summary,
     load_records,
     make_record,
     results_of,
@@ -409,17 +410,10 @@ def describe_host_run(calls: int, repeats: int) -> str:
 
 def recorded_host_summary(directory=None) -> str:
     """The latest host-overhead record as text (what the CPU path prints)."""
-    try:
-        records = load_records(directory, kinds=(HOST_OVERHEAD,))
-    except ValueError as err:
-        return f"could not read the recorded results: {err}"
-    rec = latest_record(records)
-    if rec is None:
-        return f"no recorded host-overhead results in {directory or 'benchmarks/'}"
-    return "\n".join([f"latest recorded host overhead: {Path(rec['path']).name}",
-                      f"  {rec['label']} ({rec['date']}, {rec['gpu']}, "
-                      f"{rec['config'].get('repeats')} x {rec['config'].get('calls')} calls)",
-                      "", format_host_table(host_results_of(rec))])
+    return latest_summary(HOST_OVERHEAD, "host overhead", lambda rec: [
+        f"  {rec['label']} ({rec['date']}, {rec['gpu']}, {rec['config'].get('repeats')} x "
+        f"{rec['config'].get('calls')} calls)", "", format_host_table(host_results_of(rec))],
+        directory)
 
 
 def host_overhead_args(args) -> int:
@@ -477,16 +471,9 @@ def plan_of_decode(args):
 
 def recorded_decode_summary(directory=None) -> str:
     """The latest decode record as text (what the CPU path prints)."""
-    try:
-        records = load_records(directory, kinds=(DECODE,))
-    except ValueError as err:
-        return f"could not read the recorded results: {err}"
-    rec = latest_record(records)
-    if rec is None:
-        return f"no recorded decode results in {directory or 'benchmarks/'}"
-    return "\n".join([f"latest recorded GQA decode: {Path(rec['path']).name}",
-                      f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "",
-                      format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])])
+    return latest_summary(DECODE, "GQA decode", lambda rec: [
+        f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "",
+        format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])], directory)
 
 
 def decode_args(args) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from fa4lab.bench.cli import _arch, _save, command_line
 from fa4lab.bench.features import (
@@ -33,8 +32,7 @@ from fa4lab.bench.records import (
     FAILED,
     FEATURES,
     feature_results_of,
-    latest_record,
-    load_records,
+    latest_summary,
 )
 from fa4lab.bench.sweep import HEAD_DIMS, OURS, PEERS, SEQLENS
 from fa4lab.bench.table import format_features_table
@@ -72,18 +70,13 @@ def plan_of_features(args):
 
 def recorded_features_summary(directory=None) -> str:
     """The latest features record as text (what the CPU path prints)."""
-    try:
-        records = load_records(directory, kinds=(FEATURES,))
-    except ValueError as err:
-        return f"could not read the recorded results: {err}"
-    rec = latest_record(records)
-    if rec is None:
-        return f"no recorded features results in {directory or 'benchmarks/'}"
-    shape = rec["config"].get("shape", {})
-    return "\n".join([f"latest recorded features: {Path(rec['path']).name}",
-                      f"  {rec['label']} ({rec['date']}, {rec['gpu']}, hd{shape.get('head_dim')} "
-                      f"s{shape.get('seqlen')} b{shape.get('batch')} h{shape.get('heads')})", "",
-                      format_features_table(feature_results_of(rec))])
+    def body(rec):
+        shape = rec["config"].get("shape", {})
+        return [f"  {rec['label']} ({rec['date']}, {rec['gpu']}, hd{shape.get('head_dim')} "
+                f"s{shape.get('seqlen')} b{shape.get('batch')} h{shape.get('heads')})", "",
+                format_features_table(feature_results_of(rec))]
+
+    return latest_summary(FEATURES, "features", body, directory)
 
 
 def features_args(args) -> int:

@@ -311,6 +311,19 @@ def latest_record(records: Sequence[dict], *, gpu: str | None = None,
     return None
 
 
+def latest_summary(kind: str, title: str, body, directory=None) -> str:
+    """The newest record of `kind` as text (what each mode prints on a CPU): "latest recorded
+    <title>: <file>" and the lines `body(record)` gives; or why there is none."""
+    try:
+        records = load_records(directory, kinds=(kind,))
+    except ValueError as err:
+        return f"could not read the recorded results: {err}"
+    rec = latest_record(records)
+    if rec is None:
+        return f"no recorded {kind} results in {directory or 'benchmarks/'}"
+    return "\n".join([f"latest recorded {title}: {Path(rec['path']).name}", *body(rec)])
+
+
 def _any_results(record: dict):
     return _rows_of(record, record["kind"] if record["kind"] in _ROWS else None, "a record")
 
