@@ -85,6 +85,27 @@ def rng(request):
     return np.random.default_rng(seed_of(request.node.nodeid))
 
 
+@pytest.fixture
+def gen(rng):
+    """A torch CPU generator seeded from `rng` (torch inputs, reproducible like numpy's)."""
+    import torch
+
+    return torch.Generator().manual_seed(int(rng.integers(2**31)))
+
+
+@pytest.fixture
+def quiet_reference():
+    """Silence fa4lab's SlowReferenceWarning: tests that run the API on CPU tensors on purpose
+    (`pytestmark = pytest.mark.usefixtures("quiet_reference")`)."""
+    import warnings
+
+    from fa4lab.api import SlowReferenceWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        yield
+
+
 # ---- the guard of `make test-fast` --------------------------------------------------------------
 def _compile_forbidden(*args, **kwargs):
     raise RuntimeError(

@@ -4,14 +4,12 @@ block, fake tensors, and no silent gradient loss. On CPU the op computes the flo
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import fa4lab  # noqa: E402
-from fa4lab.api import GradientNotSupportedError, SlowReferenceWarning  # noqa: E402
+from fa4lab.api import GradientNotSupportedError  # noqa: E402
 from fa4lab.reference import attention_reference  # noqa: E402
 
 
@@ -22,16 +20,9 @@ def _qkv(gen, b=2, sq=9, sk=13, hq=4, hkv=2, d=16, dtype=torch.float32, device="
     return r(b, sq, hq, d), r(b, sk, hkv, d), r(b, sk, hkv, d)
 
 
-@pytest.fixture
-def gen(rng):
-    return torch.Generator().manual_seed(int(rng.integers(2**31)))
-
-
 @pytest.fixture(autouse=True)
-def _quiet_reference():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SlowReferenceWarning)
-        yield
+def _quiet(quiet_reference):
+    yield
 
 
 class LlamaBlock(torch.nn.Module):

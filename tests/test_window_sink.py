@@ -16,7 +16,6 @@ Tier 0/1 (the GPU half, against the float64 reference, is tests/test_window_sink
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -163,18 +162,9 @@ def _qkv(gen, b=2, sq=9, sk=13, hq=4, hkv=2, d=16):
             torch.randn(b, sk, hkv, d, generator=gen))
 
 
-@pytest.fixture
-def gen(rng):
-    return torch.Generator().manual_seed(int(rng.integers(2**31)))
-
-
 @pytest.fixture(autouse=True)
-def _quiet_reference():
-    from fa4lab.api import SlowReferenceWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SlowReferenceWarning)
-        yield
+def _quiet(quiet_reference):
+    yield
 
 
 @pytest.mark.parametrize("causal,window", [(False, (3, 2)), (True, (4, None)), (False, (0, 0)),
