@@ -645,17 +645,37 @@ class FlashForwardSm90:
                         masked)
         self.mask_scores(acc_S_mn, tScS0_mn, limits, n_block, mod_rows, masked)
         row_scale = softmax.step(acc_S_mn)
-        warpgroup.wait_group(0)
-        self.release(pipeline_v, prev, "v_empty")
         acc_O_mn = acc_mn_view(acc_O)
+        # The value wgmma's wait in both arms of a warp-uniform branch: Note [sm90 wait after
+        # the softmax].
         if const_expr(self.skip_unneeded_rescale):
-            need = softmax.needs_rescale(row_scale)
-            if need:
+            if softmax.needs_rescale(row_scale):
+                warpgroup.wait_group(0)
                 rescale_rows(acc_O_mn, row_scale)
+            else:
+                warpgroup.wait_group(0)
         else:
+            warpgroup.wait_group(0)
             rescale_rows(acc_O_mn, row_scale)
+        self.release(pipeline_v, prev, "v_empty")
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         return state
+
+    # Note [sm90 wait after the softmax]
+    # The point of the intra-warpgroup overlap is that block j's softmax runs while the value
+    # wgmma of the previous block is still in flight; the consumer waits for it
+    # (wgmma.wait_group 0) only before it touches O (the rescale) or P (the next A operand).
+    # ptxas, though, moves that wait as early as its latency model allows inside a basic
+    # block: with the softmax in the same block it landed among the row-max instructions,
+    # before any exp2, so the value wgmma and the exponentials never overlapped. The wait is
+    # therefore issued in both arms of the rescale branch, which puts a basic-block boundary
+    # between the exponentials and the wait. The branch must be warp-uniform (the rescale
+    # vote is per warp, `OnlineSoftmax.needs_rescale`): a per-thread branch makes ptxas move
+    # the loop's pipeline state out of uniform registers, one R2UR per wgmma descriptor
+    # operand. Measured on an H200, 2026-11-30 (hd128, non-causal, bf16, with the chains of
+    # Note [sm90 softmax chains] in fa4lab.kernels.device.softmax; upstream FA4 in the same run
+    # 635-672): s4096 609 -> 632 TFLOP/s, s8192 616 -> 648, s16384 566 -> 657.
+    # tests/test_sm90_sass.py checks the order in the compiled loop.
 
     @cute.jit
     def release(self, pipe, state, name: str):

@@ -44,13 +44,36 @@ from cutlass import Float32
 from fa4lab.kernels.device.pack_gqa import unpack_row
 from fa4lab.spec import LN2, LOG2E
 
+# Independent accumulators per row reduction (Note [sm90 softmax chains]).
+REDUCE_CHAINS = 4
+
+
+def _reduce_in_chains(values: list, op):
+    """op over `values` as REDUCE_CHAINS interleaved running chains, then a pairwise tree (plain
+    Python at trace time: the order of the emitted instructions)."""
+    chains = list(values[:REDUCE_CHAINS])
+    for j in range(len(chains), len(values)):
+        chains[j % REDUCE_CHAINS] = op(chains[j % REDUCE_CHAINS], values[j])
+    while len(chains) > 1:
+        half = (len(chains) + 1) // 2
+        chains = [op(chains[c], chains[c + half]) if c + half < len(chains) else chains[c]
+                  for c in range(half)]
+    return chains[0]
+
+
+# Note [sm90 softmax chains]
+# A consumer thread holds n_block / 4 scores of each of its rows. Reducing them in one running
+# chain makes every FMNMX (and every FADD of the row sum) wait for the previous one's result;
+# four interleaved chains joined by a small tree give the scheduler independent work to
+# interleave with the MUFU.EX2s, as upstream FA4's `fmax_reduce` does. The sum's order differs
+# from a left-to-right sum only by fp32 rounding.
+
 
 @cute.jit
 def _row_reduce_max(row: cute.Tensor, threads_per_row: cutlass.Constexpr[int]) -> Float32:
-    """Max over a thread's slice of a row, then over the row's threads."""
-    m = row[0]
-    for j in cutlass.range_constexpr(1, cute.size(row)):
-        m = cute.arch.fmax(m, row[j])
+    """Max over a thread's slice of a row (Note [sm90 softmax chains]), then over the row's
+    threads."""
+    m = _reduce_in_chains([row[j] for j in range(cute.size(row))], cute.arch.fmax)
     if cutlass.const_expr(threads_per_row > 1):
         m = cute.arch.warp_reduction_max(m, threads_in_group=threads_per_row)
     return m
@@ -110,7 +133,8 @@ def update_sum(row_sum: Float32, row_scale: Float32, block_sum: Float32) -> Floa
 @cute.jit
 def rescale_needed(row_scale: Float32):
     """True when the row's max moved (Note [conditional rescale]: most blocks move none, so the
-    O multiply is skipped; sm90 votes per thread, sm100 per warp with `warp_rescale_needed`)."""
+    O multiply is skipped; both kernels vote per warp: `warp_rescale_needed`, and on sm90
+    `OnlineSoftmax.needs_rescale`)."""
     return row_scale != Float32(1.0)
 
 
@@ -236,11 +260,10 @@ class OnlineSoftmax:
                 row_scale[r] = scale
             self.row_max[r] = m_new
             m_basis = exp2_basis(m_new, scale_log2)
-            part = Float32(0.0)
             for j in cutlass.range_constexpr(cute.size(row)):
-                p = cute.math.exp2(acc_mn[r, j] * scale_log2 - m_basis, fastmath=True)
-                acc_mn[r, j] = p
-                part = part + p
+                acc_mn[r, j] = cute.math.exp2(acc_mn[r, j] * scale_log2 - m_basis, fastmath=True)
+            part = _reduce_in_chains([acc_mn[r, j] for j in range(cute.size(row))],
+                                     lambda a, b: a + b)
             if cutlass.const_expr(is_first):
                 self.row_sum[r] = part
             else:
@@ -249,12 +272,14 @@ class OnlineSoftmax:
 
     @cute.jit
     def needs_rescale(self, row_scale: cute.Tensor):
-        """True when any of this thread's rows changed its max (`rescale_needed`); the branch is
-        per thread (the rows' quads agree on their own scales)."""
+        """True when any row of the warp changed its max (`rescale_needed`, voted per warp): a
+        warp-uniform branch, which the sm90 kernel's wait relies on (Note [sm90 wait after the
+        softmax] in fa4lab.kernels.fwd_sm90). A row that kept its max has row_scale 1.0, so
+        rescaling it with the others changes nothing."""
         need = rescale_needed(row_scale[0])
         for r in cutlass.range_constexpr(1, self.num_rows):
             need = need or rescale_needed(row_scale[r])
-        return need
+        return cute.arch.vote_ballot_sync(need) != 0
 
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
         rescale_rows(acc_o_mn, row_scale)
