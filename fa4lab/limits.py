@@ -14,7 +14,7 @@ from __future__ import annotations
 # TMEM; the sm100 kernel of this lab builds these.
 KERNEL_HEAD_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
     "sm90": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
-    "sm100": ((64, 64), (96, 96), (128, 128), (192, 128)),
+    "sm100": ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
 }
 # Every pair some kernel builds, sorted.
 ALL_HEAD_DIMS = tuple(sorted({p for pairs in KERNEL_HEAD_DIMS.values() for p in pairs}))

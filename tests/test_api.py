@@ -95,10 +95,10 @@ def test_kernel_input_checks(rng):
     with pytest.raises(ValueError, match=r"\(80, 80\) is not built by the sm90.*sm90 \(H100/H200\)"
                        r": 64, 96, 128, 256.*\(192, 128\).*pad q and k with zeros to head_dim 96"):
         check_inputs(q80, k80, v80, arch="sm90")
-    q256, k256, v256 = _qkv(rng, d=256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"\(256, 256\) is not built by the sm100 kernel; the "
-                                         r"sm90 kernel .* builds it"):
-        check_inputs(q256, k256, v256, arch="sm100")
+    q160, k160, v160 = _qkv(rng, d=160, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(160, 128\) is not built by the sm100 kernel.*pad "
+                                         r"q and k with zeros to head_dim 192"):
+        check_inputs(q160, k160, v160[..., :128].contiguous(), arch="sm100")
     with pytest.raises(ValueError, match="head_dim_v"):
         check_inputs(q, k, v[..., :32].contiguous(), arch="sm90")
     # Built pairs pass the head-dim check (and stop at the next one: CPU tensors).

@@ -5,7 +5,8 @@ Tier 1: no GPU needed, nvidia-cutlass-dsl and pip's CUDA binary tools required.
 The full matrix is head_dim {64, 128} x causal x GQA {1, 4} x LSE x {bf16, fp16} = 32 compiles
 of 3-10 s each on a 2-core machine; CI compiles and audits all of them. Every other
 (head_dim, head_dim_v) pair the kernel builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`)
-compiles once, causal with GQA 4 and LSE (trimmed: one config per extra pair).
+compiles once, causal with GQA 4 and LSE (trimmed: one config per extra pair); head_dim 256 is
+the one-Q-tile plan (Note [S ping-pong] in fa4lab.plan.sm100).
 FA4LAB_QUICK_MATRIX=1 compiles a covering subset instead (every level of every factor at least
 once, and the head_dim 128 causal pair with LSE both ways) for a quick local loop.
 """
@@ -84,6 +85,24 @@ def test_compiles_and_passes_audit(config, tmp_path_factory):
     assert result.row("spill instructions (STL/LDL)").found == 0
     assert result.row("dynamic SMEM bytes").found == cf.plan.smem.total_bytes
     assert result.row("tcgen05.mma (PTX)").found > 0
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_one_q_tile_plan_compiles_and_passes_audit(tmp_path_factory):
+    """The S ping-pong (Note [S ping-pong]) at head_dim 128, where two Q tiles would fit too:
+    q_stage 1 is a plan override, and its kernel audits like every other (head_dim 256, which
+    needs it, is in the matrix)."""
+    from fa4lab.kernels import compile_forward
+
+    plan = plan_forward(_spec(128, True, 4, True, "bf16"), arch="sm100", q_stage=1)
+    assert plan.tiles.q_stage == 1 and plan.barriers.barrier("kv_full").ring == "kv_ahead"
+    cf = compile_forward(plan, arch="sm100a", keep_dir=tmp_path_factory.mktemp("sm100q1"))
+    result = audit_mod.audit_compiled(cf)
+    failures = "\n".join(f"{r.name}: expected {r.expected}, found {r.found}"
+                         for r in result.failures())
+    assert result.ok, failures
+    assert result.row("spill instructions (STL/LDL)").found == 0
 
 
 @pytest.mark.slow

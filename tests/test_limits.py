@@ -37,7 +37,8 @@ def test_head_dims_per_arch():
         text = limits.head_dims_text(arch)
         assert all(str(d) in text for d, dv in pairs)
         assert all(f"({d}, {dv})" in text for d, dv in pairs if d != dv)
-    assert not limits.kernel_builds("sm100", 256, 256) and limits.kernel_builds("sm90", 256)
+    assert limits.kernel_builds("sm100", 256, 256) and limits.kernel_builds("sm90", 256)
+    assert not limits.kernel_builds("sm100", 256, 128)
     with pytest.raises(ValueError, match="sm100"):
         limits.head_dims_for("sm80")
 

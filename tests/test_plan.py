@@ -66,19 +66,28 @@ def test_sm90_defaults_are_fa3_style():
                                             if b.kind == "mbarrier")
 
 
-def test_head_dim_256_on_sm100_explains_the_fallback():
+def test_head_dim_256_on_sm100_is_one_q_tile_with_two_s_buffers():
+    p = plan_forward(spec(256), "sm100")
+    t = p.tiles
+    assert (t.q_stage, t.n_block, t.kv_stage) == (1, 128, 2)
+    cols = {(r.name, r.stage): (r.col_offset, r.columns) for r in p.tmem.regions}
+    assert cols == {("S", 0): (0, 128), ("P", 0): (64, 64), ("S", 1): (128, 128),
+                    ("P", 1): (192, 64), ("O", 0): (256, 256)}
+    assert p.tmem.total_cols == 512 and p.smem.total_bytes <= p.hardware.smem_per_cta
+    assert p.barriers.barrier("kv_full").ring == "kv_ahead"
+    # Two Q tiles do not fit, and the error says what does.
     with pytest.raises(PlanError) as err:
-        plan_forward(spec(256), "sm100")
+        plan_forward(spec(256), "sm100", q_stage=2)
     msg = str(err.value)
     assert "768" in msg and "512" in msg and "256 over" in msg
-    assert "q_stage=1" in msg and "sm90" in msg
+    assert "q_stage=1 fits (512 columns)" in msg
 
 
 def test_over_budget_names_regions_and_a_fitting_override():
-    with pytest.raises(PlanError, match="shared memory.*kv 3x65536.*n_block=64"):
-        plan_forward(spec(256), "sm100", q_stage=1)
-    p = plan_forward(spec(256), "sm100", q_stage=1, n_block=64)
-    assert p.tmem.total_cols == 64 + 256
+    with pytest.raises(PlanError, match="shared memory.*kv 3x65536.*kv_stage=2"):
+        plan_forward(spec(256), "sm100", kv_stage=3)
+    p = plan_forward(spec(256), "sm100", n_block=64)
+    assert p.tmem.total_cols == 2 * 64 + 256
 
 
 def test_unknown_and_bad_overrides():
@@ -172,7 +181,7 @@ def test_the_plans_read_the_shared_limits():
     with pytest.raises(PlanError, match=r"\(80, 80\) is not built by the sm90 kernel"):
         plan_forward(spec(80), "sm90")
     with pytest.raises(PlanError) as err:
-        plan_forward(spec(256), "sm100")
+        plan_forward(spec(256, hd_v=128), "sm100")
     assert head_dims_text("sm100") in str(err.value)
 
 

@@ -34,12 +34,13 @@ def test_answers_supported_specs(capsys, arch, hd, causal, gqa):
     assert f"GQA {gqa}" in out
 
 
-def test_head_dim_256_on_sm100_explains_fallback(capsys):
-    rc, out = run_cli(capsys, "--head-dim", "256")
+def test_head_dim_256_on_sm100_plans_one_q_tile(capsys):
+    rc, out = run_cli(capsys, "--head-dim", "256", "--seqlen", "1024")
+    assert rc == 0 and "q_stage" in out and "no deadlock, no hazard" in out
+    rc, out = run_cli(capsys, "--head-dim", "256", "--q-stage", "2")
     assert rc == EXIT_NO_PLAN
-    assert "TMEM over budget" in out and "768" in out
-    assert "--arch sm90" in out and "--q-stage 1" in out
-    rc, out = run_cli(capsys, "--head-dim", "256", "--format", "json")
+    assert "TMEM over budget" in out and "768" in out and "q_stage=1 fits" in out
+    rc, out = run_cli(capsys, "--head-dim", "256", "--q-stage", "2", "--format", "json")
     assert rc == EXIT_NO_PLAN and "TMEM" in json.loads(out)["error"]
 
 

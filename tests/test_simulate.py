@@ -27,7 +27,9 @@ from fa4lab.plan.simulate import (
 from fa4lab.plan.throughput import block_cycles, predict, tile_classes, useful_flops
 from fa4lab.spec import AttentionSpec
 
-SUPPORTED = [("sm100", 64), ("sm100", 128), ("sm90", 64), ("sm90", 128), ("sm90", 256)]
+# sm100 head_dim 256 plans one Q tile with the S ping-pong (Note [S ping-pong]).
+SUPPORTED = [("sm100", 64), ("sm100", 128), ("sm100", 256), ("sm90", 64), ("sm90", 128),
+             ("sm90", 256)]
 
 
 def spec(hd, causal=False, gqa=1):

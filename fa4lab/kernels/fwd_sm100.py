@@ -20,7 +20,10 @@ the grid, the block ranges, the causal row index and the LSE address change. Com
 audited for sm_100a on CPU; not yet run on a B200.
 
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
-  * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages");
+  * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages"), or with
+    q_stage 1 (head_dim 256) one Q tile whose key blocks ping-pong between the two S buffers
+    (Note [S ping-pong] in fa4lab.plan.sm100: `ping_pong` below; the load, MMA and correction
+    roles have their own code for it, the softmax picks S buffer j % 2 at run time);
   * warp roles (plan.roles): softmax0 / softmax1 (one warpgroup per Q tile), correction
     (rescales O in TMEM, then normalises it into shared memory), mma (one thread issues every
     tcgen05.mma), load (TMA of Q, K, V), epilogue (TMA store of O), empty;
@@ -176,22 +179,31 @@ class FlashForwardSm100:
         self.q_stage = tiles.q_stage
         self.kv_stage = tiles.kv_stage
         self.cta_m = tiles.m_block * tiles.q_stage
-        if self.q_stage != 2 or self.m_block != 128:
-            raise ValueError("FlashForwardSm100 is written for two Q tiles of 128 rows per CTA")
+        if self.q_stage not in (1, 2) or self.m_block != 128:
+            raise ValueError("FlashForwardSm100 is written for one or two Q tiles of 128 rows "
+                             "per CTA")
+        self.ping_pong = self.q_stage == 1   # Note [S ping-pong] in fa4lab.plan.sm100
         self.mma_tiler_qk = (self.m_block, self.n_block, self.head_dim)
         self.mma_tiler_pv = (self.m_block, self.head_dim_v, self.n_block)
         tmem = plan.tmem
-        self.tmem_s_offset = tuple(tmem.s_offset(i) for i in range(self.q_stage))
-        self.tmem_p_offset = tuple(tmem.p_offset(i) for i in range(self.q_stage))
+        s_buffers = plan.barriers.barrier("s_full").stages
+        self.tmem_s_offset = tuple(tmem.s_offset(i) for i in range(s_buffers))
+        self.tmem_p_offset = tuple(tmem.p_offset(i) for i in range(s_buffers))
         self.tmem_o_offset = tuple(tmem.o_offset(i) for i in range(self.q_stage))
+        # Columns from S buffer 0 to buffer 1 (the ping-pong's run-time buffer step).
+        self.s_stride = self.tmem_s_offset[1] - self.tmem_s_offset[0]
+        if self.tmem_p_offset[1] - self.tmem_p_offset[0] != self.s_stride:
+            raise ValueError("the plan's P buffers are not at the S buffers' stride")
         self.tmem_alloc_cols = tmem.alloc_cols
         roles = {r.name: r for r in plan.roles}
-        self.softmax_warps = (roles["softmax0"].warps, roles["softmax1"].warps)
+        self.softmax_warps = tuple(roles[f"softmax{i}"].warps for i in range(self.q_stage))
         self.correction_warps = roles["correction"].warps
         self.mma_warp = roles["mma"].warps[0]
         self.load_warp = roles["load"].warps[0]
         self.epilogue_warp = roles["epilogue"].warps[0]
-        self.empty_warps = roles["empty"].warps if "empty" in roles else ()
+        # Roles with no work ("empty", and with one Q tile "empty_idle"): their setmaxnreg.
+        self.empty_roles = tuple(name for name in roles if name.startswith("empty"))
+        self.empty_warps = {name: roles[name].warps for name in self.empty_roles}
         self.registers = {name: r.registers for name, r in roles.items()}
         self.threads_per_cta = plan.threads_per_cta
         self.rescale_threshold = plan.rescale_threshold
@@ -378,61 +390,130 @@ class FlashForwardSm100:
 
         pipeline.pipeline_init_wait()
 
-        # ---------------------------------------------------------------- empty
-        for w in cutlass.range_constexpr(len(self.empty_warps)):
-            if warp_idx == self.empty_warps[w]:
-                cute.arch.setmaxregister_decrease(self.registers["empty"])
-        # ---------------------------------------------------------------- load
-        if warp_idx == self.load_warp:
-            cute.arch.setmaxregister_decrease(self.registers["load"])
-            self.load(thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-                      sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch,
-                      self.visit_plan(m_block, seqlen_q, seqlen_k, *window, mask_blocks))
-        # ---------------------------------------------------------------- epilogue (TMA store)
-        if warp_idx == self.epilogue_warp:
-            cute.arch.setmaxregister_decrease(self.registers["epilogue"])
-            self.epilogue(tma_atom_O, mO, sO, pipe_epi, m_block, head, batch)
-        # ---------------------------------------------------------------- softmax0 / softmax1
-        for stage in cutlass.range_constexpr(self.q_stage):
-            warps = self.softmax_warps[stage]
-            if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-                cute.arch.setmaxregister_increase(self.registers[f"softmax{stage}"])
-                self.sites.bar_sync(f"softmax{stage}", "tmem")
-                tmem_ptr = tmem.retrieve_ptr(Float32)
-                tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
-                self.softmax(stage, thr_mma_qk, tStS[stage], sScale, pipe_s, pipe_stats,
-                             m_block, seqlen_q, seqlen_k, scale_log2, pre_scale, head, batch,
-                             aux, mask_blocks, *window)
-                self.sites.bar_arrive(f"softmax{stage}", "tmem")
-        # ---------------------------------------------------------------- correction
-        warps = self.correction_warps
-        if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-            cute.arch.setmaxregister_decrease(self.registers["correction"])
-            self.sites.bar_sync("correction", "tmem")
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
-            self.correction(thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
-                            pipe_epi, m_block, head, batch,
-                            self.visit_plan(m_block, seqlen_q, seqlen_k, *window,
-                                            mask_blocks)[0], seqlen_q,
-                            scale_log2)
-            self.sites.bar_arrive("correction", "tmem")
-
-        # ---------------------------------------------------------------- mma
-        # Last in program order: the MMA role updates the tiled MMAs' ACCUMULATE state.
-        if warp_idx == self.mma_warp:
-            cute.arch.setmaxregister_decrease(self.registers["mma"])
-            tmem.allocate(self.tmem_alloc_cols)
-            self.sites.bar_sync("mma", "tmem")
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            tStS, tOtO, tOrP = self.tmem_tensors(thr_mma_qk, thr_mma_pv, tP_layout, tmem_ptr)
-            self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
-                     pipe_q, pipe_kv, pipe_s, pipe_o,
-                     self.visit_plan(m_block, seqlen_q, seqlen_k, *window, mask_blocks)[0])
-            tmem.relinquish_alloc_permit()
-            self.sites.bar_sync("mma", "tmem")
-            tmem.free(tmem_ptr)
+        # The role branches (Note [role branches]); each role's body is a method below.
+        env = dict(warp_idx=warp_idx, tmem=tmem, thr_mma_qk=thr_mma_qk, thr_mma_pv=thr_mma_pv,
+                   tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tP_layout=tP_layout,
+                   tma_atom_Q=tma_atom_Q, mQ=mQ, tma_atom_K=tma_atom_K, mK=mK,
+                   tma_atom_V=tma_atom_V, mV=mV, tma_atom_O=tma_atom_O, mO=mO, mLSE=mLSE,
+                   mSink=mSink, sQ=sQ, sK=sK, sV=sV, sO=sO, sScale=sScale, pipe_q=pipe_q,
+                   pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
+                   pipe_epi=pipe_epi, m_block=m_block, head=head, batch=batch,
+                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
+                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks)
+        sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
+        cw = self.correction_warps
+        if cutlass.const_expr(self.ping_pong):
+            if warp_idx >= sm_first and warp_idx <= sm_last:
+                self.softmax_role(0, env)
+            elif warp_idx >= cw[0] and warp_idx <= cw[-1]:
+                self.correction_role(env)
+            elif warp_idx == self.load_warp:
+                self.load_role(env)
+            elif warp_idx == self.epilogue_warp:
+                self.epilogue_role(env)
+            elif warp_idx == self.mma_warp:
+                self.mma_role(env)
+            else:
+                for name in self.empty_roles:   # a Python loop: one branch per role
+                    warps = self.empty_warps[name]
+                    if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                        self.set_registers(name)
+        else:
+            for name in self.empty_roles:
+                warps = self.empty_warps[name]
+                if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                    self.set_registers(name)
+            if warp_idx == self.load_warp:
+                self.load_role(env)
+            if warp_idx == self.epilogue_warp:
+                self.epilogue_role(env)
+            for stage in cutlass.range_constexpr(self.q_stage):
+                warps = self.softmax_warps[stage]
+                if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                    self.softmax_role(stage, env)
+            if warp_idx >= cw[0] and warp_idx <= cw[-1]:
+                self.correction_role(env)
+            # Last in program order: the MMA role updates the tiled MMAs' ACCUMULATE state.
+            if warp_idx == self.mma_warp:
+                self.mma_role(env)
         self.sites.finish()
+
+    # ---- the role branches' bodies: plain methods, traced where the kernel calls them ----
+    def load_role(self, e):
+        self.set_registers("load")
+        self.load(e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
+                  e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
+                  e["pipe_kv"], e["m_block"], e["head"], e["batch"], self._visit(e))
+
+    def epilogue_role(self, e):
+        self.set_registers("epilogue")
+        self.epilogue(e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"], e["m_block"], e["head"],
+                      e["batch"])
+
+    def softmax_role(self, stage: int, e):
+        role = f"softmax{stage}"
+        self.set_registers(role)
+        self.sites.bar_sync(role, "tmem")
+        tStS, _, _ = self._tmem_views(e)
+        self.softmax(stage, e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"],
+                     e["pipe_stats"], e["m_block"], e["seqlen_q"], e["seqlen_k"],
+                     e["scale_log2"], e["pre_scale"], e["head"], e["batch"], e["aux"],
+                     e["mask_blocks"], *e["window"])
+        self.sites.bar_arrive(role, "tmem")
+
+    def correction_role(self, e):
+        self.set_registers("correction")
+        self.sites.bar_sync("correction", "tmem")
+        _, tOtO, _ = self._tmem_views(e)
+        self.correction(e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"],
+                        e["pipe_o"], e["pipe_stats"], e["pipe_epi"], e["m_block"], e["head"],
+                        e["batch"], self._visit(e)[0], e["seqlen_q"], e["scale_log2"])
+        self.sites.bar_arrive("correction", "tmem")
+
+    def mma_role(self, e):
+        self.set_registers("mma")
+        tmem = e["tmem"]
+        tmem.allocate(self.tmem_alloc_cols)
+        self.sites.bar_sync("mma", "tmem")
+        tStS, tOtO, tOrP, tmem_ptr = self._tmem_views(e, with_ptr=True)
+        n_blocks = self._visit(e)[0]
+        args = (e["tiled_mma_qk"], e["tiled_mma_pv"], e["sQ"], e["sK"], e["sV"])
+        pipes = (e["pipe_q"], e["pipe_kv"], e["pipe_s"], e["pipe_o"])
+        if self.ping_pong:
+            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, n_blocks)
+        else:
+            self.mma(*args, tStS, tOtO, tOrP, *pipes, n_blocks)
+        tmem.relinquish_alloc_permit()
+        self.sites.bar_sync("mma", "tmem")
+        tmem.free(tmem_ptr)
+
+    def _tmem_views(self, e, with_ptr: bool = False):
+        """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
+        tmem_ptr = e["tmem"].retrieve_ptr(Float32)
+        views = self.tmem_tensors(e["thr_mma_qk"], e["thr_mma_pv"], e["tP_layout"], tmem_ptr)
+        return (*views, tmem_ptr) if with_ptr else views
+
+    def _visit(self, e):
+        return self.visit_plan(e["m_block"], e["seqlen_q"], e["seqlen_k"], *e["window"],
+                               e["mask_blocks"])
+
+    # Note [role branches]
+    # With sequential `if`s every warp walks past every role's branch, so a value computed
+    # before them lives through all of them, under each role's setmaxnreg. The one-Q-tile plan
+    # (Note [S ping-pong]) idles a warpgroup at 24 registers and, at head_dim 256, fills the
+    # correction's 80: ptxas spilled such values there (8-14 spill instructions, measured on
+    # the compiled binary). It dispatches through one if/elif chain instead, where a value a
+    # role needs is not live in another's branch. The two-Q-tile plan keeps the sequential
+    # form: as a chain, ptxas spilled its softmax loop state (28 instructions at head_dim 128,
+    # causal), and as sequential `if`s it has none. The audit counts spills for both.
+
+    def set_registers(self, role: str) -> None:
+        """setmaxnreg to the role's count (plan.roles): .inc above the launch budget of 65536 /
+        threads registers per thread, .dec below it (ptxas refuses a .dec above it)."""
+        if self.registers[role] > 65536 // self.threads_per_cta:
+            cute.arch.setmaxregister_increase(self.registers[role])
+        else:
+            cute.arch.setmaxregister_decrease(self.registers[role])
 
     def check_tx_bytes(self, sQ_layout, sK_layout, sV_layout):
         """The TMA boxes bring the bytes the table's full barriers expect."""
@@ -495,14 +576,19 @@ class FlashForwardSm100:
         tO = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C(self.mma_tiler_pv[:2]))
         tP = thr_mma_pv.make_fragment_A(cute.make_tensor(tS.iterator, tP_layout.outer))
         tP = tP[None, None, None, 0]
-        tStS = [cute.make_tensor(tmem_ptr + self.tmem_s_offset[i], tS.layout)
-                for i in range(self.q_stage)]
-        tOtO = [cute.make_tensor(tmem_ptr + self.tmem_o_offset[i], tO.layout)
-                for i in range(self.q_stage)]
-        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem_p_offset[i],
-                                                 dtype=self.dtype), tP.layout)
-                for i in range(self.q_stage)]
+        tStS = [cute.make_tensor(tmem_ptr + c, tS.layout) for c in self.tmem_s_offset]
+        tOtO = [cute.make_tensor(tmem_ptr + c, tO.layout) for c in self.tmem_o_offset]
+        tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + c, dtype=self.dtype), tP.layout)
+                for c in self.tmem_p_offset]
         return tStS, tOtO, tOrP
+
+    @staticmethod
+    def s_buffer(t: cute.Tensor, buffer, s_stride: int) -> cute.Tensor:
+        """`t` (a view of S or P buffer 0, or of a TMEM copy's partition of it) in S buffer
+        `buffer`, a run-time value (Note [S ping-pong]): the same view `s_stride` fp32 columns
+        on per buffer. A 16-bit view (P as the MMA's A operand) moves 2 elements per column."""
+        per_column = 32 // t.element_type.width
+        return cute.make_tensor(t.iterator + buffer * (s_stride * per_column), t.layout)
 
     # ------------------------------------------------------------------ role: load
     @cute.jit
@@ -528,7 +614,10 @@ class FlashForwardSm100:
                                            cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
-        if n_blocks > 0:
+        if cutlass.const_expr(self.ping_pong):
+            self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
+                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit)
+        elif n_blocks > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 q_state = _phase_state(self.q_stage, stage, 1)
                 self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
@@ -560,6 +649,40 @@ class FlashForwardSm100:
                 cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
+
+    @cute.jit
+    def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
+                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit):
+        """One Q tile: Q, K of step 0, then (K of step j + 1, V of step j) per step, then V of
+        the last (the order the MMA warp reads them in: Note [S ping-pong])."""
+        n_blocks, _, order = visit
+        if n_blocks > 0:
+            q_state = _phase_state(1, 0, 1)
+            self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
+                       q_state, stage=0)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, 0],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            # (kv_state advances here, in the loop body: the tracer carries it as a local.)
+            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
+                         scheduler.visit_block(0, *order), False)
+            kv_state.advance()
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
+                             scheduler.visit_block(i + 1, *order), False)
+                kv_state.advance()
+                self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
+                             scheduler.visit_block(i, *order), True)
+                kv_state.advance()
+            self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
+                         scheduler.visit_block(n_blocks - 1, *order), True)
+
+    @cute.jit
+    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, is_v: cutlass.Constexpr[bool]):
+        """TMA of K or V block n into kv_state's ring buffer."""
+        self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                   kv_state, **(self.v_acquire if is_v else {}))
+        cute.copy(atom, gmem[None, n], smem[None, kv_state.index],
+                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
     # ------------------------------------------------------------------ role: mma
     @cute.jit
@@ -634,6 +757,62 @@ class FlashForwardSm100:
                            _phase_state(self.q_stage, stage, 0), stage=stage)
 
     @cute.jit
+    def mma_ping_pong(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
+                      pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks):
+        """One Q tile (Note [S ping-pong]): S(0) = Q K_0^T into S buffer 0; per step j <
+        n_blocks - 1, S(j+1) into buffer (j+1) % 2, then O += P(j) V_j from buffer j % 2; then
+        the last O += P V. Every value MMA commits o_final (the correction waits for it)."""
+        tSrQ = tiled_mma_qk.make_fragment_A(sQ)
+        tSrK = tiled_mma_qk.make_fragment_B(sK)
+        tOrV = tiled_mma_pv.make_fragment_B(sV)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.kv_stage)
+        if n_blocks > 0:
+            self.sites("mma", "wait q_full", pipe_q.consumer_wait, _phase_state(1, 0, 0),
+                       stage=0)
+            self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)   # K_0
+            tiled_mma_qk = self.gemm(tiled_mma_qk, tStS, tSrQ[None, None, None, 0],
+                                     tSrK[None, None, None, kv_state.index], False)
+            self.sites("mma", "commit s_full", pipe_s.producer_commit, _phase_state(2, 0, 0))
+            self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
+            kv_state.advance()
+            for j in cutlass.range(n_blocks - 1, unroll=1):
+                nxt = (j + 1) & 1
+                self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)  # K_j+1
+                tiled_mma_qk = self.gemm(tiled_mma_qk, self.s_buffer(tStS, nxt, self.s_stride),
+                                         tSrQ[None, None, None, 0],
+                                         tSrK[None, None, None, kv_state.index], False)
+                self.sites("mma", "commit s_full", pipe_s.producer_commit,
+                           _phase_state(2, nxt, 0))
+                self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
+                kv_state.advance()
+                tiled_mma_pv = self.value_ping_pong(tiled_mma_pv, tOtO, tOrP, tOrV, pipe_kv,
+                                                    pipe_s, pipe_o, kv_state, j)
+                kv_state.advance()
+            tiled_mma_pv = self.value_ping_pong(tiled_mma_pv, tOtO, tOrP, tOrV, pipe_kv, pipe_s,
+                                                pipe_o, kv_state, n_blocks - 1)
+            self.sites("mma", "commit q_empty", pipe_q.consumer_release, _phase_state(1, 0, 0),
+                       stage=0)
+
+    @cute.jit
+    def value_ping_pong(self, tiled_mma_pv, tOtO, tOrP, tOrV, pipe_kv, pipe_s, pipe_o,
+                        kv_state, j):
+        """O += P(j) V_j for block step j (a run-time value): P from S buffer j % 2 once the
+        softmax wrote it (p_ready), O once the correction is done with it (o_rescaled)."""
+        self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)          # V_j
+        self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
+                   _phase_state(2, j & 1, (j >> 1) & 1))
+        # o_rescaled starts released: the wait of step j passes on parity (j + 1) % 2.
+        self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
+                   _phase_state(1, 0, (j + 1) & 1), stage=0)
+        tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, self.s_buffer(tOrP, j & 1, self.s_stride),
+                                 tOrV[None, None, None, kv_state.index], j > 0)
+        self.sites("mma", "commit o_final", pipe_o.producer_commit, _phase_state(1, 0, 0),
+                   stage=0)
+        self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
+        return tiled_mma_pv
+
+    @cute.jit
     def gemm(self, tiled_mma, acc, tA, tB, accumulate):
         """acc (+)= A B over the K blocks of one tile; accumulate is a runtime flag."""
         for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
@@ -690,17 +869,17 @@ class FlashForwardSm100:
 
         row_max = -Float32.inf
         row_sum = Float32(0.0)
-        s_phase = Int32(0)
+        s_count = Int32(0)    # block steps done: the S buffer's phase (and, ping-pong, index)
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
                 pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
         for i in cutlass.range(n_masked, unroll=1):
-            row_max, row_sum, s_phase, stats_phase = self.softmax_step(
+            row_max, row_sum, s_count, stats_phase = self.softmax_step(
                 scheduler.visit_block(i, n_max, mask_min, left_run), True, row_max, row_sum,
-                s_phase, stats_phase, *step)
+                s_count, stats_phase, *step)
         for n in cutlass.range(mask_min - 1, unmasked_end - 1, -1, unroll=1):
-            row_max, row_sum, s_phase, stats_phase = self.softmax_step(
-                n, False, row_max, row_sum, s_phase, stats_phase, *step)
+            row_max, row_sum, s_count, stats_phase = self.softmax_step(
+                n, False, row_max, row_sum, s_count, stats_phase, *step)
         if n_blocks > 0:
             # Final statistics for the correction warpgroup's normalisation and LSE.
             stats_state = _phase_state(self.q_stage, stage, stats_phase)
@@ -739,14 +918,25 @@ class FlashForwardSm100:
         return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), 0
 
     @cute.jit
-    def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_phase,
+    def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_count,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
                      sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
                      scale_log2: Float32, pre_scale: Float32, mod_rows):
-        """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM."""
-        s_state = _phase_state(self.q_stage, stage, s_phase)
+        """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM.
+
+        `s_count` counts the block steps done. Two Q tiles: S buffer `stage`, phase s_count % 2;
+        ping-pong (Note [S ping-pong]): S buffer s_count % 2, used for the (s_count // 2)-th
+        time, its S and P views moved there at run time."""
+        sb = stage   # the S buffer's index in the table (None: the block step's, run time)
+        if cutlass.const_expr(self.ping_pong):
+            sb = None
+            s_state = _phase_state(2, s_count & 1, (s_count >> 1) & 1)
+            tStS_t2r = self.s_buffer(tStS_t2r, s_count & 1, self.s_stride)
+            tStP_r2t = self.s_buffer(tStP_r2t, s_count & 1, self.s_stride)
+        else:
+            s_state = _phase_state(2, stage, s_count & 1)
         role = f"softmax{stage}"
-        self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=stage)
+        self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=sb)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(thr_load, tStS_t2r, tSrS)
         if cutlass.const_expr(self.softcap and not self.has_score_mod):  # Note [softcap]
@@ -802,9 +992,9 @@ class FlashForwardSm100:
             cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
         cute.arch.fence_view_async_tmem_store()
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
-                   stage=stage)  # P_i is in TMEM
+                   stage=sb)  # P is in TMEM
         row_sum = softmax_mod.update_sum(row_sum, row_scale, block_sum)
-        return row_max, row_sum, s_phase ^ 1, stats_phase ^ 1
+        return row_max, row_sum, s_count + 1, stats_phase ^ 1
 
     # ------------------------------------------------------------------ role: correction
     @cute.jit
@@ -824,6 +1014,9 @@ class FlashForwardSm100:
                            stats_state, stage=stage)
                 stats_state.advance()
                 if i > 0:  # before block 0 O_i holds nothing: the first value MMA overwrites it
+                    if cutlass.const_expr(self.ping_pong):   # O += P(i-1) V is done
+                        self.sites("correction", "wait o_final", pipe_o.consumer_wait,
+                                   _phase_state(1, 0, (i - 1) & 1), stage=0)
                     # A warp rescales only if one of its 32 rows moved its max past the threshold.
                     if softmax_mod.warp_rescale_needed(row_scale):
                         self.correction_rescale(thr_mma_pv, tOtO[stage], tidx, row_scale)
@@ -840,8 +1033,10 @@ class FlashForwardSm100:
                 self.sites("correction", "arrive stats_empty", pipe_stats.consumer_release,
                            stats_state, stage=stage)
                 stats_state.advance()
+                # The last value MMA's commit: the first with two Q tiles, the n-th ping-pong.
+                o_phase = (n_blocks - 1) & 1 if cutlass.const_expr(self.ping_pong) else 0
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           _phase_state(self.q_stage, stage, o_phase), stage=stage)
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None

@@ -184,7 +184,8 @@ def adversary(plan, barrier: str) -> Schedule:
 
 def random_schedules(plan, count: int, seed: int = 0) -> list[Schedule]:
     """`count` interleavings drawn from a fixed seed: each lane 1/32x .. 32x slower."""
-    lanes = sorted({lane for r in plan.roles if r.name != "empty" for lane in _lanes(r.name)})
+    lanes = sorted({lane for r in plan.roles if not r.name.startswith("empty")
+                    for lane in _lanes(r.name)})
     gen = np.random.default_rng(seed)
     choices = (1 / 32, 1 / 4, 1.0, 4.0, 32.0)
     return [Schedule(f"random #{n} (seed {seed})",
@@ -341,6 +342,8 @@ class DataSimulator(Simulator):
             return
         handler = getattr(self, f"_do_{kind}")
         stage = _stage(op)
+        if stage is not None and self.plan.tiles.q_stage == 1:
+            stage = 0            # one Q tile; its S buffers alternate (Note [S ping-pong])
         key = (kind, stage) if kind not in ("load_k", "load_v") else (kind, None)
         count = self.counts[key]
         self.counts[key] += 1
@@ -349,7 +352,7 @@ class DataSimulator(Simulator):
         else:
             tile, step = count, None
         ctx = _Ctx(role, op, index, stage, self.tiles[min(tile, len(self.tiles) - 1)], tile,
-                   step)
+                   step, _buffer(op))
 
         def read(when):
             self._log_reads(ctx, when)
@@ -412,8 +415,9 @@ class DataSimulator(Simulator):
         block = block_of_step(c.tile, c.step)
         data = p.rows(src[c.tile.batch, :, p.kv_head[c.tile.head]], block * n, n)
         s = self._kv_stage(c.op)
+        width = data.shape[1]     # V narrower than K ((192, 128)): the buffer's first columns
         return (f"{what} block {block} of work tile {c.tile_index}",
-                lambda: self.mem.smem["kv"].__setitem__(s, data))
+                lambda: self.mem.smem["kv"][s].__setitem__((slice(None), slice(0, width)), data))
 
     def _do_load_k(self, c):
         return self._load_kv(c, self.problem.k, "K")
@@ -423,15 +427,16 @@ class DataSimulator(Simulator):
 
     def _do_mma_s(self, c):
         # 16-bit products are exact in fp32; the MMA accumulates in fp32.
-        s = self.mem.smem["q"][c.stage] @ self.mem.smem["kv"][self._kv_stage(c.op)].T
+        d = self.plan.tiles.head_dim
+        s = self.mem.smem["q"][c.stage] @ self.mem.smem["kv"][self._kv_stage(c.op)][:, :d].T
         block = block_of_step(c.tile, c.step)
-        return (f"S{c.stage} of block {block} of work tile {c.tile_index}",
-                lambda: self._set_tmem_f32(c.role, "S", c.stage, s))
+        return (f"S{c.buffer} of block {block} of work tile {c.tile_index}",
+                lambda: self._set_tmem_f32(c.role, "S", c.buffer, s))
 
     def _do_mma_pv(self, c):
         dtype = self.problem.dtype
-        p = from_bits16(self._words(c.role, "P", c.stage).view(np.uint16), dtype)
-        o = p @ self.mem.smem["kv"][self._kv_stage(c.op)]
+        p = from_bits16(self._words(c.role, "P", c.buffer).view(np.uint16), dtype)
+        o = p @ self.mem.smem["kv"][self._kv_stage(c.op)][:, :self.plan.tiles.head_dim_v]
         if c.step > 0:     # the first value MMA of a work tile overwrites O
             o = o + self._tmem_f32(c.role, "O", c.stage)
         block = block_of_step(c.tile, c.step)
@@ -447,7 +452,7 @@ class DataSimulator(Simulator):
         block = block_of_step(c.tile, c.step)
         tile_row = (c.tile.m_block * self.plan.tiles.q_stage + c.stage) * self.plan.tiles.m_block
         s = np.where(p.visible(tile_row, self.plan.tiles.m_block, block * n, n),
-                     self._tmem_f32(c.role, "S", c.stage), -np.inf)
+                     self._tmem_f32(c.role, "S", c.buffer), -np.inf)
         got = []
 
         def exp2(x):  # the kernel's split: these column pairs on the FMA pipe, the rest MUFU
@@ -469,8 +474,8 @@ class DataSimulator(Simulator):
     def _do_st_p(self, c):
         sm = self.softmax[c.stage]
         bits = np.ascontiguousarray(sm["p"]).view(np.uint32)
-        return (f"P{c.stage} of {sm['what']}",
-                lambda: self._set_words(c.role, "P", c.stage, bits))
+        return (f"P{c.buffer} of {sm['what']}",
+                lambda: self._set_words(c.role, "P", c.buffer, bits))
 
     def _do_alloc_tmem(self, c):
         def store():
@@ -578,13 +583,23 @@ class _Ctx:
     tile: WorkTile
     tile_index: int
     step: int | None
+    buffer: int | None = None    # the S / P buffer it touches (Note [S ping-pong])
 
 
 def _stage(op) -> int | None:
-    for r in op.reads + op.writes:
-        if r.name in ("q", "S", "P", "O", "o", "stats"):
-            return r.stage
+    """The Q tile an op works for: its Q, O, mailbox or S/P region's index (the S buffer is the
+    Q tile's with two Q tiles; with one, `_effects` takes 0)."""
+    for names in (("q", "O", "o", "stats"), ("S", "P")):
+        for r in op.reads + op.writes:
+            if r.name in names:
+                return r.stage
     return None
+
+
+def _buffer(op) -> int | None:
+    """The S / P buffer an op touches: the Q tile's, or with one Q tile block step j's, j % 2
+    (Note [S ping-pong] in fa4lab.plan.sm100)."""
+    return next((r.stage for r in op.reads + op.writes if r.name in ("S", "P")), None)
 
 
 def _cells(ref) -> tuple:
@@ -601,6 +616,12 @@ def classify(role: str, op) -> str | None:
         return None
     reads = {(r.space, r.name) for r in op.reads}
     writes = {(r.space, r.name) for r in op.writes}
+    # O staged in Q's bytes (plan.smem "o" alias_of "q"): the store reads q, the staging of O,
+    # the one Work op that writes Q's SMEM, writes it.
+    if isinstance(op, Issue) and op.engine == "tma_store" and ("smem", "q") in reads:
+        reads.add(("smem", "o"))
+    if isinstance(op, Work) and ("smem", "q") in writes:
+        writes.add(("smem", "o"))
     if isinstance(op, Issue):
         if op.engine == "tma" and ("smem", "q") in writes:
             return "load_q"
@@ -679,7 +700,9 @@ def _fresh_memory(plan, out: np.ndarray, lse: np.ndarray) -> _Memory:
     return _Memory(
         tmem=np.full((tm.lanes, tm.capacity_cols), POISON, np.uint32),
         smem={"q": np.full((t.q_stage, t.m_block, t.head_dim), nan, np.float32),
-              "kv": np.full((t.kv_stage, t.n_block, t.head_dim), nan, np.float32),
+              # K/V rows in one ring of max(head_dim, head_dim_v) columns
+              "kv": np.full((t.kv_stage, t.n_block, max(t.head_dim, t.head_dim_v)), nan,
+                            np.float32),
               "o": np.full((t.q_stage, t.m_block, t.head_dim_v), nan, np.float32)},
         stats=np.full(2 * t.q_stage * t.m_block, nan, np.float32), out=out, lse=lse)
 

@@ -22,8 +22,9 @@ A program is a tuple of nodes:
 
 Expressions (trips, cond, count, barrier names with {braces}) use: N K/V blocks of the tile,
 M masked blocks, q the Q stages, i the Q stage, c a consumer's index, j the block step.
-Stages: "i" (the Q stage), a number, or a ring slot "K", "V", "K+1", "V-1" (the K or V buffer of
-block step j + d; see Note [ring slots]).
+Stages: "i" (the Q stage), a number, an expression of the block step j ("j % 2": the S buffer of
+the sm100 ping-pong plan, known at run time only), or a ring slot "K", "V", "K+1", "V-1" (the K
+or V buffer of block step j + d; see Note [ring slots]).
 
 Note [ring slots]
 K/V buffers are used in load order. On sm100 K and V share one ring (slot 2j is K of step j,
@@ -31,6 +32,10 @@ K/V buffers are used in load order. On sm100 K and V share one ring (slot 2j is 
 A slot g is stage g % stages, used for the (g // stages)-th time. Block step j is the j-th
 block a CTA visits; the kernels visit K/V blocks from the last (N - 1) down to 0, so step j is
 block N - 1 - j, and the masked blocks (the highest) come first.
+The sm100 ping-pong plan (one Q tile, Note [S ping-pong] in fa4lab.plan.sm100) issues the score
+MMA of step j + 1 before the value MMA of step j, so its loads run one K ahead
+(`ring == "kv_ahead"`): K_0, K_1, V_0, K_2, V_1, ..., K_N-1, V_N-2, V_N-1. Slot of K_s: 0 for
+s = 0, else 2s - 1; of V_s: 2s + 2, but 2N - 1 for the last.
 
 Note [phases from the table]
 The k-th wait of a role on a barrier stage waits for that stage's k-th phase completion; a
@@ -241,11 +246,21 @@ def barrier_name(template: str, env: dict) -> str:
     return re.sub(r"\{([^}]*)\}", sub, template)
 
 
-def ring_slot(barrier, stage: str, j: int) -> tuple[int, int]:
-    """(stage index, use) of ring slot `stage` ("K", "V+1", ...) at block step j."""
+def ring_slot(barrier, stage: str, j: int, n_blocks: int | None = None) -> tuple[int, int]:
+    """(stage index, use) of ring slot `stage` ("K", "V+1", ...) at block step j of a tile of
+    n_blocks (Note [ring slots]; only the "kv_ahead" order needs n_blocks)."""
     m = re.fullmatch(r"([KV])([+-]\d+)?", stage)
     step = j + int(m.group(2) or 0)
-    g = 2 * step + (m.group(1) == "V") if barrier.ring == "kv" else step
+    is_v = m.group(1) == "V"
+    if barrier.ring == "kv":
+        g = 2 * step + is_v
+    elif barrier.ring == "kv_ahead":
+        if n_blocks is None:
+            raise ValueError("a kv_ahead ring slot needs the tile's block count")
+        g = (2 * step + 2 if step < n_blocks - 1 else 2 * step + 1) if is_v else max(
+            2 * step - 1, 0)
+    else:
+        g = step
     return g % barrier.stages, g // barrier.stages
 
 
@@ -253,8 +268,8 @@ def _static(proto, path, body, env, loop, out, counter, folded=False) -> None:
     for n in body:
         if isinstance(n, Op):
             name = barrier_name(n.barrier, env)
-            if n.stage[:1] in ("K", "V"):
-                stage = None
+            if n.stage[:1] in ("K", "V") or not _names(n.stage) <= set(env):
+                stage = None    # a ring slot, or a stage of the block step: run time only
             else:
                 stage = int(evaluate(n.stage, env))
             out.append(Site(path, n.kind, name, stage, loop))
@@ -306,7 +321,7 @@ def expand(proto: Protocol, role: str, threads: int, n_blocks: int, masked_block
 
 def _stage(ex, b, stage: str, env) -> int:
     if stage[:1] in ("K", "V"):
-        return ring_slot(b, stage, env["j"])[0]
+        return ring_slot(b, stage, env["j"], env["N"])[0]
     return int(evaluate(stage, env))
 
 

@@ -404,9 +404,19 @@ def _fixed_text(fixed: float) -> str:
 def risks(plan) -> list[str]:
     out = []
     if plan.arch == "sm100":
-        out += ["head_dim 256 does not fit: S 2x128 + O 2x256 = 768 TMEM columns > 512. "
-                "Fallback: the Hopper-style plan (`--arch sm90`) or `--q-stage 1 --n-block 64` "
-                "(fits, loses the softmax ping-pong).",
+        if plan.tiles.q_stage == 1:
+            out += ["One Q tile per CTA (q_stage 1): a CTA's two S buffers ping-pong over key "
+                    "blocks, so one softmax warpgroup must keep up with the tensor core alone "
+                    "and the correction waits for every value MMA (Note [S ping-pong]); "
+                    "seqlen_q below 128 leaves TMEM lanes idle as with two tiles."]
+        else:
+            from fa4lab.plan.sm100 import tmem_columns
+
+            cols = tmem_columns(2, plan.tiles.n_block, 256)
+            out += [f"head_dim 256 does not fit two Q tiles: {cols} TMEM columns > "
+                    f"{plan.hardware.tmem_columns}. Its plan takes `--q-stage 1` (two S buffers "
+                    f"over one Q tile); the Hopper-style plan is `--arch sm90`."]
+        out += [
                 "A GPU without tcgen05/TMEM (Hopper, Ada, consumer Blackwell sm_120) cannot run "
                 "this plan: dispatch to the sm90 kernel on H100/H200, else to the reference.",
                 "The kernel runs one CTA per work tile (not persistent, unlike upstream FA4): "

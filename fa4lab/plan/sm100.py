@@ -3,13 +3,15 @@
 One CTA owns two Q tiles of 128 rows (q_stage 2). The MMA warp issues tcgen05 MMAs for both;
 two softmax warpgroups ping-pong (while one computes exp2 on its S the tensor core works on the
 other's), a correction warpgroup rescales O in TMEM when a row max grows by more than the
-threshold and runs the epilogue, and single warps issue the TMA loads and stores.
+threshold and runs the epilogue, and single warps issue the TMA loads and stores. With q_stage 1
+(head_dim 256, whose O is 256 columns) one Q tile's consecutive key blocks ping-pong between two
+S buffers instead (Note [S ping-pong]).
 
 Constraints: head_dim a multiple of 16 up to 256, head_dim_v == head_dim or a pair the kernel
-builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`); S + O of every Q stage within the 512 TMEM
-columns (every built pair fits with q_stage 2; head_dim 256 needs q_stage 1); SMEM within the
-per-CTA limit. The tuning choices sit in `SM100_TUNING`, keyed by (head_dim, head_dim_v). The
-role programs for the protocol simulator live here too (`programs`).
+builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`); two S buffers + O of every Q stage within
+the 512 TMEM columns (head_dim 256 needs q_stage 1); SMEM within the per-CTA limit. The
+tuning choices sit in `SM100_TUNING`, keyed by (head_dim, head_dim_v). The role programs for
+the protocol simulator live here too (`programs`).
 
 `pack_gqa=True` (see Note [sm100 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 """
@@ -60,14 +62,22 @@ class Sm100Tuning:
 # descriptors for 12 K steps do not fit 48 registers); upstream keeps three 128-key buffers by
 # packing the ring unevenly ([K 48, V 32, K 48] KiB, a phase-dependent offset for the middle
 # one), a larger kernel change.
+# (256, 256): O is 256 TMEM columns, so one Q tile (q_stage 1, Note [S ping-pong]); Q (64 KiB),
+# two 64 KiB K/V buffers and O staged in Q's bytes make 192 KiB.
 DEFAULT_TUNING = Sm100Tuning()
 SM100_TUNING = {
     (64, 64): DEFAULT_TUNING,
     (96, 96): DEFAULT_TUNING,
     (128, 128): DEFAULT_TUNING,
     (192, 128): Sm100Tuning(n_block=96, o_in_q=True),
+    (256, 256): Sm100Tuning(q_stage=1, kv_stage=2, o_in_q=True),
 }
+# setmaxnreg per role. With q_stage 1 the second softmax warpgroup idles at the minimum, 24, and
+# the MMA warp's warpgroup takes what it leaves: 512 - 192 - 80 - 24 = 216 -> 208 (at head_dim
+# 256 the MMA warp's 16 K steps of descriptors spill at 120; Note [S ping-pong]).
 REGISTERS = {"softmax": 192, "correction": 80, "other": 48}
+REGISTERS_ONE_Q_TILE = {**REGISTERS, "other": 208, "idle": 24}
+S_BUFFERS = 2               # S (and P over it) buffers in TMEM, whatever q_stage
 SOFTMAX_REG_OVERHEAD = 48   # registers a softmax thread needs besides its row of S
 TMEM_BARRIER_ID = 1         # named barrier of the TMEM hand-off (0 is __syncthreads)
 S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per softmax exp2 chunk
@@ -83,18 +93,37 @@ S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per soft
 # nothing to pack, and the plan records pack_gqa=False.
 
 
+# Note [S ping-pong]
+# TMEM holds two S buffers (fp32, n_block columns each, P over the upper half of each: Note
+# [P aliases S] in fa4lab.plan.tmem) and one O per Q stage. With two Q tiles (q_stage 2) S_i is
+# Q tile i's and the two softmax warpgroups take turns with the tensor core. With one Q tile
+# (q_stage 1: head_dim 256, whose O takes 256 of the 512 columns) key block step j uses S
+# buffer j % 2, and the MMA warp issues S(j+1) = Q K_j+1^T before O += P(j) V_j: the tensor
+# core computes the next scores while the one softmax warpgroup exponentiates these (upstream
+# FA4's "S ping-pong"). Three consequences, each in the protocol table:
+#   * the loads run one K ahead (Note [ring slots] in fa4lab.plan.protocol, ring "kv_ahead");
+#   * S(j+1) overwrites buffer (j+1) % 2 = (j-1) % 2 after O += P(j-1) V_j-1 was issued, so the
+#     in-order tensor pipe keeps P(j-1) until it is read, as with two Q tiles;
+#   * when softmax posts block j's row scale, S(j) is complete but O += P(j-1) V_j-1 (issued
+#     after it) may not be: the value MMA commits o_final after EVERY block, and the correction
+#     waits for it before it rescales O (with two Q tiles o_final fires once, after the last).
+
+
 def tmem_columns(q_stage: int, n_block: int, head_dim_v: int) -> int:
-    """S (fp32, n_block cols) and O (fp32, head_dim_v cols) per Q stage; P lives inside S."""
-    return q_stage * n_block + q_stage * head_dim_v
+    """Two S buffers (fp32, n_block cols each; P lives inside S) and O (fp32, head_dim_v cols)
+    per Q stage: Note [S ping-pong]."""
+    return S_BUFFERS * n_block + q_stage * head_dim_v
 
 
 def _tmem_error(spec, tiles: Tiles, limit: int) -> PlanError:
     q, n, dv = tiles.q_stage, tiles.n_block, tiles.head_dim_v
     need = tmem_columns(q, n, dv)
     why = ""
-    if q * dv >= limit:
-        why = (f" O alone needs {q}x{dv}={q * dv} columns, so no n_block helps; q_stage=1 "
-               f"fits TMEM but keeps one Q tile per CTA and loses the softmax ping-pong.")
+    if q > 1 and tmem_columns(1, n, dv) <= limit:
+        why = (f" q_stage=1 fits ({tmem_columns(1, n, dv)} columns): one Q tile whose key "
+               f"blocks ping-pong between the two S buffers (Note [S ping-pong]).")
+    elif q * dv >= limit:
+        why = f" O alone needs {q}x{dv}={q * dv} columns, so no n_block helps."
     fallback = ""
     pair = (spec.head_dim, spec.head_dim_v)
     if pair not in KERNEL_HEAD_DIMS["sm100"]:   # the planner plans any that fit
@@ -102,7 +131,7 @@ def _tmem_error(spec, tiles: Tiles, limit: int) -> PlanError:
                     f"arch='sm90') or q_stage=1; this lab's sm100 kernel builds "
                     f"{head_dims_text('sm100')}.")
     return PlanError(
-        f"TMEM over budget: S {q}x{n} cols + O {q}x{dv} cols (fp32) = {need} columns > "
+        f"TMEM over budget: S {S_BUFFERS}x{n} cols + O {q}x{dv} cols (fp32) = {need} columns > "
         f"{limit} per SM ({need - limit} over) for head_dim {spec.head_dim}.{why}{fallback}")
 
 
@@ -111,13 +140,14 @@ def build_tmem(spec, tiles: Tiles, limit: int) -> TmemPlan:
     if tmem_columns(q, n, dv) > limit:
         raise _tmem_error(spec, tiles, limit)
     regions = []
-    for i in range(q):
+    for i in range(S_BUFFERS):   # Q tile i's S, or with one Q tile block step j's: j % 2
         s = i * n
         regions.append(TmemRegion("S", i, s, n, "fp32", None, "p_ready"))
         # See Note [P aliases S]
         regions.append(TmemRegion("P", i, s + n // 2, n // 2, spec.dtype, "S", "s_full"))
     for i in range(q):
-        regions.append(TmemRegion("O", i, q * n + i * dv, dv, "fp32", None, "o_rescaled"))
+        regions.append(TmemRegion("O", i, S_BUFFERS * n + i * dv, dv, "fp32", None,
+                                  "o_rescaled"))
     total = tmem_columns(q, n, dv)
     return TmemPlan(tuple(regions), total, alloc_columns(total), B200.tmem_lanes, limit)
 
@@ -135,6 +165,11 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
     v_bytes = tiles.n_block * tiles.head_dim_v * eb
     tmem_users = [r for r in roles if r.name.startswith("softmax")
                   or r.name in ("correction", "mma")]
+    # Note [S ping-pong]: with one Q tile the S buffers take turns by block step, and the K/V
+    # loads run one K ahead.
+    pp = q == 1
+    ring = "kv_ahead" if pp else "kv"
+    s_of = "block step j's S (buffer j % 2)" if pp else "S_i = Q_i K^T"
     b = [
         Barrier("q_full", "load", "mma", 1, q, q_bytes, PHASE_FULL,
                 "Q tile i landed in SMEM before the score MMA reads it"),
@@ -143,19 +178,22 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
                 "(tcgen05.commit; one tile per CTA: only its first, released, phase is waited)",
                 starts_released=True),
         Barrier("kv_full", "load", "mma", 1, kv, kv_bytes, PHASE_FULL,
-                "a K or V block landed in its ring buffer before an MMA reads it", ring="kv",
+                "a K or V block landed in its ring buffer before an MMA reads it", ring=ring,
                 tx_bytes_v=v_bytes if v_bytes != kv_bytes else 0),
         Barrier("kv_empty", "mma", "load", 1, kv, 0, PHASE_EMPTY,
                 "the MMAs reading a K/V buffer completed before TMA refills it "
-                "(tcgen05.commit)", starts_released=True, ring="kv"),
-        Barrier("s_full", "mma", softmax, 1, q, 0, PHASE_FULL,
-                "S_i = Q_i K^T is in TMEM (and, the tensor pipe being in order, the value MMA "
-                "before it finished) before softmax_i reads it (tcgen05.commit)",
-                per_role_stage=True),
-        Barrier("p_ready", softmax, "mma", sm_threads, q, 0, PHASE_FULL,
-                "softmax_i read S_i and wrote P_i into TMEM before the value MMA reads P_i and "
-                "the next score MMA overwrites S_i", per_role_stage=True),
+                "(tcgen05.commit)", starts_released=True, ring=ring),
+        Barrier("s_full", "mma", softmax, 1, S_BUFFERS, 0, PHASE_FULL,
+                f"{s_of} is in TMEM (and, the tensor pipe being in order, the value MMA "
+                f"before it finished) before the softmax reads it (tcgen05.commit)",
+                per_role_stage=not pp),
+        Barrier("p_ready", softmax, "mma", sm_threads, S_BUFFERS, 0, PHASE_FULL,
+                "the softmax read S and wrote P over it in TMEM before the value MMA reads P "
+                "and a next score MMA overwrites that S buffer", per_role_stage=not pp),
         Barrier("o_final", "mma", "correction", 1, q, 0, PHASE_FULL,
+                "O += P V_j of every block completed before the correction rescales O for the "
+                "next one, and the last before the epilogue reads O (tcgen05.commit; Note [S "
+                "ping-pong])" if pp else
                 "the last value MMA of a work tile completed before the epilogue reads O_i "
                 "(tcgen05.commit)"),
         Barrier("o_rescaled", "correction", "mma", corr_threads, q, 0, PHASE_EMPTY,
@@ -185,10 +223,11 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
 
 
 def build_roles(q_stage: int) -> tuple[Role, ...]:
-    r = REGISTERS
+    r = REGISTERS if q_stage == 2 else REGISTERS_ONE_Q_TILE
     roles = [Role("softmax0", (0, 1, 2, 3), r["softmax"],
-                  "Q stage 0: S0 from TMEM, row max, exp2 (MUFU + polynomial), row sum, P0 to "
-                  "TMEM; posts rescale factors to the mailbox")]
+                  ("Q stage 0: S0" if q_stage == 2 else "the Q tile: S of block step j from "
+                   "buffer j % 2") + " from TMEM, row max, exp2 (MUFU + polynomial), row sum, "
+                  "P to TMEM over S; posts rescale factors to the mailbox")]
     if q_stage == 2:
         roles.append(Role("softmax1", (4, 5, 6, 7), r["softmax"],
                           "Q stage 1: the same on S1/P1, ping-ponging with softmax0"))
@@ -199,9 +238,12 @@ def build_roles(q_stage: int) -> tuple[Role, ...]:
         Role("mma", (12,), r["other"], "one thread issues every tcgen05.mma and tcgen05.commit"),
         Role("load", (13,), r["other"], "TMA loads of Q tiles and the K/V ring"),
         Role("epilogue", (14,), r["other"], "TMA store of O from SMEM, waits until drained"),
-        Role("empty", (15,) if q_stage == 2 else (4, 5, 6, 7, 15), r["other"],
-             "no work; holds the warpgroup's register count"),
+        Role("empty", (15,), r["other"], "no work; holds the warpgroup's register count"),
     ]
+    if q_stage == 1:
+        roles.append(Role("empty_idle", (4, 5, 6, 7), r["idle"],
+                          "the second softmax warpgroup, idle with one Q tile: its registers go "
+                          "to the MMA warp's warpgroup"))
     return tuple(roles)
 
 
@@ -286,12 +328,15 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
 
     The softmax posts N + 1 times to the mailbox (a row scale per block, then row sum and max);
     the correction's epilogue stages O_i before it releases O_i (o_rescaled); the epilogue warp
-    issues both stores, then drains them.
+    issues both stores, then drains them. With one Q tile the load and MMA programs are those
+    of Note [S ping-pong], the S buffer is the block step's ("j % 2"), and the correction waits
+    for each value MMA before it rescales.
     """
     E = Op   # noqa: N806
     tmem_sync, tmem_done = E("sync", "tmem"), E("named_arrive", "tmem")
     tmem_use = (tmem_sync, Step("TMEM address"))
-    load = (If("N > 0", (
+    pp = q_stage == 1
+    load = _load_ping_pong() if pp else (If("N > 0", (
         per_stage(E("wait", "q_empty", "i"), E("expect_tx", "q_full", "i", one=True),
                   Step("load Q", "i"),
                   If("i == 0", (E("wait", "kv_empty", "K"),
@@ -302,7 +347,8 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
                        E("wait", "kv_empty", "V+1"), E("expect_tx", "kv_full", "V+1", one=True),
                        Step("load V", "V+1"))))),)
     value = (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V"))
-    mma = (Step("alloc TMEM"), *tmem_use, If("N > 0", (
+    mma = (Step("alloc TMEM"), *tmem_use, _mma_ping_pong(), tmem_sync, Step("free TMEM")) if pp \
+        else (Step("alloc TMEM"), *tmem_use, If("N > 0", (
         per_stage(E("wait", "q_full", "i"), If("i == 0", (E("wait", "kv_full", "K"),)),
                   Step("QK", "K"), E("commit", "s_full", "i")),
         E("commit", "kv_empty", "K"),
@@ -317,17 +363,19 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
         E("commit", "kv_empty", "V"),
         per_stage(E("commit", "q_empty", "i")))),
         tmem_sync, Step("free TMEM"))
-    step = (E("wait", "s_full", "i"), Step("ld S", "i"),
+    sb = "j % 2" if pp else "i"    # the S buffer: the block step's, or the Q tile's
+    step = (E("wait", "s_full", sb), Step("ld S", sb),
             E("wait", "stats_empty", "i"), Step("post scale", "i"),
-            E("arrive", "stats_full", "i"), Step("exp2", "i"), Step("st P", "i"),
-            E("arrive", "p_ready", "i"))
+            E("arrive", "stats_full", "i"), Step("exp2", "i"), Step("st P", sb),
+            E("arrive", "p_ready", sb))
     softmax = (*tmem_use, Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
                If("N > 0", (E("wait", "stats_empty", "i"), Step("post row sum", "i"),
                             E("arrive", "stats_full", "i"))),
                tmem_done)
     correction = (*tmem_use, Loop("N", (per_stage(
         E("wait", "stats_full", "i"), Step("read scale", "i"), E("arrive", "stats_empty", "i"),
-        If("j > 0", (Step("rescale O", "i"), E("arrive", "o_rescaled", "i")))),)),
+        If("j > 0", (If("q == 1", (E("wait", "o_final", "i"),)),
+                     Step("rescale O", "i"), E("arrive", "o_rescaled", "i")))),)),
         per_stage(
             If("N > 0", (E("wait", "stats_full", "i"), Step("read row sum", "i"),
                          E("arrive", "stats_empty", "i"), E("wait", "o_final", "i"))),
@@ -344,6 +392,34 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
         Program("correction", ("correction",), correction),
         Program("epilogue", ("epilogue",), epilogue),
     ))
+
+
+def _load_ping_pong() -> tuple:
+    """Note [S ping-pong]: Q, K_0, then (K_j+1, V_j) per step, then V_N-1."""
+    E = Op   # noqa: N806
+
+    def load(slot):
+        return (E("wait", "kv_empty", slot), E("expect_tx", "kv_full", slot, one=True),
+                Step(f"load {slot[0]}", slot))
+    return (If("N > 0", (
+        E("wait", "q_empty", "0"), E("expect_tx", "q_full", "0", one=True), Step("load Q", "0"),
+        *load("K"), Loop("N - 1", (*load("K+1"), *load("V"))), *load("V"))),)
+
+
+def _mma_ping_pong() -> If:
+    """Note [S ping-pong]: S(0); then per step j < N - 1: S(j+1) into buffer (j+1) % 2, and
+    O += P(j) V_j, committing o_final each time; then O += P(N-1) V_N-1."""
+    E = Op   # noqa: N806
+    value = (E("wait", "kv_full", "V"), E("wait", "p_ready", "j % 2"),
+             E("wait", "o_rescaled", "0"), Step("PV", "V"), E("commit", "o_final", "0"),
+             E("commit", "kv_empty", "V"))
+    return If("N > 0", (
+        E("wait", "q_full", "0"), E("wait", "kv_full", "K"), Step("QK", "K"),
+        E("commit", "s_full", "j % 2"), E("commit", "kv_empty", "K"),
+        Loop("N - 1", (E("wait", "kv_full", "K+1"), Step("QK", "K+1"),
+                       E("commit", "s_full", "(j + 1) % 2"), E("commit", "kv_empty", "K+1"),
+                       *value)),
+        *value, E("commit", "q_empty", "0")))
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
@@ -372,6 +448,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
     pv = costs.mma_op_cycles(hw, plan.mma("value"))
     rescale_at = costs.rescale_blocks(n_blocks)
     capped = bool(plan.spec.softcap)   # the softmax also pays the cap (CostModel)
+    pp = t_.q_stage == 1               # Note [S ping-pong]: S buffer j % 2, not the Q tile's
 
     def tref(name, i):
         r = tm.region(name, i)
@@ -387,7 +464,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
     def ring(stage, env):
         """(buffer, block index) of ring slot `stage` at the env's block step."""
         delta = int(stage[1:] or 0)
-        return ring_slot(kv, stage, env["j"])[0], env["N"] - 1 - (env["j"] + delta)
+        return ring_slot(kv, stage, env["j"], env["N"])[0], env["N"] - 1 - (env["j"] + delta)
 
     def load(what, nbytes, stage, env):
         buf, blk = ring(stage, env)
@@ -404,13 +481,15 @@ def _steps(plan: Plan, costs, n_blocks: int):
             return load(w[-1], kv_bytes[w[-1]], stage, env)
         if w == "QK":
             buf, blk = ring(stage, env)
-            return [Issue("tensor", f"S{i}=Q{i}K{blk}", qk,
-                          reads=(sref("q", i), sref("kv", buf)), writes=(tref("S", i),))]
+            sb = (env["j"] + int(stage[1:] or 0)) % 2 if pp else i
+            return [Issue("tensor", f"S{sb}=Q{i}K{blk}", qk,
+                          reads=(sref("q", i), sref("kv", buf)), writes=(tref("S", sb),))]
         if w == "PV":
             buf, blk = ring(stage, env)
+            pb = env["j"] % 2 if pp else i
             o_reads = (tref("O", i),) if env["j"] > 0 else ()
-            return [Issue("tensor", f"O{i}+=P{i}V{blk}", pv,
-                          reads=(tref("P", i), sref("kv", buf)) + o_reads,
+            return [Issue("tensor", f"O{i}+=P{pb}V{blk}", pv,
+                          reads=(tref("P", pb), sref("kv", buf)) + o_reads,
                           writes=(tref("O", i),))]
         if w == "alloc TMEM":
             return [Work("alloc TMEM", 0, writes=(sref("tmem_ptr", 0),))]
@@ -419,14 +498,16 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w == "free TMEM":
             return [Work("free TMEM", 0, writes=(Ref("tmem", "all", 0, 0, tm.total_cols),))]
         if w == "ld S":
-            return [Work(f"ld S{i}", costs.tmem_cycles(m * n * acc_b), reads=(tref("S", i),))]
+            return [Work(f"ld S{stage}", costs.tmem_cycles(m * n * acc_b),
+                         reads=(tref("S", stage),))]
         if w in ("post scale", "post row sum"):
             return [Work(w, 8, writes=(sref("stats", i),))]
         if w == "exp2":
             cycles = costs.softmax_cycles(hw, m * n, f, env["tag"] == "masked", capped)
             return [Work(f"exp2 S{i}", cycles, unit="mufu")]
         if w == "st P":
-            return [Work(f"st P{i}", costs.tmem_cycles(m * n * eb), writes=(tref("P", i),))]
+            return [Work(f"st P{stage}", costs.tmem_cycles(m * n * eb),
+                         writes=(tref("P", stage),))]
         if w in ("read scale", "read row sum"):
             return [Work(w, 8, reads=(sref("stats", i),))]
         if w == "rescale O":   # the kernel rescales when a row max moved: costs' rate

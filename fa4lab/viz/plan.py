@@ -156,7 +156,7 @@ def role_table_html(plan) -> str:
 
 # ---- barrier graph ----
 def _node_positions(plan) -> dict[str, tuple[float, float]]:
-    names = [r.name for r in plan.roles if r.name != "empty"]
+    names = [r.name for r in plan.roles if not r.name.startswith("empty")]
     fixed = {"load": (0.0, 0.5), "mma": (1.3, 0.5), "softmax0": (2.6, 1.0),
              "softmax1": (2.6, 0.0), "correction": (3.9, 0.5), "epilogue": (5.2, 0.5),
              "consumer0": (1.6, 0.95), "consumer1": (1.6, 0.05)}
@@ -323,9 +323,10 @@ def _tmem_view(head_dim, n_block, q_stage):
 
     plan = plan_forward(_spec(head_dim), "sm100", n_block=n_block, q_stage=q_stage)
     tm = plan.tmem
-    text = (f"S {q_stage}x{n_block} + O {q_stage}x{head_dim} = {tm.total_cols} of "
-            f"{tm.capacity_cols} columns (alloc {tm.alloc_cols}); P{'0/1' if q_stage == 2 else '0'}"
-            f" reuse S's upper {n_block // 2} columns; SMEM {plan.smem.total_bytes} of "
+    n_s = sum(r.name == "S" for r in tm.regions)
+    text = (f"S {n_s}x{n_block} + O {q_stage}x{head_dim} = {tm.total_cols} of "
+            f"{tm.capacity_cols} columns (alloc {tm.alloc_cols}); each P reuses its S's upper "
+            f"{n_block // 2} columns; SMEM {plan.smem.total_bytes} of "
             f"{plan.smem.limit_bytes} bytes")
     return View(draw_tmem(plan), text)
 
