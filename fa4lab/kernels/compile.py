@@ -219,6 +219,22 @@ class CompiledForward:
         return self.ptx_path.read_text()
 
 
+def _tiles_suffix(plan, arch: str) -> str:
+    """"" for the spec's own plan; "-m128n64q1kv2" for a plan with overridden tiles, so that
+    two plans of one spec (q_stage 1 and 2, say) keep their artifacts apart."""
+    from fa4lab.errors import PlanError
+
+    t = plan.tiles
+    shape = (t.m_block, t.n_block, t.q_stage, t.kv_stage)
+    try:
+        own = _plan_of(plan.spec, ARCHS[arch]).tiles
+    except PlanError:       # the spec plans only with overrides
+        own = None
+    if own is not None and shape == (own.m_block, own.n_block, own.q_stage, own.kv_stage):
+        return ""
+    return "-m{}n{}q{}kv{}".format(*shape)
+
+
 def _plan_of(spec_or_plan, plan_arch: str):
     if isinstance(spec_or_plan, AttentionSpec):
         from fa4lab.plan import plan_forward
@@ -266,7 +282,7 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
     root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
-    keep = root / (config_name(plan.spec, arch)
+    keep = root / (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
                    + ("-mutated" if mutation is not None else "")
                    + ("-mods" if mods else ""))

@@ -183,6 +183,7 @@ class FlashForwardSm100:
             raise ValueError("FlashForwardSm100 is written for one or two Q tiles of 128 rows "
                              "per CTA")
         self.ping_pong = self.q_stage == 1   # Note [S ping-pong] in fa4lab.plan.sm100
+        self.role_chain = self.ping_pong      # Note [role branches]
         self.mma_tiler_qk = (self.m_block, self.n_block, self.head_dim)
         self.mma_tiler_pv = (self.m_block, self.head_dim_v, self.n_block)
         tmem = plan.tmem
@@ -402,9 +403,12 @@ class FlashForwardSm100:
                    pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
-        if cutlass.const_expr(self.ping_pong):
+        if cutlass.const_expr(self.role_chain):
             if warp_idx >= sm_first and warp_idx <= sm_last:
-                self.softmax_role(0, env)
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    warps = self.softmax_warps[stage]
+                    if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                        self.softmax_role(stage, env)
             elif warp_idx >= cw[0] and warp_idx <= cw[-1]:
                 self.correction_role(env)
             elif warp_idx == self.load_warp:
@@ -414,15 +418,9 @@ class FlashForwardSm100:
             elif warp_idx == self.mma_warp:
                 self.mma_role(env)
             else:
-                for name in self.empty_roles:   # a Python loop: one branch per role
-                    warps = self.empty_warps[name]
-                    if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-                        self.set_registers(name)
+                self.empty_role(warp_idx)
         else:
-            for name in self.empty_roles:
-                warps = self.empty_warps[name]
-                if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-                    self.set_registers(name)
+            self.empty_role(warp_idx)
             if warp_idx == self.load_warp:
                 self.load_role(env)
             if warp_idx == self.epilogue_warp:
@@ -437,6 +435,14 @@ class FlashForwardSm100:
             if warp_idx == self.mma_warp:
                 self.mma_role(env)
         self.sites.finish()
+
+    @cute.jit
+    def empty_role(self, warp_idx):
+        """The roles with no work: their setmaxnreg (one branch per role: a Python loop)."""
+        for name in self.empty_roles:
+            warps = self.empty_warps[name]
+            if warp_idx >= warps[0] and warp_idx <= warps[-1]:
+                self.set_registers(name)
 
     # ---- the role branches' bodies: plain methods, traced where the kernel calls them ----
     def load_role(self, e):

@@ -18,9 +18,14 @@ TMEM_MIN_ALLOC = 32
 # Softmax reads S_i (fp32, n_block columns) into registers, computes P_i = exp2(...) in 16 bits
 # and stores it back into S_i's upper n_block/2 columns (two 16-bit values per 32-bit column).
 # The value MMA reads P_i from TMEM as its A operand. S_i is overwritten by the next score MMA
-# only after the value MMA that read P_i was issued: both are issued by the same MMA warp and
-# tcgen05 MMAs complete in order, so that reuse needs no barrier of its own; the barrier that
-# makes it safe is p_ready (softmax has finished reading S_i and writing P_i).
+# only after the value MMA that read P_i was issued, both by the same MMA thread. That reuse has
+# no barrier of its own: it rests on the tensor core executing tcgen05.mma in issue order. The
+# PTX ISA ("Pipelined tcgen05 Instructions", #tcgen05-memory-consistency-model-pipelined-
+# instructions) guarantees mma -> mma order only for the same accumulator and shape, which
+# this pair (P V into O, then Q K^T into S) is not; FA4 relies on the hardware's issue order
+# here, and so does this plan. It is the one ordering in the protocol without a barrier. The
+# barrier that makes the reuse safe otherwise is p_ready (softmax has finished reading S_i and
+# writing P_i).
 
 
 @dataclass(frozen=True)
