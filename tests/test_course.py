@@ -32,6 +32,14 @@ EXERCISES = {
     "02_tiles_masks_gqa.ipynb": [
         ("n_block_range", "my_n_block_range", exercises.check_n_block_range),
         ("classify_tiles", "my_classify_tiles", exercises.check_classify_tiles)],
+    "03_tmem_layout.ipynb": [("allocate_tmem", "my_allocate_tmem", exercises.check_allocate_tmem)],
+    "04_roles_and_barriers.ipynb": [("lse_program", "lse_program", exercises.check_lse_program)],
+    "05_b200_kernel.ipynb": [("softcap_score_mod", "softcap_score_mod",
+                              exercises.check_softcap_score_mod)],
+    "06_hopper_port.ipynb": [("chunked_local_mask", "chunked_local_mask",
+                              exercises.check_chunked_local_mask)],
+    "08_design_your_variant.ipynb": [("prediction_held", "prediction_held",
+                                      exercises.check_prediction_held)],
 }
 
 
@@ -81,7 +89,9 @@ def test_every_exercise_has_task_solution_and_locked_test_cell():
 
 def test_instructor_solutions_do_not_call_what_they_are_graded_against():
     graded = {"update_state": "osm.update_state", "merge_states": "osm.merge_states",
-              "n_block_range": "tiling.", "classify_tiles": "tiling."}
+              "n_block_range": "tiling.", "classify_tiles": "tiling.", "allocate_tmem": "plan",
+              "lse_program": "plan.protocol.program", "chunked_local_mask": "same_chunk",
+              "softcap_score_mod": "reference", "prediction_held": "judge"}
     for name, exs in EXERCISES.items():
         for grade_id, _, _ in exs:
             assert graded[grade_id] not in _solution_source(name, grade_id), grade_id

@@ -73,5 +73,5 @@ def test_readme_carries_the_lesson_table():
     readme = (NOTEBOOKS[0].parents[1] / "README.md").read_text()
     block = readme.split("<!-- lessons:begin -->\n")[1].split("\n<!-- lessons:end -->")[0]
     assert block == lesson_table_markdown(), (
-        "README.md's notebook table is stale: paste `python -m fa4lab.lessons` between the "
-        "lessons markers")
+        "README.md's notebook table is stale: run `python -m fa4lab.lessons`, which rewrites it "
+        "between the lessons markers")

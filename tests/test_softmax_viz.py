@@ -37,18 +37,42 @@ def test_block_stepper_moves_with_the_slider(qkv):
     q, k, v = qkv
     stepper = BlockStepper(q, k, v, block_n=16, causal=True)
     slider = stepper.controls["block"]
-    assert slider.min == 0 and slider.max == 6                       # 100 keys: 6 blocks + tail
-    assert "after block 0</b> of 0..6" in stepper.text.value         # counted as the slider is
+    assert slider.min == 1 and slider.max == 7                       # 100 keys: 6 blocks + tail
+    assert slider.value == 1
+    assert "after block 1</b> of 7 (keys 0..15)" in stepper.text.value
     first_png, first_text = stepper.image.value, stepper.text.value
-    slider.value = 3
-    assert "after block 3" in stepper.text.value and "after block 0" not in stepper.text.value
+    slider.value = 4
+    assert "after block 4</b> of 7" in stepper.text.value and "after block 1" not in \
+        stepper.text.value
     assert stepper.image.value != first_png and stepper.text.value != first_text
-    assert "keys 48..63" in stepper.text.value
-    slider.value = 6                                                  # the tail block
+    assert "keys 48..63" in stepper.text.value                       # the fourth block
+    slider.value = 7                                                  # the tail block
     assert "keys 96..99" in stepper.text.value
     # after the last block the partial output is the answer
     np.testing.assert_allclose(stepper.trace.partial_out(6), stepper.trace.out)
-    with pytest.raises(ValueError, match="out of range"):
-        stepper.render_block(7)
+    for outside in (0, 8):
+        with pytest.raises(ValueError, match="out of range"):
+            stepper.render_block(outside)
     bundle = stepper._repr_mimebundle_()
     assert "image/png" in bundle
+
+
+def test_block_stepper_counts_like_its_slider(qkv):
+    """Every slider position: the label names the same block number, out of the slider's
+    maximum, and its key range is that block's; the row_max plot counts blocks the same way."""
+    q, k, v = qkv
+    stepper = BlockStepper(q, k, v, block_n=32, causal=False)
+    slider = stepper.controls["block"]
+    n = len(stepper.trace.steps)
+    assert (slider.min, slider.max) == (1, n)
+    assert f"over {n} K/V blocks" in stepper.title
+    for block in range(slider.min, slider.max + 1):
+        slider.value = block
+        n0, n1 = stepper.trace.blocks[block - 1]
+        assert f"after block {block}</b> of {slider.max} (keys {n0}..{n1 - 1})" in \
+            stepper.text.value
+    fig = plot_row_max(stepper.trace)
+    xs = fig.axes[0].lines[0].get_xdata()
+    assert (min(xs), max(xs)) == (slider.min, slider.max)
+    plt.close(fig)
+

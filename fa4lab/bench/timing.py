@@ -21,8 +21,8 @@ WARMUP_MS = 25
 REP_MS = 100
 SPIN_UP_S = 0.3  # see Note [clock ramp]
 GEMM_SIZE = 8192
-# The L2 the rotation rule (see Note [cold L2]) plans for: at most the H200's
-# (`fa4lab.hardware.H200_L2_BYTES`, the full GH100 die's 60 MB), so it errs on the safe side.
+# The L2 the rotation rule (see Note [cold L2]) plans for: the H200's, as the device reports it
+# (`fa4lab.hardware.H200_L2_BYTES`; Note [H200 L2] there has both figures and their sources).
 L2_BYTES = H200_L2_BYTES
 
 

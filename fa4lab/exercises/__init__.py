@@ -9,14 +9,25 @@ returns a one-line summary.
 
     notebook 01: check_update_state, check_merge_states       (fa4lab.online_softmax)
     notebook 02: check_n_block_range, check_classify_tiles    (fa4lab.tiling)
+    notebook 03: check_allocate_tmem                          (fa4lab.plan: plan.tmem)
+    notebook 04: check_lse_program                            (fa4lab.plan.simulate)
+    notebook 05: check_softcap_score_mod                      (fa4lab.mods, the sm100 kernel)
+    notebook 06: check_chunked_local_mask                     (fa4lab.mods, the sm90 kernel)
+    notebook 08: check_prediction_held                        (fa4lab.variants.judge)
 
 Each check takes `seed=` to replay a failure (messages quote the seed). Releasing and grading
 the notebooks: `fa4lab.exercises.notebook`, or `python -m fa4lab.exercises release|grade`.
 """
 
 from fa4lab.exercises._core import ExerciseFailed
+from fa4lab.exercises.barriers import check_lse_program
+from fa4lab.exercises.experiment import check_prediction_held
+from fa4lab.exercises.masks import check_chunked_local_mask
 from fa4lab.exercises.softmax import check_merge_states, check_update_state
 from fa4lab.exercises.tiles import check_classify_tiles, check_n_block_range
+from fa4lab.exercises.tmem import check_allocate_tmem
+from fa4lab.exercises.variants import check_softcap_score_mod
 
 __all__ = ["ExerciseFailed", "check_update_state", "check_merge_states", "check_n_block_range",
-           "check_classify_tiles"]
+           "check_classify_tiles", "check_allocate_tmem", "check_lse_program",
+           "check_softcap_score_mod", "check_chunked_local_mask", "check_prediction_held"]

@@ -2,6 +2,9 @@
 
 Each function returns a matplotlib Figure; `BlockStepper` is a `LiveFigure` with one slider,
 `block`, that steps through the K/V blocks of an `online_attention(..., trace=True)` run.
+Blocks are counted as a reader counts them, from 1: "block 3 of 7" is the third block
+processed, in the slider, the stepper's table and the x axis of `plot_row_max` alike (the
+trace's lists index it as 2).
 
     from fa4lab.viz.softmax import BlockStepper, plot_row_max
     BlockStepper(q, k, v, block_n=32)          # last expression of a notebook cell
@@ -34,7 +37,7 @@ def plot_row_max(trace: OnlineTrace, *, rows: Sequence[int] = (0, 1, 2), batch: 
     """The basis row_max (solid) against the true running max (dashed) after each block, in
     log2 units, with a marker where the state was rescaled."""
     fig, ax = subplots(figsize=(7, 3.4))
-    steps = np.arange(len(trace.steps))
+    steps = np.arange(1, len(trace.steps) + 1)      # blocks counted from 1, as the stepper
     for c, r in enumerate(rows):
         color = f"C{c}"
         basis = np.array([s.row_max_after[batch, head, r] for s in trace.steps]) * trace.scale_log2
@@ -46,7 +49,7 @@ def plot_row_max(trace: OnlineTrace, *, rows: Sequence[int] = (0, 1, 2), batch: 
                 label=f"row {r}: true running max")
         ax.plot(steps[hit], basis[hit], "o", color=color, ms=6, mfc="none")
     ax.plot([], [], "ko", mfc="none", label="rescale event")
-    ax.set_xlabel("K/V block (processing order)")
+    ax.set_xlabel("K/V blocks processed (block k of n, in processing order)")
     ax.set_ylabel("max score x scale_log2 (log2 units)")
     thr = trace.rescale_threshold
     ax.set_title(title or (f"threshold {thr:g}: {trace.rescales} rescales, "
@@ -127,16 +130,17 @@ class BlockStepper(LiveFigure):
         self.rows = [r for r in rows if r < seqlen_q] or [0]
         self.batch, self.head = batch, head
         n = len(self.trace.steps)
-        slider = widgets.IntSlider(value=0, min=0, max=n - 1, step=1, description="block",
+        slider = widgets.IntSlider(value=1, min=1, max=n, step=1, description="block",
                                    continuous_update=False)
         super().__init__({"block": slider}, self.render_block,
                          title=f"online softmax over {n} K/V blocks of {block_n} keys "
                                f"(threshold {rescale_threshold:g})")
 
     def state_html(self, block: int) -> str:
+        """The table of the rows' state after block `block` (1 = the first processed)."""
         t, b, h = self.trace, self.batch, self.head
-        step = t.steps[block]
-        n0, n1 = t.blocks[block]
+        step = t.steps[block - 1]
+        n0, n1 = t.blocks[block - 1]
         head_row = ("<tr><th>row</th><th>block max</th><th>row_max before</th>"
                     "<th>row_max after</th><th>alpha</th><th>rescaled</th><th>row_sum</th></tr>")
         cells = []
@@ -148,18 +152,19 @@ class BlockStepper(LiveFigure):
                 f"<td>{f(step.row_max_after)}</td><td>{step.alpha[b, h, r]:.4g}</td>"
                 f"<td>{'yes' if step.rescaled[b, h, r] else 'no'}</td>"
                 f"<td>{step.row_sum[b, h, r]:.6g}</td></tr>")
-        done = sum(int(s.rescaled.sum()) for s in t.steps[:block + 1])
-        return (f"<div><b>after block {block}</b> of 0..{len(t.steps) - 1} (keys {n0}..{n1 - 1}); "
+        done = sum(int(s.rescaled.sum()) for s in t.steps[:block])
+        return (f"<div><b>after block {block}</b> of {len(t.steps)} (keys {n0}..{n1 - 1}); "
                 f"maxima in log2 units (score x scale_log2); rescales so far "
                 f"(all rows): {done}</div>"
                 f"<table style='font-family:monospace;font-size:12px'>{head_row}"
                 f"{''.join(cells)}</table>")
 
     def render_block(self, block: int) -> View:
+        """The view after block `block`, counted from 1 as the slider counts."""
         t, b, h = self.trace, self.batch, self.head
-        if not 0 <= block < len(t.steps):
-            raise ValueError(f"block {block} is out of range 0..{len(t.steps) - 1}")
-        partial = t.partial_out(block)[b, :, h]          # (seqlen_q, head_dim_v)
+        if not 1 <= block <= len(t.steps):
+            raise ValueError(f"block {block} is out of range: blocks are counted 1..{len(t.steps)}")
+        partial = t.partial_out(block - 1)[b, :, h]      # (seqlen_q, head_dim_v)
         final = t.out[b, :, h]
         fig, (ax0, ax1) = subplots(1, 2, figsize=(9, 3.0))
         dims = np.arange(final.shape[-1])
