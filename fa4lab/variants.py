@@ -31,14 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fa4lab import blockwalk
 from fa4lab.bench.features import SOFTCAP
 from fa4lab.limits import RESCALE_THRESHOLD
-from fa4lab.spec import LOG2E, AttentionSpec
+from fa4lab.spec import AttentionSpec
 
 SIZES = ("small", "full")
-# The block simulation against the float64 reference: both are float64, so only the order of
-# the sums differs (blocks last to first, rescaled bases): far below 1e-9 on O(1) outputs.
-BLOCK_SIM_TOL = 1e-9
+BLOCK_SIM_TOL = blockwalk.TOLERANCE     # the block simulation against the float64 reference
 # The data-carrying simulator's LSE against the reference of the same 16-bit inputs (its row
 # sums add P before P is rounded, so only fp32 sums and the exp2 differ): tests/test_datasim.py's.
 DATASIM_LSE_TOL = 1e-3
@@ -173,46 +172,19 @@ def report_sections(plan) -> dict[str, str]:
 
 def mod_blocks(variant: Variant, plan) -> dict | None:
     """For a mask_mod variant, the key blocks its CTAs visit in all, with the mod's block table
-    (`fa4lab.mods_blocks.block_table`, narrowing by `fa4lab.tiling.table_range`) and with the
-    causal / window ranges alone, over one (batch, head); None without a mask_mod. The plan
-    and its report do not model a mod: this is the work it removes from their causal plan."""
-    from fa4lab import tiling
-
+    and with the causal / window ranges alone (`fa4lab.blockwalk.tile_blocks`), over one
+    (batch, head); None without a mask_mod. The plan and its report do not model a mod: this is
+    the work it removes from their causal plan."""
     call = call_of(variant, plan.spec)
     if call.mask_mod is None:
         return None
     spec, t = plan.spec, plan.tiles
-    g = _packed(plan)
-    table = _table(call, plan)
+    table = blockwalk.block_table_of(spec, t, call.mods, call.aux)
     plain = narrowed = 0
-    for m in range(tiling.num_m_blocks(spec.seqlen_q, t.cta_m, g)):
-        n_min, n_max = _block_range(plan, m)
-        a, b = tiling.table_range(n_min, n_max, int(table[m, 0]), int(table[m, 1]))
-        plain += n_max - n_min
-        narrowed += b - a
+    for m, row in enumerate(table):
+        plain += len(blockwalk.tile_blocks(spec, t, m).blocks)
+        narrowed += len(blockwalk.tile_blocks(spec, t, m, row).blocks)
     return {"ctas": int(table.shape[0]), "blocks_without_mod": plain, "blocks_with_mod": narrowed}
-
-
-def _packed(plan) -> int:
-    return plan.spec.qhead_per_kvhead if getattr(plan.tiles, "pack_gqa", False) else 1
-
-
-def _block_range(plan, m_block: int) -> tuple[int, int]:
-    from fa4lab import tiling
-
-    s, t = plan.spec, plan.tiles
-    return tiling.n_block_range(m_block, seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k,
-                                m_block_size=t.cta_m, n_block_size=t.n_block, causal=s.causal,
-                                qhead_per_kvhead=_packed(plan), window_size=s.window_size)
-
-
-def _table(call, plan) -> np.ndarray:
-    from fa4lab.mods_blocks import block_table
-
-    s, t = plan.spec, plan.tiles
-    return block_table(call.mods, call.aux, batch=s.batch, heads_q=s.heads_q,
-                       seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k, cta_m=t.cta_m,
-                       n_block=t.n_block, pack=_packed(plan), device="cpu").cpu().numpy()
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -283,74 +255,18 @@ def reference_of(q, k, v, spec: AttentionSpec, call):
                                return_lse=True, **call.options())
 
 
-def _mod_visible(call, spec: AttentionSpec) -> np.ndarray | None:
-    """The mask_mod on the whole (batch, heads_q, seqlen_q, seqlen_k) grid, as the reference
-    calls it (Note [one body, two worlds] in fa4lab.mods)."""
-    import torch
-
-    from fa4lab.mods import call_mod
-
-    if call.mask_mod is None:
-        return None
-    sizes = (spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
-    grid = tuple(torch.arange(n).view([-1 if d == i else 1 for d in range(4)])
-                 for i, n in enumerate(sizes))
-    vis = call_mod(call.mask_mod, call.mods.mask_takes_aux, grid, call.aux)
-    return torch.broadcast_to(vis, sizes).numpy()
-
-
 def block_simulation(q, k, v, plan, call=None, *, rescale_threshold: float = RESCALE_THRESHOLD):
-    """The plan's CTAs in float64: each visits only the key blocks the kernel visits (the
-    window-aware `fa4lab.tiling.n_block_range` of its rows, packed rows with pack-GQA, narrowed
-    by a mask_mod's block table), from the last to the first, with FA4's conditional rescale
-    (`fa4lab.online_softmax.update_state`), the softcap applied to the scaled scores, the
-    element mask (causal, window, mask_mod) on each block. Returns (out, lse, blocks visited).
+    """The plan's CTAs in float64 (`fa4lab.blockwalk.walk`): each visits only the key blocks
+    the kernel visits (window-aware ranges, packed rows with pack-GQA, narrowed by a mask_mod's
+    block table), in the kernels' order, with FA4's conditional rescale, the softcap and the
+    call's mods, the element mask and the mask_mod in the masked runs only. Returns (out, lse,
+    blocks visited).
 
     What it checks: that skipping the blocks the plan skips, and the variant's score
     transforms, leave the answer exact. Not the binary: the GPU check does that."""
-    from fa4lab import tiling
-    from fa4lab.online_softmax import finalize, init_state, update_state
-    from fa4lab.reference import kv_head_index, visible_mask
-
-    spec, t = plan.spec, plan.tiles
-    if spec.learnable_sink:
-        raise ValueError("block_simulation has no learnable sink: no variant here uses one")
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    kv_of = kv_head_index(spec.heads_q, spec.heads_kv)
-    qh = q.transpose(0, 2, 1, 3)                         # (batch, heads_q, seqlen_q, head_dim)
-    kh = k[:, :, kv_of].transpose(0, 2, 1, 3)
-    vh = v[:, :, kv_of].transpose(0, 2, 1, 3)
-    mask = visible_mask(spec.seqlen_q, spec.seqlen_k, spec.causal, window_size=spec.window_size)
-    mod = None if call is None else _mod_visible(call, spec)
-    table = None if mod is None else _table(call, plan)
-    out = np.zeros((spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim_v))
-    lse = np.full((spec.batch, spec.heads_q, spec.seqlen_q), -np.inf)
-    done = visits = 0
-    for m in range(tiling.num_m_blocks(spec.seqlen_q, t.cta_m, _packed(plan))):
-        pos_lo, pos_hi = tiling.tile_positions(m, t.cta_m, _packed(plan))
-        lo, hi = max(pos_lo, done), min(pos_hi, spec.seqlen_q)   # each position once
-        if lo >= hi:
-            continue
-        done = hi
-        n_min, n_max = _block_range(plan, m)
-        if table is not None:
-            n_min, n_max = tiling.table_range(n_min, n_max, int(table[m, 0]), int(table[m, 1]))
-        state = init_state((spec.batch, spec.heads_q, hi - lo), spec.head_dim_v, LOG2E)
-        for n in range(n_max - 1, n_min - 1, -1):
-            k0, k1 = n * t.n_block, min((n + 1) * t.n_block, spec.seqlen_k)
-            s = spec.scale * (qh[:, :, lo:hi] @ kh[:, :, k0:k1].swapaxes(-1, -2))
-            if spec.softcap:
-                s = spec.softcap * np.tanh(s / spec.softcap)
-            visible = np.broadcast_to(mask[lo:hi, k0:k1], s.shape)
-            if mod is not None:
-                visible = visible & mod[:, :, lo:hi, k0:k1]
-            state, _ = update_state(state, np.where(visible, s, -np.inf), vh[:, :, k0:k1],
-                                    rescale_threshold=rescale_threshold)
-            visits += 1
-        o, row_lse = finalize(state)
-        out[:, lo:hi] = o.transpose(0, 2, 1, 3)
-        lse[:, :, lo:hi] = row_lse
-    return out, lse, visits
+    mods = None if call is None or not call.mods else call.mods
+    return blockwalk.walk(q, k, v, plan.spec, plan.tiles, mods, () if call is None else call.aux,
+                          rescale_threshold=rescale_threshold)
 
 
 def _lse_error(lse, ref_lse) -> float:
@@ -371,7 +287,7 @@ def dense_blocks(plan) -> int:
     from fa4lab import tiling
 
     s, t = plan.spec, plan.tiles
-    return (tiling.num_m_blocks(s.seqlen_q, t.cta_m, _packed(plan))
+    return (tiling.num_m_blocks(s.seqlen_q, t.cta_m, blockwalk.packed(s, t))
             * tiling.num_n_blocks(s.seqlen_k, t.n_block))
 
 

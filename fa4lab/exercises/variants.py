@@ -6,10 +6,10 @@ A student's mod (`fa4lab.mods`) is graded the way the library is tested, tier by
 
   tier 0 (CPU)  float64: the mod through `fa4lab.reference` against the spec's own option (here
                 softcap=...) or brute force over the element mask; then `blockwise_attention`,
-                the kernels' walk over key blocks (the plan's tiles, `fa4lab.tiling`'s block
-                ranges and masked runs, a mask_mod's block table, `fa4lab.online_softmax` with
-                FA4's conditional rescale), against the reference. That walk is a model of the
-                kernel's order of work, not the kernel.
+                the kernels' walk over key blocks (`fa4lab.blockwalk` on the plan's tiles:
+                `fa4lab.tiling`'s block ranges and masked runs, a mask_mod's block table,
+                `fa4lab.online_softmax` with FA4's conditional rescale), against the
+                reference. That walk is a model of the kernel's order of work, not the kernel.
   tier 1 (CPU)  the mod compiled into the kernel for its arch with fake tensors and audited
                 (`fa4lab.kernels.audit`: no spills, every protocol row holds). One compile per
                 mod, keyed as the launch cache keys it (`fa4lab.mods.mod_key`) and kept for the
@@ -29,16 +29,10 @@ from collections.abc import Callable
 import numpy as np
 
 from fa4lab import mods as M
-from fa4lab import tiling
+from fa4lab.blockwalk import walk
 from fa4lab.exercises._core import ExerciseFailed, call_student, fresh_rng
-from fa4lab.online_softmax import (
-    FA4_RESCALE_THRESHOLD,
-    finalize,
-    init_state,
-    update_state,
-)
-from fa4lab.reference import attention_reference, kv_head_index, visible_mask
-from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
+from fa4lab.reference import attention_reference
+from fa4lab.spec import AttentionSpec, resolve_scale
 
 __all__ = ["check_softcap_score_mod", "blockwise_attention", "compile_and_audit",
            "first_output_mismatch"]
@@ -53,93 +47,20 @@ COMPILE_SPEC = AttentionSpec(2, 300, 700, 8, 2, 128, causal=True, return_lse=Tru
 
 # ---- tier 0: the kernels' block walk --------------------------------------------------------
 
-def _torch_grid(b: int, h: int, rows, cols):
-    """int64 index tensors b (1, 1, 1), h (1, 1, 1), q_idx (rows, 1), kv_idx (1, cols)."""
-    import torch
-
-    return (torch.full((1, 1), b, dtype=torch.int64), torch.full((1, 1), h, dtype=torch.int64),
-            torch.as_tensor(np.asarray(rows), dtype=torch.int64)[:, None],
-            torch.as_tensor(np.asarray(cols), dtype=torch.int64)[None, :])
-
-
 def blockwise_attention(q, k, v, *, arch: str, causal: bool = False, km=None, aux: tuple = ()):
-    """(out, lse), float64 numpy, computed the way the kernel of `arch` walks its work.
-
-    q (batch, seqlen_q, heads_q, d), k, v numpy float64; km a `fa4lab.mods.KernelMods` or None.
-    Per CTA tile of the plan (at COMPILE_SPEC's head_dim; cta_m rows, n_block
-    keys, no pack-GQA): the key range and masked runs of `fa4lab.tiling` (block_range,
-    mask_split), narrowed by the mask_mod's block table (`fa4lab.mods_blocks.block_table`,
-    `tiling.table_range` / `table_split`); blocks in the kernels' order (`tiling.visit_block`);
-    the element mask and the mask_mod only in the masked runs -- the unmasked middle trusts the
-    table, as the kernels do; the score_mod on the scaled score with scale_log2 = log2(e)
-    (Note [score_mod and the scale] in fa4lab.kernels.device.mods); `online_softmax.
-    update_state` with FA4's rescale threshold. (The sm90 kernel also masks its first block
-    always and visits one fully masked block where the range is empty: more masking, the same
-    result.)
-    """
-    import torch
-
+    """(out, lse), float64 numpy: `fa4lab.blockwalk.walk`, the kernels' walk over key blocks,
+    on the tiles of `arch`'s kernel that the mod is compiled into (the plan of COMPILE_SPEC's
+    head_dim at this shape, no pack-GQA: a lesson's small head_dim need not be one the kernels
+    build). q (batch, seqlen_q, heads_q, d), k, v numpy float64; km a `fa4lab.mods.KernelMods`
+    or None; softmax_scale 1/sqrt(d)."""
     from fa4lab.plan import plan_forward
 
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    # The tiles of the kernel the mod is compiled into (COMPILE_SPEC's head_dim): a lesson's
-    # small head_dim need not be one the kernels build.
-    spec = COMPILE_SPEC.with_(batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_kv=hkv,
-                              causal=causal)
-    tiles = plan_forward(spec, arch=arch, pack_gqa=False).tiles
-    cta_m, n_block = tiles.cta_m, tiles.n_block
-    scale = resolve_scale(None, d)
-    has_score = km is not None and km.score_mod is not None
-    table = None
-    if km is not None and km.mask_mod is not None:
-        from fa4lab.mods_blocks import block_table
-
-        table = block_table(km, aux, batch=batch, heads_q=hq, seqlen_q=sq, seqlen_k=sk,
-                            cta_m=cta_m, n_block=n_block, pack=1, device="cpu").numpy()
-    left, right = (None, 0) if causal else (None, None)
-    element = visible_mask(sq, sk, causal)
-    kv_of = kv_head_index(hq, hkv)
-    out = np.zeros((batch, sq, hq, v.shape[-1]))
-    lse = np.full((batch, hq, sq), -np.inf)
-    for m in range(tiling.num_m_blocks(sq, cta_m)):
-        pos_lo, pos_hi = tiling.tile_positions(m, cta_m)
-        rows = np.arange(pos_lo, min(pos_hi, sq))
-        n_min, n_max = tiling.block_range(pos_lo, pos_hi, sq, sk, n_block, left, right)
-        if table is not None:
-            n_min, n_max = tiling.table_range(n_min, n_max, *table[m, :2])
-        left_end, mask_min = tiling.mask_split(pos_lo, pos_hi, n_min, n_max, sq, sk, n_block,
-                                               left, right)
-        left_run = None
-        if table is not None:
-            left_end, mask_min = tiling.table_split(n_min, n_max, left_end, mask_min,
-                                                    *table[m, 2:])
-            left_run = (n_min, left_end)
-        n_masked = (n_max - mask_min) + (left_end - n_min)
-        for b in range(batch):
-            qt = q[b, rows].transpose(1, 0, 2)                         # (hq, rows, d)
-            state = init_state((hq, len(rows)), v.shape[-1], LOG2E if has_score else
-                               scale * LOG2E)
-            for step in range(n_max - n_min):
-                n = tiling.visit_block(step, n_max, mask_min, left_run)
-                keys = np.arange(n * n_block, min((n + 1) * n_block, sk))
-                s = qt @ k[b, keys][:, kv_of].transpose(1, 2, 0)        # raw q.k (hq, rows, n)
-                if has_score:
-                    s = np.stack([km.score(torch.from_numpy(scale * s[h]),
-                                           *_torch_grid(b, h, rows, keys), aux).numpy()
-                                  for h in range(hq)])
-                if step < n_masked:
-                    seen = np.broadcast_to(element[np.ix_(rows, keys)], s.shape)
-                    if table is not None:
-                        seen = seen & np.stack([np.broadcast_to(
-                            km.mask(*_torch_grid(b, h, rows, keys), aux).numpy(), seen.shape[1:])
-                            for h in range(hq)])
-                    s = np.where(seen, s, -np.inf)
-                state, _ = update_state(state, s, v[b, keys][:, kv_of].transpose(1, 0, 2),
-                                        rescale_threshold=FA4_RESCALE_THRESHOLD)
-            o, l_ = finalize(state)
-            out[b, rows] = o.transpose(1, 0, 2)
-            lse[b, :, rows] = l_.T
+    shape = dict(batch=batch, seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_kv=hkv, causal=causal)
+    tiles = plan_forward(COMPILE_SPEC.with_(**shape), arch=arch, pack_gqa=False).tiles
+    spec = AttentionSpec(**shape, head_dim=d, head_dim_v=v.shape[-1])
+    out, lse, _ = walk(q, k, v, spec, tiles, km, aux)
     return out, lse
 
 
