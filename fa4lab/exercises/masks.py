@@ -105,7 +105,8 @@ def _mask_hint(got, sq, sk, c) -> str:
                                                               (i - 1, j), (i, j - 1))):
         return ("off by one: chunk n holds positions n * chunk_size .. (n + 1) * chunk_size - "
                 "1, so position p is in chunk p // chunk_size, no +1 or -1")
-    return "query i sees key j iff i // chunk_size == j // chunk_size"
+    return ("a query sees a key when both positions fall in the same chunk of chunk_size "
+            "consecutive positions: give each position its chunk number, then compare the two")
 
 
 def _check_elements(mod, rng, seed, random_shapes) -> int:
