@@ -875,7 +875,7 @@ class FlashForwardSm100:
 
         row_max = -Float32.inf
         row_sum = Float32(0.0)
-        s_count = Int32(0)    # block steps done: the S buffer's phase (and, ping-pong, index)
+        s_count = Int32(0)    # the S buffer's phase, or (ping-pong) the block steps done
         stats_phase = Int32(1)
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
                 pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
@@ -930,9 +930,11 @@ class FlashForwardSm100:
                      scale_log2: Float32, pre_scale: Float32, mod_rows):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM.
 
-        `s_count` counts the block steps done. Two Q tiles: S buffer `stage`, phase s_count % 2;
-        ping-pong (Note [S ping-pong]): S buffer s_count % 2, used for the (s_count // 2)-th
-        time, its S and P views moved there at run time."""
+        Two Q tiles: S buffer `stage`, and `s_count` is its phase, flipped each step (as a
+        count masked with & 1 instead, ptxas spilled up to 64 instructions in the softmax at
+        head_dim 64 with a window and a sink, measured). Ping-pong (Note [S ping-pong]):
+        `s_count` counts the block steps done; S buffer s_count % 2, used for the
+        (s_count // 2)-th time, its S and P views moved there at run time."""
         sb = stage   # the S buffer's index in the table (None: the block step's, run time)
         if cutlass.const_expr(self.ping_pong):
             sb = None
@@ -940,7 +942,7 @@ class FlashForwardSm100:
             tStS_t2r = self.s_buffer(tStS_t2r, s_count & 1, self.s_stride)
             tStP_r2t = self.s_buffer(tStP_r2t, s_count & 1, self.s_stride)
         else:
-            s_state = _phase_state(2, stage, s_count & 1)
+            s_state = _phase_state(2, stage, s_count)   # the phase itself: it flips each step
         role = f"softmax{stage}"
         self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=sb)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
@@ -1000,7 +1002,8 @@ class FlashForwardSm100:
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
                    stage=sb)  # P is in TMEM
         row_sum = softmax_mod.update_sum(row_sum, row_scale, block_sum)
-        return row_max, row_sum, s_count + 1, stats_phase ^ 1
+        s_next = s_count + 1 if cutlass.const_expr(self.ping_pong) else s_count ^ 1
+        return row_max, row_sum, s_next, stats_phase ^ 1
 
     # ------------------------------------------------------------------ role: correction
     @cute.jit
