@@ -2,16 +2,21 @@
 
 `fa4lab.online_softmax.exp2_poly3` replays the device instruction sequence in float32/int32;
 these tests hold it to 2^x over the whole range the softmax uses, including the masked (-inf)
-inputs, and hold the PTX to the same constants.
+inputs, and hold the PTX and the lesson to the same constants (fa4lab.limits' objects).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fa4lab import limits
+from fa4lab import online_softmax as osm
+from fa4lab.kernels.device import exp2 as exp2_device
 from fa4lab.kernels.device.exp2 import CLAMP_LOW, EXP2_POLY3_PTX, ROUND_MAGIC
 from fa4lab.limits import EXP2_POLY3, EXP2_POLY3_MAX_REL_ERROR, RESCALE_THRESHOLD
 from fa4lab.online_softmax import emulated_pairs
@@ -51,6 +56,18 @@ def test_polynomial_constant_term_is_one_and_ptx_uses_the_same_constants():
         word = np.float32(c).view(np.uint32).item()
         assert f"0f{word:08X}" in EXP2_POLY3_PTX
     assert "ex2" not in EXP2_POLY3_PTX  # it must not fall back to MUFU
+
+
+def test_device_code_and_lesson_read_one_set_of_constants():
+    # The same objects, not equal copies: fa4lab.limits holds them once.
+    assert exp2_device.EXP2_POLY3 is limits.EXP2_POLY3 is osm.EXP2_POLY3
+    assert CLAMP_LOW is limits.EXP2_CLAMP_LOW is osm.EXP2_CLAMP_LOW
+    assert ROUND_MAGIC is limits.EXP2_ROUND_MAGIC is osm.EXP2_ROUND_MAGIC
+    assert inspect.signature(osm.exp2_poly3).parameters["coeffs"].default is limits.EXP2_POLY3
+    assert CLAMP_LOW == -127.0 and ROUND_MAGIC == 1.5 * 2**23
+    # the clamp: -127 is the last input that gives +0.0; one ulp above it is not clamped
+    assert exp2_poly3_numpy(np.float32(-127.0)) == 0.0
+    assert exp2_poly3_numpy(np.nextafter(np.float32(-127.0), np.float32(0))) > 0.0
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.125, 0.25, 0.3125, 0.5, 1.0])
