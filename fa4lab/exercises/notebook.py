@@ -214,7 +214,10 @@ def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
             cell.outputs, cell.execution_count = [], None
     results, errors = [], []
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=True,
+        # a busy machine (a class's submissions graded side by side) starts kernels slowly:
+        # nbclient's default 60 s for the kernel to answer stopped whole notebooks unrun
+        NotebookClient(nb, timeout=timeout, startup_timeout=max(timeout, 300),
+                       kernel_name=kernel_name, allow_errors=True,
                        resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
     except Exception as e:   # a cell past the timeout, a dead kernel: grade what ran
         errors.append(f"execution stopped: {type(e).__name__}: {str(e).splitlines()[0]}")
