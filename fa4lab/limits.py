@@ -138,3 +138,14 @@ EXP2_POLY3_MAX_REL_ERROR = 8.6e-05
 # leaves floor(x) in the low mantissa bits; inputs are clamped at -127, which gives +0.0.
 EXP2_ROUND_MAGIC = 12582912.0
 EXP2_CLAMP_LOW = -127.0
+# The sm100 kernel runs it on f32x2 pairs (Note [packed exp2] in fa4lab.kernels.device.exp2):
+# per PAIR of elements, the range reduction's add.rm, sub, sub are FADD2s and the cubic's Horner
+# steps FFMA2s; the clamp (FMNMX) and the exponent insert (LEA) stay scalar, on the ALU pipe.
+# The cost model (fa4lab.plan.costs) prices these, the audit counts them in the binary.
+EXP2_PAIR_FADD2 = 3
+EXP2_PAIR_FFMA2 = len(EXP2_POLY3) - 1
+# The largest exp2_emulation_fraction the sm100 plan asks for: what the softmax holds in its
+# 192 registers without spills. The packed balance (Note [packed exp2 cost] in
+# fa4lab.plan.costs) asks for 7/16, whose compiled binary spilled 2-4 instructions (a loop bound,
+# or the row scale across the exp2s) in the one-Q-tile plan and at head_dim 128 causal.
+SM100_EXP2_FRACTION_MAX = 5 / 16

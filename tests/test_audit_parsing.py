@@ -29,6 +29,9 @@ SASS = """
         /*2c80*/                   FFMA.FTZ R134, R143, R70.reuse, 0.22764569520950317383 ;
         /*2ce0*/                   FFMA.FTZ R56, R143, R134, 0.69511663913726806641 ;
         /*2cf0*/                   FFMA2 R56, R143, R134, R2 ;
+        /*2d20*/                   FADD2.FTZ.RM R10, R12.F32x2.HI_LO, R14.F32 ;
+        /*2d30*/                   FADD2.FTZ R10, R12.F32x2.HI_LO, -R14.F32 ;
+        /*2d40*/                   FADD2 R16, R18.F32x2.HI_LO, R20.F32x2.HI_LO ;
         /*2d00*/              @UP1 UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10] ;
         /*2d10*/                   STL [R1], R0 ;
 """
@@ -47,8 +50,9 @@ def test_sass_readers():
     assert B.count_prefix(ops, "FFMA") == 2 and ops["FFMA2"] == 1  # FFMA2 is its own opcode
     assert B.count_prefix(ops, "UTCHMMA") == 1
     assert B.count_prefix(ops, "STL") == 1
-    assert B.count_ffma_immediate(SASS, 0.2276457) == 1  # compared as float32
-    assert B.count_ffma_immediate(SASS, 0.5) == 0
+    assert B.count_prefix(ops, "FADD2") == 3 and B.count_prefix(ops, "FADD") == 0
+    assert B.count_prefix(ops, "FADD2", "RM") == 1       # a modifier, not a prefix of one
+    assert B.count_prefix(ops, "FADD2", "FTZ") == 2 and B.count_prefix(ops, "FFMA", "RM") == 0
 
 
 def test_sm100_markers_find_each_role():

@@ -11,7 +11,8 @@ What is checked (each an `AuditRow(name, expected, found, ok)`; any `ok=False` i
   * sm100a: TMEM columns in `tcgen05.alloc` vs plan.tmem.alloc_cols; tcgen05.mma count vs the
     plan's MMA shapes; mbarrier.init count vs plan.barriers.mbarrier_count; setmaxnreg values vs
     the plan's role registers; MUFU.EX2 vs polynomial exp2 (SASS) vs
-    plan.exp2_emulation_fraction; tcgen05.ld / st / commit counts (shown);
+    plan.exp2_emulation_fraction; FFMA2 / FADD2 (the scale-subtract, the packed polynomial and
+    row sum) vs the plan's emulated pairs; tcgen05.ld / st / commit counts (shown);
   * sm90a: wgmma count, setmaxnreg, mbarrier inits, registers, spills, SMEM;
   * both: the barrier protocol against `plan.protocol` (`protocol_rows`, see Note [protocol
     audit]): mbarrier inits (offset, count), every marker claims its op (opcode, address),
@@ -38,7 +39,6 @@ from fa4lab.kernels.binary import (
     AuditRow,
     ThreadValues,
     barrier_ops,
-    count_ffma_immediate,
     count_prefix,
     describe,
     mbarrier_inits,
@@ -58,11 +58,13 @@ from fa4lab.kernels.binary import (
 )
 from fa4lab.limits import (
     ALL_HEAD_DIMS,
-    EXP2_POLY3,
+    EXP2_PAIR_FADD2,
+    EXP2_PAIR_FFMA2,
     KERNEL_DTYPES,
     KERNEL_HEAD_DIMS,
     head_dims_text,
 )
+from fa4lab.online_softmax import emulated_pairs
 from fa4lab.plan.protocol import barrier_name
 
 __all__ = ["Audit", "AuditRow", "audit", "audit_compiled", "audit_sm100", "audit_sm90",
@@ -431,6 +433,39 @@ def _common_rows(cf, ops: Counter, use_ptxas: bool, sass_text: str) -> list[Audi
     return rows
 
 
+def _exp2_rows(plan, kernel, ops: Counter) -> list[AuditRow]:
+    """The softmax's exp2 split and its f32x2 arithmetic (Note [packed exp2] in
+    fa4lab.kernels.device.exp2), per softmax-step site, from the plan's emulated pairs."""
+    n = plan.tiles.n_block
+    pairs = sum(emulated_pairs(n, plan.exp2_emulation_fraction))
+    steps = kernel.softmax_step_sites
+    # Each emulated pair rounds down once (FADD2.RM): the polynomials, two elements each.
+    poly = 2 * count_prefix(ops, "FADD2", "RM")
+    mufu_p = steps * (n - 2 * pairs) + kernel.finalize_exp2_sites
+    mufu = count_prefix(ops, "MUFU.EX2")
+    per_site = f"{steps} softmax-step sites x"
+    ffma2 = n // 2 + EXP2_PAIR_FFMA2 * pairs
+    fadd2 = EXP2_PAIR_FADD2 * pairs + n // 2 - 1
+    found_fraction = poly / max(poly + mufu, 1)
+    return [
+        _row("exp2 on FMA (polynomial)", steps * 2 * pairs, poly,
+             note=f"{per_site} {2 * pairs} of {n} (fraction {plan.exp2_emulation_fraction}); "
+                  f"one FADD2.RM per pair"),
+        _row("MUFU.EX2", f"{mufu_p}..{mufu_p + steps}", mufu, mufu_p <= mufu <= mufu_p + steps,
+             note="P on MUFU (and the sink's in the finalize), plus at most one row-scale exp2 "
+                  "per site"),
+        _row("FFMA2 (SASS)", steps * ffma2, count_prefix(ops, "FFMA2"),
+             note=f"{per_site} ({n // 2} scale-subtract + {EXP2_PAIR_FFMA2} x {pairs} "
+                  f"polynomial pairs)"),
+        _row("FADD2 (SASS)", steps * fadd2, count_prefix(ops, "FADD2"),
+             note=f"{per_site} ({EXP2_PAIR_FADD2} x {pairs} polynomial pairs + "
+                  f"{n // 2 - 1} row-sum adds of {n // 2} pairs)"),
+        _row("emulated exp2 fraction", plan.exp2_emulation_fraction, round(found_fraction, 4),
+             abs(found_fraction - plan.exp2_emulation_fraction) <= 1.5 / n,
+             "FMA polynomials / all exp2"),
+    ]
+
+
 def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
     plan, kernel = cf.plan, cf.kernel
     text = sass(cf.cubin_path)
@@ -451,27 +486,7 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
                           ("tcgen05.commit", r"\btcgen05\.commit\.")):
         n = ptx_count(cf.ptx, pattern)
         rows.append(AuditRow(f"{name} (PTX)", "> 0", n, n > 0, "static count, shown"))
-    # exp2: each polynomial has one FFMA whose immediate is c2 (its first Horner step).
-    poly = count_ffma_immediate(text, EXP2_POLY3[2])
-    steps = kernel.softmax_step_sites
-    emu_expected = steps * 2 * sum(kernel.emulated)
-    mufu_p = (steps * (plan.tiles.n_block - 2 * sum(kernel.emulated))
-              + kernel.finalize_exp2_sites)
-    mufu = count_prefix(ops, "MUFU.EX2")
-    rows.append(_row("exp2 on FMA (polynomial)", emu_expected, poly,
-                     note=f"{steps} softmax-step sites x {2 * sum(kernel.emulated)} of "
-                          f"{plan.tiles.n_block} (fraction {plan.exp2_emulation_fraction})"))
-    rows.append(_row("MUFU.EX2", f"{mufu_p}..{mufu_p + steps}", mufu,
-                     mufu_p <= mufu <= mufu_p + steps,
-                     note="P on MUFU (and the sink's in the finalize), plus at most one "
-                          "row-scale exp2 per site"))
-    rows.append(AuditRow("FFMA2 (SASS)", "-", ops["FFMA2"], True, "packed FMAs, shown"))
-    found_fraction = poly / max(poly + mufu, 1)
-    rows.append(AuditRow("emulated exp2 fraction", plan.exp2_emulation_fraction,
-                         round(found_fraction, 4),
-                         abs(found_fraction - plan.exp2_emulation_fraction)
-                         <= 1.5 / plan.tiles.n_block,
-                         "FMA polynomials / all exp2"))
+    rows += _exp2_rows(plan, kernel, ops)
     return Audit(f"sm100a audit: {describe(plan.spec)}", tuple(rows))
 
 

@@ -23,8 +23,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fa4lab.limits import EXP2_POLY3
-
 
 # ---------------------------------------------------------------- the table
 @dataclass(frozen=True)
@@ -173,26 +171,16 @@ def spills_in(text: str, span: tuple[int, int] | None) -> int:
                if span[0] <= a <= span[1] and o.split()[-1].split(".")[0] in ("STL", "LDL"))
 
 
-def count_prefix(ops: Counter, prefix: str) -> int:
-    return sum(n for op, n in ops.items() if op == prefix or op.startswith(prefix + "."))
+def count_prefix(ops: Counter, prefix: str, modifier: str | None = None) -> int:
+    """Instructions whose opcode is `prefix` (any modifiers), only those with `modifier` among
+    their modifiers when given ("FADD2", "RM" counts FADD2.RM and FADD2.FTZ.RM)."""
+    return sum(n for op, n in ops.items()
+               if (op == prefix or op.startswith(prefix + "."))
+               and (modifier is None or modifier in op.split(".")[1:]))
 
 
 def ptx_count(ptx: str, pattern: str) -> int:
     return len(re.findall(pattern, ptx))
-
-
-def count_ffma_immediate(sass_text: str, value: float) -> int:
-    """FFMA instructions with `value` (compared as float32) among their immediates."""
-    import numpy as np
-
-    target = np.float32(value)
-    n = 0
-    for line in sass_text.splitlines():
-        if "FFMA" not in line:
-            continue
-        imms = re.findall(r"(?<![\w.])(-?\d+\.\d+(?:e[+-]?\d+)?)", line.split(";")[0])
-        n += any(np.float32(float(x)) == target for x in imms)
-    return n
 
 
 def tmem_alloc_columns(ptx: str) -> list[int]:
@@ -214,7 +202,8 @@ def setmaxnreg_values(ptx: str) -> list[int]:
 
 
 # Where each sm100 role shows up in the binary: (PTX regex, SASS regex), for notebook excerpts.
-# The polynomial exp2 is the FFMA whose immediate is its c2 (SASS prints it in full decimal).
+# The polynomial exp2 starts with the round-down add of its range reduction, one per pair (Note
+# [packed exp2] in fa4lab.kernels.device.exp2).
 SM100_MARKERS = {
     "setup: mbarriers": (r"mbarrier\.init\.", r"SYNCS\.EXCH"),
     "setup: TMEM alloc, register budgets": (r"tcgen05\.alloc", r"USETMAXREG"),
@@ -223,8 +212,7 @@ SM100_MARKERS = {
     "mma: commit to an mbarrier": (r"tcgen05\.commit\.", r"UTCBAR"),
     "softmax: S from TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32", r"LDTM"),
     "softmax: exp2 on MUFU": (r"ex2\.approx", r"MUFU\.EX2"),
-    "softmax: exp2 polynomial on FMA": (r"add\.rm\.ftz\.f32",
-                                        r"FFMA\.FTZ.*" + re.escape(f"{EXP2_POLY3[2]:.4f}")),
+    "softmax: exp2 polynomial on FMA": (r"add\.rm\.ftz\.f32x2", r"FADD2\.FTZ\.RM"),
     "softmax: P to TMEM": (r"tcgen05\.st\.sync\.aligned\.32x32b\.x16", r"STTM"),
     "correction: rescale O_i in TMEM": (r"tcgen05\.ld\.sync\.aligned\.32x32b\.x16",
                                         r"LDTM\.x16"),

@@ -68,7 +68,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device import softmax as softmax_mod
-from fa4lab.kernels.device.exp2 import exp2_poly3
+from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
 from fa4lab.kernels.protocol import Sites
@@ -983,25 +983,26 @@ class FlashForwardSm100:
         chunk = 32
         tSrS_c = cute.logical_divide(tSrS, cute.make_layout(chunk))
         tSrP_c = cute.logical_divide(tSrP, cute.make_layout(chunk))
-        block_sum = Float32(0.0)
+        sum_chains = []   # P's row sum on f32x2 pairs: Note [packed exp2]
         for c in cutlass.range_constexpr(cute.size(tSrS) // chunk):
             for k in cutlass.range_constexpr(0, chunk, 2):
                 j = c * chunk + k
                 tSrS[j], tSrS[j + 1] = cute.arch.fma_packed_f32x2(
                     (tSrS[j], tSrS[j + 1]), (scale_log2, scale_log2), (neg_basis, neg_basis))
                 if cutlass.const_expr(self.emulated[j // 2]):
-                    tSrS[j] = exp2_poly3(tSrS[j])
-                    tSrS[j + 1] = exp2_poly3(tSrS[j + 1])
+                    tSrS[j], tSrS[j + 1] = exp2_poly3_x2(tSrS[j], tSrS[j + 1])
                 else:
                     tSrS[j] = cute.math.exp2(tSrS[j], fastmath=True)
                     tSrS[j + 1] = cute.math.exp2(tSrS[j + 1], fastmath=True)
-                block_sum = block_sum + (tSrS[j] + tSrS[j + 1])
+                softmax_mod.chain_into(sum_chains, j // 2, (tSrS[j], tSrS[j + 1]),
+                                       cute.arch.add_packed_f32x2)
             tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
             cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
         cute.arch.fence_view_async_tmem_store()
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
                    stage=sb)  # P is in TMEM
-        row_sum = softmax_mod.update_sum(row_sum, row_scale, block_sum)
+        block_sum = softmax_mod.join_chains(sum_chains, cute.arch.add_packed_f32x2)
+        row_sum = softmax_mod.update_sum(row_sum, row_scale, block_sum[0] + block_sum[1])
         s_next = s_count + 1 if cutlass.const_expr(self.ping_pong) else s_count ^ 1
         return row_max, row_sum, s_next, stats_phase ^ 1
 

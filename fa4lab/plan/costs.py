@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from fa4lab.hardware import Hardware
-from fa4lab.limits import ELEMENT_BYTES
+from fa4lab.limits import ELEMENT_BYTES, EXP2_PAIR_FADD2, EXP2_PAIR_FFMA2
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,9 @@ class CostModel:
     # fp32 FMA-pipe instructions per score besides exp2: scale-and-subtract (FFMA), row max,
     # row sum, half a packed conversion to 16 bits.
     fma_ops_per_score: float = 3.5
-    # The software exp2 (Cody-Waite range reduction + degree-3 polynomial + exponent insert).
-    fma_ops_per_poly_exp2: float = 7.0
+    # FMA-pipe instructions per element of the software exp2, on f32x2 pairs: Note [packed exp2
+    # cost].
+    fma_ops_per_poly_exp2: float = (EXP2_PAIR_FADD2 + EXP2_PAIR_FFMA2) / 2
     # Extra FMA-pipe instructions per score on a block that needs the element mask (the causal
     # diagonal, a sliding window's left or right edge, or the seqlen_k tail cuts it).
     fma_ops_per_masked_score: float = 2.0
@@ -95,9 +96,32 @@ class CostModel:
 DEFAULT_COSTS = CostModel()
 
 
+# Note [packed exp2 cost]
+# The software exp2 of one element issues, on the FMA pipe, the range reduction's three adds
+# (add.rm, sub, sub) and the cubic's three Horner FMAs; its clamp (FMNMX) and exponent insert
+# (LEA) go to the ALU pipe and are not counted. sm100 runs them on f32x2 pairs (Note [packed
+# exp2] in fa4lab.kernels.device.exp2): limits.EXP2_PAIR_FADD2 + EXP2_PAIR_FFMA2 = 6 FADD2 /
+# FFMA2 per pair, 3 per element, half the scalar form's 6. ASSUMED: an f32x2 instruction holds
+# the FMA pipe as long as a scalar one (two fp32 results per lane and issue, the premise of FA4's
+# packing; the datasheets give no FFMA2 rate). `fma_ops_per_score` stays the scalar count: the
+# sm90 plan prices its softmax with it, and Hopper has no f32x2.
+# On B200 (128 FMA lanes, 16 MUFU exp2 per SM per cycle) the balance below gives
+# f = (8 - 3.5) / (8 + 3) = 0.41, rounded to 7/16 = 0.4375 (the scalar cost, 6, would give 0.32),
+# for every head dim: the model has no head-dim term. The sm100 plan asks for at most
+# limits.SM100_EXP2_FRACTION_MAX, what the softmax's registers hold without spills, so its
+# FMA pipe now has room to spare. Upstream FA4 emulates less, tuned on a
+# B200: at hd128 (flash_attn/cute/flash_fwd_sm100.py, `_TUNING_CONFIG`) ex2_emu_freq 16 with
+# the last 4 of every 16 elements of the middle two 32-column fragments (causal) is 1/8, and
+# freq 10 (non-causal, 2 CTAs) 3/16. The balance counts two pipes only; an emulated element also
+# costs two ALU instructions and five issue slots where MUFU costs one (each SM sub-partition
+# issues one warp instruction per cycle), and the correction's rescale shares the FMA pipe: all
+# push the measured optimum lower.
+
+
 def balanced_exp2_fraction(hw: Hardware, costs: CostModel = DEFAULT_COSTS,
                            granularity: int = 16) -> float:
-    """Fraction of exp2 to emulate on FMA so MUFU and FMA finish together (FA4's software exp2).
+    """Fraction of exp2 to emulate on FMA so MUFU and FMA finish together (FA4's software exp2;
+    Note [packed exp2 cost]).
 
     MUFU time per score (1 - f) / exp2_rate equals FMA time (base + f * poly) / fma_rate at
     f = (fma/exp2 - base) / (fma/exp2 + poly); rounded to 1/granularity (chunks of a row).

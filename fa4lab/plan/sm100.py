@@ -27,6 +27,7 @@ from fa4lab.limits import (
     KERNEL_HEAD_DIMS,
     Q_TILE_ROWS,
     RESCALE_THRESHOLD,
+    SM100_EXP2_FRACTION_MAX,
     head_dims_text,
     unsupported_head_dims,
 )
@@ -315,11 +316,13 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
         "One work tile per CTA (not persistent), as the kernel runs: q_empty and o_empty are "
         "waited once, on their released first phase.",
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
-        f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts.",
+        f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts "
+        f"({balanced_exp2_fraction(hw):g}), at most {SM100_EXP2_FRACTION_MAX:g} "
+        f"(limits.SM100_EXP2_FRACTION_MAX: the softmax's registers).",
     ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
                 build_protocol(barriers, q_stage), RESCALE_THRESHOLD,
-                balanced_exp2_fraction(hw), notes)
+                min(balanced_exp2_fraction(hw), SM100_EXP2_FRACTION_MAX), notes)
 
 
 # ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm100's role methods, op by op ----

@@ -48,12 +48,17 @@ from fa4lab.spec import LN2, LOG2E
 REDUCE_CHAINS = 4
 
 
-def _reduce_in_chains(values: list, op):
-    """op over `values` as REDUCE_CHAINS interleaved running chains, then a pairwise tree (plain
-    Python at trace time: the order of the emitted instructions)."""
-    chains = list(values[:REDUCE_CHAINS])
-    for j in range(len(chains), len(values)):
-        chains[j % REDUCE_CHAINS] = op(chains[j % REDUCE_CHAINS], values[j])
+def chain_into(chains: list, j: int, value, op, width: int = REDUCE_CHAINS) -> None:
+    """Feed the j-th value (j = 0, 1, ... in order) into `width` interleaved running chains:
+    `chains` is a plain list, updated in place at trace time."""
+    if j < width:
+        chains.append(value)
+    else:
+        chains[j % width] = op(chains[j % width], value)
+
+
+def join_chains(chains: list, op):
+    """The chains joined by a pairwise tree."""
     while len(chains) > 1:
         half = (len(chains) + 1) // 2
         chains = [op(chains[c], chains[c + half]) if c + half < len(chains) else chains[c]
@@ -61,12 +66,22 @@ def _reduce_in_chains(values: list, op):
     return chains[0]
 
 
+def _reduce_in_chains(values: list, op):
+    """op over `values` as REDUCE_CHAINS interleaved running chains, then a pairwise tree (plain
+    Python at trace time: the order of the emitted instructions)."""
+    chains = []
+    for j, v in enumerate(values):
+        chain_into(chains, j, v, op)
+    return join_chains(chains, op)
+
+
 # Note [sm90 softmax chains]
 # A consumer thread holds n_block / 4 scores of each of its rows. Reducing them in one running
 # chain makes every FMNMX (and every FADD of the row sum) wait for the previous one's result;
 # four interleaved chains joined by a small tree give the scheduler independent work to
 # interleave with the MUFU.EX2s, as upstream FA4's `fmax_reduce` does. The sum's order differs
-# from a left-to-right sum only by fp32 rounding.
+# from a left-to-right sum only by fp32 rounding. The sm100 softmax sums P the same way, on f32x2
+# pairs (Note [packed exp2] in fa4lab.kernels.device.exp2).
 
 
 @cute.jit
