@@ -131,6 +131,21 @@ def test_update_state_check_catches_an_ignored_threshold():
     assert "row_max" in msg and "rescale_threshold" in msg
 
 
+def test_update_state_check_catches_greater_or_equal_at_the_threshold():
+    """A rise of exactly rescale_threshold keeps the basis (the library's `>`): a student's
+    `>=` moves it, and the message names the row, the rise and the rule."""
+    solution = _instructor_function("01_online_softmax.ipynb", "update_state", "update_state")
+
+    def at_least(state, s, v_block, rescale_threshold=0.0):
+        # the instructor's step, with the threshold lowered by the smallest amount: `>=`
+        return solution(state, s, v_block,
+                        rescale_threshold=np.nextafter(rescale_threshold, -np.inf))
+    msg = _failure(exercises.check_update_state, at_least)
+    assert "exactly rescale_threshold" in msg and "row_max" in msg, msg
+    assert f"exactly rescale_threshold = {osm.FA4_RESCALE_THRESHOLD:g}" in msg, msg
+    assert "head" in msg and "row" in msg and "not >=" in msg and "seed" in msg, msg
+
+
 def test_merge_check_catches_nan_from_empty_states():
     def unguarded(a, b):
         m = np.maximum(a.row_max, b.row_max)
@@ -153,6 +168,28 @@ def test_n_block_range_check_spots_top_left_alignment():
     assert "bottom right" in msg and "m_block" in msg
 
 
+@pytest.mark.parametrize("mistake", ["unclamped end", "one block at least"])
+def test_n_block_range_check_explains_an_empty_range(mistake):
+    """A tile that sees no key (causal with seqlen_q > seqlen_k): a reversed or non-empty
+    answer gets a hint saying what empty means, the library's convention and the clamp."""
+    solution = _instructor_function("02_tiles_masks_gqa.ipynb", "n_block_range",
+                                    "my_n_block_range")
+
+    def wrong(m_block, **kw):
+        lo, hi = solution(m_block, **kw)
+        if lo < hi:
+            return lo, hi
+        if mistake == "one block at least":
+            return 0, 1
+        last = min((m_block + 1) * kw["m_block_size"], kw["seqlen_q"]) - 1
+        end = last + kw["seqlen_k"] - kw["seqlen_q"] + 1       # never clamped at 0
+        return 0, -(-end // kw["n_block_size"])
+    msg = _failure(exercises.check_n_block_range, wrong)
+    assert "see no key" in msg and "hint: an empty range means" in msg, msg
+    assert "n_block_min == n_block_max" in msg and "max(end, 0)" in msg, msg
+    assert "m_block" in msg and "seed" in msg
+
+
 def test_classify_check_names_the_tile_and_a_witness():
     def tail_is_masked(sq, sk, bm, bn, causal, window_size=(None, None)):
         kinds = np.array(tiling.classify_tiles(sq, sk, bm, bn, causal,
@@ -163,9 +200,18 @@ def test_classify_check_names_the_tile_and_a_witness():
     assert "m_block" in msg and "n_block" in msg and "in bounds" in msg
 
 
-def test_a_crash_is_reported_with_its_input():
-    msg = _failure(exercises.check_n_block_range, lambda m, **kw: 1 // 0)
-    assert "ZeroDivisionError" in msg and "seqlen_q=" in msg
+def test_a_crash_is_reported_with_its_line_and_input():
+    def crashes(m_block, **kw):
+        return m_block // 0
+    msg = _failure(exercises.check_n_block_range, crashes)
+    assert "your function n_block_range raised ZeroDivisionError" in msg and "seqlen_q=" in msg
+    assert "of crashes (`return m_block // 0`)" in msg, msg
+
+
+def test_the_report_shows_what_a_passing_check_left_ungraded():
+    said = "softcap_score_mod: ...; the audit of the binary NOT GRADED: cuobjdump not found"
+    report = course.GradeReport("05.ipynb", [course.ExerciseResult("t", 3.0, 3.0, said)])
+    assert said in report.text()
 
 
 # ------------------------------------------------------------------------------ release
@@ -271,6 +317,80 @@ def test_grading_scores_what_ran_when_execution_stops(tmp_path):
     assert "x is not 2" in report.exercises[1].message
     assert "did not run" in report.exercises[2].message
     assert any("execution stopped" in e for e in report.cell_errors)
+
+
+def _nbgrader_cell(cell, gid, **flags):
+    cell.metadata["nbgrader"] = {"grade": False, "grade_id": gid, "locked": False,
+                                 "schema_version": 3, "solution": False, "task": False, **flags}
+    return cell
+
+
+def test_release_records_a_checksum_of_every_locked_graded_and_solution_cell(released):
+    for name in EXERCISES:
+        cells = nbformat.read(released / name, as_version=4).cells
+        marked = [c for c in cells if _meta(c)]
+        assert marked and all(_meta(c)["checksum"] == course.compute_checksum(c)
+                              and _meta(c)["cell_type"] == c.cell_type for c in marked), name
+        for cell in marked:   # any change of source, points or grade_id shows
+            for edit in ("source", "points", "grade_id"):
+                changed = nbformat.from_dict(json.loads(json.dumps(cell)))
+                if edit == "source":
+                    changed.source += " "
+                elif edit == "points" and _meta(cell)["grade"]:
+                    changed.metadata.nbgrader.points += 1
+                elif edit == "grade_id":
+                    changed.metadata.nbgrader.grade_id += "_"
+                else:
+                    continue
+                assert course.compute_checksum(changed) != _meta(cell)["checksum"], edit
+
+
+def test_checksums_are_nbgraders_own(released):
+    nbgrader_utils = pytest.importorskip("nbgrader.utils")
+    cells = [c for name in EXERCISES for c in nbformat.read(released / name, as_version=4).cells]
+    cells.append(_nbgrader_cell(nbformat.v4.new_markdown_cell("fixed text"), "fixed",
+                                locked=True))
+    for cell in cells:
+        if _meta(cell):
+            assert course.compute_checksum(cell) == nbgrader_utils.compute_checksum(cell)
+
+
+@pytest.mark.slow
+def test_grading_restores_locked_cells_the_student_edited(tmp_path):
+    """A student who rewrites a graded cell to pass, deletes another and edits a locked one is
+    graded from the released cells, and the report says which were modified."""
+    v4 = nbformat.v4
+    nb = v4.new_notebook()
+    nb.cells = [
+        _nbgrader_cell(v4.new_code_cell("LIMIT = 1"), "setup", locked=True),
+        _nbgrader_cell(v4.new_code_cell(f"def f():\n    {course.BEGIN_SOLUTION}\n    return 1\n"
+                                        f"    {course.END_SOLUTION}"), "f", solution=True),
+        _nbgrader_cell(v4.new_code_cell("assert f() == LIMIT, 'f() is not LIMIT'"), "test_a",
+                       grade=True, locked=True, points=2),
+        _nbgrader_cell(v4.new_code_cell("assert f() + 1 == 2"), "test_b", grade=True,
+                       locked=True, points=1)]
+    (tmp_path / "src").mkdir()
+    nbformat.write(nb, tmp_path / "src" / "t.ipynb")
+    course.release(tmp_path / "src", tmp_path / "release")
+    student = nbformat.read(tmp_path / "release" / "t.ipynb", as_version=4)
+    student.cells[0].source = "LIMIT = 99"
+    student.cells[1].source = "def f():\n    return 2"
+    student.cells[2].source = "pass"
+    del student.cells[3]
+    nbformat.write(student, tmp_path / "student.ipynb")
+
+    report = course.grade(tmp_path / "student.ipynb", release_from=tmp_path / "release" / "t.ipynb")
+    a, b = report.exercises
+    assert (a.grade_id, a.earned, a.points) == ("test_a", 0, 2) and "f() is not LIMIT" in a.message
+    assert a.note == "cell 2 (test_a) was modified, graded from the released version"
+    assert (b.grade_id, b.earned) == ("test_b", 0) and "missing" in b.message
+    assert "cell 0 (setup) was modified, graded from the released version" in report.cell_errors
+    assert a.note in report.text()
+
+    alone = course.grade(tmp_path / "student.ipynb")     # no released copy: found, not trusted
+    (a,) = alone.exercises
+    assert a.earned == 0 and "was modified after the release" in a.message
+    assert "release_from=" in a.message
 
 
 def test_make_course_releases_into_the_ignored_folder():

@@ -8,6 +8,7 @@ GPU tier: `sm90`.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from fa4lab.exercises import (
     masks,
     variants,
 )
+from fa4lab.exercises._core import GradingError
+from fa4lab.kernels.binary import Audit, AuditRow
 from fa4lab.reference import attention_reference
 
 
@@ -203,6 +206,105 @@ def test_forbidden_compiles_are_skipped_with_the_reason(monkeypatch):
     assert "skipped" in text and ("FA4LAB_FORBID_COMPILE" in text or "not installed" in text)
 
 
+# ---- whose failure: the machine's, fa4lab's or the student's (Note [whose failure]) -------------
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """compile_forward and audit_compiled replaced by fakes the test steers: `build(mods)`
+    returns or raises for a build with / without a mod, `audit(mods)` the same for its audit;
+    the process caches emptied, compiles switched on."""
+    import fa4lab.kernels.audit as audit_mod
+    import fa4lab.kernels.compile as compile_mod
+
+    monkeypatch.delenv("FA4LAB_FORBID_COMPILE", raising=False)
+    monkeypatch.setattr(environment, "has_cute_dsl", lambda: True)
+    monkeypatch.setattr(variants, "_compiled", {})
+    monkeypatch.setattr(variants, "_baselines", {})
+    steer = SimpleNamespace(builds=[], build=lambda mods: None, audit=lambda mods: None)
+
+    def compile_forward(spec, arch, mods=None, keep_dir=None):
+        steer.builds.append((spec, mods))
+        steer.build(mods)
+        return SimpleNamespace(seconds=1.0, mods=mods)
+
+    monkeypatch.setattr(compile_mod, "compile_forward", compile_forward)
+    monkeypatch.setattr(audit_mod, "audit_compiled", lambda cf: steer.audit(cf.mods))
+    return steer
+
+
+def _raise(err):
+    raise err
+
+
+def _audit(*failing):
+    rows = [AuditRow(name, 0, 1 if name in failing else 0, name not in failing)
+            for name in ("local memory (spills)", "registers", "barrier protocol")]
+    return Audit("fake", tuple(rows))
+
+
+def test_a_kernel_that_does_not_build_without_the_mod_either_is_not_graded(fake_kernel):
+    """A broken toolchain fails the library's own softcap build too: the summary says the
+    compile was not graded and that it is not the student's code; the rest is graded."""
+    fake_kernel.build = lambda mods: _raise(RuntimeError("ptxas fatal: unsupported .version"))
+    summary = check_softcap_score_mod(softcap_solution)
+    assert "does not build here without your mod either" in summary, summary
+    assert "ptxas fatal" in summary and "not your code" in summary and "NOT GRADED" in summary
+    assert "fa4lab doctor" in summary and "sm100 block walk" in summary
+    (_, first), (baseline, none) = fake_kernel.builds
+    assert first is not None and none is None and baseline.softcap > 0   # the library's softcap
+
+
+def test_a_build_that_fails_only_with_the_mod_is_the_mods(fake_kernel):
+    fake_kernel.audit = lambda mods: _audit()
+    fake_kernel.build = lambda mods: mods and _raise(RuntimeError("MLIR verification failed"))
+    km = mods.kernel_mods(softcap_solution(5.0), None, ())
+    with pytest.raises(ExerciseFailed, match="builds here without your mod but not with it: "
+                                             "RuntimeError: MLIR verification failed"):
+        variants.compile_and_audit(km, "sm100a", "softcap_score_mod(5)")
+
+
+def test_missing_cuda_tools_leave_the_audit_ungraded_and_say_so(fake_kernel):
+    missing = FileNotFoundError("cuobjdump not found in pip's nvidia packages")
+    fake_kernel.audit = lambda mods: _raise(missing)
+    summary = check_softcap_score_mod(softcap_solution)
+    assert "compiled for sm100a" in summary, summary
+    assert "audit of the binary NOT GRADED" in summary and "cuobjdump not found" in summary
+
+
+def test_audit_rows_that_fail_without_the_mod_are_not_the_students(fake_kernel):
+    km = mods.kernel_mods(softcap_solution(5.0), None, ())
+    fake_kernel.audit = lambda mods: _audit("local memory (spills)")
+    summary = variants.compile_and_audit(km, "sm100a", "softcap_score_mod(5)")
+    assert "NOT GRADED" in summary and "fails the same row(s)" in summary, summary
+    assert "local memory (spills)" in summary and "not your code" in summary
+
+    variants._compiled.clear()
+    variants._baselines.clear()
+    fake_kernel.audit = lambda mods: _audit("local memory (spills)", *(["registers"] if mods
+                                                                         else []))
+    with pytest.raises(ExerciseFailed, match=r"1 row\(s\) that pass without your mod\): "
+                                             r"registers: expected 0, found 1"):
+        variants.compile_and_audit(km, "sm100a", "softcap_score_mod(5)")
+
+
+def test_the_students_exception_names_its_line_and_fa4labs_says_it_is_not_theirs():
+    def raises_late(score, b, h, q_idx, kv_idx):
+        if len(score.shape) == 3 and score.shape[1] > 40:   # not the probes: the grid
+            return score.no_such_method()
+        return 5.0 * mods.tanh(score / 5.0)
+
+    with pytest.raises(ExerciseFailed) as err:
+        check_softcap_score_mod(lambda c: raises_late, compile=False)
+    msg = str(err.value)
+    assert msg.startswith("your function softcap_score_mod(") and "AttributeError" in msg, msg
+    assert "at line" in msg and "of raises_late (`return score.no_such_method()`)" in msg, msg
+
+    q, k = np.zeros((1, 2, 1, 4)), np.zeros((1, 3, 1, 8))     # fa4lab fails, not the mod
+    with pytest.raises(GradingError, match="no line of your code is in the error"):
+        variants.graded_call(raises_late, "softcap_score_mod(5)", "a problem",
+                             attention_reference, q, k, k, score_mod=raises_late)
+
+
 # ---- tier 1: compile and audit (CPU) -----------------------------------------------------------
 
 @pytest.mark.slow
@@ -235,8 +337,10 @@ def test_a_mod_the_kernel_cannot_trace_fails_at_compile():
     def clamped(score, b, h, q_idx, kv_idx):
         return score.clamp(min=-5.0)
 
-    with pytest.raises(ExerciseFailed, match="does not compile into the sm90a kernel"):
+    with pytest.raises(ExerciseFailed, match="does not compile into the sm90a kernel") as err:
         variants.compile_and_audit(mods.kernel_mods(clamped, None, ()), "sm90a", "clamped")
+    assert "your function raised AttributeError at line" in str(err.value), str(err.value)
+    assert "(`return score.clamp(min=-5.0)`)" in str(err.value)
 
 
 # ---- tier 2: the sm90 kernel on a Hopper GPU -----------------------------------------------------

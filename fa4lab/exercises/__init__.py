@@ -15,11 +15,14 @@ returns a one-line summary.
     notebook 06: check_chunked_local_mask                     (fa4lab.mods, the sm90 kernel)
     notebook 08: check_prediction_held                        (fa4lab.variants.judge)
 
-Each check takes `seed=` to replay a failure (messages quote the seed). Releasing and grading
-the notebooks: `fa4lab.exercises.notebook`, or `python -m fa4lab.exercises release|grade`.
+Each check takes `seed=` to replay a failure (messages quote the seed). A failure of fa4lab or
+of the machine rather than of the answer is a `GradingError`, or a part the summary says was
+not graded, and why (Note [whose failure] in `fa4lab.exercises.variants`). Releasing and
+grading the notebooks: `fa4lab.exercises.notebook`, or `python -m fa4lab.exercises
+release|grade`.
 """
 
-from fa4lab.exercises._core import ExerciseFailed
+from fa4lab.exercises._core import ExerciseFailed, GradingError
 from fa4lab.exercises.barriers import check_lse_program
 from fa4lab.exercises.experiment import check_prediction_held
 from fa4lab.exercises.masks import check_chunked_local_mask
@@ -28,6 +31,7 @@ from fa4lab.exercises.tiles import check_classify_tiles, check_n_block_range
 from fa4lab.exercises.tmem import check_allocate_tmem
 from fa4lab.exercises.variants import check_softcap_score_mod
 
-__all__ = ["ExerciseFailed", "check_update_state", "check_merge_states", "check_n_block_range",
-           "check_classify_tiles", "check_allocate_tmem", "check_lse_program",
-           "check_softcap_score_mod", "check_chunked_local_mask", "check_prediction_held"]
+__all__ = ["ExerciseFailed", "GradingError", "check_update_state", "check_merge_states",
+           "check_n_block_range", "check_classify_tiles", "check_allocate_tmem",
+           "check_lse_program", "check_softcap_score_mod", "check_chunked_local_mask",
+           "check_prediction_held"]

@@ -1,8 +1,10 @@
-"""python -m fa4lab.exercises release SRC_DIR OUT_DIR | grade NOTEBOOK [--solutions-from NB]
+"""python -m fa4lab.exercises release SRC_DIR OUT_DIR | grade NOTEBOOK [--solutions-from NB] ...
 
-release: the student notebooks (solutions stubbed, outputs cleared) and points.json.
+release: the student notebooks (solutions stubbed, outputs cleared, locked cells checksummed)
+and points.json.
 grade: execute a notebook and print the points per exercise with each failing check's message
-(--json: the same as JSON). Grading exits 0 whatever the score; a missing file is exit 2.
+(--json: the same as JSON); a locked cell the student edited is graded from the released
+notebook (--release). Grading exits 0 whatever the score; a missing file is exit 2.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def main(argv=None) -> int:
     gra.add_argument("notebook")
     gra.add_argument("--solutions-from", metavar="INSTRUCTOR_NB",
                      help="put back this notebook's solution cells first (by grade_id)")
+    gra.add_argument("--release", metavar="RELEASED_NB",
+                     help="grade locked cells the student edited from this notebook (the "
+                          "released or instructor one; default: --solutions-from)")
     gra.add_argument("--json", action="store_true", help="print the report as JSON")
     gra.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
     args = parser.parse_args(argv)
@@ -38,7 +43,7 @@ def main(argv=None) -> int:
                   f"(points.json)")
             return 0
         report = notebook.grade(args.notebook, solutions_from=args.solutions_from,
-                                timeout=args.timeout)
+                                release_from=args.release, timeout=args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import linecache
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -13,6 +15,35 @@ class ExerciseFailed(AssertionError):
     An AssertionError, so pytest and nbgrader both count it as a failed test; the autograder
     (`fa4lab.exercises.notebook.grade`) reports its message as the exercise's feedback.
     """
+
+
+class GradingError(RuntimeError):
+    """fa4lab itself failed while grading (a library bug, a broken install), not the answer:
+    the message says so and what to do. Not an AssertionError: nbgrader and pytest show it as
+    an error of the grader, not as a wrong answer."""
+
+
+def raised_at(err: BaseException, fn: Callable) -> str:
+    """Where in the student's code `err` was raised: ' at line N of f (`source`)' for the
+    innermost traceback frame in the file that defines `fn` (the notebook cell), plus the
+    function it called when the error came from deeper; '' when no frame of that file is in
+    the traceback (the error is not in the student's code)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    frames = list(traceback.walk_tb(err.__traceback__))
+    mine = [i for i, (frame, _) in enumerate(frames) if frame.f_code.co_filename ==
+            code.co_filename]
+    if not mine:
+        return ""
+    frame, line = frames[mine[-1]]
+    text = linecache.getline(frame.f_code.co_filename, line, frame.f_globals).strip()
+    at = f" at line {line} of {frame.f_code.co_name}" + (f" (`{text}`)" if text else "")
+    if mine[-1] + 1 < len(frames):
+        inner = frames[mine[-1] + 1][0]
+        at += (f", inside {inner.f_globals.get('__name__', '?')}.{inner.f_code.co_name} which "
+               f"that line called")
+    return at
 
 
 def call_student(fn: Callable, name: str, *args, **kwargs):
@@ -30,7 +61,8 @@ def call_student(fn: Callable, name: str, *args, **kwargs):
     except ExerciseFailed:
         raise
     except Exception as e:
-        raise ExerciseFailed(f"{name} raised {type(e).__name__}: {e}\n  on the input "
+        raise ExerciseFailed(f"your function {name} raised {type(e).__name__}"
+                             f"{raised_at(e, fn)}: {e}\n  on the input "
                              f"{_describe(args, kwargs)}") from e
 
 

@@ -8,18 +8,23 @@ is the small part of it the lab needs, with no Jupyter server:
 
 - `release(src_dir, out_dir)`: copy every notebook with outputs cleared, each solution region
   replaced by nbgrader's stub (`# YOUR CODE HERE` / `raise NotImplementedError()`, indented like
-  the marker, so the signature and docstring stay) and locked cells made read-only; writes
+  the marker, so the signature and docstring stay) and locked cells made read-only; each
+  graded, solution or locked cell gets nbgrader's `checksum` (`compute_checksum`); writes
   `points.json` (points per exercise).
-- `grade(notebook, solutions_from=None)`: execute the notebook top to bottom (nbclient, errors
-  allowed, CPU is enough) and score each autograded cell: full points if it ran without error,
-  else 0 with the error's message (the checks in `fa4lab.exercises` say what is wrong).
-  `solutions_from` first puts back the solution cells of an instructor notebook (by grade_id).
+- `grade(notebook, solutions_from=None, release_from=None)`: execute the notebook top to bottom
+  (nbclient, errors allowed, CPU is enough) and score each autograded cell: full points if it
+  ran without error, else 0 with the error's message (the checks in `fa4lab.exercises` say what
+  is wrong). `solutions_from` first puts back the solution cells of an instructor notebook (by
+  grade_id). A locked or graded cell whose checksum no longer matches was edited by the student
+  (Note [locked cells]): it is graded from the released version.
 
 Command line: `python -m fa4lab.exercises release|grade ...` (`fa4lab.exercises.__main__`).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -28,7 +33,8 @@ from pathlib import Path
 import nbformat
 
 __all__ = ["BEGIN_SOLUTION", "END_SOLUTION", "CODE_STUB", "ExerciseResult", "GradeReport",
-           "release", "strip_solutions", "points_of", "grade", "restore_solutions"]
+           "release", "strip_solutions", "points_of", "grade", "restore_solutions",
+           "compute_checksum", "restore_locked"]
 
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
@@ -47,6 +53,40 @@ def _is_solution(cell) -> bool:
 
 def _is_graded(cell) -> bool:
     return bool(_meta(cell).get("grade")) and cell.cell_type == "code"
+
+
+def _is_locked(cell) -> bool:
+    """nbgrader's rule: a solution cell never is, a graded cell always is, any other cell when
+    its metadata says `locked`."""
+    meta = _meta(cell)
+    if not meta or meta.get("solution", False):
+        return False
+    return bool(meta.get("grade", False) or meta.get("locked", False))
+
+
+# Note [locked cells]
+# A student can edit any cell in Jupyter, the locked ones included (`editable: false` is a hint
+# to the interface, not a lock). nbgrader's release records a checksum of each graded, solution
+# and locked cell; its autograder overwrites the locked cells from the instructor's copy before
+# running. Here the checksum is nbgrader's own recipe (`compute_checksum`), so a release made
+# here is checked by nbgrader's autograder and the other way round; `grade` compares each locked
+# cell with the released one (`release_from`, or its recorded checksum when none is given) and
+# grades an edited one from the released source, saying so in the report.
+
+def compute_checksum(cell) -> str:
+    """nbgrader's `utils.compute_checksum` of a cell: md5 of its source, its type, whether it is
+    a grade, solution and locked cell, its grade_id, and a grade cell's points as a float."""
+    meta = _meta(cell)
+    if "grade_id" not in meta:
+        raise ValueError(f"a {cell.cell_type} cell with nbgrader metadata has no grade_id; give "
+                         f"it one (nbgrader identifies graded, solution and locked cells by it)")
+    md5 = hashlib.md5()
+    for part in (cell.source, cell.cell_type, str(meta.get("grade", False)),
+                 str(meta.get("solution", False)), str(_is_locked(cell)), meta["grade_id"]):
+        md5.update(part.encode("utf-8"))
+    if meta.get("grade", False):
+        md5.update(str(float(meta["points"])).encode("utf-8"))
+    return md5.hexdigest()
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:
@@ -90,6 +130,12 @@ def _release_notebook(nb, name: str):
         if _meta(cell).get("locked"):
             cell.metadata["editable"] = False
             cell.metadata["deletable"] = False
+        if _is_solution(cell) or _is_locked(cell):
+            try:
+                cell.metadata["nbgrader"]["checksum"] = compute_checksum(cell)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            cell.metadata["nbgrader"]["cell_type"] = cell.cell_type
     return nb
 
 
@@ -146,12 +192,51 @@ def restore_solutions(nb, instructor_nb):
     return nb
 
 
+def restore_locked(nb, released=None) -> dict[int, tuple[bool, str]]:
+    """Put back every locked or graded cell of nb that was edited since the release (Note
+    [locked cells]); returns {cell index: (put back?, what happened)}.
+
+    A cell is edited when its `compute_checksum` differs from that of `released`'s cell of the
+    same grade_id (the released notebook, or the instructor's: their locked cells are the
+    same), or, where `released` has no such cell or is None, from the checksum the release
+    recorded in it. An edited cell is replaced by the released one when there is one; else it
+    stays as it is, and its note says why.
+    """
+    originals = {}
+    if released is not None:
+        originals = {_meta(c)["grade_id"]: c for c in released.cells
+                     if _is_locked(c) and "grade_id" in _meta(c)}
+    notes = {}
+    for i, cell in enumerate(nb.cells):
+        if not _is_locked(cell):
+            continue
+        gid = _meta(cell).get("grade_id", f"cell-{i}")
+        original = originals.get(gid)
+        want = compute_checksum(original) if original is not None else _meta(cell).get("checksum")
+        if want is None or ("grade_id" in _meta(cell) and compute_checksum(cell) == want):
+            continue
+        if original is None:
+            why = ("the released notebook has no cell of that grade_id" if released is not None
+                   else "no released version was given to grade it from: grade with "
+                        "release_from= (--release) the released or instructor notebook")
+            notes[i] = False, (f"cell {i} ({gid}) was modified after the release (its "
+                               f"checksum differs) and {why}")
+            continue
+        restored = copy.deepcopy(original)
+        if restored.cell_type == "code":
+            restored.outputs, restored.execution_count = [], None
+        nb.cells[i] = restored
+        notes[i] = True, f"cell {i} ({gid}) was modified, graded from the released version"
+    return notes
+
+
 @dataclass
 class ExerciseResult:
     grade_id: str
     points: float
     earned: float
     message: str      # the check's summary when passed, its failure message otherwise
+    note: str = ""    # what the grader did besides running the cell (Note [locked cells])
 
 
 @dataclass
@@ -177,8 +262,10 @@ class GradeReport:
         for e in self.exercises:
             mark = "ok  " if e.earned == e.points else "FAIL"
             lines.append(f"  {mark} {e.grade_id}: {e.earned:g} / {e.points:g}")
-            if e.earned != e.points:
-                lines += ["       " + line for line in e.message.splitlines()]
+            if e.note:
+                lines.append(f"       note: {e.note}")
+            # a pass's summary too: it says what could not be checked here, and why
+            lines += ["       " + line for line in e.message.splitlines()]
         lines += [f"  note: {err}" for err in self.cell_errors]
         return "\n".join(lines)
 
@@ -197,17 +284,30 @@ def _stdout(outputs) -> str:
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream").strip()
 
 
+def _read(path: str | Path, what: str):
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {path}")
+    return nbformat.read(path, as_version=_NBFORMAT)
+
+
 def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
-          timeout: int = 600, kernel_name: str = "python3") -> GradeReport:
-    """Execute `notebook` (a student's, or a release) and score its autograded cells."""
+          release_from: str | Path | None = None, timeout: int = 600,
+          kernel_name: str = "python3") -> GradeReport:
+    """Execute `notebook` (a student's, or a release) and score its autograded cells.
+
+    Locked and graded cells edited since the release are graded from `release_from` (the
+    released or the instructor notebook; `solutions_from` when not given), or, with neither,
+    found by their checksum and scored 0 (`restore_locked`)."""
     from nbclient import NotebookClient
 
     path = Path(notebook)
-    if not path.is_file():
-        raise FileNotFoundError(f"no notebook at {path}")
-    nb = nbformat.read(path, as_version=_NBFORMAT)
-    if solutions_from is not None:
-        nb = restore_solutions(nb, nbformat.read(Path(solutions_from), as_version=_NBFORMAT))
+    nb = _read(path, "notebook")
+    instructor = None if solutions_from is None else _read(solutions_from, "instructor notebook")
+    if instructor is not None:
+        nb = restore_solutions(nb, instructor)
+    released = instructor if release_from is None else _read(release_from, "released notebook")
+    edited = restore_locked(nb, released)
     points = points_of(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -227,11 +327,23 @@ def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
         err = _error_message(cell.outputs)
         if cell.execution_count is None and not cell.outputs:
             err = err or "this cell did not run (execution stopped before it)"
+        put_back, note = edited.get(i, (True, ""))
         if _is_graded(cell):
             gid = _meta(cell).get("grade_id") or f"cell-{i}"
             pts = points[gid]
+            if not put_back:
+                err = f"{note}; not graded"
             results.append(ExerciseResult(gid, pts, 0.0 if err else pts,
-                                          err or _stdout(cell.outputs)))
-        elif err and cell.execution_count is not None:
-            errors.append(f"cell {i} raised {err.splitlines()[0]}")
+                                          err or _stdout(cell.outputs), note))
+        else:
+            if err and cell.execution_count is not None:
+                errors.append(f"cell {i} raised {err.splitlines()[0]}")
+            if note:
+                errors.append(note)
+    graded = {r.grade_id for r in results}
+    for gid, pts in (points_of(released) if released is not None else {}).items():
+        if gid not in graded:
+            results.append(ExerciseResult(
+                gid, pts, 0.0, f"the graded cell {gid} is missing (deleted, or its nbgrader "
+                               f"metadata removed): put the released cell back and run it"))
     return GradeReport(path.name, results, errors)

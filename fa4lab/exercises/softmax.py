@@ -1,8 +1,9 @@
 """Notebook 01's exercises: one online-softmax block step, and merging two partial states.
 
 Each check runs the student's function on small adversarial problems drawn fresh (GQA, tails,
-extreme logits, rows that see no key, seqlen 1, FA4's rescale threshold), compares it with
-`fa4lab.online_softmax` step by step, and the finished output with the float64 reference.
+extreme logits, rows that see no key, seqlen 1, FA4's rescale threshold and a max rising by
+exactly it), compares it with `fa4lab.online_softmax` step by step, and the finished output
+with the float64 reference.
 """
 
 from __future__ import annotations
@@ -66,6 +67,40 @@ class _Problem:
         return out[0].transpose(1, 0, 2), lse[0]
 
 
+def _exact_threshold_rise(rng, threshold: float, *, seqlen_q: int = 3, heads_q: int = 2,
+                          head_dim: int = 8, block_n: int = 4):
+    """(q, k, v, (head, row)): scores in three key blocks where row `row` of head `head` has
+    max exactly 0 in the first block and exactly `threshold / scale_log2` in the second, a rise
+    of exactly `threshold` in log2 units, so the basis must stay (the rule is `>`, not `>=`).
+    Another (head, row) rises by one float more (the basis must move); the rest are random.
+
+    Each (head, row) reads its own coordinate of q (one-hot), so its scores are the keys' values
+    there, exact in float64 (no rounding in q @ k^T)."""
+    scale_log2 = resolve_scale(None, head_dim) * LOG2E
+    rise = threshold / scale_log2
+    if rise * scale_log2 != threshold:
+        raise RuntimeError(f"no float64 score rises by exactly {threshold:g} in log2 units at "
+                           f"head_dim {head_dim}: a bug in fa4lab's exercise, not in your answer")
+    combos = heads_q * seqlen_q
+    if combos > head_dim:
+        raise ValueError(f"{combos} (head, row) pairs need head_dim >= {combos}")
+    seqlen_k = 3 * block_n
+    q = np.zeros((1, seqlen_q, heads_q, head_dim))
+    k = np.zeros((1, seqlen_k, 1, head_dim))
+    exact, above = (int(x) for x in rng.choice(combos, size=2, replace=False))
+    for c in range(combos):
+        head, row = divmod(c, seqlen_q)
+        q[0, row, head, c] = 1.0
+        scores = rng.uniform(-6.0, 0.0, seqlen_k) * 4.0
+        if c in (exact, above):
+            top = rise if c == exact else np.nextafter(rise, np.inf)
+            scores[block_n:] += top          # block 0 below 0, blocks 1 and 2 below top
+            scores[int(rng.integers(block_n))] = 0.0
+            scores[block_n + int(rng.integers(block_n))] = top
+        k[0, :, 0, c] = scores
+    return q, k, rng.standard_normal((1, seqlen_k, 1, 3)), divmod(exact, seqlen_q)
+
+
 def _problems(rng) -> list[_Problem]:
     """Small adversarial problems, fresh values each call (shapes fixed so messages read well)."""
     def rand(sq, sk, hq, hkv, d, dv, logit=1.0):
@@ -79,6 +114,7 @@ def _problems(rng) -> list[_Problem]:
     extreme = osm.adversarial_inputs("extreme", seqlen_q=4, seqlen_k=24, heads_q=2, heads_kv=1,
                                      head_dim=8, magnitude=1e4, rng=rng)
     none = (None, None)
+    *exact, (head, row) = _exact_threshold_rise(rng, fa4)
     return [
         _Problem("random logits, GQA (4 query heads on 2 KV heads), tail block",
                  *rand(5, 23, 4, 2, 8, 3), False, none, 8, 0.0),
@@ -94,6 +130,8 @@ def _problems(rng) -> list[_Problem]:
         _Problem("sliding window (3, 0): some blocks show a row nothing",
                  *rand(12, 12, 2, 2, 4, 2, logit=30.0), False, (3, 0), 4, fa4),
         _Problem("seqlen_q = seqlen_k = 1", *rand(1, 1, 1, 1, 4, 2), False, none, 1, 0.0),
+        _Problem(f"head {head} row {row}'s max rises by exactly rescale_threshold={fa4:g} "
+                 f"(log2 units) in the second block", *exact, False, none, 4, fa4),
     ]
 
 
@@ -190,6 +228,11 @@ def _update_hint(field, hr, before, s, p, got) -> str:
             return "this block shows the row no key (all scores -inf): keep the basis as it is"
         with np.errstate(invalid="ignore"):
             rise = (m_blk - m_old) * p.scale_log2
+        if rise == p.threshold:
+            return (f"this row's max rose by exactly rescale_threshold = {p.threshold:g} in "
+                    f"log2 units (row_max {m_old:.10g}, block max {m_blk:.10g}, raw scores): "
+                    f"that keeps the basis; it moves only when (block_max - row_max) * "
+                    f"scale_log2 > rescale_threshold, strictly greater, not >=")
         return (f"the basis moves to the block max only when (block_max - row_max) * "
                 f"scale_log2 > rescale_threshold ({p.threshold:g}), or when row_max is -inf; "
                 f"here row_max was {m_old:.6g} and the block max is {m_blk:.6g} (raw scores), "

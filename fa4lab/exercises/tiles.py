@@ -85,10 +85,29 @@ def _as_range(got, where: str) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ExerciseFailed(f"n_block_range ({where}) returned {got!r}; return a pair "
                              f"(n_block_min, n_block_max) of ints") from None
-    if lo > hi:
-        raise ExerciseFailed(f"n_block_range ({where}) returned ({lo}, {hi}) with n_block_min > "
-                             f"n_block_max; an empty range is (x, x), e.g. (0, 0)")
     return lo, hi
+
+
+def _empty_hint(got, want, m, sq, sk, bm, causal, window) -> str | None:
+    """The hint when the expected range, or the answer, is empty or reversed; None otherwise."""
+    convention = ("fa4lab.tiling's convention: empty is n_block_min == n_block_max ((0, 0) "
+                  "when no row sees a key), never n_block_min > n_block_max; clamp the last "
+                  "row's key end at 0 BEFORE the ceil-divide, n_block_max = ceil(max(end, 0) / "
+                  "n_block_size), then n_block_min = min(n_block_min, n_block_max)")
+    if want[0] == want[1]:
+        _, right = effective_window(causal, window)
+        last = min((m + 1) * bm, sq) - 1
+        return (f"an empty range means the tile's rows see no key: its last row, {last}, sees "
+                f"keys j <= row + (seqlen_k - seqlen_q) + right = {last + sk - sq + right} < 0 "
+                f"(seqlen_q > seqlen_k under causal or a window's right side), so the kernel "
+                f"visits no block and writes 0 (lse -inf) for these rows. {convention}")
+    if got[0] > got[1]:
+        return f"[{got[0]}, {got[1]}) is no range (n_block_min > n_block_max). {convention}"
+    if got[0] == got[1]:
+        return ("an empty range is only for a tile none of whose rows sees a key; here some "
+                "do: check the bounds of the tile's first row (n_block_min) and last row "
+                "(n_block_max)")
+    return None
 
 
 def check_n_block_range(n_block_range: Callable, *, seed: int | None = None,
@@ -131,9 +150,13 @@ def check_n_block_range(n_block_range: Callable, *, seed: int | None = None,
 
 def _range_hint(got, want, m, sq, sk, bm, bn, causal, window) -> str:
     left, right = effective_window(causal, window)
+    empty = _empty_hint(got, want, m, sq, sk, bm, causal, window)
     if got == _brute_range(_visible(sq, sk, causal, window, top_left=True), m, bm, bn):
-        return ("you aligned the diagonal at the top left; FA4 aligns it at the bottom right: "
-                "query i sees keys up to i + (seqlen_k - seqlen_q) + right")
+        return ((empty + "\n  and " if empty else "") + "you aligned the diagonal at the top "
+                "left; FA4 aligns it at the bottom right: query i sees keys up to i + "
+                "(seqlen_k - seqlen_q) + right")
+    if empty:
+        return empty
     if right is not None and got == _brute_range(_visible(sq, sk, False, (left, None)), m, bm,
                                                  bn):
         return ("you ignored the right bound: causal=True means right = 0, and a window's "

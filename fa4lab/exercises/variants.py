@@ -13,7 +13,8 @@ A student's mod (`fa4lab.mods`) is graded the way the library is tested, tier by
   tier 1 (CPU)  the mod compiled into the kernel for its arch with fake tensors and audited
                 (`fa4lab.kernels.audit`: no spills, every protocol row holds). One compile per
                 mod, keyed as the launch cache keys it (`fa4lab.mods.mod_key`) and kept for the
-                process: a notebook re-running its test cell does not compile again.
+                process: a notebook re-running its test cell does not compile again. What this
+                machine cannot do is not the student's fault (Note [whose failure]).
   tier 2 (GPU)  notebook 06 only: `fa4lab.attention` on a Hopper GPU (`fa4lab.exercises.masks`).
 
 Exercise 05: `softcap_score_mod(softcap)` returns score_mod(score, b, h, q_idx, kv_idx) that
@@ -30,12 +31,18 @@ import numpy as np
 
 from fa4lab import mods as M
 from fa4lab.blockwalk import walk
-from fa4lab.exercises._core import ExerciseFailed, call_student, fresh_rng
+from fa4lab.exercises._core import (
+    ExerciseFailed,
+    GradingError,
+    call_student,
+    fresh_rng,
+    raised_at,
+)
 from fa4lab.reference import attention_reference
 from fa4lab.spec import AttentionSpec, resolve_scale
 
 __all__ = ["check_softcap_score_mod", "blockwise_attention", "compile_and_audit",
-           "first_output_mismatch"]
+           "first_output_mismatch", "graded_call"]
 
 _RTOL, _ATOL = 1e-10, 1e-10      # float64 against float64: only summation order differs
 CAPS = (30.0, 5.0, 0.5)          # a cap like Gemma 2's, a tight one, one below most scores
@@ -83,14 +90,33 @@ def first_output_mismatch(got, want, rtol: float = _RTOL, atol: float = _ATOL):
 
 # ---- tier 1: compile into the kernel and audit ----------------------------------------------
 
+# Note [whose failure]
+# A build or an audit can fail for reasons that are not the student's: the CuTe DSL or the CUDA
+# binary tools missing or broken on a laptop, a bug in fa4lab. So the check blames the mod only
+# for what the mod causes:
+#   - the DSL cannot trace the mod (`fa4lab.mods.ModCompileError`): the student's, with the line
+#     of their function that raised when it is one (`raised_at`);
+#   - any other build failure, or audit rows that fail: the kernel is built and audited the same
+#     way WITHOUT the mod (the baseline: the same configuration, with the library's own version
+#     of the variant where it has one, e.g. softcap=). What fails there too is not the student's:
+#     that part is not graded, and the summary says so, why, and what to do;
+#   - the CUDA binary tools missing (cuobjdump, nvdisasm) or failing: the audit is not graded,
+#     the summary says so (a pass, never silent: the grader's report shows the summary).
+
 _compiled: dict = {}
+_baselines: dict = {}
+_FIX = ("run `fa4lab doctor` to see what this machine lacks (`make install` installs the CuTe "
+        "DSL and the CUDA binary tools); the instructor's grader builds it again")
 
 
-def compile_and_audit(km, arch: str, what: str) -> str:
+def compile_and_audit(km, arch: str, what: str, baseline: AttentionSpec | None = None) -> str:
     """Compile `km` (a `fa4lab.mods.KernelMods`) into the kernel for `arch` ("sm100a" /
-    "sm90a") on this machine and audit the binary; raises ExerciseFailed naming the failing
-    row. Returns a one-line summary, saying why when the tier cannot run here (no CuTe DSL, or
-    FA4LAB_FORBID_COMPILE=1 as `make test-fast` sets). Cached per (arch, mod) for the process."""
+    "sm90a") on this machine and audit the binary; raises ExerciseFailed naming what the mod
+    broke. `baseline` is the configuration built without the mod when the mod's build or audit
+    fails (COMPILE_SPEC when None): what fails there too is not graded (Note [whose failure]).
+    Returns a one-line summary, saying what was not graded and why (no CuTe DSL,
+    FA4LAB_FORBID_COMPILE=1 as `make test-fast` sets, no CUDA binary tools, a kernel that does
+    not build here). Cached per (arch, mod) for the process."""
     from fa4lab import environment
 
     if not environment.has_cute_dsl():
@@ -99,45 +125,99 @@ def compile_and_audit(km, arch: str, what: str) -> str:
         return f"compile for {arch} skipped: FA4LAB_FORBID_COMPILE=1 switches compiles off here"
     key = (arch, km.key)
     if key not in _compiled:
-        _compiled[key] = _compile_and_audit(km, arch, what)
+        _compiled[key] = _compile_and_audit(km, arch, what, baseline or COMPILE_SPEC)
     result = _compiled[key]
     if isinstance(result, ExerciseFailed):
         raise result
     return result
 
 
-def _compile_and_audit(km, arch: str, what: str):
+def _build(spec: AttentionSpec, arch: str, km):
     import tempfile
 
-    from fa4lab.kernels import audit as audit_mod
     from fa4lab.kernels.compile import compile_forward
 
+    return compile_forward(spec, arch=arch, mods=km,
+                           keep_dir=tempfile.mkdtemp(prefix="fa4lab-exercise-"))
+
+
+def _baseline(spec: AttentionSpec, arch: str):
+    """(compiled, audit or the audit's exception) of `spec` without a mod, or the build's
+    exception; kept for the process."""
+    from fa4lab.kernels import audit as audit_mod
+
+    key = (arch, spec)
+    if key not in _baselines:
+        try:
+            cf = _build(spec, arch, None)
+        except Exception as err:        # whatever breaks the build: reported, not raised
+            _baselines[key] = err
+        else:
+            try:
+                _baselines[key] = (cf, audit_mod.audit_compiled(cf))
+            except (FileNotFoundError, RuntimeError) as err:
+                _baselines[key] = (cf, err)
+    return _baselines[key]
+
+
+def _trace_failure(err: M.ModCompileError, km, what: str, arch: str) -> ExerciseFailed:
+    """The DSL could not trace the mod: where in the student's function, when it raised."""
+    cause = err.__cause__
+    fn = km.score_mod or km.mask_mod
+    at = raised_at(cause, fn) if cause is not None else ""
+    said = (f"your function raised {type(cause).__name__}{at} when the kernel traced it: "
+            f"{M.one_line(cause)}" if at else M.one_line(err))
+    return ExerciseFailed(
+        f"{what} does not compile into the {arch} kernel: {said}\n  hint: in the kernel "
+        f"your function is traced with the DSL's Float32 / Int32 scalars: use fa4lab.mods.tanh "
+        f"/ where / minimum / maximum / abs (not torch.* or math.*, no tensor methods, no `if` "
+        f"on a value)")
+
+
+def _compile_and_audit(km, arch: str, what: str, baseline: AttentionSpec):
+    from fa4lab.kernels import audit as audit_mod
+
     try:
-        cf = compile_forward(COMPILE_SPEC, arch=arch, mods=km,
-                             keep_dir=tempfile.mkdtemp(prefix="fa4lab-exercise-"))
+        cf = _build(COMPILE_SPEC, arch, km)
     except M.ModCompileError as err:
+        return _trace_failure(err, km, what, arch)
+    except Exception as err:
+        base = _baseline(baseline, arch)
+        if isinstance(base, Exception):
+            return (f"compile for {arch} NOT GRADED: the kernel does not build here without "
+                    f"your mod either: {type(base).__name__}: {M.one_line(base)[:300]}; this is "
+                    f"not your code: {_FIX}")
         return ExerciseFailed(
-            f"{what} does not compile into the {arch} kernel: {M.one_line(err)}\n  hint: in "
-            f"the kernel your function is traced with the DSL's Float32 / Int32 scalars: use "
-            f"fa4lab.mods.tanh / where / minimum / maximum / abs (not torch.* or math.*, "
-            f"no tensor methods, no `if` on a value)")
+            f"{what}: the {arch} kernel builds here without your mod but not with it: "
+            f"{type(err).__name__}: {M.one_line(err)[:300]}\n  hint: write the mod as one "
+            f"expression of its arguments with fa4lab.mods helpers (Note [one body, two "
+            f"worlds] in fa4lab.mods)")
+    built = f"compiled for {arch} in {cf.seconds:.0f} s"
     try:
         audit = audit_mod.audit_compiled(cf)
-    except (FileNotFoundError, RuntimeError) as err:
-        return (f"compiled for {arch} in {cf.seconds:.0f} s; audit skipped: the CUDA binary "
-                f"tools do not run here ({M.one_line(err)})")
+    except (FileNotFoundError, RuntimeError) as err:   # fa4lab.kernels.binary: tool missing/failed
+        return (f"{built}; the audit of the binary NOT GRADED: the CUDA binary tools do not run "
+                f"here ({M.one_line(err)[:300]}): {_FIX}")
     bad = audit.failures()
-    if bad:
-        rows = "; ".join(f"{r.name}: expected {r.expected}, found {r.found}" for r in bad)
-        spill = any("spill" in r.name or "stack" in r.name for r in bad)
-        hint = ("the mod keeps values live across the softmax loop, or reads memory per score; "
-                "compute from score and the indices only, with fewer temporaries" if spill else
-                "the mod changed the kernel's protocol or resources: write it as a plain "
-                "expression of its arguments")
-        return ExerciseFailed(f"{what} compiles for {arch} but the audit of the binary fails "
-                              f"({len(bad)} row(s)): {rows}\n  hint: {hint}")
-    return (f"compiled for {arch} in {cf.seconds:.0f} s, audit clean ({len(audit.rows)} rows, "
-            f"0 spills)")
+    if not bad:
+        return f"{built}, audit clean ({len(audit.rows)} rows, 0 spills)"
+    base = _baseline(baseline, arch)
+    base_bad = ({r.name for r in base[1].failures()} if isinstance(base, tuple)
+                and not isinstance(base[1], Exception) else set())
+    mine = [r for r in bad if r.name not in base_bad]
+    if not mine:
+        rows = ", ".join(r.name for r in bad)
+        return (f"{built}; the audit of the binary NOT GRADED: the kernel without your mod "
+                f"fails the same row(s) here ({rows}): this is not your code: {_FIX}")
+    rows = "; ".join(f"{r.name}: expected {r.expected}, found {r.found}" for r in mine)
+    spill = any("spill" in r.name or "stack" in r.name for r in mine)
+    hint = ("the mod keeps values live across the softmax loop, or reads memory per score; "
+            "compute from score and the indices only, with fewer temporaries" if spill else
+            "the mod changed the kernel's protocol or resources: write it as a plain "
+            "expression of its arguments")
+    return ExerciseFailed(f"{what} compiles for {arch} but the audit of the binary fails "
+                          f"({len(mine)} row(s) that pass without your mod): {rows}\n  hint: "
+                          f"{hint}")
 
 
 # ---- shared: calling a student's mod --------------------------------------------------------
@@ -152,23 +232,47 @@ def mod_of(factory: Callable, name: str, arg, what: str) -> Callable:
     return mod
 
 
+def _raised_hint(text: str) -> str:
+    """The hint for an exception a mod raised, from its message."""
+    if "ambiguous" in text:
+        return ("`and` / `or` / `not` and `if` ask a tensor for one truth value: combine "
+                "conditions with & | ~ and choose values with fa4lab.mods.where")
+    if "scalar" in text or "must be real" in text or "one element" in text:
+        return ("math.* and numpy functions take one number: use fa4lab.mods's tanh / where / "
+                "minimum / maximum / abs, which work on torch, numpy and kernel values alike")
+    return "see Note [one body, two worlds] in fa4lab.mods for what a mod may use"
+
+
 def try_mod(mod: Callable, args: tuple, what: str, where: str):
     """mod(*args), any exception turned into a failure with the hint that fits it."""
     try:
         return mod(*args)
     except Exception as err:
         text = M.one_line(err)
-        if "ambiguous" in text:
-            hint = ("`and` / `or` / `not` and `if` ask a tensor for one truth value: combine "
-                    "conditions with & | ~ and choose values with fa4lab.mods.where")
-        elif "scalar" in text or "must be real" in text or "one element" in text:
-            hint = ("math.* and numpy functions take one number: use fa4lab.mods's tanh / "
-                    "where / minimum / maximum / abs, which work on torch, numpy and kernel "
-                    "values alike")
-        else:
-            hint = "see Note [one body, two worlds] in fa4lab.mods for what a mod may use"
-        raise ExerciseFailed(f"{what} raised {type(err).__name__}: {text}\n  on {where}\n  "
-                             f"hint: {hint}") from err
+        raise ExerciseFailed(f"your function {what} raised {type(err).__name__}"
+                             f"{raised_at(err, mod)}: {text}\n  on {where}\n  hint: "
+                             f"{_raised_hint(text)}") from err
+
+
+def graded_call(mod: Callable, what: str, where: str, fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs), a library function the check runs the student's `mod` through (the
+    reference, the block walk). An exception raised in a line of the student's code is their
+    failure (`raised_at`); any other is fa4lab's, a GradingError saying so (Note [whose
+    failure])."""
+    try:
+        return fn(*args, **kwargs)
+    except (ExerciseFailed, GradingError):
+        raise
+    except Exception as err:
+        text, at = M.one_line(err), raised_at(err, mod)
+        if at:
+            raise ExerciseFailed(f"your function {what} raised {type(err).__name__}{at}: "
+                                 f"{text}\n  on {where}\n  hint: {_raised_hint(text)}") from err
+        raise GradingError(f"fa4lab failed while grading {what} on {where}: "
+                           f"{type(err).__name__}: {text}\n  no line of your code is in the "
+                           f"error, so it is not your answer but fa4lab or this install: run "
+                           f"`fa4lab doctor`; if it persists, report it with this message (the "
+                           f"seed replays it)") from err
 
 
 def numpy_world(mod: Callable, args: tuple, what: str) -> None:
@@ -306,7 +410,8 @@ def check_softcap_score_mod(softcap_score_mod: Callable, *, seed: int | None = N
                      "score_mod(score, b, h, q_idx, kv_idx)")
         _check_score_kind(mod, cap, seed)
         _, want = attention_reference(q, k, v, softcap=cap, return_lse=True)
-        _, got = attention_reference(q, k, v, score_mod=mod, return_lse=True)
+        _, got = graded_call(mod, what, f"the score grid, fa4lab.reference (seed {seed})",
+                             attention_reference, q, k, v, score_mod=mod, return_lse=True)
         got, want = got[:, 0, :].T, want[:, 0, :].T                 # (rows, cols) of scores
         bad = ~np.isclose(got, want, rtol=1e-12, atol=1e-12)
         scores += got.size
@@ -324,22 +429,26 @@ def check_softcap_score_mod(softcap_score_mod: Callable, *, seed: int | None = N
     problems = _problems(rng)
     for name, q, k, v, causal in problems:
         want = attention_reference(q, k, v, causal=causal, softcap=cap, return_lse=True)
-        got = attention_reference(q, k, v, causal=causal, score_mod=mod, return_lse=True)
+        what, where = f"softcap_score_mod({cap:g})", f"{name} (seed {seed})"
+        got = graded_call(mod, what, f"{where}, fa4lab.reference", attention_reference, q, k,
+                          v, causal=causal, score_mod=mod, return_lse=True)
         bad = first_output_mismatch(got, want)
         if bad:
             raise ExerciseFailed(
                 f"softcap_score_mod({cap:g}) in whole attention ({name}; seed {seed}): "
                 f"{bad[1]}\n  hint: each score alone was right, so the mod must depend on "
                 f"b, h, q_idx or kv_idx: softcapping depends on the score only")
-        sim = first_output_mismatch(blockwise_attention(q, k, v, arch="sm100", causal=causal,
-                                                        km=km), want)
+        walked = graded_call(mod, what, f"{where}, the sm100 block walk", blockwise_attention,
+                             q, k, v, arch="sm100", causal=causal, km=km)
+        sim = first_output_mismatch(walked, want)
         if sim:
             raise ExerciseFailed(
                 f"softcap_score_mod({cap:g}) in the sm100 kernel's block walk ({name}; seed "
                 f"{seed}): {sim[1]}\n  hint: the walk hands the mod one key block at a time "
                 f"(kv_idx of that block only): the result must not depend on how many scores "
                 f"it is given")
-    tier1 = (compile_and_audit(km, "sm100a", f"softcap_score_mod({cap:g})") if compile else
+    tier1 = (compile_and_audit(km, "sm100a", f"softcap_score_mod({cap:g})",
+                               COMPILE_SPEC.with_(softcap=cap)) if compile else
              "compile skipped (compile=False)")
     return (f"softcap_score_mod: {scores} scores match fa4lab.reference's softcap for softcap "
             f"in {CAPS}, {len(problems)} attention problems match in float64 and in the "
