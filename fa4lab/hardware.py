@@ -112,3 +112,19 @@ def hardware_for(arch: str) -> Hardware:
             f"unknown arch {arch!r}: fa4lab plans for 'sm100' (B200) or 'sm90' (H100/H200)"
         )
     return BY_ARCH[key]
+
+
+# Interconnect figures the ring-attention model reads (fa4lab.distributed.schedule, notebook 09):
+# published peaks, per GPU and per direction, never measured here. NVLink 4 on the H200 SXM is
+# 900 GB/s bidirectional; a ring sends one way to one neighbour, so half of it. Across nodes a
+# DGX H200 has one ConnectX-7 (400 Gb/s InfiniBand NDR) per GPU.
+INTERCONNECT = {
+    "nvlink_h200": {
+        "bytes_per_s": 450e9,
+        "source": "NVIDIA H200 datasheet: NVLink 900 GB/s (bidirectional); 450 GB/s each way",
+    },
+    "ib_ndr": {
+        "bytes_per_s": 50e9,
+        "source": "NVIDIA DGX H200 datasheet: 8x ConnectX-7 400 Gb/s InfiniBand, one per GPU",
+    },
+}

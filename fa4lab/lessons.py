@@ -47,6 +47,11 @@ LESSONS = (
            "risks), the kernel's hooks, compile and audit, validation and the experiment; "
            "graded: prediction_held",
            "CPU plan, compile, audit, simulation; GPU to validate and measure"),
+    Lesson("09_ring_attention.ipynb", "Ring attention: the online softmax across GPUs",
+           "context parallelism: the (out, lse) merge across devices, the ring loop simulated "
+           "and over gloo, zig-zag vs contiguous sharding, a modelled timeline and scaling "
+           "efficiency from 128k to 1M tokens",
+           "CPU (gloo, model); 2+ GPUs to measure (NCCL, not yet measured)"),
 )
 
 

@@ -15,8 +15,9 @@ problems (it is a lesson and a test oracle, not a fast path). `trace=True` keeps
 state after every block, so keep those problems small.
 
 Also here: FA4's conditional rescaling (`rescale_threshold`), FA4's software exp2
-(`exp2_poly3`), `merge_states` for split-KV, and the failure modes a kernel author meets
-(`MISTAKES`), each demonstrated wrong by a test.
+(`exp2_poly3`), `merge_states` for split-KV (and `merge_out_lse`, its rule on finished
+(out, lse) pairs, which the ring of `fa4lab.distributed` uses), and the failure modes a kernel
+author meets (`MISTAKES`), each demonstrated wrong by a test.
 
 Run: `python -c "import fa4lab.online_softmax as m; print(m.exp2_poly3_max_rel_error())"`.
 """
@@ -45,9 +46,9 @@ MISTAKES = {
 
 __all__ = [
     "SoftmaxState", "BlockStep", "OnlineTrace", "init_state", "score_block", "update_state",
-    "finalize", "merge_states", "online_attention", "kv_blocks", "exp2_poly3",
-    "exp2_poly3_max_rel_error", "fit_exp2_poly3", "emulated_pairs", "naive_softmax", "safe_softmax",
-    "online_softmax_1d", "adversarial_inputs", "variant_errors", "MISTAKES",
+    "finalize", "merge_weights", "merge_states", "merge_out_lse", "online_attention", "kv_blocks",
+    "exp2_poly3", "exp2_poly3_max_rel_error", "fit_exp2_poly3", "emulated_pairs", "naive_softmax",
+    "safe_softmax", "online_softmax_1d", "adversarial_inputs", "variant_errors", "MISTAKES",
     "FA4_RESCALE_THRESHOLD", "EXP2_POLY3", "EXP2_POLY3_MAX_REL_ERROR",
 ]
 
@@ -251,11 +252,22 @@ def score_block(q: np.ndarray, k_block: np.ndarray, visible: np.ndarray) -> np.n
     return np.where(visible, s, -np.inf)
 
 
-def _finite_or_zero(m: np.ndarray) -> np.ndarray:
+def _xp(x):
+    """The array module of x: torch for torch tensors (the ring merges CUDA tensors with the same
+    rule, `fa4lab.distributed`), numpy otherwise."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch
+    return np
+
+
+def _finite_or_zero(m):
     # Note [-inf minus -inf]: a row that has seen no visible key has max -inf; subtracting it
     # from a masked score gives -inf - -inf = NaN. Use 0 as the basis there: every visible
     # score is then exp2(-inf) = 0 anyway.
-    return np.where(np.isneginf(m), 0.0, m)
+    xp = _xp(m)
+    return xp.where(xp.isneginf(m), 0.0, m)
 
 
 def update_state(state: SoftmaxState, s: np.ndarray, v_block: np.ndarray, *,
@@ -318,10 +330,34 @@ def finalize(state: SoftmaxState, *, normalized: bool = False) -> tuple[np.ndarr
     return out, lse
 
 
+# Note [merge rule]
+# Two partial results over disjoint key sets each carry a log-magnitude per row: a state's
+# basis row_max (raw-score units, scale_log2 turns it into log2 units) or a finished output's
+# lse (natural log, scale_log2 = log2(e)). The merge moves both to the larger one, m = max(a, b),
+# and weighs each side by 2**((its log - m) * scale_log2) <= 1: nothing overflows, and a side
+# that saw no key (log -inf) weighs exactly 0 without forming -inf - -inf. `merge_weights` is
+# that rule; `merge_states` (split-KV states, lesson 01) and `merge_out_lse` (normalised
+# outputs, the ring of `fa4lab.distributed`) both call it.
+
+def merge_weights(log_a, log_b, scale_log2: float):
+    """(m, w_a, w_b): the merged basis max(log_a, log_b) and each side's weight relative to it,
+    0 for a side that saw no key. numpy arrays or torch tensors. See Note [merge rule]."""
+    xp = _xp(log_a)
+    m = xp.maximum(log_a, log_b)
+    base = _finite_or_zero(m)
+
+    def weight(x):
+        empty = xp.isneginf(x)
+        return xp.where(empty, 0.0, xp.exp2(xp.where(empty, 0.0, x - base) * scale_log2))
+
+    return m, weight(log_a), weight(log_b)
+
+
 def merge_states(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     """Combine two partial states over disjoint key sets (split-KV): commutative, associative.
 
-    Both are moved to the larger basis; a state that saw no key (row_max -inf) contributes 0.
+    Both are moved to the larger basis; a state that saw no key (row_max -inf) contributes 0
+    (`merge_weights`, Note [merge rule]).
     """
     if a.scale_log2 != b.scale_log2:
         raise ValueError(f"cannot merge states with different scale_log2 "
@@ -329,21 +365,36 @@ def merge_states(a: SoftmaxState, b: SoftmaxState) -> SoftmaxState:
     if a.acc_o.shape != b.acc_o.shape:
         raise ValueError(f"cannot merge states of different shapes {a.acc_o.shape} and "
                          f"{b.acc_o.shape}")
-    m = np.maximum(a.row_max, b.row_max)
-    base = _finite_or_zero(m)
-
-    def weight(s: SoftmaxState) -> np.ndarray:
-        empty = np.isneginf(s.row_max)
-        w = np.exp2(np.where(empty, 0.0, s.row_max - base) * s.scale_log2)
-        return np.where(empty, 0.0, w)
-
-    wa, wb = weight(a), weight(b)
+    m, wa, wb = merge_weights(a.row_max, b.row_max, a.scale_log2)
     return SoftmaxState(
         row_max=m,
         row_sum=wa * a.row_sum + wb * b.row_sum,
         acc_o=wa[..., None] * a.acc_o + wb[..., None] * b.acc_o,
         scale_log2=a.scale_log2,
     )
+
+
+def merge_out_lse(out_a, lse_a, out_b, lse_b):
+    """(out, lse) of attention over the union of two disjoint key sets, from each set's
+    normalised output out (..., rows, head_dim_v) and natural-log lse (..., rows).
+
+    out = (w_a out_a + w_b out_b) / (w_a + w_b), lse = m + ln(w_a + w_b) with the weights of
+    `merge_weights` (Note [merge rule]); a row neither side saw stays out 0, lse -inf, no NaN.
+    numpy arrays or torch tensors (any device); compute in the dtype you pass.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape \
+            or tuple(lse_a.shape) != tuple(out_a.shape[:-1]):
+        raise ValueError(f"merge_out_lse needs two partial results of one shape: out "
+                         f"(..., rows, d) and lse (..., rows); got out {tuple(out_a.shape)} / "
+                         f"{tuple(out_b.shape)}, lse {tuple(lse_a.shape)} / {tuple(lse_b.shape)}")
+    xp = _xp(lse_a)
+    m, wa, wb = merge_weights(lse_a, lse_b, LOG2E)
+    total = wa + wb
+    seen = total > 0
+    denom = xp.where(seen, total, 1.0)
+    lse = xp.where(seen, _finite_or_zero(m) + xp.log(denom), -math.inf)
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / denom[..., None]
+    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------
