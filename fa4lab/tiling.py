@@ -726,39 +726,69 @@ class Workload:
 # --------------------------------------------------------------------------- tile orders
 
 
+TILE_ORDERS = ("grid", "grid_reversed", "lpt")
+
+
+def tile_at(t, order: str, num_m, heads, batch, swizzle=1, *, imin=min):
+    """(batch, head, m_block) of linear tile t in `order` (one of TILE_ORDERS), for ints, numpy
+    arrays or the kernels' DSL Int32 (`imin`: the DSL's min). The one formula from linear tile
+    index to tile: the orders below, the simulated schedules and both kernels' schedulers read it.
+
+    "grid": m_block fastest, then head, then batch (how the hardware dispatches a (num_m, heads,
+    batch) grid); "grid_reversed": the same with each head's m_blocks last-first; "lpt": FA4's
+    longest-processing-time-first order in L2 sections of `swizzle` (batch, head) pairs (Note [L2
+    swizzle]): inside a section m_block runs from the LAST to the first, the section's heads
+    fastest; the last section may be shorter (the residual)."""
+    if order not in TILE_ORDERS:
+        raise ValueError(f"unknown tile order {order!r}: one of {TILE_ORDERS}")
+    if order == "lpt":
+        n_hb = heads * batch
+        swizzle = imin(swizzle, n_hb)
+        full = n_hb // swizzle  # >= 1
+        section = t // (swizzle * num_m)
+        within = t - section * (swizzle * num_m)
+        # The last section holds the n_hb % swizzle leftover pairs; section // full is 1 there
+        # and 0 before it (section <= full), so `width` needs no branch.
+        width = swizzle - (swizzle - (n_hb - full * swizzle)) * (section // full)
+        block = within // width
+        hb = section * swizzle + (within - block * width)
+        m = num_m - 1 - block
+    else:
+        hb = t // num_m
+        m = t - hb * num_m
+        if order == "grid_reversed":
+            m = num_m - 1 - m
+    b = hb // heads
+    return b, hb - b * heads, m
+
+
+def _order(work: Workload, order: str, swizzle: int = 1) -> np.ndarray:
+    t = np.arange(work.num_tiles)
+    return np.stack(tile_at(t, order, work.num_m_blocks, work.heads, work.batch, swizzle), axis=1)
+
+
 def grid_order(work: Workload) -> np.ndarray:
     """(num_tiles, 3) rows (batch, head, m_block), m_block fastest then head then batch: the
     order the hardware dispatches a (num_m_blocks, heads, batch) grid."""
-    b, h, m = np.meshgrid(np.arange(work.batch), np.arange(work.heads),
-                          np.arange(work.num_m_blocks), indexing="ij")
-    return np.stack([b.ravel(), h.ravel(), m.ravel()], axis=1)
+    return _order(work, "grid")
 
 
 def grid_reversed_order(work: Workload) -> np.ndarray:
     """Grid order with each head's m_blocks reversed (last first): what a one-CTA-per-tile
     causal kernel gets by flipping blockIdx.x. Longest first within a head only."""
-    order = grid_order(work)
-    order[:, 2] = work.num_m_blocks - 1 - order[:, 2]
-    return order
+    return _order(work, "grid_reversed")
 
 
 def lpt_order(work: Workload) -> np.ndarray:
-    """(num_tiles, 3) rows (batch, head, m_block) in FA4's longest-processing-time-first order.
+    """(num_tiles, 3) rows (batch, head, m_block) in FA4's longest-processing-time-first order
+    (`tile_at`, Note [L2 swizzle])."""
+    return _order(work, "lpt", work.l2_swizzle)
 
-    Linear tile t is split into an L2 section of `swizzle` (batch, head) pairs (Note [L2
-    swizzle]); inside a section m_block runs from the LAST (for causal the longest) to the first,
-    and the section's heads vary fastest. The last section may be shorter (the residual).
-    """
-    n_m, n_hb = work.num_m_blocks, work.heads * work.batch
-    swizzle = min(work.l2_swizzle, n_hb)
-    full_sections = n_hb // swizzle
-    t = np.arange(work.num_tiles)
-    section, within = np.divmod(t, swizzle * n_m)
-    residual = n_hb - full_sections * swizzle
-    width = np.where(section < full_sections, swizzle, max(residual, 1))
-    block, hb_in = np.divmod(within, width)
-    batch, head = np.divmod(section * swizzle + hb_in, work.heads)
-    return np.stack([batch, head, n_m - 1 - block], axis=1)
+
+def persistent_tiles(cta: int, num_ctas: int, num_tiles: int) -> range:
+    """The linear tiles persistent CTA `cta` of `num_ctas` runs, in turn: cta, cta + num_ctas,
+    ... (the kernels' tile loop; FA4's static persistent scheduler)."""
+    return range(cta, num_tiles, num_ctas)
 
 
 # --------------------------------------------------------------------------- schedules
@@ -873,14 +903,14 @@ def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm1
     return _greedy("lpt", work, lpt_order(work), _resolve_sms(num_sms, arch), cost)
 
 
-def kernel_tile_order(causal: bool, arch: str) -> str:
-    """The order fa4lab's `arch` kernel dispatches tiles in (a key of SCHEDULERS): the plain
-    grid where tile costs are equal (not causal); for causal, LPT on sm90 and the grid with
-    each head's m_blocks reversed on sm100. See Note [tile order] in
-    `fa4lab.kernels.device.scheduler`."""
+def kernel_tile_order(causal: bool, arch: str, persistent: bool = False) -> str:
+    """The order fa4lab's `arch` kernel takes tiles in (a key of SCHEDULERS, a `tile_at`
+    order): the plain grid where tile costs are equal (not causal); for causal, LPT on sm90 and
+    in a persistent sm100 kernel, else the grid with each head's m_blocks reversed. See Note
+    [tile order] in `fa4lab.kernels.device.scheduler`."""
     if not causal:
         return "grid"
-    return "lpt" if arch == "sm90" else "grid_reversed"
+    return "lpt" if arch == "sm90" or persistent else "grid_reversed"
 
 
 SCHEDULERS = {

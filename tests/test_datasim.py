@@ -216,3 +216,18 @@ def test_row_error_figure(rng):
     ref = attention_reference(*(ds.round16(x, "bf16") for x in (q, k, v)))
     fig = draw_row_errors({"every barrier": run}, ref, dc.tolerance(v))
     assert len(fig.axes[0].lines) == 2      # the run and the tolerance
+
+
+def test_a_persistent_cta_runs_its_tiles_in_turn(rng):
+    """Note [persistent CTAs] in fa4lab.plan.sm100: the 4 work tiles of one length run in one
+    CTA (its pipeline phases running on from tile to tile) and still give the reference; with
+    persistent=False each is its own CTA."""
+    q, k, v = problem(rng, 2, 256, 384, 2, 2)
+    plan = ds.plan_for(q, k, v)
+    assert plan.protocol.persistent
+    run = ds.run_plan(plan, q, k, v)
+    assert not run.deadlock and [s.n_tiles for s in run.sims] == [4]
+    check_against_reference(run, q, k, v, False)
+    one = ds.run_plan(ds.plan_for(q, k, v, persistent=False), q, k, v)
+    assert [s.n_tiles for s in one.sims] == [1] * 4
+    check_against_reference(one, q, k, v, False)

@@ -263,3 +263,41 @@ def test_stats_offset_is_read_from_the_mailbox_accesses():
     rows = {r.name: r for r in protocol_rows(plan, MAILBOX_PTX.replace("OFFSET", str(at - 16)))}
     row = rows["SMEM offset stats"]
     assert not row.ok and row.found == at - 16 and "outside" in row.note
+
+
+# A persistent kernel's shape (Note [persistent CTAs] in fa4lab.plan.sm100): a tile loop around
+# a block loop, the inner loop laid out after the outer loop's latch.
+NESTED_PTX = """
+	mov.u32 	%r1, 0;
+$L__BB1_1:
+	// tile loop header
+	add.s32 	%r2, %r1, 1;
+	bra.uni 	$L__BB1_3;
+$L__BB1_2:
+	// tile loop latch
+	setp.lt.s32 	%p1, %r1, %r9;
+	@%p1 bra 	$L__BB1_1;
+	bra.uni 	$L__BB1_9;
+$L__BB1_3:
+	// block loop body
+	add.s32 	%r3, %r3, 1;
+	setp.lt.s32 	%p2, %r3, %r8;
+	@%p2 bra 	$L__BB1_3;
+	bra.uni 	$L__BB1_2;
+$L__BB1_9:
+	ret;
+"""
+
+
+def test_nested_loops_name_the_innermost():
+    """Each line's loop is its innermost one: the block loop's lines are not the tile loop's, so
+    the audit can match each table loop (TileLoop, Loop) to one PTX loop."""
+    lines = NESTED_PTX.splitlines()
+    loops = binary.ptx_loops(NESTED_PTX)
+
+    def at(text):
+        return loops[next(i for i, ln in enumerate(lines) if text in ln)]
+
+    assert at("tile loop header") == at("tile loop latch") == "$L__BB1_1"
+    assert at("block loop body") == "$L__BB1_3"
+    assert at("mov.u32") is None and at("ret;") is None

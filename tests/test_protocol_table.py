@@ -92,3 +92,31 @@ def test_the_kernels_trace_check_rejects_an_op_the_table_does_not_have():
     with pytest.raises(ProtocolMismatch, match="issued 2 of the table's"):
         sites.finish()
 
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_persistent_phases_run_on_across_tiles(n):
+    """Note [persistent CTAs]: over 3 tiles the ring keeps turning (wait g on kv_full is slot
+    g % 3, phase g // 3, g counting across tiles), and tile t's Q waits q_empty's phase t - 1
+    (released first: the first tile passes), o_empty likewise; the sites are one tile loop
+    around the block loops."""
+    p = plan("sm100", kv_stage=3)
+    assert p.protocol.persistent
+    progs = programs_for(p, n, n_tiles=3)
+    kv_full = [(op.stage, op.k) for op in progs["mma"]
+               if isinstance(op, Wait) and op.barrier == "kv_full"]
+    assert kv_full == [(g % 3, g // 3) for g in range(3 * 2 * n)]
+    q_empty = [(op.stage, op.k) for op in progs["load"]
+               if isinstance(op, Wait) and op.barrier == "q_empty"]
+    assert q_empty == [(i, t - 1) for t in range(3) for i in range(2)]
+    o_empty = [(op.stage, op.k) for op in progs["correction"]
+               if isinstance(op, Wait) and op.barrier == "o_empty"]
+    assert o_empty == q_empty
+    loops = {s.loop for s in p.protocol.sites("load", 2)}
+    assert loops == {"load/loop0", "load/loop1"}   # the tile loop, the block loop inside it
+    one = plan("sm100", persistent=False)
+    with pytest.raises(ValueError, match="one work tile per CTA"):
+        from fa4lab.plan.costs import DEFAULT_COSTS
+        from fa4lab.plan.sm100 import programs
+
+        programs(one, n, 2, DEFAULT_COSTS)

@@ -16,7 +16,7 @@ with seqlen pairs (1, 1), (17, 1000), (1000, 17), (1000, 4097)
 -- tails on both sides, one key, one query, causal with seqlen_q > seqlen_k (fully masked rows
 and whole CTAs that see nothing); fp16 at both head dims; logits of magnitude 1e4 (the
 conditional rescale and the exp2 polynomial at their extremes); a custom softmax_scale and
-return_lse=False.
+return_lse=False; persistent CTAs that run several tiles each, some of them empty.
 
 pack-GQA (`pack_gqa=True`, Note [sm100 pack-GQA kernel]): head_dim {64, 128} x causal x GQA
 ratio {2, 8} on the same seqlen pairs, judged by the same rule; and the same through
@@ -88,6 +88,22 @@ def test_fully_masked_rows_and_empty_ctas():
     """causal, seqlen_q >> seqlen_k: the first 3000 rows (whole CTAs) see no key at all."""
     q, k, v = _inputs(1, 3100, 100, 2, 1, 64, torch.bfloat16, seed=3)
     _check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_ctas_run_many_tiles_each(head_dim, causal):
+    """Note [persistent CTAs] in fa4lab.plan.sm100: 4 x 16 heads x 8 row tiles = 512 work tiles
+    on at most 148 CTAs, so every CTA runs 3-4 in turn, its phases running on; causal with
+    seqlen_q > seqlen_k puts tiles that see no key (no K/V block) between the others (in LPT
+    order, the longest first)."""
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec
+
+    spec = AttentionSpec(4, 2000, 1500, 16, 4, head_dim, causal=causal)
+    assert plan_forward(spec, "sm100").protocol.persistent
+    q, k, v = _inputs(4, 2000, 1500, 16, 4, head_dim, torch.bfloat16, seed=21)
+    _check(q, k, v, causal=causal)
 
 
 def test_softmax_scale_and_no_lse():

@@ -59,6 +59,11 @@ def test_pow2_floor_and_orders():
     assert scheduler.grid_shape(1000, 8, 2, 128, "grid_reversed") == (8, 8, 2)
     with pytest.raises(ValueError, match="unknown tile order"):
         scheduler.grid_shape(1000, 8, 2, 128, "spiral")
+    # Persistent (Note [persistent CTAs] in fa4lab.plan.sm100): min(tiles, CTAs), one-dimensional.
+    assert scheduler.grid_shape(1000, 8, 2, 128, "grid", num_ctas=148) == (128, 1, 1)
+    assert scheduler.grid_shape(1000, 8, 2, 128, "lpt", num_ctas=100) == (100, 1, 1)
+    assert [scheduler.coords(t, "grid", 8, 8, 2) for t in (0, 9, 127)] == [
+        (0, 0, 0), (1, 1, 0), (7, 7, 1)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -67,7 +72,10 @@ def test_plans_name_their_tile_order(causal):
 
     spec = AttentionSpec(2, 1000, 1000, 8, 8, 128, causal=causal)
     assert plan_forward(spec, "sm90").tiles.order == ("lpt" if causal else "grid")
-    assert plan_forward(spec, "sm100").tiles.order == ("grid_reversed" if causal else "grid")
+    # sm100: persistent CTAs take LPT; one CTA per tile the grid with m_blocks reversed.
+    assert plan_forward(spec, "sm100").tiles.order == ("lpt" if causal else "grid")
+    assert plan_forward(spec, "sm100", persistent=False).tiles.order == (
+        "grid_reversed" if causal else "grid")
     assert plan_forward(spec, "sm90").tiles.order in tiling.SCHEDULERS
 
 

@@ -586,3 +586,35 @@ def test_kernel_scheduler_calls_the_tiling_rules():
                 assert ks.block_range(m, bm, 1, bn, sq, sk, left, right) == (lo, hi), (kw, m)
                 assert ks.mask_split(m, bm, 1, bn, sq, sk, left, right, lo, hi) == (
                     left_end, mlo), (kw, m)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 4), heads=st.integers(1, 20), seqlen_q=st.integers(1, 3000),
+       seqlen_k=st.sampled_from([1, 700, 40000, 400_000]), num_ctas=st.integers(1, 160),
+       order=st.sampled_from(["grid", "grid_reversed", "lpt"]))
+def test_persistent_ctas_visit_every_tile_once(batch, heads, seqlen_q, seqlen_k, num_ctas,
+                                               order):
+    # The persistent kernel's loop (CTA c: tiles c, c + G, ...) through the one index formula
+    # (tiling.tile_at, what the device scheduler calls), against the numpy order of the same
+    # name: together the CTAs run each tile exactly once, and the t-th tile is the order's t-th.
+    from fa4lab.tiling import persistent_tiles, tile_at
+
+    w = Workload(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                 m_block_size=256, n_block_size=128, causal=True)
+    want = {"grid": grid_order, "grid_reversed": grid_reversed_order, "lpt": lpt_order}[order](w)
+    swizzle = w.l2_swizzle if order == "lpt" else 1
+    grid = min(w.num_tiles, num_ctas)
+    seen = []
+    for cta in range(grid):
+        for t in persistent_tiles(cta, grid, w.num_tiles):
+            got = tile_at(t, order, w.num_m_blocks, heads, batch, swizzle)
+            assert tuple(got) == tuple(want[t]), (order, t)
+            seen.append(tuple(got))
+    assert len(seen) == len(set(seen)) == w.num_tiles
+
+
+def test_tile_at_rejects_an_unknown_order():
+    from fa4lab.tiling import tile_at
+
+    with pytest.raises(ValueError, match="unknown tile order"):
+        tile_at(0, "spiral", 4, 2, 1)

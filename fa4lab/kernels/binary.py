@@ -494,13 +494,42 @@ def ptx_loops(ptx: str) -> dict[int, str | None]:
     here)."""
     lines = ptx.splitlines()
     blocks, order = _basic_blocks(lines)
-    comp = _sccs(order, {b: blocks[b][2] for b in order})
+    inner = _innermost_loops(order, {b: blocks[b][2] for b in order})
     out = {}
     for name in order:
         start, end, _ = blocks[name]
-        head, is_loop = comp[name]
         for i in range(start, end):
-            out[i] = head if is_loop else None
+            out[i] = inner.get(name)
+    return out
+
+
+def _innermost_loops(order, succ) -> dict:
+    """Block -> the innermost loop holding it (named by its first block), for nested loops (a
+    persistent kernel's tile loop around its block loops): a loop's strongly connected blocks
+    without the back edges to its header hold its inner loops."""
+    preds = {b: set() for b in order}
+    for b in order:
+        for s in succ[b]:
+            if s in preds:
+                preds[s].add(b)
+    out = {}
+
+    def walk(nodes, edges):
+        comp = _sccs(nodes, edges)
+        members: dict[str, list[str]] = {}
+        for b in nodes:
+            members.setdefault(comp[b][0], []).append(b)
+        for head, bs in members.items():
+            if not comp[head][1]:
+                continue
+            inside = set(bs)
+            entries = [b for b in bs if preds[b] - inside]
+            header = entries[0] if entries else bs[0]
+            for b in bs:
+                out[b] = header
+            walk(bs, {b: [s for s in edges[b] if s in inside and s != header] for b in bs})
+
+    walk(list(order), {b: list(succ[b]) for b in order})
     return out
 
 

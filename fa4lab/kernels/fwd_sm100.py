@@ -10,9 +10,15 @@ in fa4lab.tiling gives the order every role walks the others in).
 
 Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
 head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
-contiguous. No persistent scheduler (one CTA per 2 x m_block query rows, per head, per batch;
-causal grids start with the longest tiles, fa4lab.kernels.device.scheduler), no split-KV, no
-varlen.
+contiguous. No split-KV, no varlen.
+
+Scheduling (`plan.tiles.order`, fa4lab.kernels.device.scheduler): with two Q tiles and O staged
+in its own SMEM (head_dim 64, 96, 128) the CTAs are persistent (Note [persistent CTAs] in
+fa4lab.plan.sm100): min(work tiles, SMs) CTAs, each looping over linear tiles c, c + gridDim.x,
+... (grid order; LPT for causal), every role carrying its pipeline states from tile to tile
+(Note [pipeline states across tiles]), so the next tile's loads overlap this tile's epilogue.
+The plans that stage O in Q's bytes ((192, 128), (256, 256)) run one CTA per 2 x m_block (or
+m_block) query rows, per head, per batch, causal grids starting with each head's longest tile.
 
 pack-GQA (`plan.tiles.pack_gqa`, Note [sm100 pack-GQA kernel]): optionally a CTA serves the
 qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O TMA views,
@@ -120,6 +126,17 @@ def _stages_at(layout, like):
         (*shape[:-1], cute.size(shape[-1])), stride=(*stride[:-1], flat(like.outer.stride[-1]))))
 
 
+def _opaque_zero() -> Int32:
+    """0, from an instruction the compiler cannot look through or move out of a loop: see Note
+    [operand descriptors per tile]."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(ir.IntegerType.get_signless(32), [], "mov.u32 $0, 0;", "=r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
     """A pipeline position addressed by (stage index, phase parity) instead of a running count.
 
@@ -164,6 +181,9 @@ class FlashForwardSm100:
         # [runtime window]): causal is right = 0, a constant.
         self.window_size = spec.window_size
         self.tile_order = plan.tiles.order  # Note [tile order] in fa4lab.kernels.device.scheduler
+        # Note [persistent CTAs] in fa4lab.plan.sm100: min(tiles, SMs) CTAs loop over the tiles.
+        self.persistent = plan.protocol.persistent
+        self.num_ctas = plan.hardware.num_sms
         self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
@@ -315,7 +335,9 @@ class FlashForwardSm100:
         heads = cute.size(mK.shape[2]) if cutlass.const_expr(self.pack_gqa) else cute.size(
             mQ.shape[2])
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
+                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                    self.num_ctas if cutlass.const_expr(self.persistent)
+                                    else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
@@ -359,8 +381,10 @@ class FlashForwardSm100:
             seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
-        m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                                     self.bytes_per_key)
+        m_block = head = batch = None   # persistent: each role's tile loop (`tiles`)
+        if cutlass.const_expr(not self.persistent):
+            m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k,
+                                                         self.cta_m, self.bytes_per_key)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -445,35 +469,65 @@ class FlashForwardSm100:
                 self.set_registers(name)
 
     # ---- the role branches' bodies: plain methods, traced where the kernel calls them ----
+    # Note [pipeline states across tiles]
+    # A persistent CTA (Note [persistent CTAs] in fa4lab.plan.sm100) initialises its barriers
+    # once, so each role's phases run on from one work tile to the next: the per-tile method
+    # (`load`, `mma`, `softmax`, `correction`, `epilogue`) takes the role's pipeline states
+    # and phase bits and returns them advanced, and the role's tile loop (`tiles`) carries them.
+    # With one tile per CTA the role calls it once with the states a fresh barrier starts at.
+
     def load_role(self, e):
         self.set_registers("load")
-        self.load(e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
-                  e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
-                  e["pipe_kv"], e["m_block"], e["head"], e["batch"], self._visit(e))
+        args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
+                e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
+                e["pipe_kv"])
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.kv_stage)
+        if self.persistent:
+            self.load_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
+                            e["mask_blocks"], kv_state)
+        else:
+            self.load(*args, e["m_block"], e["head"], e["batch"], self._visit(e), kv_state,
+                      Int32(1))
 
     def epilogue_role(self, e):
         self.set_registers("epilogue")
-        self.epilogue(e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"], e["m_block"], e["head"],
-                      e["batch"])
+        args = (e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"])
+        if self.persistent:
+            self.epilogue_tiles(args, e["mQ"], e["seqlen_k"])
+        else:
+            self.epilogue(*args, e["m_block"], e["head"], e["batch"], Int32(0))
 
     def softmax_role(self, stage: int, e):
         role = f"softmax{stage}"
         self.set_registers(role)
         self.sites.bar_sync(role, "tmem")
         tStS, _, _ = self._tmem_views(e)
-        self.softmax(stage, e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"],
-                     e["pipe_stats"], e["m_block"], e["seqlen_q"], e["seqlen_k"],
-                     e["scale_log2"], e["pre_scale"], e["head"], e["batch"], e["aux"],
-                     e["mask_blocks"], *e["window"])
+        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"])
+        rest = (e["scale_log2"], e["pre_scale"])
+        if self.persistent:
+            self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
+                               e["aux"], e["mask_blocks"], *e["window"])
+        else:
+            self.softmax(stage, *args, e["m_block"], e["seqlen_q"], e["seqlen_k"], *rest,
+                         e["head"], e["batch"], e["aux"], e["mask_blocks"], *e["window"],
+                         Int32(0), Int32(1))
         self.sites.bar_arrive(role, "tmem")
 
     def correction_role(self, e):
         self.set_registers("correction")
         self.sites.bar_sync("correction", "tmem")
         _, tOtO, _ = self._tmem_views(e)
-        self.correction(e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"],
-                        e["pipe_o"], e["pipe_stats"], e["pipe_epi"], e["m_block"], e["head"],
-                        e["batch"], self._visit(e)[0], e["seqlen_q"], e["scale_log2"])
+        args = (e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"], e["pipe_o"],
+                e["pipe_stats"], e["pipe_epi"])
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.q_stage)
+        if self.persistent:
+            self.correction_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
+                                  e["mask_blocks"], e["scale_log2"], stats_state)
+        else:
+            self.correction(*args, e["m_block"], e["head"], e["batch"], self._visit(e)[0],
+                            e["seqlen_q"], e["scale_log2"], stats_state, Int32(0), Int32(1))
         self.sites.bar_arrive("correction", "tmem")
 
     def mma_role(self, e):
@@ -482,16 +536,95 @@ class FlashForwardSm100:
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")
         tStS, tOtO, tOrP, tmem_ptr = self._tmem_views(e, with_ptr=True)
-        n_blocks = self._visit(e)[0]
         args = (e["tiled_mma_qk"], e["tiled_mma_pv"], e["sQ"], e["sK"], e["sV"])
         pipes = (e["pipe_q"], e["pipe_kv"], e["pipe_s"], e["pipe_o"])
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                self.kv_stage)
         if self.ping_pong:
-            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, n_blocks)
+            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, self._visit(e)[0])
+        elif self.persistent:
+            self.mma_tiles(args, (tStS, tOtO, tOrP), pipes, e["mQ"], e["seqlen_q"],
+                           e["seqlen_k"], *e["window"], e["mask_blocks"], kv_state)
         else:
-            self.mma(*args, tStS, tOtO, tOrP, *pipes, n_blocks)
+            self.mma(*args, tStS, tOtO, tOrP, *pipes, self._visit(e)[0], kv_state, Int32(0),
+                     Int32(0), Int32(1))
         tmem.relinquish_alloc_permit()
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
+
+    # ---- the persistent tile loops (Note [pipeline states across tiles]) ----
+    def tiles(self, mQ):
+        """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
+        (cutlass.range's arguments)."""
+        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
+                cute.arch.grid_dim()[0])
+
+    def coords(self, mQ, seqlen_k, tile):
+        """(m_block, head, batch) of linear tile `tile` (`fa4lab.tiling.tile_at`)."""
+        return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
+                                     self.bytes_per_key, tile)
+
+    @cute.jit
+    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, kv_state):
+        q_phase = Int32(1)   # q_empty starts released
+        first, stop, step = self.tiles(mQ)
+        for tile in cutlass.range(first, stop, step, unroll=1):
+            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            visit = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
+            kv_state, q_phase = self.load(*args, m_block, head, batch, visit, kv_state, q_phase)
+
+    @cute.jit
+    def mma_tiles(self, args, tmem, pipes, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
+                  kv_state):
+        tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
+        q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
+        first, stop, step = self.tiles(mQ)
+        for tile in cutlass.range(first, stop, step, unroll=1):
+            m_block, _, _ = self.coords(mQ, seqlen_k, tile)
+            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            # Note [operand descriptors per tile]
+            # The score and value MMAs' SMEM descriptors (one 64-bit value per K step, per Q
+            # tile) do not change from tile to tile, so the compiler hoists them out of the tile
+            # loop, where they stay live across it: ptxas spilled 30-34 instructions in the MMA
+            # warp (head_dim 128, setmaxnreg 48 and 64, measured). Offsetting the operands by a
+            # zero it cannot see through rebuilds them in each tile, as one tile per CTA does.
+            zero = cute.assume(_opaque_zero(), divby=1024)
+            tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase = self.mma(
+                tiled_mma_qk, tiled_mma_pv, cute.make_tensor(sQ.iterator + zero, sQ.layout),
+                cute.make_tensor(sK.iterator + zero, sK.layout),
+                cute.make_tensor(sV.iterator + zero, sV.layout), *tmem, *pipes, n_blocks,
+                kv_state, q_phase, p_phase, o_phase)
+
+    @cute.jit
+    def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
+                      aux, mask_blocks, left, right):
+        s_phase, stats_phase = Int32(0), Int32(1)
+        first, stop, step = self.tiles(mQ)
+        for tile in cutlass.range(first, stop, step, unroll=1):
+            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            s_phase, stats_phase = self.softmax(
+                stage, *args, m_block, seqlen_q, seqlen_k, *rest, head, batch, aux, mask_blocks,
+                left, right, s_phase, stats_phase)
+
+    @cute.jit
+    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
+                         scale_log2: Float32, stats_state):
+        o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
+        first, stop, step = self.tiles(mQ)
+        for tile in cutlass.range(first, stop, step, unroll=1):
+            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            stats_state, o_phase, epi_phase = self.correction(
+                *args, m_block, head, batch, n_blocks, seqlen_q, scale_log2, stats_state,
+                o_phase, epi_phase)
+
+    @cute.jit
+    def epilogue_tiles(self, args, mQ, seqlen_k):
+        epi_phase = Int32(0)
+        first, stop, step = self.tiles(mQ)
+        for tile in cutlass.range(first, stop, step, unroll=1):
+            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            epi_phase = self.epilogue(*args, m_block, head, batch, epi_phase)
 
     def _tmem_views(self, e, with_ptr: bool = False):
         """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
@@ -599,9 +732,10 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, visit):
-        """TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each next block in
-        the visit order `visit` (`visit_plan`)."""
+             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, visit, kv_state, q_phase):
+        """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
+        next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
+        advanced (Note [pipeline states across tiles])."""
         n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
@@ -618,43 +752,44 @@ class FlashForwardSm100:
                                            cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
                                            cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                self.kv_stage)
         if cutlass.const_expr(self.ping_pong):
             self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
                                 tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit)
-        elif n_blocks > 0:
-            for stage in cutlass.range_constexpr(self.q_stage):
-                q_state = _phase_state(self.q_stage, stage, 1)
-                self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
-                           q_state, stage=stage)
-                cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + stage],
-                          tQsQ[None, stage], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                if cutlass.const_expr(stage == 0):
-                    self.sites("load", "wait kv_empty; expect_tx kv_full",
-                               pipe_kv.producer_acquire, kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
-                              tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                    kv_state.advance()
-            self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
-                       kv_state, **self.v_acquire)
-            cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(0, *order)],
-                      tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            kv_state.advance()
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                n = scheduler.visit_block(i + 1, *order)
-                self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
-                           kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-                kv_state.advance()
+        else:
+            if n_blocks > 0:
+                for stage in cutlass.range_constexpr(self.q_stage):
+                    q_state = _phase_state(self.q_stage, stage, q_phase)
+                    self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
+                               q_state, stage=stage)
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + stage],
+                              tQsQ[None, stage], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                    if cutlass.const_expr(stage == 0):
+                        self.sites("load", "wait kv_empty; expect_tx kv_full",
+                                   pipe_kv.producer_acquire, kv_state)
+                        cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
+                                  tKsK[None, kv_state.index],
+                                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                        kv_state.advance()
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                            kv_state, **self.v_acquire)
-                cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
+                cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(0, *order)],
+                          tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
                 kv_state.advance()
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    n = scheduler.visit_block(i + 1, *order)
+                    self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                               kv_state)
+                    cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    kv_state.advance()
+                    self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
+                               kv_state, **self.v_acquire)
+                    cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    kv_state.advance()
+                q_phase ^= 1
+        return kv_state, q_phase
 
     @cute.jit
     def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
@@ -693,18 +828,18 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: mma
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
-            pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks):
+            pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks, kv_state, q_phase, p_phase, o_phase):
         """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j, for the
-        n_blocks key blocks the load warp brings, in its order."""
+        n_blocks key blocks of one work tile the load warp brings, in its order. Returns the
+        tiled MMAs, kv_state and the q_full, p_ready and o_rescaled phases, advanced (Note
+        [pipeline states across tiles])."""
         tSrQ = tiled_mma_qk.make_fragment_A(sQ)
         tSrK = tiled_mma_qk.make_fragment_B(sK)
         tOrV = tiled_mma_pv.make_fragment_B(sV)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                self.kv_stage)
         if n_blocks > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("mma", "wait q_full", pipe_q.consumer_wait,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           _phase_state(self.q_stage, stage, q_phase), stage=stage)
                 if cutlass.const_expr(stage == 0):
                     self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)
                 tiled_mma_qk = self.gemm(
@@ -714,8 +849,6 @@ class FlashForwardSm100:
                            _phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             kv_state.advance()
-            p_phase = Int32(0)
-            o_phase = Int32(1)  # o_rescaled starts released: the first value MMA needs no wait
             accumulate = Boolean(False)
             for i in cutlass.range(n_blocks - 1, unroll=1):
                 self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)  # V_j
@@ -745,6 +878,11 @@ class FlashForwardSm100:
                 p_phase ^= 1
                 o_phase ^= 1
                 accumulate = Boolean(True)
+            # Every score MMA of the tile is issued: Q is free once they are done, and the next
+            # tile's Q loads while the last value MMAs wait for P (Note [persistent CTAs]).
+            for stage in cutlass.range_constexpr(self.q_stage):
+                self.sites("mma", "commit q_empty", pipe_q.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
                        kv_state)  # V of the last block
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -758,9 +896,11 @@ class FlashForwardSm100:
                 self.sites("mma", "commit o_final", pipe_o.producer_commit,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
-            for stage in cutlass.range_constexpr(self.q_stage):
-                self.sites("mma", "commit q_empty", pipe_q.consumer_release,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+            kv_state.advance()
+            q_phase ^= 1
+            p_phase ^= 1
+            o_phase ^= 1
+        return tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase
 
     @cute.jit
     def mma_ping_pong(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
@@ -832,9 +972,11 @@ class FlashForwardSm100:
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
                 pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
-                pre_scale: Float32, head, batch, aux, mask_blocks, left, right):
-        """Softmax warpgroup `stage`: one thread per row of Q tile `stage`, the CTA's blocks in
-        its visit order (Note [block visit order] in fa4lab.tiling).
+                pre_scale: Float32, head, batch, aux, mask_blocks, left, right, s_count,
+                stats_phase):
+        """Softmax warpgroup `stage` on one work tile: one thread per row of Q tile `stage`,
+        the CTA's blocks in its visit order (Note [block visit order] in fa4lab.tiling).
+        Returns (s_count, stats_phase) advanced (Note [pipeline states across tiles]).
 
         Masked blocks (causal diagonal, a window's edges, the seqlen_k tail) first, with the
         mask; then the fully visible ones without it (`softmax_plan`).
@@ -875,8 +1017,8 @@ class FlashForwardSm100:
 
         row_max = -Float32.inf
         row_sum = Float32(0.0)
-        s_count = Int32(0)    # the S buffer's phase, or (ping-pong) the block steps done
-        stats_phase = Int32(1)
+        # s_count: the S buffer's phase, or (ping-pong) the block steps done; stats_phase:
+        # stats_empty's (it starts released).
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
                 pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
         for i in cutlass.range(n_masked, unroll=1):
@@ -896,6 +1038,9 @@ class FlashForwardSm100:
             sScale[(self.q_stage + stage) * self.m_block + tidx] = row_max
             self.sites(role, "arrive stats_full", pipe_stats.producer_commit, stats_state,
                        stage=stage)
+            if cutlass.const_expr(self.persistent):
+                stats_phase ^= 1
+        return s_count, stats_phase
 
     def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right,
                      mask_blocks=None):
@@ -1011,12 +1156,12 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: correction
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
-                   pipe_epi, m_block, head, batch, n_blocks, seqlen_q, scale_log2: Float32):
-        """Rescale O_i when a row max moved (per step), then O_i / row_sum -> sO (the sink in
-        the sum: Note [sinks]), and LSE."""
+                   pipe_epi, m_block, head, batch, n_blocks, seqlen_q, scale_log2: Float32,
+                   stats_state, o_phase, epi_phase):
+        """One work tile: rescale O_i when a row max moved (per step), then O_i / row_sum ->
+        sO (the sink in the sum: Note [sinks]), and LSE. Returns stats_state and the o_final
+        and o_empty phases, advanced (Note [pipeline states across tiles])."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
-        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                   self.q_stage)
         for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("correction", "wait stats_full", pipe_stats.consumer_wait, stats_state,
@@ -1045,17 +1190,18 @@ class FlashForwardSm100:
                 self.sites("correction", "arrive stats_empty", pipe_stats.consumer_release,
                            stats_state, stage=stage)
                 stats_state.advance()
-                # The last value MMA's commit: the first with two Q tiles, the n-th ping-pong.
-                o_phase = (n_blocks - 1) & 1 if cutlass.const_expr(self.ping_pong) else 0
+                # The last value MMA's commit: the tile's one with two Q tiles, the n-th
+                # ping-pong (one tile per CTA).
+                final = (n_blocks - 1) & 1 if cutlass.const_expr(self.ping_pong) else o_phase
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
-                           _phase_state(self.q_stage, stage, o_phase), stage=stage)
+                           _phase_state(self.q_stage, stage, final), stage=stage)
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None
             if cutlass.const_expr(mSink is not None):
                 sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
             inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
-            epi_state = _phase_state(self.q_stage, stage, 1)
+            epi_state = _phase_state(self.q_stage, stage, epi_phase)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
             self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
@@ -1069,6 +1215,9 @@ class FlashForwardSm100:
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             if cutlass.const_expr(self.return_lse):
                 softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
+        if n_blocks > 0:
+            o_phase ^= 1
+        return stats_state, o_phase, epi_phase ^ 1
 
     @cute.jit
     def correction_rescale(self, thr_mma_pv, tOtO, tidx, row_scale):
@@ -1132,14 +1281,15 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: epilogue
     @cute.jit
-    def epilogue(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch):
-        """TMA store of each normalised O tile (rows past seqlen_q are clipped by the TMA)."""
+    def epilogue(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
+        """TMA store of one work tile's normalised O tiles (rows past seqlen_q are clipped by
+        the TMA). Returns the o_staged phase, advanced (Note [pipeline states across tiles])."""
         gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
         tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                            cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
         for stage in cutlass.range_constexpr(self.q_stage):
             self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
-                       _phase_state(self.q_stage, stage, 0), stage=stage)
+                       _phase_state(self.q_stage, stage, epi_phase), stage=stage)
             cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, m_block * self.q_stage + stage])
             cute.arch.cp_async_bulk_commit_group()
         for stage in cutlass.range_constexpr(self.q_stage):
@@ -1148,6 +1298,7 @@ class FlashForwardSm100:
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
+        return epi_phase ^ 1
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,

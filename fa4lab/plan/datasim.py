@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import inspect
 import itertools
 import math
 import re
@@ -707,12 +706,11 @@ def _fresh_memory(plan, out: np.ndarray, lse: np.ndarray) -> _Memory:
         stats=np.full(2 * t.q_stage * t.m_block, nan, np.float32), out=out, lse=lse)
 
 
-def persistent(plan=None) -> bool:
-    """Whether the plan's programs run several work tiles in one CTA (a persistent kernel);
-    else each work tile is its own CTA, simulated on its own."""
-    from fa4lab.plan import sm100
-
-    return "n_tiles" in inspect.signature(sm100.programs).parameters
+def persistent(plan) -> bool:
+    """Whether the plan's programs run several work tiles in one CTA (a persistent kernel: Note
+    [persistent CTAs] in fa4lab.plan.sm100); else each work tile is its own CTA, simulated on
+    its own."""
+    return plan.protocol.persistent
 
 
 @functools.lru_cache(maxsize=64)
@@ -721,16 +719,14 @@ def role_programs(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DATA
     `n_blocks` K/V blocks in one CTA (cached: treat them as read-only)."""
     from fa4lab.plan import sm100
 
-    if persistent(plan):
-        return sm100.programs(plan, n_blocks, n_tiles, costs)
-    if n_tiles != 1:
+    if n_tiles != 1 and not persistent(plan):
         raise ValueError(f"n_tiles={n_tiles}: the plan's programs run one work tile per CTA")
-    return sm100.programs(plan, n_blocks, costs)
+    return sm100.programs(plan, n_blocks, n_tiles, costs)
 
 
-def _ctas(tiles: list[WorkTile]) -> list[list[WorkTile]]:
+def _ctas(plan, tiles: list[WorkTile]) -> list[list[WorkTile]]:
     """Work tiles grouped by CTA: all tiles of one length in one persistent CTA, or one each."""
-    if not persistent():
+    if not persistent(plan):
         return [[w] for w in tiles]
     groups: dict[int, list[WorkTile]] = defaultdict(list)
     for w in tiles:
@@ -798,7 +794,7 @@ def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None
     lse = np.full((spec.batch, spec.heads_q, spec.seqlen_q), nan, np.float32)
     tiles = work_tiles(plan)
     sims, reads, rescaled = [], [], 0
-    for group in _ctas(tiles):
+    for group in _ctas(plan, tiles):
         n_blocks = group[0].n_blocks
         if n_blocks == 0:
             # No key visible to any row: the kernel's n_block_max == 0 branches skip every

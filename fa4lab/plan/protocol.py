@@ -7,7 +7,7 @@ carried by the plan as `plan.protocol`. Everything that speaks of barriers reads
     stages, and every wait / arrive goes through `fa4lab.kernels.protocol`, by barrier name,
     checked at trace time against this table's sites;
   * the simulator: `expand` turns a program into `fa4lab.plan.simulate` ops (Wait, Arrive,
-    Commit, Issue, Work) for one work tile of N K/V blocks;
+    Commit, Issue, Work) for a CTA's T work tiles of N K/V blocks each;
   * the audit: `sites` is the static list of code sites (loops once, Q stages unrolled) that
     the compiled PTX must show, in order, role by role.
 
@@ -19,9 +19,12 @@ A program is a tuple of nodes:
     Loop(trips, body, tag)      a runtime loop; each trip is one K/V block step (j += 1)
     Unroll(var, count, body)    a compile-time repetition (range_constexpr): per Q stage, ...
     If(cond, body)              a condition (compile-time or runtime; the code is there either way)
+    TileLoop(body)              a persistent CTA's runtime loop over its work tiles (T trips; j
+                                starts at 0 in each): Note [persistent CTAs] in fa4lab.plan.sm100
 
 Expressions (trips, cond, count, barrier names with {braces}) use: N K/V blocks of the tile,
-M masked blocks, q the Q stages, i the Q stage, c a consumer's index, j the block step.
+M masked blocks, q the Q stages, i the Q stage, c a consumer's index, j the block step (of the
+work tile), T the CTA's work tiles, t the work tile.
 Stages: "i" (the Q stage), a number, an expression of the block step j ("j % 2": the S buffer of
 the sm100 ping-pong plan, known at run time only), or a ring slot "K", "V", "K+1", "V-1" (the K
 or V buffer of block step j + d; see Note [ring slots]).
@@ -92,6 +95,11 @@ class If:
     body: tuple
 
 
+@dataclass(frozen=True)
+class TileLoop:
+    body: tuple
+
+
 def per_stage(*body) -> Unroll:
     return Unroll("i", "q", tuple(body))
 
@@ -148,6 +156,11 @@ class Protocol:
         """The code paths the binary has: a shared program once, else one per role."""
         return tuple(x for p in self.programs for x in ((p.name,) if p.shared_code else p.roles))
 
+    @property
+    def persistent(self) -> bool:
+        """Whether the roles loop over work tiles (a persistent CTA runs several)."""
+        return any(isinstance(n, TileLoop) for p in self.programs for n in p.body)
+
     def with_barriers(self, barriers) -> Protocol:
         return Protocol(barriers, self.programs)
 
@@ -170,7 +183,7 @@ class Protocol:
 
     def first_use_only(self, q: int) -> set[str]:
         """Barriers every wait of which is a first wait on a released stage outside any loop:
-        in a kernel that runs one work tile per CTA they never block (they order work tiles)."""
+        they never block (they would order work tiles, and the table runs one per CTA)."""
         waits: dict[str, list[Site]] = {}
         for path in self.paths():
             for s in self.sites(path, q):
@@ -203,7 +216,8 @@ class Protocol:
                                  p["var"], p["shared_code"]) for p in d["programs"]))
 
 
-_NODES = {"Op": Op, "Step": Step, "Loop": Loop, "Unroll": Unroll, "If": If}
+_NODES = {"Op": Op, "Step": Step, "Loop": Loop, "Unroll": Unroll, "If": If,
+          "TileLoop": TileLoop}
 
 
 def _nodes_to_plain(body) -> list:
@@ -246,9 +260,12 @@ def barrier_name(template: str, env: dict) -> str:
     return re.sub(r"\{([^}]*)\}", sub, template)
 
 
-def ring_slot(barrier, stage: str, j: int, n_blocks: int | None = None) -> tuple[int, int]:
-    """(stage index, use) of ring slot `stage` ("K", "V+1", ...) at block step j of a tile of
-    n_blocks (Note [ring slots]; only the "kv_ahead" order needs n_blocks)."""
+def ring_slot(barrier, stage: str, j: int, n_blocks: int | None = None,
+              tile: int = 0) -> tuple[int, int]:
+    """(stage index, use) of ring slot `stage` ("K", "V+1", ...) at block step j of work tile
+    `tile` of n_blocks (Note [ring slots]; only the "kv_ahead" order and tiles after the first
+    need n_blocks): the ring runs on across a persistent CTA's tiles, 2N slots per tile with K
+    and V in one ring, else N."""
     m = re.fullmatch(r"([KV])([+-]\d+)?", stage)
     step = j + int(m.group(2) or 0)
     is_v = m.group(1) == "V"
@@ -261,6 +278,8 @@ def ring_slot(barrier, stage: str, j: int, n_blocks: int | None = None) -> tuple
             2 * step - 1, 0)
     else:
         g = step
+    if tile:
+        g += tile * n_blocks * (2 if barrier.ring in ("kv", "kv_ahead") else 1)
     return g % barrier.stages, g // barrier.stages
 
 
@@ -273,7 +292,7 @@ def _static(proto, path, body, env, loop, out, counter, folded=False) -> None:
             else:
                 stage = int(evaluate(n.stage, env))
             out.append(Site(path, n.kind, name, stage, loop))
-        elif isinstance(n, Loop):
+        elif isinstance(n, (Loop, TileLoop)):
             counter[0] += 1
             _static(proto, path, n.body, env, f"{path}/loop{counter[0] - 1}", out, counter,
                     folded)
@@ -292,7 +311,7 @@ def _static(proto, path, body, env, loop, out, counter, folded=False) -> None:
             _static(proto, path, n.body, inner, loop, out, counter, folded)
 
 
-# ---- dynamic: one tile, for the simulator ----
+# ---- dynamic: a CTA's work tiles, for the simulator ----
 @dataclass
 class _Expansion:
     proto: Protocol
@@ -304,14 +323,17 @@ class _Expansion:
 
 
 def expand(proto: Protocol, role: str, threads: int, n_blocks: int, masked_blocks: int,
-           q: int, catalogue) -> list:
-    """`role`'s program over one work tile as simulator ops (see Note [phases from the table]).
+           q: int, catalogue, n_tiles: int = 1) -> list:
+    """`role`'s program as simulator ops (see Note [phases from the table]) over `n_tiles`
+    work tiles of `n_blocks` K/V blocks (a TileLoop's trips; a table without one runs one).
 
     `catalogue(step, env, stage)` gives the simulator ops of a Step; env holds N, M, q, j, the
-    block index `block` (N - 1 - j), the loop's `tag`, i / c.
+    block index `block` (N - 1 - j), the loop's `tag`, i / c, and t, the work tile.
     """
     prog = proto.program(role)
-    env = {"N": n_blocks, "M": masked_blocks, "q": q, "j": 0, "tag": ""}
+    if n_tiles != 1 and not proto.persistent:
+        raise ValueError(f"n_tiles={n_tiles}: this protocol runs one work tile per CTA")
+    env = {"N": n_blocks, "M": masked_blocks, "q": q, "j": 0, "tag": "", "T": n_tiles, "t": 0}
     if prog.var:
         env[prog.var] = prog.index(role)
     ex = _Expansion(proto, role, threads, catalogue)
@@ -321,7 +343,7 @@ def expand(proto: Protocol, role: str, threads: int, n_blocks: int, masked_block
 
 def _stage(ex, b, stage: str, env) -> int:
     if stage[:1] in ("K", "V"):
-        return ring_slot(b, stage, env["j"], env["N"])[0]
+        return ring_slot(b, stage, env["j"], env["N"], env["t"])[0]
     return int(evaluate(stage, env))
 
 
@@ -354,6 +376,9 @@ def _dynamic(ex: _Expansion, body, env) -> None:
             for _ in range(int(evaluate(n.trips, env))):
                 _dynamic(ex, n.body, {**env, "tag": n.tag})
                 env["j"] += 1
+        elif isinstance(n, TileLoop):
+            for t in range(env["T"]):
+                _dynamic(ex, n.body, {**env, "t": t, "j": 0})
         elif isinstance(n, Unroll):
             for k in range(int(evaluate(n.count, env))):
                 inner = {**env, n.var: k}

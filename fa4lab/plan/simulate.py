@@ -512,13 +512,20 @@ MUTATIONS = ("drop", "drop_arrive")
 
 def programs_for(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DEFAULT_COSTS,
                  masked_blocks: int = 0) -> dict[str, list]:
-    """Each role's ops over one work tile: `plan.protocol` expanded (`n_tiles` is ignored: the
-    kernels run one work tile per CTA)."""
+    """Each role's ops over a CTA's work tiles: `plan.protocol` expanded, `n_tiles` tiles if the
+    plan is persistent (Note [persistent CTAs] in fa4lab.plan.sm100), else one (`tiles_per_cta`)."""
     if plan.arch == "sm100":
         from fa4lab.plan.sm100 import programs
-    else:
-        from fa4lab.plan.sm90 import programs
+
+        return programs(plan, n_blocks, tiles_per_cta(plan, n_tiles), costs, masked_blocks)
+    from fa4lab.plan.sm90 import programs
+
     return programs(plan, n_blocks, costs, masked_blocks)
+
+
+def tiles_per_cta(plan, n_tiles: int) -> int:
+    """`n_tiles` if the plan's CTAs are persistent (its table loops over work tiles), else 1."""
+    return n_tiles if plan.protocol.persistent else 1
 
 
 def _mutate(programs: dict[str, list], barrier: str, kind: str) -> dict[str, list]:
@@ -545,16 +552,16 @@ def _mutate(programs: dict[str, list], barrier: str, kind: str) -> dict[str, lis
 def simulate(plan, n_blocks: int = 6, n_tiles: int = 2, costs: CostModel = DEFAULT_COSTS,
              drop: str | None = None, mutation: str = "drop",
              masked_blocks: int = 0) -> SimResult:
-    """Run the plan's protocol table over one work tile of `n_blocks` K/V blocks, the first
-    `masked_blocks` of them masked (the kernels run one work tile per CTA, so `n_tiles` is
-    recorded as 1 whatever is passed).
+    """Run the plan's protocol table over a CTA's `n_tiles` work tiles of `n_blocks` K/V blocks
+    each, the first `masked_blocks` of them masked (a plan whose kernel runs one work tile per
+    CTA runs one, and records n_tiles 1: `tiles_per_cta`).
 
     `drop="kv_empty"` removes that barrier edge (its waits and arrivals, mutation="drop") or
     only its arrivals (mutation="drop_arrive"), to show what the edge protects.
     """
     if n_blocks < 1 or n_tiles < 1:
         raise ValueError(f"n_blocks={n_blocks}, n_tiles={n_tiles}: both must be >= 1")
-    n_tiles = 1   # one work tile per CTA, as both kernels run
+    n_tiles = tiles_per_cta(plan, n_tiles)
     progs = programs_for(plan, n_blocks, n_tiles, costs, masked_blocks)
     label = None
     if drop is not None:
@@ -591,7 +598,7 @@ def edge_check(plan, barrier: str, n_blocks=(1, 6), n_tiles: int = 2,
 def unobservable(plan) -> dict[str, str]:
     """Barriers whose removal no one-tile run can show, and why (read off the table)."""
     out = {name: "waited only on its released first phase: it orders successive work tiles, "
-                 "and the kernels run one per CTA"
+                 "and this plan's kernel runs one per CTA"
            for name in plan.protocol.first_use_only(plan.tiles.q_stage)}
     for b in plan.barriers.barriers:
         if set(b.producers) == set(b.consumers):

@@ -14,6 +14,7 @@ tuning choices sit in `SM100_TUNING`, keyed by (head_dim, head_dim_v). The role 
 the protocol simulator live here too (`programs`).
 
 `pack_gqa=True` (see Note [sm100 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
+With two Q tiles and O staged in its own SMEM the CTAs are persistent (Note [persistent CTAs]).
 """
 
 from __future__ import annotations
@@ -34,7 +35,18 @@ from fa4lab.limits import (
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import Plan
-from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, expand, per_stage, ring_slot
+from fa4lab.plan.protocol import (
+    If,
+    Loop,
+    Op,
+    Program,
+    Protocol,
+    Step,
+    TileLoop,
+    expand,
+    per_stage,
+    ring_slot,
+)
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -110,6 +122,40 @@ S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per soft
 #     waits for it before it rescales O (with two Q tiles o_final fires once, after the last).
 
 
+# Note [persistent CTAs]
+# A persistent plan launches min(work tiles, SMs) CTAs (`plan.hardware.num_sms`, a build-time
+# figure); CTA c runs linear tiles c, c + gridDim.x, ... (`fa4lab.tiling.persistent_tiles`),
+# mapped to (m_block, head, batch) by `fa4lab.tiling.tile_at` in `plan.tiles.order` (the grid
+# order, or LPT for causal), as upstream FA4's static persistent scheduler does. Every role
+# loops over the CTA's tiles (the table's TileLoop) with its pipeline states carried across
+# them: barriers are initialised once, phases run on, TMEM is allocated once. q_empty and
+# o_empty then order work tiles: the load warp's Q of tile t + 1 waits only for q_empty, which
+# the MMA warp commits once it has issued tile t's last score MMAs (it fires when they are
+# done, before the last value MMAs, which wait for the softmax's last P), so the next tile's
+# loads and first score MMAs overlap tile t's last softmax step and its epilogue (the
+# correction's normalisation, the TMA store); the correction stages O_i of tile t + 1 once the
+# store of tile t has read its SMEM (o_empty). The simulator runs several tiles per CTA, so
+# both edges are checked like the others.
+# It is the default (`plan_forward(..., persistent=False)` opts out) for plans with two Q tiles
+# and O staged in its own SMEM: head_dim 64, 96, 128. With O in Q's bytes ((192, 128),
+# (256, 256)) tile t's O sits where tile t + 1's Q lands, so the next Q would have to wait for
+# the store (an edge q_empty does not model), and the one-Q-tile ping-pong counts its phases
+# per tile: those run one CTA per tile, their causal order "grid_reversed" (Note [tile order]
+# in fa4lab.kernels.device.scheduler). The MMA warp rebuilds its operand descriptors in each
+# tile (Note [operand descriptors per tile] in fa4lab.kernels.fwd_sm100); the softmax has no
+# register to spare (a softcap's tanh spilled 10 instructions with the tile loop before the
+# packed row sum became one chain, measured), so keep its per-tile state small.
+def persistent_plan(q_stage: int, o_in_q: bool, requested: bool | None = None) -> bool:
+    """Whether the plan's CTAs are persistent: `requested`, or (None) wherever the plan allows
+    it. Note [persistent CTAs]."""
+    able = q_stage == 2 and not o_in_q
+    if requested and not able:
+        raise PlanError(f"persistent=True needs two Q tiles and O staged in its own SMEM; this "
+                        f"plan has q_stage={q_stage}" + (", O in Q's bytes" if o_in_q else "") +
+                        ": see Note [persistent CTAs] in fa4lab.plan.sm100")
+    return able if requested is None else requested
+
+
 def tmem_columns(q_stage: int, n_block: int, head_dim_v: int) -> int:
     """Two S buffers (fp32, n_block cols each; P lives inside S) and O (fp32, head_dim_v cols)
     per Q stage: Note [S ping-pong]."""
@@ -153,10 +199,12 @@ def build_tmem(spec, tiles: Tiles, limit: int) -> TmemPlan:
     return TmemPlan(tuple(regions), total, alloc_columns(total), B200.tmem_lanes, limit)
 
 
-def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGraph:
+def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...],
+                   persistent: bool = False) -> BarrierGraph:
     """The barriers in the kernel's SharedStorage order: per DSL pipeline its full side then its
     empty side (q, kv, s, o, stats, epi), then the TMEM named barrier. `eb` is the bytes per
     element of Q, K and V (the TMA transaction counts)."""
+    once = "" if persistent else "; one tile per CTA: only its first, released, phase is waited"
     q, kv = tiles.q_stage, tiles.kv_stage
     softmax = ",".join(f"softmax{i}" for i in range(q))
     sm_threads = 32 * 4   # one softmax warpgroup per Q stage; stage i belongs to softmax{i}
@@ -175,8 +223,8 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
         Barrier("q_full", "load", "mma", 1, q, q_bytes, PHASE_FULL,
                 "Q tile i landed in SMEM before the score MMA reads it"),
         Barrier("q_empty", "mma", "load", 1, q, 0, PHASE_EMPTY,
-                "the last score MMA has read Q tile i before a next work tile's Q overwrites it "
-                "(tcgen05.commit; one tile per CTA: only its first, released, phase is waited)",
+                f"the last score MMA of a work tile has read Q tile i before the next work "
+                f"tile's Q overwrites it (tcgen05.commit{once})",
                 starts_released=True),
         Barrier("kv_full", "load", "mma", 1, kv, kv_bytes, PHASE_FULL,
                 "a K or V block landed in its ring buffer before an MMA reads it", ring=ring,
@@ -211,9 +259,8 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGra
                 "normalized O_i is in SMEM (after fence.proxy.async) before the TMA store "
                 "reads it"),
         Barrier("o_empty", "epilogue", "correction", 1, q, 0, PHASE_EMPTY,
-                "the TMA store finished reading O_i's SMEM staging before a next work tile's "
-                "epilogue writes it (one tile per CTA: only its first, released, phase is "
-                "waited)", starts_released=True),
+                f"the TMA store finished reading O_i's SMEM staging before the next work "
+                f"tile's epilogue writes it{once}", starts_released=True),
         Barrier("tmem", ",".join(r.name for r in tmem_users if r.name != "mma"), "mma",
                 sum(r.threads for r in tmem_users), 1, 0, PHASE_NAMED,
                 "bar.sync: every TMEM user waits for the MMA warp's tcgen05.alloc (the address "
@@ -249,7 +296,7 @@ def build_roles(q_stage: int) -> tuple[Role, ...]:
 
 
 def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
-                pack_gqa: bool = False) -> Plan:
+                pack_gqa: bool = False, persistent: bool | None = None) -> Plan:
     hw = B200
     d, dv = spec.head_dim, spec.head_dim_v
     if d != dv and (d, dv) not in SM100_TUNING:
@@ -273,9 +320,10 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
     if kv_stage < 2:
         raise PlanError(f"kv_stage={kv_stage}: the K/V ring needs >= 2 buffers (K and V of "
                         f"one block)")
+    persistent = persistent_plan(q_stage, tuning.o_in_q, persistent)
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm100"),
-                  order=kernel_tile_order(spec.causal, "sm100"))
+                  order=kernel_tile_order(spec.causal, "sm100", persistent))
     need = n_block + SOFTMAX_REG_OVERHEAD
     if need > REGISTERS["softmax"]:
         raise PlanError(f"n_block={n_block}: a softmax thread holds its row of S ({n_block} "
@@ -286,7 +334,7 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
     eb = spec.element_bytes
     roles = build_roles(q_stage)
     check_roles(roles, hw.registers_per_sm)
-    barriers = build_barriers(tiles, eb, roles)
+    barriers = build_barriers(tiles, eb, roles, persistent)
     regions = (   # the kernel's shared-storage struct declares them in this order
         SmemRegion("q", m_block * d * eb, q_stage, what="Q tiles, one per Q stage"),
         SmemRegion("kv", n_block * max(d, dv) * eb, kv_stage,
@@ -313,21 +361,26 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
         "The MMA warp issues, per Q stage i and block step j: O_i += P_i V_j-1, then "
         "S_i = Q_i K_j; tcgen05 MMAs complete in order, so S_i never overwrites P_i before it "
         "is read.",
-        "One work tile per CTA (not persistent), as the kernel runs: q_empty and o_empty are "
-        "waited once, on their released first phase.",
+        (f"Persistent: min(work tiles, {hw.num_sms} SMs) CTAs, each looping over linear "
+         f"tiles c, c + gridDim.x, ... in {tiles.order!r} order; pipeline phases run on across "
+         f"tiles, and the next tile's loads overlap this one's epilogue (Note [persistent "
+         f"CTAs])." if persistent else
+         "One work tile per CTA (not persistent: Note [persistent CTAs] says which plans "
+         "are): q_empty and o_empty are waited once, on their released first phase."),
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
         f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts "
         f"({balanced_exp2_fraction(hw):g}), at most {SM100_EXP2_FRACTION_MAX:g} "
         f"(limits.SM100_EXP2_FRACTION_MAX: the softmax's registers).",
     ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
-                build_protocol(barriers, q_stage), RESCALE_THRESHOLD,
+                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLD,
                 min(balanced_exp2_fraction(hw), SM100_EXP2_FRACTION_MAX), notes)
 
 
 # ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm100's role methods, op by op ----
-def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
-    """Each role's barrier ops in the order fwd_sm100.py issues them (one work tile per CTA).
+def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = False) -> Protocol:
+    """Each role's barrier ops in the order fwd_sm100.py issues them: per work tile, in a loop
+    over the CTA's tiles when `persistent` (Note [persistent CTAs]), else for its one tile.
 
     The softmax posts N + 1 times to the mailbox (a row scale per block, then row sum and max);
     the correction's epilogue stages O_i before it releases O_i (o_rescaled); the epilogue warp
@@ -339,7 +392,10 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
     tmem_sync, tmem_done = E("sync", "tmem"), E("named_arrive", "tmem")
     tmem_use = (tmem_sync, Step("TMEM address"))
     pp = q_stage == 1
-    load = _load_ping_pong() if pp else (If("N > 0", (
+
+    def tiles(*body) -> tuple:   # the CTA's work tiles: Note [persistent CTAs]
+        return (TileLoop(body),) if persistent else body
+    load = tiles(*_load_ping_pong()) if pp else tiles(If("N > 0", (
         per_stage(E("wait", "q_empty", "i"), E("expect_tx", "q_full", "i", one=True),
                   Step("load Q", "i"),
                   If("i == 0", (E("wait", "kv_empty", "K"),
@@ -348,10 +404,10 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
         Loop("N - 1", (E("wait", "kv_empty", "K+1"), E("expect_tx", "kv_full", "K+1", one=True),
                        Step("load K", "K+1"),
                        E("wait", "kv_empty", "V+1"), E("expect_tx", "kv_full", "V+1", one=True),
-                       Step("load V", "V+1"))))),)
+                       Step("load V", "V+1"))))))
     value = (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V"))
-    mma = (Step("alloc TMEM"), *tmem_use, _mma_ping_pong(), tmem_sync, Step("free TMEM")) if pp \
-        else (Step("alloc TMEM"), *tmem_use, If("N > 0", (
+    mma = (Step("alloc TMEM"), *tmem_use, *tiles(_mma_ping_pong()), tmem_sync,
+           Step("free TMEM")) if pp else (Step("alloc TMEM"), *tmem_use, *tiles(If("N > 0", (
         per_stage(E("wait", "q_full", "i"), If("i == 0", (E("wait", "kv_full", "K"),)),
                   Step("QK", "K"), E("commit", "s_full", "i")),
         E("commit", "kv_empty", "K"),
@@ -361,21 +417,23 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
                       If("i == 0", (E("wait", "kv_full", "K+1"),)),
                       Step("QK", "K+1"), E("commit", "s_full", "i")),
             E("commit", "kv_empty", "K+1"))),
+        # Every score MMA of the tile is issued: the next tile's Q may load once they are done.
+        per_stage(E("commit", "q_empty", "i")),
         E("wait", "kv_full", "V"),
         per_stage(*value, E("commit", "o_final", "i")),
-        E("commit", "kv_empty", "V"),
-        per_stage(E("commit", "q_empty", "i")))),
+        E("commit", "kv_empty", "V")))),
         tmem_sync, Step("free TMEM"))
     sb = "j % 2" if pp else "i"    # the S buffer: the block step's, or the Q tile's
     step = (E("wait", "s_full", sb), Step("ld S", sb),
             E("wait", "stats_empty", "i"), Step("post scale", "i"),
             E("arrive", "stats_full", "i"), Step("exp2", "i"), Step("st P", sb),
             E("arrive", "p_ready", sb))
-    softmax = (*tmem_use, Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
-               If("N > 0", (E("wait", "stats_empty", "i"), Step("post row sum", "i"),
-                            E("arrive", "stats_full", "i"))),
+    softmax = (*tmem_use, *tiles(Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
+                                 If("N > 0", (E("wait", "stats_empty", "i"),
+                                              Step("post row sum", "i"),
+                                              E("arrive", "stats_full", "i")))),
                tmem_done)
-    correction = (*tmem_use, Loop("N", (per_stage(
+    correction = (*tmem_use, *tiles(Loop("N", (per_stage(
         E("wait", "stats_full", "i"), Step("read scale", "i"), E("arrive", "stats_empty", "i"),
         If("j > 0", (If("q == 1", (E("wait", "o_final", "i"),)),
                      Step("rescale O", "i"), E("arrive", "o_rescaled", "i")))),)),
@@ -383,10 +441,10 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
             If("N > 0", (E("wait", "stats_full", "i"), Step("read row sum", "i"),
                          E("arrive", "stats_empty", "i"), E("wait", "o_final", "i"))),
             E("wait", "o_empty", "i"), Step("ld O", "i"), Step("O to SMEM", "i"),
-            E("arrive", "o_staged", "i"), If("N > 0", (E("arrive", "o_rescaled", "i"),))),
+            E("arrive", "o_staged", "i"), If("N > 0", (E("arrive", "o_rescaled", "i"),)))),
         tmem_done)
-    epilogue = (per_stage(E("wait", "o_staged", "i"), Step("store O", "i")),
-                per_stage(Step("drain store", "i"), E("arrive", "o_empty", "i", one=True)))
+    epilogue = tiles(per_stage(E("wait", "o_staged", "i"), Step("store O", "i")),
+                     per_stage(Step("drain store", "i"), E("arrive", "o_empty", "i", one=True)))
     softmax_roles = tuple(f"softmax{i}" for i in range(q_stage))
     return Protocol(barriers, (
         Program("load", ("load",), load),
@@ -426,13 +484,14 @@ def _mma_ping_pong() -> If:
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
-def programs(plan: Plan, n_blocks: int, costs, masked_blocks: int = 0):
-    """Each role's simulator ops over one work tile: the protocol table, expanded
+def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
+    """Each role's simulator ops over a CTA's `n_tiles` work tiles (1 unless the plan is
+    persistent: Note [persistent CTAs]): the protocol table, expanded
     (`fa4lab.plan.protocol.expand`), with the costs and regions of each step from `_steps`."""
     catalogue = _steps(plan, costs, n_blocks)
     proto, q = plan.protocol, plan.tiles.q_stage
     return {role: expand(proto, role, plan.role(role).threads, n_blocks, masked_blocks, q,
-                         catalogue) for role in proto.roles()}
+                         catalogue, n_tiles) for role in proto.roles()}
 
 
 def _steps(plan: Plan, costs, n_blocks: int):
@@ -467,7 +526,8 @@ def _steps(plan: Plan, costs, n_blocks: int):
     def ring(stage, env):
         """(buffer, block index) of ring slot `stage` at the env's block step."""
         delta = int(stage[1:] or 0)
-        return ring_slot(kv, stage, env["j"], env["N"])[0], env["N"] - 1 - (env["j"] + delta)
+        return (ring_slot(kv, stage, env["j"], env["N"], env["t"])[0],
+                env["N"] - 1 - (env["j"] + delta))
 
     def load(what, nbytes, stage, env):
         buf, blk = ring(stage, env)

@@ -20,8 +20,10 @@ A window side is None (unbounded: a compile-time choice), the constant 0 (causal
 or a runtime Int32 (`window_left` / `window_right`, Note [runtime window] in
 `fa4lab.kernels.compile`). With Python ints these functions run on the CPU too (tests).
 
-Scheduling: one CTA per (m_block, head, batch) tile, in the order the plan names
-(`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]).
+Scheduling: one CTA per (m_block, head, batch) tile, or persistent CTAs that loop over linear
+tiles (sm100, Note [persistent CTAs] in fa4lab.plan.sm100), in the order the plan names
+(`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]); linear
+index -> tile is `fa4lab.tiling.tile_at`.
 """
 
 from __future__ import annotations
@@ -87,24 +89,30 @@ def num_m_blocks(rows, cta_m):
 #   non-causal problem costs the same, so nothing is gained by reordering them.
 # "lpt": causal. Tile costs grow with m_block, and a grid that ends with some head's longest
 #   tiles leaves most SMs idle while a few finish them (the ragged last wave of notebook 02).
-#   The grid is one-dimensional and linear tile t maps to `fa4lab.tiling.lpt_order`'s t-th row,
-#   FA4's longest-processing-time-first order: (batch, head) pairs in L2 sections (Note [L2
-#   swizzle] in fa4lab.tiling), inside a section the last m_block of every pair first. The
-#   hardware hands each next CTA to the first free SM, so this is greedy LPT list scheduling.
-# "grid_reversed": causal on sm100: the grid with blockIdx.x read as m_blocks - 1 - x, so each
-#   head's longest tile starts first but heads still follow one another. The sm100 kernel reads
-#   its tile coordinates once and keeps them for the whole CTA; the LPT divisions there cost
-#   15 spill instructions in its register-tight softmax warps, and what the order would gain
-#   on a B200 has not been measured.
+#   Linear tile t is `fa4lab.tiling.tile_at`'s t-th tile in FA4's longest-processing-time-first
+#   order: (batch, head) pairs in L2 sections (Note [L2 swizzle] in fa4lab.tiling), inside a
+#   section the last m_block of every pair first. One CTA per tile (sm90): the hardware hands
+#   each next CTA to the first free SM, greedy LPT list scheduling. Persistent (sm100): CTA c
+#   takes tiles c, c + gridDim.x, ... (`fa4lab.tiling.persistent_tiles`), longest first.
+# "grid_reversed": causal, one CTA per tile on sm100 (the plans that stage O in Q's bytes: Note
+#   [persistent CTAs] in fa4lab.plan.sm100): the grid with blockIdx.x read as m_blocks - 1 - x,
+#   so each head's longest tile starts first but heads still follow one another.
+# A persistent kernel (`num_ctas` set) launches min(tiles, num_ctas) CTAs on a 1-D grid and maps
+# its linear tile index with the same `tile_at` as the one-CTA-per-tile grids.
 
 
-def grid_shape(rows, heads, batch, cta_m, order: str = "grid") -> tuple:
-    """One CTA per output tile: (m_blocks, heads, batch), or (all tiles, 1, 1) for "lpt".
+def grid_shape(rows, heads, batch, cta_m, order: str = "grid", num_ctas=None) -> tuple:
+    """One CTA per output tile: (m_blocks, heads, batch), or (all tiles, 1, 1) for "lpt"; with
+    `num_ctas` (persistent CTAs, at most one per SM) (min(all tiles, num_ctas), 1, 1).
 
     `rows` are the query rows of one grid head (seqlen_q, or seqlen_q * g packed)."""
     n_m = num_m_blocks(rows, cta_m)
-    if order not in ("grid", "grid_reversed", "lpt"):
-        raise ValueError(f"unknown tile order {order!r}: 'grid', 'grid_reversed' or 'lpt'")
+    if order not in tiling.TILE_ORDERS:
+        raise ValueError(f"unknown tile order {order!r}: one of {tiling.TILE_ORDERS}")
+    if num_ctas is not None:
+        tiles = n_m * heads * batch
+        return (min(tiles, num_ctas) if isinstance(tiles, int) else cutlass.min(tiles, num_ctas),
+                1, 1)
     if order == "lpt":
         return (n_m * heads * batch, 1, 1)
     return (n_m, heads, batch)
@@ -125,37 +133,43 @@ def l2_swizzle(seqlen_k, bytes_per_key: int, budget: int):
     return pow2_floor(cutlass.max(fit, 1))
 
 
+def coords(t, order: str, num_m, heads, batch, swizzle=1):
+    """(m_block, head, batch) of linear tile t in `order` (`fa4lab.tiling.tile_at`)."""
+    b, h, m = tiling.tile_at(t, order, num_m, heads, batch, swizzle, imin=_DSL_MIN_MAX["imin"])
+    return m, h, b
+
+
 def lpt_coords(t, num_m, heads, batch, swizzle):
-    """(m_block, head, batch) of linear tile t in the LPT order (`fa4lab.tiling.lpt_order`)."""
-    n_hb = heads * batch
-    swizzle = cutlass.min(swizzle, n_hb)
-    full = n_hb // swizzle  # >= 1
-    section = t // (swizzle * num_m)
-    within = t - section * (swizzle * num_m)
-    # The last section holds the n_hb % swizzle leftover pairs; section // full is 1 there
-    # and 0 before it (section <= full), so `width` needs no branch.
-    residual = n_hb - full * swizzle
-    width = swizzle - (swizzle - residual) * (section // full)
-    block = within // width
-    hb = section * swizzle + (within - block * width)
-    b = hb // heads
-    return num_m - 1 - block, hb - b * heads, b
+    """(m_block, head, batch) of linear tile t in the LPT order (`fa4lab.tiling.tile_at`)."""
+    return coords(t, "lpt", num_m, heads, batch, swizzle)
+
+
+def num_tiles(mQ: cute.Tensor, cta_m: int):
+    """Work tiles of a launch: m_blocks x heads x batch of the kernel's (rows, d, heads, batch)
+    view of Q (rows packed with pack-GQA)."""
+    return num_m_blocks(cute.size(mQ.shape[0]), cta_m) * cute.size(mQ.shape[2]) * cute.size(
+        mQ.shape[3])
 
 
 @cute.jit
 def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
-                cta_m: cutlass.Constexpr[int], bytes_per_key: cutlass.Constexpr[int]):
-    """(m_block, head, batch) of this CTA for a grid made by `grid_shape(..., order)`.
+                cta_m: cutlass.Constexpr[int], bytes_per_key: cutlass.Constexpr[int],
+                tile=None):
+    """(m_block, head, batch) of this CTA for a grid made by `grid_shape(..., order)`, or of
+    linear tile `tile` of a persistent CTA (`grid_shape(..., num_ctas)`).
 
     mQ (or mO) as the kernel sees it: (rows, d, heads, batch), rows packed with pack-GQA."""
-    bx, by, bz = cute.arch.block_idx()
-    m_block, head, batch = bx, by, bz
-    if cutlass.const_expr(order == "grid_reversed"):
-        gx, _, _ = cute.arch.grid_dim()
-        m_block = gx - 1 - bx
+    if cutlass.const_expr(tile is None and order != "lpt"):
+        bx, by, bz = cute.arch.block_idx()
+        m_block, head, batch = bx, by, bz
+        if cutlass.const_expr(order == "grid_reversed"):
+            gx, _, _ = cute.arch.grid_dim()
+            m_block = gx - 1 - bx
+        return m_block, head, batch
+    if cutlass.const_expr(tile is None):
+        tile = cute.arch.block_idx()[0]
+    swizzle = 1
     if cutlass.const_expr(order == "lpt"):
         swizzle = l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES)
-        m_block, head, batch = lpt_coords(
-            bx, num_m_blocks(cute.size(mQ.shape[0]), cta_m), cute.size(mQ.shape[2]),
-            cute.size(mQ.shape[3]), swizzle)
-    return m_block, head, batch
+    return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
+                  cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), swizzle)
