@@ -105,6 +105,20 @@ PUBLISHED_FA4_B200 = {
 }
 
 
+# The FA4 paper's per-shape forward figures (B200, BF16), as far as they can be read: the paper
+# gives them as bar charts, and only the headline maximum is stated in its text. That point is
+# placed at the largest shape of upstream's benchmark (benchmarks/benchmark_attn.py: 32k tokens,
+# hd128, hidden 2048) and taken non-causal: "up to" is the sweep's best point, and a causal
+# run of the same shape is never faster (its diagonal tiles do masked work). Labelled
+# PUBLISHED wherever shown (fa4lab.plan.calibration, `fa4lab plan`, notebook 07).
+PUBLISHED_FA4_B200_FORWARD = (
+    {"head_dim": 128, "causal": False, "seqlen": 32768, "batch": 1, "heads": 16,
+     "tflops": PUBLISHED_FA4_B200["peak_bf16_tflops"],
+     "source": PUBLISHED_FA4_B200["source"] + ": 'up to 1613 TFLOP/s' (abstract); shape "
+               "attributed, see fa4lab.hardware"},
+)
+
+
 def hardware_for(arch: str) -> Hardware:
     key = arch.lower().replace("_", "")
     if key not in BY_ARCH:

@@ -62,7 +62,14 @@ def test_unmutated_graph_runs_clean(arch, hd, n_blocks, masked):
 
 
 def test_unguarded_barriers_are_the_tile_boundary_and_intra_role_ones():
-    assert unguarded(plan("sm100", 128)) == {"q_empty", "o_empty"}
+    # Persistent (Note [persistent CTAs]): q_empty and o_empty order a CTA's work tiles, and
+    # the simulator runs two, so every edge shows. One tile per CTA (O staged in Q's bytes):
+    # they are only ever waited on their released first phase.
+    assert plan("sm100", 128).protocol.persistent
+    assert unguarded(plan("sm100", 128)) == set()
+    assert not plan("sm100", 128, persistent=False).protocol.persistent
+    assert unguarded(plan("sm100", 128, persistent=False)) == {"q_empty", "o_empty"}
+    assert unguarded(plan("sm100", 256)) == {"q_empty", "o_empty"}
     assert unguarded(plan("sm90", 64)) == {"epilogue0", "epilogue1", "epilogue2"}
 
 
@@ -281,10 +288,22 @@ def test_prediction_follows_the_visible_blocks(arch, causal, window, sq, sk):
 def test_block_cycles_match_simulated_tiles(arch):
     """The fitted tile time (Note [tile time]) is the simulated one within a few percent, for
     tile lengths and masked counts outside the fit's three points."""
+    from fa4lab.plan.calibration import costs_for
+    from fa4lab.plan.throughput import persistent
+
     p = plan(arch, 128)
-    b = block_cycles(p)
+    costs = costs_for(p.hardware)
+    b = block_cycles(p, costs)
     for n, m in [(2, 0), (4, 1), (6, 3), (12, 2), (16, 16), (30, 0)]:
-        simulated = simulate(p, n, 1, masked_blocks=m).cycles
+        one = simulate(p, n, 1, costs, masked_blocks=m).cycles
+        # A CTA of its own (and its start), or a persistent CTA's further tile (its time after
+        # the first, where the plan's table runs several).
+        if not persistent(p):
+            simulated = one + costs.cta_start_cycles
+        elif p.protocol.persistent:
+            simulated = simulate(p, n, 2, costs, masked_blocks=m).cycles - one
+        else:
+            simulated = one
         assert b.tile(n - m, m) == pytest.approx(simulated, rel=0.07), (n, m)
 
 
@@ -308,8 +327,11 @@ def test_softcap_costs_a_tanh_and_a_multiply_per_score():
 @pytest.mark.parametrize("arch", ["sm100", "sm90"])
 def test_softcap_and_sink_in_the_prediction(arch):
     """sm100 is bound by exp2 already at half its MMA time, so a tanh per score slows it; the
-    sm90 ping-pong hides the softmax behind the other consumer's MMAs. A sink costs nothing
-    per block."""
+    sm90 ping-pong hides the softmax behind the other consumer's MMAs, all of it with no
+    stall (the uncalibrated model) and all but the share that stalls them with the H200's
+    calibrated CostModel.sm90_softmax_stall. A sink costs nothing per block."""
+    from fa4lab.plan.costs import DEFAULT_COSTS
+
     base = AttentionSpec(2, 4096, 4096, 16, 16, 128, causal=True)
     plain = predict(plan_forward(base, arch))
     capped = predict(plan_forward(base.with_(softcap=30.0), arch))
@@ -318,7 +340,10 @@ def test_softcap_and_sink_in_the_prediction(arch):
     if arch == "sm100":
         assert capped.seconds > 1.2 * plain.seconds
     else:
-        assert capped.seconds == pytest.approx(plain.seconds, rel=0.05)
+        hidden = predict(plan_forward(base.with_(softcap=30.0), arch), DEFAULT_COSTS)
+        assert hidden.seconds == pytest.approx(
+            predict(plan_forward(base, arch), DEFAULT_COSTS).seconds, rel=0.05)
+        assert plain.seconds < capped.seconds < 1.2 * plain.seconds
 
 
 @pytest.mark.parametrize("window,sq,sk", [((2, 0), 7, 7), ((None, 1), 5, 9), ((3, 2), 9, 4),
@@ -406,3 +431,35 @@ def test_data_simulator_refuses_what_it_does_not_model(options):
     q = np.zeros((1, 64, 1, 64), np.float32)
     with pytest.raises(ValueError, match=next(iter(options))):
         run_plan(plan_forward(s, "sm100"), q, q, q)
+
+
+PERSISTENT_EDGES = [(hd, b.name) for hd in (64, 128)
+                    for b in plan("sm100", hd, persistent=True).barriers.barriers]
+
+
+@pytest.mark.parametrize("hd,barrier", PERSISTENT_EDGES)
+def test_persistent_plan_needs_every_edge(hd, barrier):
+    """Note [persistent CTAs]: two work tiles per CTA, so q_empty and o_empty (which order the
+    tiles) show too; removing any barrier is a hazard or a deadlock."""
+    p = plan("sm100", hd, persistent=True)
+    assert edge_check(p, barrier, n_tiles=2), f"removing {barrier} went unnoticed"
+
+
+@pytest.mark.parametrize("n_tiles,n_blocks,masked", [(1, 3, 1), (2, 1, 1), (3, 4, 2)])
+def test_persistent_plan_runs_clean_over_tiles(n_tiles, n_blocks, masked):
+    p = plan_forward(spec(128, causal=True), "sm100", persistent=True)
+    r = simulate(p, n_blocks, n_tiles, masked_blocks=masked)
+    assert r.ok and r.leftover == {} and r.n_tiles == n_tiles, r.summary()
+    # Tile t + 1's Q loads while tile t's epilogue runs (q_empty, not o_empty, gates it).
+    if n_tiles > 1:
+        one = simulate(p, n_blocks, 1, masked_blocks=masked).cycles
+        assert r.cycles < n_tiles * one
+
+
+def test_one_tile_plans_refuse_persistence():
+    with pytest.raises(PlanError, match="persistent"):
+        plan("sm100", 256, persistent=True)
+    with pytest.raises(PlanError, match="persistent"):
+        plan("sm90", 128, persistent=True)
+    r = simulate(plan("sm100", 128, persistent=False), 3, 2)
+    assert r.n_tiles == 1   # one work tile per CTA: the simulator runs one

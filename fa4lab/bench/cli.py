@@ -1,10 +1,10 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-Four modes: the throughput sweep (default), `--host-overhead`, `--decode` and `--features`. On
-a GPU each checks, times and records; on a CPU it says so, prints what it would run and the
-latest recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that
-raised or failed its check exit 1; a `--features` run that outlives its step limit exits 3
-(TIMEOUT_EXIT, Note [run time limits]).
+Five modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features` and
+`--neighbours` (`fa4lab.bench.neighbours`). On a GPU each checks, times and records; on a CPU
+it says so, prints what it would run and the latest recorded results, and exits 0. Bad
+arguments exit 2; `--strict` makes a provider that raised or failed its check exit 1; a
+`--features` run that outlives its step limit exits 3 (TIMEOUT_EXIT, Note [run time limits]).
 """
 
 from __future__ import annotations
@@ -186,6 +186,13 @@ def add_cli(subparsers) -> None:
     feat.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S, metavar="S",
                       help=f"end the run, saving what was measured, when one provider on one "
                            f"feature takes more than S seconds (default {STEP_TIMEOUT_S:g})")
+    nb = p.add_argument_group(
+        "neighbouring plans", "the plan fa4lab ships for one sweep shape and >= 8 neighbours "
+                              "(n_block, kv_stage, q_stage), each timed, then Spearman's rho "
+                              "against the cost model (fa4lab.bench.neighbours); one "
+                              "--head-dim, one --seqlen, --causal true or false")
+    nb.add_argument("--neighbours", action="store_true",
+                    help="time the neighbouring plans of one shape instead of the sweep")
     p.set_defaults(func=main_args)
 
 
@@ -276,7 +283,8 @@ def _changed(args, names) -> list[str]:
 
 
 def _modes(args) -> list[str]:
-    return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features")
+    return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
+                                                  "neighbours")
             if getattr(args, m, False)]
 
 
@@ -313,6 +321,10 @@ def main_args(args) -> int:
         return 2
     if args.host_overhead:
         return host_overhead_args(args)
+    if getattr(args, "neighbours", False):
+        from fa4lab.bench.neighbours import neighbours_args
+
+        return neighbours_args(args, command=command_line(args), save=_save)
     try:
         shapes, names = plan_of_run(args)
     except (ValueError, TypeError) as err:

@@ -1,12 +1,13 @@
 """Bench records: one JSON file per run in `benchmarks/`, its schema, and what it says.
 
-Four families of record share the header (schema, kind, label, date, gpu, commit, versions,
+Five families of record share the header (schema, kind, label, date, gpu, commit, versions,
 command, config): throughput records ("measured", "reference-peers") hold one `Result` per
 (provider, shape) and the GEMM ceiling; "host-overhead" records hold one `HostResult` per
 provider; "decode" records (`fa4lab bench --decode`) hold one `DecodeResult` per (provider,
 shape) and the memory bandwidth the HBM floor was computed from; "features" records
-(`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider). The format is
-described in benchmarks/README.md.
+(`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider); "neighbours"
+records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape. The format
+is described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
 planner's report can read records without an import cycle.
@@ -35,8 +36,9 @@ SCHEMA = "fa4lab.bench/1"
 HOST_OVERHEAD = "host-overhead"
 DECODE = "decode"
 FEATURES = "features"
+NEIGHBOURS = "neighbours"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _REPO = BENCHMARKS_DIR.parent
@@ -172,6 +174,44 @@ class FeatureResult:
                                    "head_dim", "causal", "status"))
 
 
+@dataclass
+class NeighbourResult:
+    """One sm90/sm100 plan (tile overrides) on the one shape of `fa4lab bench --neighbours`.
+    ms/tflops are None unless status == 'ok'; `default` marks the plan fa4lab ships."""
+
+    n_block: int
+    kv_stage: int
+    q_stage: int
+    default: bool
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    dtype: str = "bf16"
+    provider: str = "fa4lab"
+    status: str = OK
+    ms: float | None = None
+    tflops: float | None = None
+    max_err: float | None = None
+    tol: float | None = None
+    first_call_s: float | None = None   # compile + first call
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @property
+    def overrides(self) -> dict[str, int]:
+        return {"n_block": self.n_block, "kv_stage": self.kv_stage, "q_stage": self.q_stage}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NeighbourResult:
+        return _from_dict(cls, d, ("n_block", "kv_stage", "q_stage", "default", "head_dim",
+                                   "seqlen", "causal", "batch", "heads", "status"))
+
+
 def _from_dict(cls, d: dict, required: tuple[str, ...]):
     if not isinstance(d, dict):
         raise ValueError(f"a result is a JSON object, got {d!r}")
@@ -192,9 +232,9 @@ DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
 FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
 # Each kind's row type and the time it must carry when ok (throughput rows: tflops).
 _ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
-         FEATURES: (FeatureResult, "us")}
+         FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms")}
 _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
-            FEATURES: "feature_results_of"}
+            FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of"}
 
 
 def validate_record(record: dict) -> dict:
@@ -202,7 +242,8 @@ def validate_record(record: dict) -> dict:
     if not isinstance(record, dict):
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
     required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
-                FEATURES: FEATURES_RECORD_KEYS}.get(record.get("kind"), REQUIRED_RECORD_KEYS)
+                FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS}.get(
+        record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
         raise ValueError(f"bench record lacks {missing} (see benchmarks/README.md, 'Record "
@@ -225,7 +266,8 @@ def _rows_of(record: dict, kind: str | None, reader: str):
     have = record.get("kind")
     if (have in _ROWS) if kind is None else (have != kind):
         what = {HOST_OVERHEAD: "host times", DECODE: "GQA shapes against the HBM floor",
-                FEATURES: "attention features"}.get(have, "the throughput sweep")
+                FEATURES: "attention features",
+                NEIGHBOURS: "neighbouring plans of one shape"}.get(have, "the throughput sweep")
         right = _READERS.get(have, "results_of")
         raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
                          f"with {right}")
@@ -251,6 +293,11 @@ def decode_results_of(record: dict) -> list[DecodeResult]:
 def feature_results_of(record: dict) -> list[FeatureResult]:
     """The results of a "features" record (`fa4lab bench --features`)."""
     return _rows_of(record, FEATURES, "feature_results_of")
+
+
+def neighbour_results_of(record: dict) -> list[NeighbourResult]:
+    """The results of a "neighbours" record (`fa4lab bench --neighbours`)."""
+    return _rows_of(record, NEIGHBOURS, "neighbour_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -410,7 +457,7 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
     Throughput records carry no kind in the name; the others end in their kind
-    (_host-overhead, _decode, _features)."""
+    (_host-overhead, _decode, _features, _neighbours)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")

@@ -2,7 +2,9 @@
 
 Hardware figures (MMA FLOPs, MUFU exp2, FMA lanes, SMEM bytes per SM per cycle, clock, SMs)
 come from `fa4lab.hardware`. The few figures the datasheets do not give are ASSUMPTIONS, named
-here once, shown by `fa4lab plan` and varied by notebook 04's widgets.
+here once, shown by `fa4lab plan` and varied by notebook 04's widgets. DEFAULT_COSTS holds
+them uncalibrated (the protocol checks use it); the values fitted per chip, which the
+planner predicts with, are `fa4lab.plan.calibration.costs_for(hw)` (Note [calibration]).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ class CostModel:
     # ASSUMED: fraction of K/V blocks (after the first) on which some row's max grows by more
     # than the rescale threshold, so the correction role rescales O (FA4: rare after warm-up).
     rescale_fraction: float = 0.125
+    # ASSUMED (fitted on the H200, no lower than its measured GEMM): the share of the
+    # datasheet's dense MMA rate the tensor pipe sustains (the clock under a sustained load).
+    # See Note [calibration] in fa4lab.plan.calibration.
+    mma_efficiency: float = 1.0
+    # ASSUMED (fitted on the H200): the share of an sm90 consumer's softmax during which the
+    # other consumers' wgmmas stall (the RS wgmma reads P from the register file the softmax
+    # is using, and both draw on the same warp schedulers). Note [calibration].
+    sm90_softmax_stall: float = 0.0
+    # ASSUMED (fitted on the H200): cycles a CTA of a non-persistent kernel spends outside its
+    # work tile's protocol (launch, mbarrier init, setmaxnreg, tensor-map prefetch, exit). A
+    # persistent kernel pays it once per SM, not per tile. `fa4lab.plan.throughput`.
+    cta_start_cycles: float = 0.0
 
     def with_(self, **changes) -> CostModel:
         known = {f.name for f in fields(self)}
@@ -53,7 +67,7 @@ class CostModel:
 
     # ---- cycles ----
     def mma_cycles(self, hw: Hardware, m: int, n: int, k: int) -> float:
-        return 2.0 * m * n * k / hw.mma_flops_per_cycle
+        return 2.0 * m * n * k / (hw.mma_flops_per_cycle * self.mma_efficiency)
 
     def mma_op_cycles(self, hw: Hardware, mma) -> float:
         """One MmaPlan: its FLOPs at the MMA rate, or the SMEM reads of its operands at the SMEM

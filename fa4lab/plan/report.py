@@ -27,18 +27,33 @@ EXIT_NO_PLAN = 2
 
 # ---- the report as data ----
 def _published(plan) -> dict:
-    from fa4lab.hardware import PUBLISHED_FA4_B200
+    """The FA4 paper's PUBLISHED B200 figure for this shape (`fa4lab.hardware`'s table), or
+    its headline peak, labelled as such, with the calibration's prediction of that shape."""
+    from fa4lab.hardware import PUBLISHED_FA4_B200, PUBLISHED_FA4_B200_FORWARD
 
-    if plan.arch == "sm100":
-        return {"label": "published (not measured here)",
-                "tflops": PUBLISHED_FA4_B200["peak_bf16_tflops"],
-                "what": "FA4 peak BF16 forward on B200",
-                "source": PUBLISHED_FA4_B200["source"]}
-    return {}
+    if plan.arch != "sm100":
+        return {}
+    s = plan.spec
+    same = [p for p in PUBLISHED_FA4_B200_FORWARD
+            if (p["head_dim"], p["causal"], p["seqlen"]) == (s.head_dim, s.causal, s.seqlen_q)]
+    if same:
+        p = same[0]
+        return {"label": "PUBLISHED (not measured here)", "tflops": p["tflops"],
+                "what": f"FA4 forward on B200 at this shape (hd{p['head_dim']}, "
+                        f"{'causal' if p['causal'] else 'non-causal'}, seqlen {p['seqlen']})",
+                "source": p["source"]}
+    p = PUBLISHED_FA4_B200_FORWARD[0]
+    return {"label": "PUBLISHED (not measured here)",
+            "tflops": PUBLISHED_FA4_B200["peak_bf16_tflops"],
+            "what": f"FA4 peak BF16 forward on B200 (hd{p['head_dim']}, "
+                    f"{'causal' if p['causal'] else 'non-causal'}, seqlen {p['seqlen']}: not "
+                    f"this shape; the calibration table compares the model there)",
+            "source": PUBLISHED_FA4_B200["source"]}
 
 
 def _recorded(plan) -> dict:
-    """Recorded H200 numbers for the benchmark sweep's shape at this (head_dim, causal, seqlen)."""
+    """MEASURED H200 numbers for the benchmark sweep's shape at this (head_dim, causal,
+    seqlen): the newest record."""
     s = plan.spec
     if plan.arch != "sm90" or s.window_size != (None, None) or s.softcap or s.learnable_sink:
         return {}   # the sweep runs no window, softcap or sink: no record of this problem
@@ -50,9 +65,20 @@ def _recorded(plan) -> dict:
     if not rec:
         return {}
     found = recorded_tflops(rec, (s.head_dim, s.causal, s.seqlen_q))
-    return {"label": f"measured on {rec['gpu']} ({rec['date']}), sweep shape at this seqlen",
+    return {"label": f"MEASURED on {rec['gpu']} ({rec['date']}), sweep shape at this seqlen",
             "tflops": found, "gemm_tflops": rec.get("gemm_tflops"),
             "record": rec.get("label", "")}
+
+
+def _calibration(plan, costs) -> dict:
+    """Which calibration the prediction used and how far it was off where it was checked."""
+    from fa4lab.plan.calibration import CALIBRATED, TOLERANCE, calibration_note
+
+    if costs is not CALIBRATED.get(plan.arch):
+        return {"calibrated": False, "note": "a cost model passed by the caller, not the "
+                                             "chip's calibrated one"}
+    return {"calibrated": True, "tolerance": TOLERANCE[plan.arch],
+            "note": calibration_note(plan.arch)}
 
 
 def _bottleneck(plan, costs, per_block: float) -> dict:
@@ -105,11 +131,11 @@ def _mask(plan, costs) -> dict:
 
 
 def build_report(plan, costs=None) -> dict:
-    from fa4lab.plan.costs import DEFAULT_COSTS
+    from fa4lab.plan.calibration import costs_for
     from fa4lab.plan.simulate import mutation_check, simulate, unobservable
     from fa4lab.plan.throughput import predict
 
-    costs = costs or DEFAULT_COSTS
+    costs = costs or costs_for(plan.hardware)
     pred = predict(plan, costs)
     bc = pred.block_cycles
     n_sim = 6
@@ -125,10 +151,6 @@ def build_report(plan, costs=None) -> dict:
         order = ({"n_block": plan.tiles.n_block // 2}, {"kv_stage": plan.tiles.kv_stage - 1})
         picks = [a for o in order for a in alternatives if a["change"] == o]
         exp = picks[0] if picks else (alternatives[0] if alternatives else None)
-    recorded = _recorded(plan)
-    scaled = None
-    if recorded.get("gemm_tflops"):
-        scaled = pred.tflops * recorded["gemm_tflops"] / pred.peak_tflops
     return {
         "prediction": {"tflops": round(pred.tflops, 1), "peak_tflops": round(pred.peak_tflops, 1),
                        "utilization": round(pred.utilization, 3), "tiles": pred.tiles,
@@ -136,10 +158,11 @@ def build_report(plan, costs=None) -> dict:
                        "tile_cycles": {"fixed": round(bc.fixed, 1),
                                        "per_block": round(bc.unmasked, 1),
                                        "per_masked_block": round(bc.masked, 1)},
-                       "scaled_by_measured_gemm": None if scaled is None else round(scaled, 1),
-                       "label": "simulated (fa4lab.plan.simulate; see assumptions)"},
+                       "label": "PREDICTED by the calibrated cost model "
+                                "(fa4lab.plan.simulate; see assumptions)"},
+        "calibration": _calibration(plan, costs),
         "published": _published(plan),
-        "recorded": recorded,
+        "recorded": _recorded(plan),
         "simulation": {"n_blocks": n_sim, "n_tiles": sim.n_tiles, "cycles": round(sim.cycles),
                        "deadlock": sim.deadlock, "hazards": [str(h) for h in sim.hazards],
                        "busy": {k: round(v, 3) for k, v in sim.busy().items()},
@@ -310,6 +333,8 @@ def render_markdown(plan, rep: dict) -> str:
              f"- Predicted **{pred['tflops']:.0f} TFLOP/s** ({pred['utilization']:.0%} of the "
              f"{pred['peak_tflops']:.0f} TFLOP/s dense MMA peak), {pred['label']}."]
     lines += _mask_lines(plan, rep)
+    cal = rep["calibration"]
+    lines.append(f"- Calibration: {cal['note']}.")
     if rep["published"]:
         p = rep["published"]
         lines.append(f"- Compare: {p['what']} {p['tflops']} TFLOP/s, {p['label']} "
@@ -318,16 +343,13 @@ def render_markdown(plan, rep: dict) -> str:
     if rec and rec.get("tflops"):
         nums = ", ".join(f"{k} {v:.0f}" for k, v in sorted(rec["tflops"].items()))
         lines.append(f"- Compare: {nums} TFLOP/s, {rec['label']}.")
-    if pred["scaled_by_measured_gemm"]:
-        lines.append(f"- Scaled by the measured dense GEMM rate ({rec['gemm_tflops']:.0f} of "
-                     f"{pred['peak_tflops']:.0f} TFLOP/s): {pred['scaled_by_measured_gemm']:.0f} "
-                     f"TFLOP/s.")
     b = rep["bottleneck"]
     demand = ", ".join(f"{k} {v:.0f}" for k, v in b["demand_per_block"].items())
     lines += ["", "## Evidence and assumptions", "",
               "Evidence (hardware facts, `fa4lab.hardware`):", ""]
     lines += [f"- {src}" for src in hw.sources]
-    lines += ["", "Assumptions (`fa4lab.plan.costs.CostModel`, not measured):", ""]
+    lines += ["", "Assumptions (`fa4lab.plan.costs.CostModel`: fitted on the H200 or assumed, "
+                  "`fa4lab.plan.calibration`):", ""]
     lines += [f"- {k} = {v}" for k, v in rep["assumptions"].items()]
     lines += [f"- {n}" for n in plan.notes]
     lines += ["", "## Contract", "", contract_tables(plan), "",
@@ -419,8 +441,11 @@ def risks(plan) -> list[str]:
         out += [
                 "A GPU without tcgen05/TMEM (Hopper, Ada, consumer Blackwell sm_120) cannot run "
                 "this plan: dispatch to the sm90 kernel on H100/H200, else to the reference.",
-                "The kernel runs one CTA per work tile (not persistent, unlike upstream FA4): "
-                "q_empty and o_empty are waited only on their released first phase."]
+                ("The kernel is persistent (min(work tiles, SMs) CTAs looping over tiles): "
+                 "q_empty and o_empty order a CTA's tiles (Note [persistent CTAs])."
+                 if plan.protocol.persistent else
+                 "This plan runs one CTA per work tile (O is staged in Q's bytes, or q_stage is "
+                 "1): q_empty and o_empty are waited only on their released first phase.")]
     else:
         out += ["Registers: a consumer holds O, S and P in registers "
                 f"({plan.role('consumer0').registers} per thread); a larger n_block spills "

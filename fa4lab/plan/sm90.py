@@ -302,7 +302,9 @@ def _steps(plan: Plan, costs, n_blocks: int):
             cyc = costs.softmax_cycles(hw, m * n, 0.0, env["tag"] != "unmasked", capped)
             if env["j"] in rescale_at:
                 cyc += m * dv / hw.fma_per_cycle
-            return [Work(f"softmax{c}", cyc, unit="mufu")]
+            stall = cyc * costs.sm90_softmax_stall   # see CostModel.sm90_softmax_stall
+            return [Work(f"softmax{c}", cyc - stall, unit="mufu")] + (
+                [Work(f"softmax{c} stalls the tensor pipe", stall, unit="tensor")] if stall else [])
         if w == "O to SMEM":
             return [Work(f"O{c} to SMEM", costs.smem_cycles(hw, m * dv * eb),
                          writes=(sref("o", c),))]

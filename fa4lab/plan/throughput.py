@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa4lab import tiling
-from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
+from fa4lab.plan.calibration import costs_for
+from fa4lab.plan.costs import CostModel
 from fa4lab.plan.simulate import simulate
 
 # Note [tile time]
@@ -28,8 +29,11 @@ from fa4lab.plan.simulate import simulate
 # masked) and (9, 1) give per_unmasked, (9, 7) against (9, 1) gives per_masked - per_unmasked.
 # A masked block costs more only when the mask's FMA work (CostModel.fma_ops_per_masked_score)
 # is on the critical path; the simulation decides. `fixed` (Q load, pipeline fill, epilogue)
-# can come out below 0 on sm100, where the next block's loads overlap this tile's start; no
-# tile costs less than its blocks, so `predict` clamps it at 0.
+# is what one more tile adds beyond its blocks: for a CTA per tile, one simulated tile's rest
+# plus CostModel.cta_start_cycles; for a persistent CTA, a second tile simulated after the
+# first in the same CTA (its Q and K/V loads overlap the first tile's epilogue), so smaller.
+# It can come out below 0 where the next block's loads overlap a tile's start; no tile costs
+# less than its blocks, so `predict` clamps it at 0.
 _FIT = ((3, 1), (9, 1), (9, 7))   # (n_blocks, masked_blocks) of the three simulated tiles
 
 
@@ -46,17 +50,32 @@ class BlockCycles:
         return self.fixed + self.unmasked * n_unmasked + self.masked * n_masked
 
 
-def block_cycles(plan, costs: CostModel = DEFAULT_COSTS) -> BlockCycles:
+def block_cycles(plan, costs: CostModel | None = None) -> BlockCycles:
     """Fixed, per unmasked and per masked block cycles of one work tile of `plan`, fitted on
-    three simulated tiles. See Note [tile time]."""
+    three simulated tiles (`costs`: the chip's calibrated model by default). See Note [tile
+    time]."""
+    costs = costs_for(plan.hardware) if costs is None else costs
     (n1, m1), (n2, _), (_, m3) = _FIT
     t1, t2, t3 = (simulate(plan, n, 1, costs, masked_blocks=m).cycles for n, m in _FIT)
     unmasked = (t2 - t1) / (n2 - n1)
     masked = unmasked + (t3 - t2) / (m3 - m1)
-    return BlockCycles(t1 - unmasked * (n1 - m1) - masked * m1, unmasked, masked)
+    blocks = unmasked * (n1 - m1) + masked * m1
+    if not persistent(plan):
+        return BlockCycles(t1 - blocks + costs.cta_start_cycles, unmasked, masked)
+    if plan.protocol.persistent:   # a second tile in the same CTA: what each further one adds
+        t1 = simulate(plan, n1, 2, costs, masked_blocks=m1).cycles - t1
+    return BlockCycles(t1 - blocks, unmasked, masked)
 
 
-def tile_cost(plan, costs: CostModel = DEFAULT_COSTS, causal: bool | None = None,
+def persistent(plan) -> bool:
+    """Whether the model times `plan` as a persistent kernel (a CTA per SM running tiles in
+    turn: no CTA start per tile, and the epilogue of one tile under the loads of the next,
+    as the plan's table runs it: Note [persistent CTAs] in fa4lab.plan.sm100). sm100 always:
+    upstream's published B200 figures come from its persistent kernel (Note [calibration])."""
+    return plan.arch == "sm100" or plan.protocol.persistent
+
+
+def tile_cost(plan, costs: CostModel | None = None, causal: bool | None = None,
               ) -> tuple[float, float]:
     """(fixed, per_block) cycles of one work tile (one CTA) of unmasked blocks, its fixed part
     including the masked blocks a causal tile crosses on the diagonal (cta_m / n_block)."""
@@ -97,14 +116,22 @@ class Prediction:
         return self.tflops / self.peak_tflops
 
 
-def predict(plan, costs: CostModel = DEFAULT_COSTS, spec=None) -> Prediction:
+def predict(plan, costs: CostModel | None = None, spec=None) -> Prediction:
     """Predicted forward TFLOP/s of `plan` on `spec` (default `plan.spec`): every work tile's
     simulated time (`block_cycles` times its unmasked and masked blocks, `workload`),
     dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
-    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`)."""
+    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`). `costs` defaults to the
+    calibrated model of the plan's chip (`fa4lab.plan.calibration.costs_for`)."""
+    costs = costs_for(plan.hardware) if costs is None else costs
+    return predict_with(plan, block_cycles(plan, costs), spec)
+
+
+def predict_with(plan, b: BlockCycles, spec=None) -> Prediction:
+    """`predict` from one work tile's already simulated `b` (`block_cycles(plan, costs)`): the
+    tiles of `spec` (default `plan.spec`) scheduled on the SMs. The calibration fit calls this
+    once per shape with the `b` of each (plan, costs)."""
     spec = spec or plan.spec
     hw = plan.hardware
-    b = block_cycles(plan, costs)
     # tiling counts work in unmasked K/V blocks. A masked block never costs less than an
     # unmasked one (it does the same work and the mask); see Note [tile time] for the clamp.
     unit = tiling.CostModel(masked_block_cost=max(b.masked / b.unmasked, 1.0),

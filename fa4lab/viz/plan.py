@@ -351,11 +351,11 @@ def tmem_widget(*, head_dim=128, n_block=128, q_stage=2) -> LiveFigure:
 def _timeline_view(arch, head_dim, kv_stage, n_blocks, l2_bytes_per_cycle, tma_latency,
                    rescale_fraction):
     from fa4lab.plan import plan_forward
-    from fa4lab.plan.costs import DEFAULT_COSTS
+    from fa4lab.plan.calibration import costs_for
     from fa4lab.plan.simulate import simulate
 
     plan = plan_forward(_spec(head_dim), arch, kv_stage=kv_stage)
-    costs = DEFAULT_COSTS.with_(l2_bytes_per_cycle=float(l2_bytes_per_cycle),
+    costs = costs_for(plan.hardware).with_(l2_bytes_per_cycle=float(l2_bytes_per_cycle),
                                 tma_latency=int(tma_latency),
                                 rescale_fraction=float(rescale_fraction))
     sim = simulate(plan, n_blocks, 2, costs)
