@@ -72,6 +72,7 @@ __all__ = [
     "schedule_grid_reversed",
     "schedule_lpt",
     "schedule_static_persistent",
+    "schedule_persistent",
     "tile_positions",
     "unpack_gqa_row",
     "visit_block",
@@ -882,19 +883,38 @@ def schedule_grid_reversed(work: Workload, *, num_sms: int | None = None, arch: 
                    cost)
 
 
+def _round_robin(name, work, order, num_ctas, cost):
+    """Persistent CTA c runs tiles c, c + num_ctas, ... of `order` in turn
+    (`persistent_tiles`), whatever the other CTAs' progress: a static persistent kernel, as
+    fa4lab's sm100 kernel and FA4's static scheduler run."""
+    costs = work.tile_costs(cost)[order[:, 2]]
+    n = len(order)
+    sm = np.empty(n, dtype=np.int64)
+    start = np.empty(n)
+    for c in range(min(num_ctas, n)):
+        clock = 0.0
+        for t in persistent_tiles(c, num_ctas, n):
+            sm[t], start[t] = c, clock
+            clock += costs[t]
+    return Schedule(name, num_ctas, order, sm, start, start + costs, work.unit_flops())
+
+
 def schedule_static_persistent(work: Workload, *, num_sms: int | None = None,
                                arch: str = "sm100", cost: CostModel | None = None) -> Schedule:
     """num_sms persistent CTAs; CTA i takes grid-order tiles i, i + num_sms, ... in turn."""
-    num_sms = _resolve_sms(num_sms, arch)
-    order = grid_order(work)
-    costs = work.tile_costs(cost)[order[:, 2]]
-    sm = np.arange(len(order)) % num_sms
-    start = np.empty(len(order))
-    clock = np.zeros(num_sms)
-    for t, c in enumerate(costs):
-        start[t] = clock[sm[t]]
-        clock[sm[t]] += c
-    return Schedule("static", num_sms, order, sm, start, start + costs, work.unit_flops())
+    return _round_robin("static", work, grid_order(work), _resolve_sms(num_sms, arch), cost)
+
+
+def schedule_persistent(order: str, work: Workload, *, num_sms: int | None = None,
+                        arch: str = "sm100", cost: CostModel | None = None) -> Schedule:
+    """min(tiles, num_sms) persistent CTAs taking the tiles of `order` (one of TILE_ORDERS)
+    round-robin (`persistent_tiles`): how a persistent kernel's CTAs share them, where
+    `schedule(order, ...)` hands each tile to the first free SM, as a grid of one CTA per tile
+    runs."""
+    orders = {"grid": grid_order, "grid_reversed": grid_reversed_order, "lpt": lpt_order}
+    if order not in orders:
+        raise ValueError(f"unknown tile order {order!r}: one of {TILE_ORDERS}")
+    return _round_robin(order, work, orders[order](work), _resolve_sms(num_sms, arch), cost)
 
 
 def schedule_lpt(work: Workload, *, num_sms: int | None = None, arch: str = "sm100",

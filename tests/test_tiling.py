@@ -25,11 +25,13 @@ from fa4lab.tiling import (
     n_block_masked_range,
     n_block_range,
     pack_gqa_row,
+    persistent_tiles,
     q_heads_of,
     query_to_kv_heads,
     schedule,
     schedule_grid,
     schedule_lpt,
+    schedule_persistent,
     schedule_static_persistent,
     unpack_gqa_row,
 )
@@ -385,6 +387,25 @@ def test_static_persistent_assignment():
     assert list(s.sm) == [0, 1, 2, 0, 1, 2, 0, 1]
     costs = w.tile_costs()
     assert s.busy[0] == pytest.approx(costs[0] + costs[3] + costs[6])
+
+
+@pytest.mark.parametrize("order", ["grid", "grid_reversed", "lpt"])
+def test_persistent_ctas_take_their_tiles_in_turn(order):
+    """CTA c runs tiles persistent_tiles(c, ...) of the order back to back, whatever the
+    others do; with equal tile costs (non-causal) that is the first-free-SM schedule."""
+    w = Workload(batch=2, heads=5, seqlen_q=1000, seqlen_k=1000, m_block_size=128,
+                 n_block_size=128, causal=order != "grid")
+    s = schedule_persistent(order, w, num_sms=7)
+    assert np.array_equal(s.order, schedule(order, w, num_sms=7).order)
+    costs = w.tile_costs()[s.order[:, 2]]
+    for c in range(7):
+        mine = list(persistent_tiles(c, 7, w.num_tiles))
+        assert list(np.flatnonzero(s.sm == c)) == mine
+        assert s.end[mine[-1]] == pytest.approx(costs[mine].sum())
+    if order == "grid":
+        assert s.makespan == pytest.approx(schedule(order, w, num_sms=7).makespan)
+    with pytest.raises(ValueError, match="unknown tile order"):
+        schedule_persistent("static", w)
 
 
 def test_num_sms_from_hardware():

@@ -5,7 +5,8 @@ the first M of them masked. `block_cycles` fits that time as linear in both coun
 [tile time]); `predict` gives every (batch, head, m_block) tile its own counts from
 `fa4lab.tiling` (the causal diagonal, both edges of a sliding window and the seqlen_k tail
 mask a block; blocks outside the window are never loaded), dispatches the tiles in the plan's
-order to the first free SM (`fa4lab.tiling.schedule`) and divides the visible scores' FLOPs by
+order to the first free SM (`fa4lab.tiling.schedule`; a persistent plan's CTAs take them
+round-robin, `fa4lab.tiling.schedule_persistent`) and divides the visible scores' FLOPs by
 the makespan. So a window that skips half the blocks predicts about half the time.
 
     from fa4lab.plan.throughput import predict
@@ -120,7 +121,8 @@ def predict(plan, costs: CostModel | None = None, spec=None) -> Prediction:
     """Predicted forward TFLOP/s of `plan` on `spec` (default `plan.spec`): every work tile's
     simulated time (`block_cycles` times its unmasked and masked blocks, `workload`),
     dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
-    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`). `costs` defaults to the
+    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`), or round-robin to the CTAs of
+    a persistent plan (`fa4lab.tiling.schedule_persistent`). `costs` defaults to the
     calibrated model of the plan's chip (`fa4lab.plan.calibration.costs_for`)."""
     costs = costs_for(plan.hardware) if costs is None else costs
     return predict_with(plan, block_cycles(plan, costs), spec)
@@ -136,8 +138,9 @@ def predict_with(plan, b: BlockCycles, spec=None) -> Prediction:
     # unmasked one (it does the same work and the mask); see Note [tile time] for the clamp.
     unit = tiling.CostModel(masked_block_cost=max(b.masked / b.unmasked, 1.0),
                             tile_overhead=max(b.fixed, 0.0) / b.unmasked)
-    sched = tiling.schedule(plan.tiles.order, workload(plan, spec), num_sms=hw.num_sms,
-                            cost=unit)
+    # A persistent kernel's CTAs take the tiles round-robin; a grid's go to the first free SM.
+    run = tiling.schedule_persistent if plan.protocol.persistent else tiling.schedule
+    sched = run(plan.tiles.order, workload(plan, spec), num_sms=hw.num_sms, cost=unit)
     seconds = sched.makespan * b.unmasked / (hw.clock_ghz * 1e9)
     return Prediction(useful_flops(spec) / seconds / 1e12, seconds, b, len(sched.order),
                       hw.peak_mma_tflops, hw.name)
