@@ -297,21 +297,18 @@ def test_block_cycles_match_simulated_tiles(arch):
     """The fitted tile time (Note [tile time]) is the simulated one within a few percent, for
     tile lengths and masked counts outside the fit's three points."""
     from fa4lab.plan.calibration import costs_for
-    from fa4lab.plan.throughput import persistent
 
     p = plan(arch, 128)
     costs = costs_for(p.hardware)
     b = block_cycles(p, costs)
     for n, m in [(2, 0), (4, 1), (6, 3), (12, 2), (16, 16), (30, 0)]:
         one = simulate(p, n, 1, costs, masked_blocks=m).cycles
-        # A CTA of its own (and its start), or a persistent CTA's further tile (its time after
-        # the first, where the plan's table runs several).
-        if not persistent(p):
-            simulated = one + costs.cta_start_cycles
-        elif p.protocol.persistent:
+        # A CTA of its own (and its start), or a persistent CTA's further tile (its time
+        # after the first).
+        if p.protocol.persistent:
             simulated = simulate(p, n, 2, costs, masked_blocks=m).cycles - one
         else:
-            simulated = one
+            simulated = one + costs.cta_start_cycles
         assert b.tile(n - m, m) == pytest.approx(simulated, rel=0.07), (n, m)
 
 

@@ -59,10 +59,11 @@ from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 #   range. A causal diagonal block costs the kernel more than its mask's instructions, and the
 #   model has no other term for it (candidates: the early blocks' rescales, the L2 locality of
 #   the LPT order); the dense points' slight under-prediction (3-4%) is the other side of it.
-# - The sm100 prediction assumes the persistent kernel (upstream's published figures come
-#   from one): a tile's fixed cost is what a second tile adds in the same CTA, its loads under
-#   the first tile's epilogue (`fa4lab.plan.throughput.block_cycles`, Note [tile time]),
-#   where the plan's table is persistent; else one tile's fixed cost, with no CTA start.
+# - A persistent plan (the sm100 default at head dims 64-128, as upstream's kernel behind the
+#   published figures is) is timed as its table runs: a tile's fixed cost is what a second
+#   tile adds in the same CTA, its loads under the first tile's epilogue
+#   (`fa4lab.plan.throughput.block_cycles`, Note [tile time]); a plan of one CTA per tile pays
+#   its CTA start (cta_start_cycles) per tile.
 
 H200_RECORD = "2026-11-30_nvidia-h200_4583e2d_223314.json"
 PROVIDER = "fa4lab"

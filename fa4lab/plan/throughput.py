@@ -61,19 +61,11 @@ def block_cycles(plan, costs: CostModel | None = None) -> BlockCycles:
     unmasked = (t2 - t1) / (n2 - n1)
     masked = unmasked + (t3 - t2) / (m3 - m1)
     blocks = unmasked * (n1 - m1) + masked * m1
-    if not persistent(plan):
+    if not plan.protocol.persistent:   # a CTA of its own per tile, and its start
         return BlockCycles(t1 - blocks + costs.cta_start_cycles, unmasked, masked)
-    if plan.protocol.persistent:   # a second tile in the same CTA: what each further one adds
-        t1 = simulate(plan, n1, 2, costs, masked_blocks=m1).cycles - t1
+    # A persistent CTA: what a second tile adds in the same CTA (Note [persistent CTAs]).
+    t1 = simulate(plan, n1, 2, costs, masked_blocks=m1).cycles - t1
     return BlockCycles(t1 - blocks, unmasked, masked)
-
-
-def persistent(plan) -> bool:
-    """Whether the model times `plan` as a persistent kernel (a CTA per SM running tiles in
-    turn: no CTA start per tile, and the epilogue of one tile under the loads of the next,
-    as the plan's table runs it: Note [persistent CTAs] in fa4lab.plan.sm100). sm100 always:
-    upstream's published B200 figures come from its persistent kernel (Note [calibration])."""
-    return plan.arch == "sm100" or plan.protocol.persistent
 
 
 def tile_cost(plan, costs: CostModel | None = None, causal: bool | None = None,
