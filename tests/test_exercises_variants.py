@@ -132,6 +132,24 @@ def test_chunked_check_names_each_mistake(mistake):
         assert "query" in msg and "chunk" in msg and "seed" in msg
 
 
+def test_chunked_check_blames_the_mod_for_what_it_raises_in_the_reference():
+    """A mod that passes the element and table checks but raises on a problem's (batch, head)
+    fails with its own line, also when fa4lab wraps the error (ModCompileError); before, the
+    check crashed with fa4lab's error."""
+    def factory(c):
+        def breaks_on_the_last_head(b, h, q_idx, kv_idx):
+            if np.any((np.asarray(b) == 1) & (np.asarray(h) == 3)):   # only GQA 4:2's grid
+                return q_idx.no_such_method()
+            return q_idx // c == kv_idx // c
+        return breaks_on_the_last_head
+
+    with pytest.raises(ExerciseFailed) as err:
+        check_chunked_local_mask(factory, compile=False, random_shapes=2)
+    msg = str(err.value)
+    assert msg.startswith("your function chunked_local_mask(") and "fa4lab.reference" in msg, msg
+    assert "at line" in msg and "of breaks_on_the_last_head (`if np.any(" in msg, msg
+
+
 def test_table_check_names_the_tile_and_block(monkeypatch):
     """A block table that hides a block some row sees fails, naming the tile and the block."""
     import fa4lab.mods_blocks as mb

@@ -27,13 +27,18 @@ def raised_at(err: BaseException, fn: Callable) -> str:
     """Where in the student's code `err` was raised: ' at line N of f (`source`)' for the
     innermost traceback frame in the file that defines `fn` (the notebook cell), plus the
     function it called when the error came from deeper; '' when no frame of that file is in
-    the traceback (the error is not in the student's code)."""
+    the traceback, nor in those of the errors it was raised from (a library error wrapping one
+    the student's code raised, e.g. fa4lab.mods.ModCompileError, is still the student's)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return ""
-    frames = list(traceback.walk_tb(err.__traceback__))
-    mine = [i for i, (frame, _) in enumerate(frames) if frame.f_code.co_filename ==
-            code.co_filename]
+    seen, mine = set(), []
+    while err is not None and id(err) not in seen and not mine:
+        seen.add(id(err))
+        frames = list(traceback.walk_tb(err.__traceback__))
+        mine = [i for i, (frame, _) in enumerate(frames) if frame.f_code.co_filename ==
+                code.co_filename]
+        err = err.__cause__ or err.__context__
     if not mine:
         return ""
     frame, line = frames[mine[-1]]

@@ -24,6 +24,7 @@ from fa4lab.exercises.variants import (
     blockwise_attention,
     compile_and_audit,
     first_output_mismatch,
+    graded_call,
     mod_of,
     numpy_world,
     try_mod,
@@ -246,9 +247,13 @@ def check_chunked_local_mask(chunked_local_mask: Callable, *, seed: int | None =
     problems = _problems(rng)
     for name, q, k, v, c in problems:
         mod = factory(c)
-        want = attention_reference(q, k, v, causal=True, mask_mod=mod, return_lse=True)
-        sim = blockwise_attention(q, k, v, arch="sm90", causal=True,
-                                  km=M.kernel_mods(None, mod, ()))
+        what = f"chunked_local_mask({c})"
+        want = graded_call(mod, what, f"{name}, fa4lab.reference (seed {seed})",
+                           attention_reference, q, k, v, causal=True, mask_mod=mod,
+                           return_lse=True)
+        sim = graded_call(mod, what, f"{name}, the sm90 block walk (seed {seed})",
+                          blockwise_attention, q, k, v, arch="sm90", causal=True,
+                          km=M.kernel_mods(None, mod, ()))
         bad = first_output_mismatch(sim, want)
         if bad:
             raise ExerciseFailed(
