@@ -6,7 +6,9 @@ warpgroups (head_dim 256, 128, 64: the ping-pong turns and the per-consumer epil
 causal and not, GQA with and without pack-GQA, key-length tails, and a fully masked first block
 (seqlen_q > seqlen_k, causal); a sliding window (the left-edge masked blocks, a window that
 leaves rows without a key) with a learnable sink, packed and not, and a mask_mod (every block
-masked). Each output is also checked against the float64 reference, so a
+masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) with several
+tiles per CTA, two and three consumers. Each output is also checked against the float64
+reference, so a
 run that the tool passes but that computes garbage still fails. Small sizes: under the tool
 every launch is slow.
 """
@@ -21,6 +23,8 @@ from fa4lab.kernels.fwd_sm90 import attention_sm90
 from fa4lab.reference import attention_reference
 
 CASES = [  # (head_dim, causal, seqlen_q, seqlen_k, heads_q, heads_kv, pack_gqa, options)
+    (128, True, 640, 640, 32, 8, False, {"persistent": True, "batch": 4}),
+    (64, False, 500, 520, 16, 4, False, {"persistent": True, "batch": 4}),
     (64, True, 300, 333, 4, 2, False, {}),
     (128, False, 300, 333, 4, 2, True, {}),
     (128, True, 333, 300, 2, 2, False, {}),
@@ -57,11 +61,13 @@ def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
     for d, causal, sq, sk, hq, hkv, pack, opts in CASES:
-        q = torch.randn(1, sq, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(1, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+        b = opts.get("batch", 1)
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
         kw = options_of(opts, hq)
-        out, lse = attention_sm90(q, k, v, causal=causal, return_lse=True, pack_gqa=pack, **kw)
+        out, lse = attention_sm90(q, k, v, causal=causal, return_lse=True, pack_gqa=pack,
+                                  persistent=opts.get("persistent"), **kw)
         torch.cuda.synchronize()
         ref, ref_lse = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=causal,
                                            return_lse=True, **on_cpu(kw))

@@ -24,6 +24,7 @@ from fa4lab.plan.simulate import (
     mutation_check,
     programs_for,
     simulate,
+    unobservable,
 )
 from fa4lab.plan.throughput import block_cycles, predict, tile_classes, useful_flops
 from fa4lab.spec import AttentionSpec
@@ -438,16 +439,43 @@ def test_data_simulator_refuses_what_it_does_not_model(options):
         run_plan(plan_forward(s, "sm100"), q, q, q)
 
 
-PERSISTENT_EDGES = [(hd, b.name) for hd in (64, 128)
-                    for b in plan("sm100", hd, persistent=True).barriers.barriers]
+PERSISTENT_EDGES = [(arch, hd, b.name) for arch in ("sm100", "sm90") for hd in (64, 128)
+                    for b in plan(arch, hd, persistent=True).barriers.barriers
+                    if b.name not in unobservable(plan(arch, hd, persistent=True))]
 
 
-@pytest.mark.parametrize("hd,barrier", PERSISTENT_EDGES)
-def test_persistent_plan_needs_every_edge(hd, barrier):
-    """Note [persistent CTAs]: two work tiles per CTA, so q_empty and o_empty (which order the
-    tiles) show too; removing any barrier is a hazard or a deadlock."""
-    p = plan("sm100", hd, persistent=True)
+@pytest.mark.parametrize("arch,hd,barrier", PERSISTENT_EDGES)
+def test_persistent_plan_needs_every_edge(arch, hd, barrier):
+    """Note [persistent CTAs] (sm100) and Note [sm90 persistent CTAs]: two work tiles per CTA,
+    so q_empty (and on sm100 o_empty), which order the tiles, show too; removing any barrier is
+    a hazard or a deadlock."""
+    p = plan(arch, hd, persistent=True)
     assert edge_check(p, barrier, n_tiles=2), f"removing {barrier} went unnoticed"
+
+
+def test_sm90_persistent_consumer_drains_its_store_before_reusing_o():
+    """Note [sm90 persistent CTAs]: without the drain of the last O store at the next tile's
+    epilogue, the simulator sees the store still reading O's SMEM while the next O is written."""
+    from dataclasses import replace
+
+    from fa4lab.plan.protocol import Step, TileLoop
+
+    p = plan("sm90", 128, persistent=True)
+    assert simulate(p, 1, 3).ok
+    prog = p.protocol.program("consumer")
+
+    def strip(body):
+        out = []
+        for n in body:
+            if isinstance(n, Step) and n.what == "drain store":
+                continue
+            out.append(replace(n, body=strip(n.body)) if isinstance(n, TileLoop) else n)
+        return tuple(out)
+
+    broken = replace(p.protocol, programs=tuple(
+        replace(x, body=strip(x.body)) if x is prog else x for x in p.protocol.programs))
+    r = simulate(replace(p, protocol=broken), 1, 3)
+    assert any(h.region.startswith("o[") for h in r.hazards), r.summary()
 
 
 @pytest.mark.parametrize("n_tiles,n_blocks,masked", [(1, 3, 1), (2, 1, 1), (3, 4, 2)])
@@ -465,6 +493,6 @@ def test_one_tile_plans_refuse_persistence():
     with pytest.raises(PlanError, match="persistent"):
         plan("sm100", 256, persistent=True)
     with pytest.raises(PlanError, match="persistent"):
-        plan("sm90", 128, persistent=True)
+        plan("sm90", 256, persistent=True)
     r = simulate(plan("sm100", 128, persistent=False), 3, 2)
     assert r.n_tiles == 1   # one work tile per CTA: the simulator runs one

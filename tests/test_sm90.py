@@ -223,3 +223,48 @@ def test_pack_gqa_through_fa4lab_attention():
     assert torch.equal(out, attention_sm90(q, k, v, causal=True, pack_gqa=True))
     assert launch.stats()["misses"] == before, "the packed kernel was not cached"
     _check_packed(q, k, v, causal=True, softmax_scale=0.2)
+
+
+# Note [sm90 persistent CTAs] in fa4lab.plan.sm90: every plan that can be persistent, forced so,
+# over shapes with many tiles per CTA (b4 x 32 heads x 16 m-blocks = 2048 tiles on 132 SMs) and
+# the seqlen pairs above (tails, single rows, fully masked rows); pack-GQA, window + sink,
+# softcap and a mask_mod once each. A tile's arithmetic is the same in both kernels, so the
+# persistent kernel must also equal the one-CTA-per-tile kernel bit for bit.
+_PERSISTENT_DIMS = [dims for dims in KERNEL_HEAD_DIMS["sm90"] if dims != (256, 256)]
+
+
+def _same_as_one_tile(q, k, v, **kw):
+    from fa4lab.kernels.fwd_sm90 import attention_sm90
+
+    a = attention_sm90(q, k, v, return_lse=True, persistent=True, **kw)
+    b = attention_sm90(q, k, v, return_lse=True, persistent=False, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), \
+        "the persistent kernel differs from the one-CTA-per-tile kernel"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dims", _PERSISTENT_DIMS, ids=_dims_id)
+def test_persistent_ctas(dims, causal):
+    head_dim, head_dim_v = dims
+    cases = [(4, 2000, 2000, 32, 8)] + [(2, sq, sk, 8, 2) for sq, sk in SEQLENS]
+    for i, (b, sq, sk, hq, hkv) in enumerate(cases):
+        q, k, v = _inputs(b, sq, sk, hq, hkv, head_dim, torch.bfloat16,
+                          seed=3000 + head_dim + 7 * i, dv=head_dim_v)
+        _check(q, k, v, causal=causal, persistent=True)
+        _same_as_one_tile(q, k, v, causal=causal, pack_gqa=False)
+
+
+def test_persistent_ctas_with_options():
+    from fa4lab import mods
+
+    q, k, v = _inputs(2, 1500, 1700, 16, 4, 128, torch.bfloat16, seed=4242)
+    _check(q, k, v, causal=True, pack_gqa=True, persistent=True)
+    _same_as_one_tile(q, k, v, causal=True, pack_gqa=True)
+    sink = torch.linspace(-2.0, 3.0, 16, device="cuda")
+    _check(q, k, v, causal=False, window_size=(300, 40), learnable_sink=sink, persistent=True)
+    _same_as_one_tile(q, k, v, causal=False, window_size=(300, 40), learnable_sink=sink)
+    _check(q, k, v, causal=True, softcap=30.0, persistent=True)
+    doc = torch.arange(1500, device="cuda", dtype=torch.int32) * 3 // 1500
+    mod, aux = mods.document_mask(doc)
+    _same_as_one_tile(q[:, :1500], k[:, :1500], v[:, :1500], causal=False, mask_mod=mod,
+                      aux_tensors=aux)

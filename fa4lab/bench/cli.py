@@ -31,6 +31,7 @@ from fa4lab.bench.decode import (
     describe_decode_run,
     format_decode_table,
     gqa_shapes,
+    llm_shapes,
     make_decode_record,
     run_decode,
 )
@@ -86,6 +87,7 @@ from fa4lab.bench.sweep import (
     SEQLENS,
     TOTAL_TOKENS,
     UNPACKED,
+    VARIANTS,
     BenchShape,
     parse_causal,
     sweep,
@@ -166,6 +168,9 @@ def add_cli(subparsers) -> None:
                      help=f"query heads of both shapes (default {HEADS_Q})")
     dec.add_argument("--heads-kv", type=int, default=HEADS_KV,
                      help=f"K/V heads of both shapes (default {HEADS_KV})")
+    dec.add_argument("--llm-shapes", action="store_true",
+                     help="with --decode: the four causal LLM prefill shapes instead (Note [LLM "
+                          "prefill shapes] in fa4lab.bench.decode)")
     dec.add_argument("--prefill-seqlen", type=int, default=PREFILL_SEQLEN,
                      help=f"seqlen of the causal batch-1 GQA prefill (default "
                           f"{PREFILL_SEQLEN}; 0 leaves it out)")
@@ -219,9 +224,9 @@ def command_line(args) -> str:
 
 def _peers_from(arg: str) -> list[str]:
     names = [x.strip() for x in str(arg).split(",") if x.strip()]
-    unknown = [n for n in names if n not in PEERS and n != OURS]
+    unknown = [n for n in names if n not in PEERS + VARIANTS and n != OURS]
     if unknown:
-        raise ValueError(f"--peers: unknown {unknown}; choose from {','.join(PEERS)}")
+        raise ValueError(f"--peers: unknown {unknown}; choose from {','.join(PEERS + VARIANTS)}")
     return names
 
 
@@ -269,7 +274,8 @@ def recorded_summary(directory=None, *, gpu: str = "H200") -> str:
 
 
 # Options that belong to one mode: given to another, they are an error rather than ignored.
-_DECODE_ONLY = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "prefill_seqlen")
+_DECODE_ONLY = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "prefill_seqlen",
+                "llm_shapes")
 _SWEEP_ONLY = ("seqlen", "causal", "total_tokens", "hidden", "quick", "plot", "no_gemm")
 _FEATURES_ONLY = ("feature", "time_budget", "step_timeout")
 
@@ -474,11 +480,16 @@ def plan_of_decode(args):
         head_dims = [HEAD_DIM]
     if len(head_dims) != 1:
         raise ValueError(f"--decode takes one --head-dim, got {head_dims}")
-    shapes = gqa_shapes(batch=args.batch, seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k,
-                        heads_q=args.heads_q, heads_kv=args.heads_kv, head_dim=head_dims[0],
-                        prefill_seqlen=args.prefill_seqlen, dtype=args.dtype)
+    if args.llm_shapes:
+        shapes = llm_shapes(args.dtype)
+    else:
+        shapes = gqa_shapes(batch=args.batch, seqlen_q=args.seqlen_q, seqlen_k=args.seqlen_k,
+                            heads_q=args.heads_q, heads_kv=args.heads_kv,
+                            head_dim=head_dims[0], prefill_seqlen=args.prefill_seqlen,
+                            dtype=args.dtype)
     peers = [p for p in _peers_from(args.peers) if p not in (OURS, UNPACKED)]
-    return shapes, [n for n in DECODE_PROVIDERS if n in (OURS, UNPACKED) or n in peers]
+    order = DECODE_PROVIDERS[:2] + VARIANTS + DECODE_PROVIDERS[2:]
+    return shapes, [n for n in order if n in (OURS, UNPACKED) or n in peers]
 
 
 def recorded_decode_summary(directory=None) -> str:

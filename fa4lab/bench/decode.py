@@ -40,8 +40,10 @@ from fa4lab.bench.records import (
     validate_record,
 )
 from fa4lab.bench.sweep import (
+    ONE_TILE,
     OURS,
     PEERS,
+    PERSISTENT,
     PROVIDER_LABELS,
     PROVIDERS,
     SUPPORTED_HEAD_DIMS,
@@ -72,8 +74,10 @@ PREFILL_BATCH = 1
 # The device-to-device copy the bandwidth is measured with (Note [HBM floor]).
 COPY_BYTES = 1 << 30
 
-DECODE_PROVIDERS = (OURS, UNPACKED) + PEERS
+DECODE_PROVIDERS = (OURS, UNPACKED) + PEERS   # and VARIANTS when asked for (--peers)
 DECODE_LABELS = {
+    PERSISTENT: "fa4lab's kernel, its plan with persistent=True",
+    ONE_TILE: "fa4lab's kernel, its plan with persistent=False",
     OURS: "fa4lab.attention, pack_gqa=None (its default: packs GQA groups where it can)",
     UNPACKED: "fa4lab.attention, pack_gqa=False",
     "sdpa-flash": "PyTorch SDPA (flash), enable_gqa=True, (b, h, s, d) inputs",
@@ -174,6 +178,27 @@ def gqa_shapes(*, batch: int = DECODE_BATCH, seqlen_q: int = DECODE_SEQLEN_Q,
     for s in shapes:
         _ = s.spec   # AttentionSpec's own checks
     return shapes
+
+
+# Note [LLM prefill shapes]
+# Four causal bf16 prefills as models run them, beside the sweep's square shapes (`--decode
+# --llm-shapes`): they decide whether the sm90 kernel's CTAs are persistent (Note [sm90
+# persistent CTAs] in fa4lab.plan.sm90), since they stress what persistence changes: many short
+# tiles (hd64, 2048), a ragged last tile (seqlen 3000), and a chunked prefill, whose 512 new
+# queries see the 8192 keys before and among them (bottom-right causal), so every tile is long.
+LLM_SHAPES = (
+    GqaShape("llm-4k", 4, 4096, 4096, 32, 8, 128, True),
+    GqaShape("llm-3000", 2, 3000, 3000, 28, 4, 128, True),
+    GqaShape("chunked-512", 4, 512, 8192, 32, 8, 128, True),
+    GqaShape("llm-hd64", 8, 2048, 2048, 32, 2, 64, True),
+)
+
+
+def llm_shapes(dtype: str = "bf16") -> list[GqaShape]:
+    """LLM_SHAPES in `dtype` (Note [LLM prefill shapes])."""
+    from dataclasses import replace
+
+    return [replace(s, dtype=normalize_dtype(dtype)) for s in LLM_SHAPES]
 
 
 # The decode shapes' inputs are the sweep's: `make_inputs` takes any shape with a `.spec`.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fa4lab.bench.records import package_version
-from fa4lab.bench.sweep import OURS, PEERS, PROVIDERS, UNPACKED
+from fa4lab.bench.sweep import OURS, PEERS, PERSISTENT, PROVIDERS, UNPACKED, VARIANTS
 
 Runner = Callable[..., Any]
 
@@ -113,6 +113,32 @@ def fa4lab_runner(pack_gqa: bool | None = None, **options) -> Runner:
     return run
 
 
+def fa4lab_plan_runner(**overrides) -> Runner:
+    """fa4lab's kernel for each shape's plan with `overrides` (persistent=True / False: the
+    VARIANTS providers), pack_gqa as `fa4lab.attention` would choose it; each shape's kernel
+    is compiled once (`fa4lab.kernels.launch.compile_plan`), the first call's cost."""
+    from fa4lab.kernels.launch import compile_plan, device_arch
+    from fa4lab.limits import pack_gqa_default
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec, normalize_dtype
+
+    runners = {}
+
+    def run(q, k, v, causal, softmax_scale):
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, bool(causal))
+        if key not in runners:
+            arch = device_arch(q.device.index)
+            b, sq, hq, d = q.shape
+            spec = AttentionSpec(b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3],
+                                 dtype=normalize_dtype(q.dtype), causal=bool(causal))
+            plan = plan_forward(spec, arch, pack_gqa=pack_gqa_default(arch, hq // k.shape[2],
+                                                                      sq), **overrides)
+            runners[key] = compile_plan(plan, (q, k, v))[0]
+        return runners[key](q, k, v, causal, softmax_scale)
+
+    return run
+
+
 def fa4_function() -> Callable[..., Any]:
     """Upstream FA4's `flash_attn_func`, or a RuntimeError saying why it does not import."""
     try:
@@ -147,8 +173,8 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
     know it and changes nothing here."""
     unknown = [n for n in names if n not in PROVIDERS]
     if unknown:
-        raise ValueError(f"unknown provider(s) {unknown}: choose from {list(PEERS)} or "
-                         f"{UNPACKED!r} (fa4lab itself is always measured)")
+        raise ValueError(f"unknown provider(s) {unknown}: choose from {list(PEERS)}, "
+                         f"{UNPACKED!r} or {list(VARIANTS)} (fa4lab itself is always measured)")
     names = ([OURS] if include_ours else []) + [n for n in names if n != OURS]
     from fa4lab.environment import gpu
 
@@ -170,6 +196,8 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
                 runner = fa4_runner()
             elif name == UNPACKED:
                 runner = fa4lab_runner(pack_gqa=False)
+            elif name in VARIANTS:
+                runner = fa4lab_plan_runner(persistent=name == PERSISTENT)
             else:
                 runner = fa4lab_runner()
             prepare = to_bhsd if name.startswith("sdpa-") else None

@@ -29,11 +29,18 @@ OURS = "fa4lab"
 # fa4lab with pack_gqa=False: `--decode` measures it beside fa4lab's default (which packs the
 # query heads of a KV head when GQA allows it); the sweep has no GQA, so it never runs there.
 UNPACKED = "fa4lab-unpacked"
+# fa4lab's kernel with its plan's `persistent` switch forced either way (Note [sm90 persistent
+# CTAs] in fa4lab.plan.sm90): measured beside the default to choose it. Asked for by name only.
+PERSISTENT = "fa4lab-persistent"
+ONE_TILE = "fa4lab-onetile"
+VARIANTS = (PERSISTENT, ONE_TILE)
 PEERS = ("sdpa-flash", "sdpa-cudnn", "fa4")
-PROVIDERS = (OURS, UNPACKED) + PEERS
+PROVIDERS = (OURS, UNPACKED) + VARIANTS + PEERS
 PROVIDER_LABELS = {
     OURS: "fa4lab",
     UNPACKED: "fa4lab, pack_gqa=False",
+    PERSISTENT: "fa4lab, persistent CTAs",
+    ONE_TILE: "fa4lab, one CTA per tile",
     "sdpa-flash": "PyTorch SDPA (flash)",
     "sdpa-cudnn": "PyTorch SDPA (cuDNN)",
     "fa4": "upstream FA4 (flash-attn-4)",

@@ -535,36 +535,59 @@ def _innermost_loops(order, succ) -> dict:
 
 def program_order(ptx: str) -> list[int]:
     """Line numbers in an order that respects control flow: the loops (strongly connected
-    blocks) contracted, topologically sorted (ties by position), each loop's lines in text
-    order. PTX lays blocks out in any order (a loop may follow the code after it)."""
-    import heapq
-
+    blocks) contracted and topologically sorted (ties by position), each loop's blocks ordered
+    the same way once the back edges to its header are cut, so nested loops (a persistent
+    kernel's tile loop around its block loops) come out in control-flow order too. PTX lays
+    blocks out in any order (a loop may follow the code after it)."""
     lines = ptx.splitlines()
     blocks, order = _basic_blocks(lines)
-    succ = {b: blocks[b][2] for b in order}
-    comp = _sccs(order, succ)
+    preds = {b: set() for b in order}
+    for b in order:
+        for x in blocks[b][2]:
+            if x in preds:
+                preds[x].add(b)
+    out = []
+    for b in _block_order(order, {b: [x for x in blocks[b][2] if x in preds] for b in order},
+                          preds, {b: blocks[b][0] for b in order}):
+        out += range(blocks[b][0], blocks[b][1])
+    return out
+
+
+def _block_order(nodes, edges, preds, pos) -> list[str]:
+    """`nodes` in control-flow order: SCCs topologically sorted, ties by text position, each
+    loop's blocks in turn ordered without the back edges to its header."""
+    import heapq
+
+    comp = _sccs(nodes, edges)
     members: dict[str, list[str]] = {}
-    for b in order:
+    for b in nodes:
         members.setdefault(comp[b][0], []).append(b)
-    edges = {c: set() for c in members}
+    dag = {c: set() for c in members}
     indeg = dict.fromkeys(members, 0)
-    for b in order:
-        for s in succ[b]:
-            if s in comp and comp[s][0] != comp[b][0] and comp[s][0] not in edges[comp[b][0]]:
-                edges[comp[b][0]].add(comp[s][0])
-                indeg[comp[s][0]] += 1
-    first = {c: min(blocks[b][0] for b in bs) for c, bs in members.items()}
+    for b in nodes:
+        for x in edges[b]:
+            if comp[x][0] != comp[b][0] and comp[x][0] not in dag[comp[b][0]]:
+                dag[comp[b][0]].add(comp[x][0])
+                indeg[comp[x][0]] += 1
+    first = {c: min(pos[b] for b in bs) for c, bs in members.items()}
     ready = [(first[c], c) for c, d in indeg.items() if d == 0]
     heapq.heapify(ready)
     out = []
     while ready:
         _, c = heapq.heappop(ready)
-        for b in sorted(members[c], key=lambda x: blocks[x][0]):
-            out += range(blocks[b][0], blocks[b][1])
-        for s in edges[c]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(ready, (first[s], s))
+        bs = members[c]
+        if len(bs) > 1:
+            inside = set(bs)
+            entries = sorted((b for b in bs if preds[b] - inside), key=pos.get)
+            header = entries[0] if entries else min(bs, key=pos.get)
+            out += _block_order(bs, {b: [x for x in edges[b] if x in inside and x != header]
+                                     for b in bs}, preds, pos)
+        else:
+            out += bs
+        for x in dag[c]:
+            indeg[x] -= 1
+            if indeg[x] == 0:
+                heapq.heappush(ready, (first[x], x))
     return out
 
 

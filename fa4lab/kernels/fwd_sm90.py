@@ -175,6 +175,9 @@ class FlashForwardSm90:
         self.kv_stage = t.kv_stage
         self.causal = spec.causal
         self.tile_order = t.order  # Note [tile order] in fa4lab.kernels.device.scheduler
+        # Note [sm90 persistent CTAs] in fa4lab.plan.sm90: min(tiles, SMs) CTAs loop over tiles.
+        self.persistent = plan.protocol.persistent
+        self.num_ctas = plan.hardware.num_sms
         self.bytes_per_key = 2 * (t.head_dim + t.head_dim_v)  # K + V rows, 16-bit
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         # See Note [sm90 pack-GQA kernel]: g query heads per CTA row group, else 1.
@@ -201,6 +204,7 @@ class FlashForwardSm90:
         # Barrier arrive counts come from the plan's graph (the audit reads the same numbers).
         graph = plan.barriers
         self.q_arrivals = graph.barrier("q_full").arrive_count
+        self.q_releases = graph.barrier("q_empty").arrive_count if self.persistent else 0
         self.kv_releases = graph.barrier("k_empty").arrive_count
         consumer_threads = _WG * self.num_consumers
         if self.kv_releases not in (consumer_threads, 4 * self.num_consumers):
@@ -287,7 +291,8 @@ class FlashForwardSm90:
         # With pack-GQA: seqlen_q * g packed rows per KV head (Note [sm90 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order)
+                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                    self.num_ctas if const_expr(self.persistent) else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
@@ -328,10 +333,14 @@ class FlashForwardSm90:
         smem = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
 
         # ---- barriers: the protocol table's, with its stages, counts and bytes ----
-        mbar_q = smem.q_full.data_ptr()  # Q is loaded once per CTA, so no q_empty
+        # One tile per CTA loads Q once, so no q_empty; a persistent CTA has one.
+        mbar_q = smem.q_full.data_ptr()
+        mbar_q_empty = smem.q_empty.data_ptr() if const_expr(self.persistent) else None
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_q, self.q_arrivals)
+                if const_expr(self.persistent):
+                    cute.arch.mbarrier_init(mbar_q_empty, self.q_releases)
         pipeline_k = self.make_pipeline(smem, "k")
         pipeline_v = self.make_pipeline(smem, "v")
         cute.arch.mbarrier_init_fence()
@@ -348,12 +357,13 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                          mbar_q, pipeline_k, pipeline_v, window_left, window_right, mask_blocks)
+                          (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
+                          window_right, mask_blocks)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
-                         sO, mbar_q, pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
+                         sO, (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
                          cute.size(mK.shape[0]), scale_log2, pre_scale, aux, mask_blocks,
                          *self.window(window_left, window_right))
         self.sites.finish()
@@ -438,18 +448,48 @@ class FlashForwardSm90:
         n_masked = (n_max - mask_min) + (left_end - n_min)
         return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
+    # ---- the tile loops: Note [sm90 persistent CTAs] in fa4lab.plan.sm90 ----
+    def tiles(self, mQ):
+        """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
+        (cutlass.range's arguments)."""
+        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
+                cute.arch.grid_dim()[0])
+
+    def coords(self, mQ, seqlen_k, tile=None):
+        """(m_block, head, batch) of linear tile `tile`, or of this CTA's one tile (None)."""
+        return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
+                                     self.bytes_per_key, tile)
+
     @cute.jit
-    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-             mbar_q, pipeline_k, pipeline_v, window_left: Int32, window_right: Int32,
-             mask_blocks):
-        """Producer warp: Q once, then K and V block by block in the visit order (`visit_plan`).
+    def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars,
+             pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, mask_blocks):
+        """Producer warp: for each work tile, Q once, then K and V block by block in the visit
+        order (`visit_plan`); a persistent CTA waits for q_empty before each tile's Q."""
+        args = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars[0], pipeline_k,
+                pipeline_v, *self.window(window_left, window_right), mask_blocks)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
+        if const_expr(self.persistent):
+            q_phase = Int32(1)   # q_empty starts released
+            first, stop, step = self.tiles(mQ)
+            for tile in cutlass.range(first, stop, step, unroll=1):
+                self.sites("load", "wait q_empty", cute.arch.mbarrier_wait, mbars[1], q_phase,
+                           stage=0)
+                q_phase = q_phase ^ 1
+                state = self.load_tile(*args, self.coords(mQ, cute.size(mK.shape[0]), tile),
+                                       state)
+        else:
+            self.load_tile(*args, self.coords(mQ, cute.size(mK.shape[0])), state)
+
+    @cute.jit
+    def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
+                  pipeline_k, pipeline_v, left, right, mask_blocks, coords, state):
+        """One work tile's loads; returns the K/V ring's next slot.
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
         consumer issues the score wgmma of step s + 1 before the value wgmma of step s (see
-        `consume`), so K runs one ahead.
+        `consume_tile`), so K runs one ahead.
         """
-        m_block, head, batch = scheduler.tile_coords(
-            self.tile_order, mQ, cute.size(mK.shape[0]), self.cta_m, self.bytes_per_key)
+        m_block, head, batch = coords
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         seqlen_q, seqlen_k = self.seqlen_q_of(mQ), cute.size(mK.shape[0])
@@ -474,10 +514,8 @@ class FlashForwardSm90:
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
                       tma_bar_ptr=mbar_q)
 
-        n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k,
-                                             *self.window(window_left, window_right),
+        n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
                                              mask_blocks)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
         cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
                   tKsK[None, state.index], tma_bar_ptr=pipeline_k.producer_get_barrier(state))
@@ -495,19 +533,56 @@ class FlashForwardSm90:
         self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
         cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(n_blocks - 1, *order)],
                   tVsV[None, state.index], tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+        state.advance()
+        return state
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
-                mbar_q, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
+                mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
                 scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, left, right):
-        """Consumer warpgroup: the key-block loop for its 64 query rows, then the epilogue."""
+        """Consumer warpgroup: for each work tile, the key-block loop for its 64 query rows,
+        then the epilogue. The ping-pong ring opens and closes once per CTA."""
+        args = (tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO, mbars,
+                pipeline_k, pipeline_v, seqlen_q, seqlen_k, scale_log2, pre_scale, aux,
+                mask_blocks, left, right)
+        wg = self._consumer_index()  # 0 .. q_stage-1
+        if const_expr(self.pingpong):
+            if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
+                self.pass_turn()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
+        if const_expr(self.persistent):
+            q_phase = Int32(0)
+            first, stop, step = self.tiles(mO)
+            for tile in cutlass.range(first, stop, step, unroll=1):
+                state = self.consume_tile(*args, tile, state, q_phase)
+                q_phase = q_phase ^ 1
+            self.close_ring()
+            if cute.arch.thread_idx()[0] % _WG // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)   # the last O store
+        else:
+            self.consume_tile(*args, None, state, Int32(0))
+
+    @cute.jit
+    def close_ring(self):
+        """The ring's last consumer passed the turn once more than consumer0 took it (its first
+        pass lets consumer0 start): consumer0 takes that pass, so no arrival is left on
+        mma_turn0 at exit. By now the last consumer has issued its last wgmmas."""
+        if const_expr(self.pingpong):
+            if self._consumer_index() == 0:
+                self.sites.bar_sync("consumer", "mma_turn0")
+
+    @cute.jit
+    def consume_tile(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
+                     sO, mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
+                     scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, left, right,
+                     tile, state, q_phase: Int32):
+        """One work tile (linear `tile` of a persistent CTA, None: the CTA's one tile) from the
+        K/V ring's slot `state`; returns the ring's next slot."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
-        m_block, head, batch = scheduler.tile_coords(
-            self.tile_order, mO, seqlen_k, self.cta_m, self.bytes_per_key)
+        m_block, head, batch = self.coords(mO, seqlen_k, tile)
         m_offset = (m_block * self.q_stage + wg) * self.m_block
-
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))   # (MMA, M, K, q_stage)
@@ -544,10 +619,8 @@ class FlashForwardSm90:
         n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
                                                     mask_blocks)
 
-        if const_expr(self.pingpong):
-            if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
-                self.pass_turn()
-        self.sites("consumer", "wait q_full", cute.arch.mbarrier_wait, mbar_q, 0, stage=0)
+        self.sites("consumer", "wait q_full", cute.arch.mbarrier_wait, mbars[0], q_phase,
+                   stage=0)
         tSrQ_w = tSrQ[None, None, None, wg]
         common = dict(tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ_w,
                       tSrK=tSrK, tOrVt=tOrVt, acc_O=acc_O, tOrP=tOrP, tScS0_mn=tScS0_mn,
@@ -555,7 +628,6 @@ class FlashForwardSm90:
                       pipeline_v=pipeline_v, pre_scale=pre_scale, mod_rows=mod_rows)
         step = partial(self.block_step, **common)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         # The masked blocks (the diagonal, a window's edges, the key-length tail) first, then
         # the FULL ones (Note [block visit order] in fa4lab.tiling).
         self.first_block(state, scheduler.visit_block(0, *order), **common)
@@ -563,23 +635,21 @@ class FlashForwardSm90:
             state = step(state, scheduler.visit_block(s, *order), masked=True)
         for s in cutlass.range(n_masked, n_blocks, unroll=1):
             state = step(state, scheduler.visit_block(s, *order), masked=False)
+        if const_expr(self.persistent):   # every score wgmma of the tile has completed
+            self.sites("consumer", "arrive q_empty", cute.arch.mbarrier_arrive, mbars[1],
+                       stage=0)
         # The last block's value wgmma.
         self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, state)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
         warpgroup.wait_group(0)
         self.release(pipeline_v, state, "v_empty")
-        if const_expr(self.pingpong):
-            # The ring's last consumer passed the turn once more than consumer0 took it (its
-            # first pass lets consumer0 start): consumer0 takes that pass, so no arrival is left
-            # on mma_turn0 at exit. By now the last consumer has issued its last wgmmas.
-            if self._consumer_index() == 0:
-                self.sites.bar_sync("consumer", "mma_turn0")
+        if const_expr(not self.persistent):
+            self.close_ring()
 
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch = scheduler.tile_coords(
-            self.tile_order, mO, seqlen_k, self.cta_m, self.bytes_per_key)
+        m_block, head, batch = self.coords(mO, seqlen_k, tile)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         sinks = None
@@ -591,6 +661,8 @@ class FlashForwardSm90:
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
         self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
                       tidx % _WG, m_block, head, batch, m_offset, seqlen_q)
+        state.advance()
+        return state
 
     @cute.jit
     def first_block(self, state, n_block: Int32, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
@@ -722,6 +794,13 @@ class FlashForwardSm90:
 
         rO = cute.make_rmem_tensor_like(acc_O, dtype)
         rO.store(acc_O.load().to(dtype))
+        epilogue_id = self.sites.named_id("epilogue0") + wg
+        if const_expr(self.persistent):
+            # The last tile's store must have read this consumer's O staging before its warps
+            # overwrite it (Note [sm90 persistent CTAs]); only its first warp can wait for that.
+            if tid // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype),
             tiled_mma_pv)
@@ -731,8 +810,7 @@ class FlashForwardSm90:
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
         # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.sites.bar_sync("consumer", "epilogue{c}",
-                            barrier_id=self.sites.named_id("epilogue0") + wg)
+        self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
         if tid // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
                                  (None, 0))
@@ -741,7 +819,8 @@ class FlashForwardSm90:
                                                cute.group_modes(gO, 0, 2))
             cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.persistent):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def port_table(spec) -> list[tuple[str, str, str]]:
@@ -807,20 +886,22 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                   score_mod=None, mask_mod=None, aux_tensors=None):
+                   score_mod=None, mask_mod=None, aux_tensors=None, persistent=None):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
     kernel]); it needs qhead_per_kvhead to divide 64 (else PlanError) and changes nothing when
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
-    aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`.
+    aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`. `persistent` None: the plan's choice
+    for the shape (Note [sm90 persistent CTAs] in fa4lab.plan.sm90); True / False force it.
     """
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
-                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        persistent=persistent)
 
 
 def _role_registers(plan) -> tuple[int, int]:

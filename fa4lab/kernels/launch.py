@@ -64,43 +64,54 @@ def device_arch(index: int) -> str | None:
 
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
-           softcap: float = 0.0, window_size=(None, None), learnable_sink=None) -> tuple:
-    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`).
-    causal and window_size in `fa4lab.spec.normalize_mask`'s form: the key holds which sides
-    the window has, not their sizes (Note [runtime window])."""
+           softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
+           persistent: bool | None = None) -> tuple:
+    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
+    on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
+    the canonical spec of the key has no shape). causal and window_size in
+    `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
+    sizes (Note [runtime window])."""
     g = q.shape[2] // k.shape[2]
     packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
     sides = (window_size[0] is not None, window_size[1] is not None)
+    if persistent is None and arch == "sm90":
+        from fa4lab.plan.sm90 import persistent_default
+
+        persistent = persistent_default(q.shape[3], v.shape[3], causal, q.shape[1], k.shape[1])
     return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), sides,
-            learnable_sink is not None, packed)
+            learnable_sink is not None, persistent, packed)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
     (a window side's size included)."""
-    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _ = key
+    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _, _ = key
     window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
                          return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
                          learnable_sink=sink)
 
 
+def plan_of_key(key: tuple):
+    """The plan of the kernel of `key`: its canonical spec with the key's switches."""
+    from fa4lab.plan import plan_forward
+
+    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1], persistent=key[-2])
+
+
 def _build(key: tuple):
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan, config_name
 
-    arch, packed = key[0], key[-1]
-    spec = spec_of_key(key)
+    arch, persistent, packed = key[0], key[-2], key[-1]
 
     def compile_default_plan():
-        from fa4lab.plan import plan_forward
-
-        plan = plan_forward(spec, arch=arch, pack_gqa=packed)
-        return compile_plan(plan)[1]
+        return compile_plan(plan_of_key(key))[1]
 
     # The plan is a function of the key and of the sources the cache's fingerprint hashes, so
     # a disk hit needs neither the planner nor the DSL.
-    what = config_name(spec, arch + "a") + ("-packgqa" if packed else "")
+    what = (config_name(spec_of_key(key), arch + "a") + ("-packgqa" if packed else "")
+            + {None: "", True: "-persistent", False: "-onetile"}[persistent])
     disk_key = "fwd-" + cache.digest(what)
     fn, how, _ = cache.load_or_compile(disk_key, compile_default_plan, what)
     _stats[how] += 1
@@ -111,10 +122,8 @@ def _build_with_mods(key: tuple, mods):
     """The kernel of `key` with `mods` compiled in: in this process only, never on disk
     (Note [mods in the kernels] in fa4lab.mods)."""
     from fa4lab.kernels.compile import compile_plan
-    from fa4lab.plan import plan_forward
 
-    plan = plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1])
-    fn = compile_plan(plan, mods=mods)[1]
+    fn = compile_plan(plan_of_key(key), mods=mods)[1]
     _stats["compiled"] += 1
     return fn
 
@@ -123,9 +132,7 @@ def _build_with_mods(key: tuple, mods):
 def cta_tiles(key: tuple) -> tuple[int, int, int]:
     """(cta_m, n_block, pack) of the kernel of `key`: the tiles a mask_mod's block table is
     made for (`fa4lab.mods_blocks.block_table`)."""
-    from fa4lab.plan import plan_forward
-
-    plan = plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1])
+    plan = plan_of_key(key)
     t = plan.tiles
     pack = plan.spec.qhead_per_kvhead if getattr(t, "pack_gqa", False) else 1
     return t.m_block * t.q_stage, t.n_block, pack
@@ -159,14 +166,14 @@ def kernel_for(key: tuple, mods=None):
 
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
             pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
-            learnable_sink=None, mods=None, aux: tuple = ()):
+            learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
     and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
     `fa4lab.mods.check_mods` (or None and ())."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                 learnable_sink)
+                 learnable_sink, persistent)
     fn = kernel_for(key, mods)
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
@@ -227,15 +234,18 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                  pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                 score_mod=None, mask_mod=None, aux_tensors=None):
-    """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse)."""
+                 score_mod=None, mask_mod=None, aux_tensors=None, persistent=None):
+    """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse).
+    `persistent` None: the plan's choice for the shape; True / False force it (PlanError where
+    the plan cannot be persistent)."""
     import torch
 
     from fa4lab.errors import UnsupportedArchError
     from fa4lab.spec import check_inputs
 
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
+    for name, value in (("pack_gqa", pack_gqa), ("persistent", persistent)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be None (choose), True or False, got {value!r}")
     on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
     have = device_arch(q.device.index) if on_gpu else None
     if have != arch:
@@ -253,5 +263,6 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
 
     mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
     out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
-                       float(softcap), window_size, learnable_sink, mods if mods else None, aux)
+                       float(softcap), window_size, learnable_sink, mods if mods else None, aux,
+                       persistent)
     return (out, lse) if return_lse else out

@@ -152,9 +152,10 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
 
     Overrides (all optional): m_block, n_block, q_stage, kv_stage, and the switches pack_gqa
     (bool: fold the query heads of a KV head into M; see `fa4lab.plan.sm90` and
-    `fa4lab.plan.sm100`) and, sm100 only, persistent (bool; by default where the plan allows it:
-    Note [persistent CTAs] there). A plan that does not fit TMEM, SMEM or the register file raises
-    PlanError saying what is over and what would fit.
+    `fa4lab.plan.sm100`) and persistent (bool; None: the arch's default, Note [persistent
+    CTAs] in `fa4lab.plan.sm100` and Note [sm90 persistent CTAs] in `fa4lab.plan.sm90`). A plan
+    that does not fit TMEM, SMEM or the register file raises PlanError saying what is over and
+    what would fit.
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"plan_forward takes an AttentionSpec, got {type(spec).__name__}")
@@ -166,9 +167,9 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
     if not isinstance(pack_gqa, bool):
         raise PlanError(f"override pack_gqa={pack_gqa!r} must be True or False")
     persistent = overrides.pop("persistent", None)
-    if persistent not in (None, True, False) or (persistent and key != "sm100"):
-        raise PlanError(f"override persistent={persistent!r}: True or False, and True only for "
-                        f"sm100 (the sm90 kernel runs one CTA per tile)")
+    if persistent not in (None, True, False):
+        raise PlanError(f"override persistent={persistent!r}: True, False or None (the plan's "
+                        f"default)")
     ov = check_overrides(key, overrides)
     if key == "sm100":
         from fa4lab.plan.sm100 import build_sm100 as build
@@ -176,7 +177,7 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
         from fa4lab.plan.sm90 import build_sm90 as build
     if pack_gqa:
         ov["pack_gqa"] = True
-    if persistent is not None and key == "sm100":
+    if persistent is not None:
         ov["persistent"] = persistent
     try:
         return build(spec, **ov)

@@ -516,11 +516,9 @@ def programs_for(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DEFAU
     plan is persistent (Note [persistent CTAs] in fa4lab.plan.sm100), else one (`tiles_per_cta`)."""
     if plan.arch == "sm100":
         from fa4lab.plan.sm100 import programs
-
-        return programs(plan, n_blocks, tiles_per_cta(plan, n_tiles), costs, masked_blocks)
-    from fa4lab.plan.sm90 import programs
-
-    return programs(plan, n_blocks, costs, masked_blocks)
+    else:
+        from fa4lab.plan.sm90 import programs
+    return programs(plan, n_blocks, tiles_per_cta(plan, n_tiles), costs, masked_blocks)
 
 
 def tiles_per_cta(plan, n_tiles: int) -> int:

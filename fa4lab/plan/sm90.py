@@ -22,7 +22,7 @@ from fa4lab.hardware import H200
 from fa4lab.limits import Q_TILE_ROWS, RESCALE_THRESHOLD, kernel_builds, unsupported_head_dims
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
-from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, Unroll, expand
+from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, TileLoop, Unroll, expand
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -79,11 +79,47 @@ TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 # nothing to pack, and the plan records pack_gqa=False.
 
 
+# Note [sm90 persistent CTAs]
+# A persistent sm90 plan launches min(work tiles, SMs) CTAs; CTA c runs linear tiles c,
+# c + gridDim.x, ... in the plan's order (`fa4lab.tiling.persistent_tiles` and `tile_at`, as on
+# sm100: Note [persistent CTAs] in fa4lab.plan.sm100). What changes against one CTA per tile:
+#   * Q is loaded once per tile into the same bytes, so it needs q_empty: each consumer thread
+#     arrives once its last score wgmma of the tile has completed (after the block loop; the
+#     last value wgmma still runs), and the producer waits for it before the next tile's Q.
+#     The producer's K and V of the next tile only wait for their ring slots, so they load
+#     while the consumers finish the tile (last value wgmma, normalisation, epilogue).
+#   * O staging is reused: before a consumer's warps write the next tile's O to SMEM, its
+#     first warp waits until the last TMA store has read them (`cp.async.bulk.wait_group.read`,
+#     deferred from the store to here so the store runs under the next tile) and syncs
+#     epilogue{c} once more. O in Q's bytes (head_dim 256) would need the store to finish
+#     before the next Q lands; that plan stays one CTA per tile.
+#   * The ping-pong ring runs on across tiles: the last consumer's opening pass and consumer0's
+#     closing sync happen once per CTA, not per tile (a pass per tile would let the last
+#     consumer arrive twice on mma_turn0 before consumer0 syncs once, completing the named
+#     barrier with one warpgroup's threads).
+# Barriers are initialised once and the pipeline phases run on from tile to tile; each tile's
+# consumer state (row max and sum, O, the row limits) starts afresh.
+# Whether it is the default is `persistent_default` below, from what was measured on the H200.
+def persistent_able(tuning: Sm90Tuning) -> bool:
+    """Whether a plan with this tuning can run persistent CTAs (Note [sm90 persistent CTAs])."""
+    return not tuning.o_in_q
+
+
+def persistent_default(head_dim: int, head_dim_v: int, causal: bool, seqlen_q: int,
+                       seqlen_k: int) -> bool:
+    """Whether an sm90 plan of this shape is persistent when not told (Note [sm90 persistent
+    CTAs]); also what `fa4lab.attention` compiles for a call of this shape."""
+    tuning = SM90_TUNING.get((head_dim, head_dim_v))
+    if tuning is None or not persistent_able(tuning):
+        return False
+    return False
+
+
 def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
     return head_dim_v // 2 + n_block // 2 + n_block // 4 + CONSUMER_REG_OVERHEAD
 
 
-def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
+def build_barriers(tiles: Tiles, eb: int, persistent: bool = False) -> BarrierGraph:
     """The mbarriers and named barriers; `eb` is the bytes per element of Q, K and V."""
     q, kv = tiles.q_stage, tiles.kv_stage
     consumers = ",".join(f"consumer{i}" for i in range(q))
@@ -92,6 +128,12 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
         Barrier("q_full", "load", consumers, 1, 1, tiles.cta_m * tiles.head_dim * eb, PHASE_FULL,
                 "the CTA's Q rows (both consumers' tiles, one TMA) landed before any wgmma "
                 "reads them"),
+    ]
+    if persistent:   # Note [sm90 persistent CTAs]
+        b.append(Barrier("q_empty", consumers, "load", threads, 1, 0, PHASE_EMPTY,
+                         "every consumer's last score wgmma of the work tile completed before "
+                         "TMA loads the next tile's Q over it", starts_released=True))
+    b += [
         Barrier("k_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim * eb,
                 PHASE_FULL, "K_j landed in its buffer before the score wgmma reads it", ring="k"),
         Barrier("k_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
@@ -107,7 +149,9 @@ def build_barriers(tiles: Tiles, eb: int) -> BarrierGraph:
         b.append(Barrier(
             f"epilogue{i}", f"consumer{i}", f"consumer{i}", 128, 1, 0, PHASE_NAMED,
             f"consumer{i}'s four warps wrote their O rows to SMEM (and fenced) before its "
-            f"first warp issues the TMA store", kind="named", group="named",
+            f"first warp issues the TMA store" + (
+                "; and, before they write the next tile's, that warp saw the last store read "
+                "them" if persistent else ""), kind="named", group="named",
             named_id=EPILOGUE_BARRIER_ID + i))
     if q >= 2:
         for i in range(q):
@@ -133,7 +177,7 @@ def build_roles(tiles: Tiles) -> tuple[Role, ...]:
 
 
 def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
-               pack_gqa: bool = False) -> Plan:
+               pack_gqa: bool = False, persistent: bool | None = None) -> Plan:
     hw = H200
     d, dv = spec.head_dim, spec.head_dim_v
     if not kernel_builds("sm90", d, dv):
@@ -156,6 +200,12 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                         f"and K of the value wgmma)")
     if kv_stage < 1:
         raise PlanError(f"kv_stage={kv_stage} must be >= 1")
+    if persistent and not persistent_able(tuning):
+        raise PlanError(f"persistent=True: head_dim {d} stages O in Q's bytes, so the next "
+                        f"tile's Q would have to wait for the store (Note [sm90 persistent "
+                        f"CTAs] in fa4lab.plan.sm90)")
+    if persistent is None:
+        persistent = persistent_default(d, dv, spec.causal, spec.seqlen_q, spec.seqlen_k)
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm90"),
                   order=kernel_tile_order(spec.causal, "sm90"))
@@ -167,7 +217,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
             f"({n_block // 4}) + ~{CONSUMER_REG_OVERHEAD} = {need} > setmaxnreg "
             f"{consumer_regs} with {q_stage} consumers; lower n_block or q_stage")
     eb = spec.element_bytes
-    barriers = build_barriers(tiles, eb)
+    barriers = build_barriers(tiles, eb, persistent)
     q_region = SmemRegion("q", m_block * d * eb, q_stage, what="Q tile per consumer")
     regions = [
         q_region,
@@ -189,18 +239,23 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                 "rmem", f"wgmma.mma_async m64n{dv}k16 (RS: P from registers)"),
     )
     notes = (
-        "One work tile per CTA (not persistent): Q is loaded once, so it needs no empty barrier.",
+        (f"Persistent CTAs (min(work tiles, {hw.num_sms}) CTAs looping over tiles): q_empty "
+         f"orders a CTA's tiles, and the next tile's K/V load under this one's epilogue (Note "
+         f"[sm90 persistent CTAs])." if persistent else
+         "One work tile per CTA (not persistent): Q is loaded once, so it needs no empty "
+         "barrier."),
         "The ping-pong named barriers order the consumers' wgmma issue; the simulator "
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
     ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles,
-                build_protocol(barriers, q_stage), RESCALE_THRESHOLD, 0.0, notes)
+                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLD, 0.0, notes)
 
 
 # ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm90, op by op ----
-def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
-    """The producer warp and the consumers' shared code in the order fwd_sm90.py runs them.
+def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = False) -> Protocol:
+    """The producer warp and the consumers' shared code in the order fwd_sm90.py runs them: per
+    work tile, in a loop over the CTA's tiles when `persistent` (Note [sm90 persistent CTAs]).
 
     Loads run K_last, then (K_j+1, V_j) pairs, then V_first. A consumer's block step waits
     for K, takes its turn, issues S = Q K^T, waits for V, issues O += P V, passes the turn;
@@ -208,17 +263,23 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
     passes N + 1 times and consumer0 takes N turns in the loop, so consumer0 takes the last pass
     once more after its last value wgmma: no arrival is left on a barrier at exit. The last
     block's value wgmma is issued without a turn. The turn and epilogue barrier ids are picked
-    per consumer in unrolled branches (`Unroll` over t).
+    per consumer in unrolled branches (`Unroll` over t). A persistent CTA passes first and
+    takes the last pass once, around its tile loop.
     """
     E = Op   # noqa: N806
-    load = (E("expect_tx", "q_full", "0", one=True), Step("load Q"),
-            E("wait", "k_empty", "K"), E("expect_tx", "k_full", "K", one=True),
-            Step("load K", "K"),
-            Loop("N - 1", (E("wait", "k_empty", "K+1"), E("expect_tx", "k_full", "K+1", one=True),
-                           Step("load K", "K+1"),
-                           E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
-                           Step("load V", "V"))),
-            E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True), Step("load V", "V"))
+
+    def tiles(*body) -> tuple:   # the CTA's work tiles: Note [sm90 persistent CTAs]
+        return (TileLoop(body),) if persistent else body
+    load = tiles(*((E("wait", "q_empty", "0"),) if persistent else ()),
+                 E("expect_tx", "q_full", "0", one=True), Step("load Q"),
+                 E("wait", "k_empty", "K"), E("expect_tx", "k_full", "K", one=True),
+                 Step("load K", "K"),
+                 Loop("N - 1", (E("wait", "k_empty", "K+1"),
+                                E("expect_tx", "k_full", "K+1", one=True), Step("load K", "K+1"),
+                                E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
+                                Step("load V", "V"))),
+                 E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
+                 Step("load V", "V"))
     pingpong = q_stage >= 2
     take = (Unroll("t", "q", (If("c == t", (E("sync", "mma_turn{t}"),)),)),) if pingpong else ()
     give = ((Unroll("t", "q", (If("c == t", (E("named_arrive", "mma_turn{(t + 1) % q}"),)),)),)
@@ -226,15 +287,21 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
     step = ((E("wait", "k_full", "K+1"),) + take + (Step("QK", "K+1"), E("wait", "v_full", "V"),
             Step("PV", "V")) + give + (E("arrive", "k_empty", "K+1"), Step("softmax"),
                                        E("arrive", "v_empty", "V")))
-    consumer = ((If("c == q - 1", give),) if pingpong else ()) + (
+    opening = (If("c == q - 1", give),) if pingpong else ()
+    closing = (If("c == 0", (E("sync", "mma_turn0"),)),) if pingpong else ()
+    tile = (
         E("wait", "q_full", "0"),
         E("wait", "k_full", "K")) + take + (Step("QK", "K"),) + give + (
         E("arrive", "k_empty", "K"), Step("softmax"),
         Loop("max(M, 1) - 1", step, "masked"),
-        Loop("N - max(M, 1)", step, "unmasked"),
+        Loop("N - max(M, 1)", step, "unmasked")) + (
+        (E("arrive", "q_empty", "0"),) if persistent else ()) + (
         E("wait", "v_full", "V"), Step("last PV", "V"), E("arrive", "v_empty", "V")) + (
-        (If("c == 0", (E("sync", "mma_turn0"),)),) if pingpong else ()) + (
-        Step("O to SMEM"), E("sync", "epilogue{c}"), Step("store O"))
+        () if persistent else closing)
+    if persistent:   # the last store must have read O's SMEM before the next tile writes it
+        tile += (Step("drain store"), E("sync", "epilogue{c}"))
+    tile += (Step("O to SMEM"), E("sync", "epilogue{c}"), Step("store O"))
+    consumer = opening + tiles(*tile) + (closing + (Step("drain store"),) if persistent else ())
     return Protocol(barriers, (
         Program("load", ("load",), load),
         Program("consumer", tuple(f"consumer{i}" for i in range(q_stage)), consumer, var="c",
@@ -243,14 +310,16 @@ def build_protocol(barriers: BarrierGraph, q_stage: int) -> Protocol:
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----
-def programs(plan: Plan, n_blocks: int, costs, masked_blocks: int = 0):
-    """The producer and the consumers over one work tile: the protocol table, expanded, with
-    each step's costs from `_steps`. The tensor core is a region every wgmma writes ("turn"),
-    so two consumers' wgmmas unordered by the ping-pong are a hazard."""
+def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int = 0):
+    """The producer and the consumers over a CTA's `n_tiles` work tiles (1 unless the plan is
+    persistent: Note [sm90 persistent CTAs]): the protocol table, expanded, with each step's
+    costs from `_steps`. The tensor core is a region every wgmma writes ("turn"), so two
+    consumers' wgmmas unordered by the ping-pong are a hazard."""
     catalogue = _steps(plan, costs, n_blocks)
     proto, q = plan.protocol, plan.tiles.q_stage
     return {role: expand(proto, role, plan.role(role).threads if role != "load" else 1,
-                         n_blocks, masked_blocks, q, catalogue) for role in proto.roles()}
+                         n_blocks, masked_blocks, q, catalogue, n_tiles)
+            for role in proto.roles()}
 
 
 def _steps(plan: Plan, costs, n_blocks: int):
@@ -275,9 +344,9 @@ def _steps(plan: Plan, costs, n_blocks: int):
             name = o_region.alias_of
         return Ref("smem", name, i)
 
-    def slot(stage, env):
+    def slot(stage, env):   # (buffer, block) of a ring slot: Note [ring slots]
         step = env["j"] + int(stage[1:] or 0)
-        return step % S, env["N"] - 1 - step
+        return (step + env["t"] * env["N"]) % S, env["N"] - 1 - step
 
     def step(s, env, stage):
         c, w = env.get("c", 0), s.what
@@ -308,9 +377,12 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w == "O to SMEM":
             return [Work(f"O{c} to SMEM", costs.smem_cycles(hw, m * dv * eb),
                          writes=(sref("o", c),))]
-        if w == "store O":
-            return [Issue("tma_store", f"store O{c}", costs.tma_cycles(m * dv * eb),
-                          reads=(sref("o", c),)), WaitEngine("tma_store")]
+        if w == "store O":   # a persistent consumer drains it at its next epilogue
+            store = Issue("tma_store", f"store O{c}", costs.tma_cycles(m * dv * eb),
+                          reads=(sref("o", c),))
+            return [store] if plan.protocol.persistent else [store, WaitEngine("tma_store")]
+        if w == "drain store":
+            return [WaitEngine("tma_store")]
         raise KeyError(f"no simulator step {w!r}")
 
     return step
