@@ -18,6 +18,7 @@ def __getattr__(name):
         "online_attention": ("fa4lab.online_softmax", "online_attention"),
         "plan_forward": ("fa4lab.plan", "plan_forward"),
         "attention": ("fa4lab.api", "attention"),
+        "attention_varlen": ("fa4lab.api", "attention_varlen"),
         "ring_attention": ("fa4lab.distributed", "ring_attention"),
     }
     if name in lazy:

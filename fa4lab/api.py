@@ -45,6 +45,9 @@ an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) 
 ratio and LSE flag never compile twice, whatever the batch, sequence lengths or softmax scale
 (a runtime argument of the kernel).
 
+`attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
+caches (`fa4lab.varlen`); until its kernel lands it runs `attention` once per sequence on CUDA.
+
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]).
 """
@@ -193,20 +196,91 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     return (out, lse) if return_lse else out
 
 
+def _warn_slow(q, entry: str, stacklevel: int) -> None:
+    """The SlowReferenceWarning of an entry point that computes the float64 reference; a
+    stacklevel of 1 is this function, so the caller's caller is 3."""
+    where = f"CUDA device {q.device} (compute capability " \
+            f"{torch.cuda.get_device_capability(q.device)})" if q.is_cuda else f"{q.device} tensors"
+    warnings.warn(
+        f"SLOW: {entry} has no kernel for {where}; computing the float64 reference "
+        f"instead (correct, but orders of magnitude slower). The kernels run on Hopper "
+        f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=stacklevel)
+
+
 def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None, None),
                learnable_sink=None, **mods):
     from fa4lab.reference import attention_reference
 
-    where = f"CUDA device {q.device} (compute capability " \
-            f"{torch.cuda.get_device_capability(q.device)})" if q.is_cuda else f"{q.device} tensors"
-    warnings.warn(
-        f"SLOW: fa4lab.attention has no kernel for {where}; computing the float64 reference "
-        f"instead (correct, but orders of magnitude slower). The kernels run on Hopper "
-        f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=4)
+    _warn_slow(q, "fa4lab.attention", stacklevel=5)
     out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=True, softcap=softcap, window_size=window_size,
                                    learnable_sink=learnable_sink, **mods)
     return out.to(q.dtype), lse.to(torch.float32)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     seqused_k=None, page_table=None, causal: bool = False,
+                     softmax_scale: float | None = None, window_size=(None, None),
+                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False):
+    """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
+
+    The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
+    a paged cache (num_pages, page_size, heads_kv, d) with an int32 page_table and cu_seqlens_k
+    None; optional seqused_k) is `fa4lab.varlen`'s, and the argument names upstream FA4's
+    `flash_attn_varlen_func`'s. Each sequence is one attention problem with `attention`'s
+    options and semantics on its own lengths. out (total_q, heads_q, head_dim_v) in q's dtype;
+    lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key.
+
+    Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
+    `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
+    grad mode is on, as in `attention`. On CPU tensors: the float64 reference
+    (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
+    On CUDA tensors, until the varlen kernel lands: one `fa4lab.attention` call per sequence
+    (a paged sequence's K/V gathered into contiguous tensors first), so a batch costs one
+    launch per non-empty sequence, and every padded or ragged shape compiles nothing new.
+    Not yet a torch custom op (torch.compile graph-breaks here).
+    """
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import check_varlen, sequence_kv, unpack
+
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                       for t in (q, k, v, learnable_sink)):
+        raise _grad_error()
+    lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_k, page_table)
+    causal, window_size = normalize_mask(causal, window_size)
+    # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
+    check_inputs(*(t.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v)),
+                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 learnable_sink=learnable_sink)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, learnable_sink=learnable_sink)
+    if not q.is_cuda:
+        _warn_slow(q, "fa4lab.attention_varlen", stacklevel=3)
+        out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                              seqused_k=seqused_k, page_table=page_table,
+                                              return_lse=True, **options)
+        out, lse = out.to(q.dtype), lse.to(torch.float32)
+        return (out, lse) if return_lse else out
+    total_q, heads_q = q.shape[0], q.shape[1]
+    out = q.new_zeros((total_q, heads_q, v.shape[-1]))
+    lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)
+    cu = lengths.cu_seqlens_q
+    for b, (q_b, (k_b, v_b)) in enumerate(zip(unpack(q, cu),
+                                               sequence_kv(lengths, k, v, page_table))):
+        rows = slice(cu[b], cu[b + 1])
+        if q_b.shape[0] == 0:
+            continue
+        if k_b.shape[0] == 0:       # no key to launch over: the reference's empty rows
+            cu_q_b, cu_k_b = (torch.tensor([0, n], dtype=torch.int32, device=q.device)
+                              for n in (q_b.shape[0], 0))
+            o_b, lse_b = attention_varlen_reference(q_b, k_b, v_b, cu_q_b, cu_k_b,
+                                                    return_lse=True, **options)
+            out[rows], lse[:, rows] = o_b.to(q.dtype), lse_b.to(torch.float32)
+            continue
+        o_b, lse_b = attention(q_b[None], k_b[None], v_b[None], return_lse=True, **options)
+        out[rows], lse[:, rows] = o_b[0], lse_b[0]
+    return (out, lse) if return_lse else out
 
 
 def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, None)):
@@ -268,4 +342,5 @@ def error_vs_reference(q, k, v, *, causal=False, softmax_scale=None) -> dict:
 
 
 __all__ = ["GradientNotSupportedError", "SlowReferenceWarning", "UnsupportedArchError",
-           "attention", "attention_forward", "error_vs_reference", "sdpa_same_dtype"]
+           "attention", "attention_forward", "attention_varlen", "error_vs_reference",
+           "sdpa_same_dtype"]

@@ -11,3 +11,13 @@ class PlanError(Fa4labError, ValueError):
 
 class UnsupportedArchError(Fa4labError, RuntimeError):
     """A kernel was asked to run on a GPU (or no GPU) it was not built for."""
+
+
+class InputError(Fa4labError, ValueError):
+    """An input that cannot describe the call (a length, index or shape that disagrees),
+    raised before anything runs."""
+
+
+class InputTypeError(Fa4labError, TypeError):
+    """An input of the wrong kind or dtype (e.g. int64 where the kernels read int32), raised
+    before anything runs."""

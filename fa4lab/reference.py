@@ -56,8 +56,8 @@ from fa4lab.spec import (
 # temporaries). Large enough that small problems run in one chunk.
 _SCORE_BUDGET = 2**25
 
-__all__ = ["attention_reference", "visible_mask", "check_attention_inputs", "check_sink",
-           "resolve_scale", "kv_head_index"]
+__all__ = ["attention_reference", "attention_varlen_reference", "visible_mask",
+           "check_attention_inputs", "check_sink", "resolve_scale", "kv_head_index"]
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool, *,
@@ -278,4 +278,54 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
                                 mods=mods, aux=aux)
     if kind == "numpy":
         out, lse = out.numpy(), lse.numpy()
+    return (out, lse) if return_lse else out
+
+
+def _hide_every_key(b, h, q_idx, kv_idx):
+    """A mask_mod under which no row sees any key."""
+    return kv_idx < 0
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
+                               page_table=None, causal: bool = False,
+                               softmax_scale: float | None = None, window_size=(None, None),
+                               softcap: float = 0.0, learnable_sink=None,
+                               return_lse: bool = False):
+    """Exact (float64) attention of a variable-length batch; out, or (out, lse).
+
+    The layout is `fa4lab.varlen`'s (checked by `fa4lab.varlen.check_varlen`): q (total_q,
+    heads_q, head_dim) packed, k / v packed (total_k, heads_kv, d) with cu_seqlens_k, or with a
+    page_table the paged cache (num_pages, page_size, heads_kv, d) and cu_seqlens_k None.
+    Each sequence is `attention_reference` of its own queries and keys (seqused_k applied), so
+    every option keeps its meaning per sequence (bottom-right causal on that sequence's
+    lengths). out (total_q, heads_q, head_dim_v) float64, lse (heads_q, total_q) float64 on
+    q's device; an empty sequence has no rows, and a sequence with no key gives its rows what
+    a row that sees no key gets (out 0, lse -inf or the sink).
+    """
+    import torch
+
+    from fa4lab.varlen import check_varlen, sequence_kv, unpack
+
+    lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, seqused_k,
+                           page_table)
+    total_q, heads_q = q.shape[0], q.shape[1]
+    out = torch.zeros((total_q, heads_q, v.shape[-1]), dtype=torch.float64, device=q.device)
+    lse = torch.full((heads_q, total_q), -math.inf, dtype=torch.float64, device=q.device)
+    starts = lengths.cu_seqlens_q
+    for b, (q_b, (k_b, v_b)) in enumerate(zip(unpack(q, starts),
+                                               sequence_kv(lengths, k, v, page_table))):
+        if q_b.shape[0] == 0:
+            continue
+        mask_mod = None
+        if k_b.shape[0] == 0:
+            # One stand-in key that every row is denied: the rows get the reference's own
+            # answer for a row that sees no key.
+            k_b, v_b = k_b.new_zeros((1, *k_b.shape[1:])), v_b.new_zeros((1, *v_b.shape[1:]))
+            mask_mod = _hide_every_key
+        o_b, lse_b = attention_reference(
+            q_b[None], k_b[None], v_b[None], causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+            mask_mod=mask_mod, return_lse=True)
+        rows = slice(starts[b], starts[b + 1])
+        out[rows], lse[:, rows] = o_b[0], lse_b[0]
     return (out, lse) if return_lse else out
