@@ -36,7 +36,7 @@ def test_value_wgmma_wait_follows_the_exponentials(head_dim, causal, tmp_path):
     assert min(waits) > max(exps), (
         f"hd{head_dim}: the value wgmma's wait is instruction {min(waits)} of the loop, before "
         f"the last exp2 ({max(exps)}): the softmax no longer overlaps the value wgmma -- is "
-        f"the wait still inside the warp-uniform rescale branch (Note [sm90 wait after the "
+        f"the wait still behind its branch on an opaque zero (Note [sm90 wait after the "
         f"softmax])?")
     r2ur = sum(op == "R2UR" for op, _ in loop)
     assert r2ur == 0, (

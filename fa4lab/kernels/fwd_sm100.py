@@ -76,6 +76,7 @@ from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
+from fa4lab.kernels.device.opaque import opaque_zero
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, unsupported_head_dims
@@ -124,17 +125,6 @@ def _stages_at(layout, like):
     shape, stride = layout.outer.shape, layout.outer.stride
     return cute.make_composed_layout(layout.inner, 0, cute.make_layout(
         (*shape[:-1], cute.size(shape[-1])), stride=(*stride[:-1], flat(like.outer.stride[-1]))))
-
-
-def _opaque_zero() -> Int32:
-    """0, from an instruction the compiler cannot look through or move out of a loop: see Note
-    [operand descriptors per tile]."""
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import llvm
-
-    return Int32(llvm.inline_asm(ir.IntegerType.get_signless(32), [], "mov.u32 $0, 0;", "=r",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
@@ -588,7 +578,7 @@ class FlashForwardSm100:
             # loop, where they stay live across it: ptxas spilled 30-34 instructions in the MMA
             # warp (head_dim 128, setmaxnreg 48 and 64, measured). Offsetting the operands by a
             # zero it cannot see through rebuilds them in each tile, as one tile per CTA does.
-            zero = cute.assume(_opaque_zero(), divby=1024)
+            zero = cute.assume(opaque_zero(), divby=1024)
             tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase = self.mma(
                 tiled_mma_qk, tiled_mma_pv, cute.make_tensor(sQ.iterator + zero, sQ.layout),
                 cute.make_tensor(sK.iterator + zero, sK.layout),

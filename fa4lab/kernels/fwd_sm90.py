@@ -66,6 +66,7 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device.mods import ModRows, tile_rows
+from fa4lab.kernels.device.opaque import opaque_zero
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
 from fa4lab.kernels.device.softmax import (
     OnlineSoftmax,
@@ -557,8 +558,7 @@ class FlashForwardSm90:
                 state = self.consume_tile(*args, tile, state, q_phase)
                 q_phase = q_phase ^ 1
             self.close_ring()
-            if cute.arch.thread_idx()[0] % _WG // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)   # the last O store
+            cute.arch.cp_async_bulk_wait_group(0, read=False)   # the last O store
         else:
             self.consume_tile(*args, None, state, Int32(0))
 
@@ -718,17 +718,17 @@ class FlashForwardSm90:
         self.mask_scores(acc_S_mn, tScS0_mn, limits, n_block, mod_rows, masked)
         row_scale = softmax.step(acc_S_mn)
         acc_O_mn = acc_mn_view(acc_O)
-        # The value wgmma's wait in both arms of a warp-uniform branch: Note [sm90 wait after
-        # the softmax].
-        if const_expr(self.skip_unneeded_rescale):
-            if softmax.needs_rescale(row_scale):
-                warpgroup.wait_group(0)
-                rescale_rows(acc_O_mn, row_scale)
-            else:
-                warpgroup.wait_group(0)
-        else:
+        # The value wgmma's wait in both arms of a branch every warp takes the same way, on a
+        # value the block's exponentials make: Note [sm90 wait after the softmax].
+        need = softmax.needs_rescale(row_scale) if const_expr(self.skip_unneeded_rescale) \
+            else True
+        summed = softmax.all_summed()
+        if summed:
             warpgroup.wait_group(0)
-            rescale_rows(acc_O_mn, row_scale)
+            if need:
+                rescale_rows(acc_O_mn, row_scale)
+        else:   # never taken; a wait on every path, so ptxas adds none of its own
+            warpgroup.wait_group(0)
         self.release(pipeline_v, prev, "v_empty")
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         return state
@@ -740,13 +740,18 @@ class FlashForwardSm90:
     # ptxas, though, moves that wait as early as its latency model allows inside a basic
     # block: with the softmax in the same block it landed among the row-max instructions,
     # before any exp2, so the value wgmma and the exponentials never overlapped. The wait is
-    # therefore issued in both arms of the rescale branch, which puts a basic-block boundary
-    # between the exponentials and the wait. The branch must be warp-uniform (the rescale
-    # vote is per warp, `OnlineSoftmax.needs_rescale`): a per-thread branch makes ptxas move
-    # the loop's pipeline state out of uniform registers, one R2UR per wgmma descriptor
-    # operand. Measured on an H200, 2026-11-30 (hd128, non-causal, bf16, with the chains of
-    # Note [sm90 softmax chains] in fa4lab.kernels.device.softmax; upstream FA4 in the same run
-    # 635-672): s4096 609 -> 632 TFLOP/s, s8192 616 -> 648, s16384 566 -> 657.
+    # therefore issued in both arms of a branch on the row sums (`OnlineSoftmax.all_summed`:
+    # true in every warp, NaN included, but the compiler cannot know it), which puts a
+    # basic-block boundary between the exponentials and the wait; a wait on one arm only made
+    # ptxas add its own waits at the loop's top. It used to sit in both arms of the rescale
+    # branch, but that branch is voted per warp (`OnlineSoftmax.needs_rescale`), and
+    # wgmma.wait_group must be one instruction for the whole warpgroup: compute-sanitizer
+    # synccheck caught the four warps at two different waits (H200, 2026-12-01). The rescale
+    # branch (inside the taken arm) must still be warp-uniform: a per-thread branch makes
+    # ptxas move the loop's pipeline state out of uniform registers, one R2UR per wgmma
+    # descriptor operand. Measured on an H200, 2026-11-30 (hd128, non-causal, bf16, with the
+    # chains of Note [sm90 softmax chains] in fa4lab.kernels.device.softmax; upstream FA4 in
+    # the same run 635-672): s4096 609 -> 632 TFLOP/s, s8192 616 -> 648, s16384 566 -> 657.
     # tests/test_sm90_sass.py checks the order in the compiled loop.
 
     @cute.jit
@@ -786,8 +791,11 @@ class FlashForwardSm90:
                  m_block, head, batch, m_offset, seqlen_q):
         """O (16-bit) -> SMEM staging (stmatrix) -> TMA store; LSE straight from registers."""
         dtype = sO.element_type
+        # In a persistent CTA the branches on tid compare with an opaque zero (Note [opaque
+        # zero] in fa4lab.kernels.device.opaque), so the tile loop is not unswitched on them.
+        zero = opaque_zero() if const_expr(self.persistent) else 0
         if const_expr(mLSE is not None):
-            if tid % 4 == 0:  # the quad's first thread holds column 0 of its rows
+            if tid % 4 == zero:  # the quad's first thread holds column 0 of its rows
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     store_lse(mLSE, m_offset + tScS_mn[r, 0][0], lse[r], head, batch,
                               seqlen_q, self.pack)
@@ -797,9 +805,9 @@ class FlashForwardSm90:
         epilogue_id = self.sites.named_id("epilogue0") + wg
         if const_expr(self.persistent):
             # The last tile's store must have read this consumer's O staging before its warps
-            # overwrite it (Note [sm90 persistent CTAs]); only its first warp can wait for that.
-            if tid // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # overwrite it (Note [sm90 persistent CTAs]); the first warp issued it, and the
+            # others have no store to wait for.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
         r2s = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dtype),
@@ -811,7 +819,7 @@ class FlashForwardSm90:
         # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
         cute.arch.fence_proxy("async.shared", space="cta")
         self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
-        if tid // 32 == 0:
+        if tid // 32 == zero:
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
                                  (None, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),

@@ -117,7 +117,8 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
         kernel = fa4.FlashAttentionForwardSm100(
             spec.head_dim, spec.head_dim_v, qhead_per_kvhead=spec.qhead_per_kvhead,
             is_causal=spec.causal, is_static_persistent=False)
-        q, k, v, o, lse, stream = fake_args(spec)
+        args = fake_args(spec)   # q, k, v, out, lse, ..., stream: the first five and the last
+        (q, k, v, o, lse), stream = args[:5], args[-1]
         start = time.time()
         t0 = time.perf_counter()
         with warnings.catch_warnings():

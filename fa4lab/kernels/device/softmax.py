@@ -288,13 +288,25 @@ class OnlineSoftmax:
     @cute.jit
     def needs_rescale(self, row_scale: cute.Tensor):
         """True when any row of the warp changed its max (`rescale_needed`, voted per warp): a
-        warp-uniform branch, which the sm90 kernel's wait relies on (Note [sm90 wait after the
-        softmax] in fa4lab.kernels.fwd_sm90). A row that kept its max has row_scale 1.0, so
-        rescaling it with the others changes nothing."""
+        warp-uniform branch, which keeps the sm90 loop's state in uniform registers (Note
+        [sm90 wait after the softmax] in fa4lab.kernels.fwd_sm90). A row that kept its max has
+        row_scale 1.0, so rescaling it with the others changes nothing."""
         need = rescale_needed(row_scale[0])
         for r in cutlass.range_constexpr(1, self.num_rows):
             need = need or rescale_needed(row_scale[r])
         return cute.arch.vote_ballot_sync(need) != 0
+
+    @cute.jit
+    def all_summed(self):
+        """True in every thread, computed from every row's sum, so only once the last step's
+        exponentials are: no lane of the warp has a negative sum (none can; a NaN is not
+        negative either), voted per warp like `needs_rescale`, so the branch on it is
+        warp-uniform. The sm90 kernel's value-wgmma wait depends on it (Note [sm90 wait after
+        the softmax] in fa4lab.kernels.fwd_sm90)."""
+        total = self.row_sum[0]
+        for r in cutlass.range_constexpr(1, self.num_rows):
+            total = total + self.row_sum[r]
+        return cute.arch.vote_ballot_sync(total < Float32(0.0)) == 0
 
     def rescale(self, acc_o_mn: cute.Tensor, row_scale: cute.Tensor) -> None:
         rescale_rows(acc_o_mn, row_scale)
