@@ -15,6 +15,7 @@ from fa4lab.bench import (
     DECODE,
     FEATURES,
     HOST_OVERHEAD,
+    NEIGHBOURS,
     decode_results_of,
     feature_results_of,
     format_decode_table,
@@ -35,6 +36,10 @@ def table_of(rec: dict) -> str:
         return format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])
     if rec["kind"] == FEATURES:
         return format_features_table(feature_results_of(rec))
+    if rec["kind"] == NEIGHBOURS:
+        from fa4lab.bench.neighbours import format_neighbours_table
+
+        return format_neighbours_table(rec)
     return format_table(results_of(rec), gemm_tflops=rec.get("gemm_tflops"))
 
 

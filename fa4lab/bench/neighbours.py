@@ -66,12 +66,21 @@ def neighbour_overrides(spec, arch: str = "sm90",
     return ([own] + sorted(out, key=distance))[:limit]
 
 
-def predicted_tflops(spec, overrides: list[dict], arch: str = "sm90") -> list[float]:
-    """The calibrated model's TFLOP/s of each plan (`fa4lab.plan.throughput.predict`)."""
+def predicted_tflops(spec, overrides: list[dict], arch: str = "sm90",
+                     persistent: bool | None = None) -> list[float]:
+    """The calibrated model's TFLOP/s of each plan (`fa4lab.plan.throughput.predict`);
+    `persistent` as `plan_forward` takes it (None: the plan's default)."""
     from fa4lab.plan import plan_forward
     from fa4lab.plan.throughput import predict
 
-    return [predict(plan_forward(spec, arch, **ov)).tflops for ov in overrides]
+    return [predict(plan_forward(spec, arch, persistent=persistent, **ov)).tflops
+            for ov in overrides]
+
+
+def measured_persistent(record: dict) -> bool | None:
+    """Whether a neighbours record's plans ran persistent CTAs (its config says; records made
+    before it did are sm90 records of one CTA per tile, the only sm90 kernel then)."""
+    return record.get("config", {}).get("persistent", False)
 
 
 # ---- the rank correlation ----
@@ -135,12 +144,34 @@ def rank_correlation(record: dict, predicted: list[float] | None = None) -> Rank
     if predicted is None:
         shape = BenchShape(rows[0].head_dim, rows[0].seqlen, rows[0].causal, rows[0].batch,
                            rows[0].heads, rows[0].dtype)
-        predicted = predicted_tflops(shape.spec, plans, record.get("arch") or "sm90")
+        predicted = predicted_tflops(shape.spec, plans, record.get("arch") or "sm90",
+                                     measured_persistent(record))
     measured = [r.tflops for r in rows]
     best_m = plans[max(range(len(rows)), key=measured.__getitem__)]
     best_p = plans[max(range(len(rows)), key=list(predicted).__getitem__)]
     return RankCorrelation(spearman(measured, list(predicted)), plans, measured,
                            list(predicted), best_m, best_p)
+
+
+def format_neighbours_table(record: dict) -> str:
+    """A neighbours record as a markdown table (measured beside predicted) and its Spearman rho."""
+    rows = neighbour_results_of(record)
+    shape = BenchShape(rows[0].head_dim, rows[0].seqlen, rows[0].causal, rows[0].batch,
+                       rows[0].heads, rows[0].dtype)
+    plans = [r.overrides for r in rows]
+    predicted = predicted_tflops(shape.spec, plans, record.get("arch") or "sm90",
+                                 measured_persistent(record))
+    lines = [f"{shape.label()}:", "", "| plan | shipped | measured TFLOP/s | predicted TFLOP/s |",
+             "|---|---|---|---|"]
+    lines += [f"| {_text(r.overrides)} | {'yes' if r.default else ''} | "
+              f"{f'{r.tflops:.0f}' if r.status == OK else r.status} | {p:.0f} |"
+              for r, p in zip(rows, predicted, strict=True)]
+    try:
+        ok = [p for p, r in zip(predicted, rows, strict=True) if r.status == OK]
+        lines += ["", rank_correlation(record, ok).summary()]
+    except ValueError as err:
+        lines += ["", f"no rank correlation: {err}"]
+    return "\n".join(lines)
 
 
 # ---- measuring (GPU) ----
@@ -219,7 +250,10 @@ def neighbours_args(args, *, command: str, save) -> int:
     started = time.perf_counter()
     rows = measure_neighbours(shape, arch, overrides, warmup_ms=args.warmup_ms,
                               rep_ms=args.rep_ms)
+    from fa4lab.plan import plan_forward
+
     config = {"shape": asdict(shape), "plans": overrides,
+              "persistent": plan_forward(shape.spec, arch).protocol.persistent,
               "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
               "wall_s": round(time.perf_counter() - started, 1)}
     record = make_neighbours_record(rows, gpu_name=g.name, arch=arch, command=command,

@@ -43,8 +43,11 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   the grid, the block ranges, the mask's row index and the LSE and sink addresses change.
 
 Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal
-tiles run in FA4's LPT order, one CTA per tile. Not done yet (notebook 06 lists them): a persistent
-scheduler that overlaps one tile's epilogue with the next tile's loads, cluster multicast of K/V.
+tiles run in FA4's LPT order, one CTA per tile; non-causal plans (but head_dim 256) run
+persistent CTAs, min(tiles, SMs), each looping over tiles c, c + gridDim.x, ... with the next
+tile's K/V loading under this tile's epilogue (Note [sm90 persistent CTAs] in fa4lab.plan.sm90,
+which also says why causal stays one CTA per tile). Not done yet (notebook 06 lists it): cluster
+multicast of K/V.
 
 Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
 machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.

@@ -99,7 +99,18 @@ TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 #     barrier with one warpgroup's threads).
 # Barriers are initialised once and the pipeline phases run on from tile to tile; each tile's
 # consumer state (row max and sum, O, the row limits) starts afresh.
-# Whether it is the default is `persistent_default` below, from what was measured on the H200.
+# The default (`persistent_default`) is what the H200 measured, both kernels and upstream FA4
+# in one run (benchmarks/2026-12-01_nvidia-h200_5db14f9_042927.json and the _decode record of
+# the LLM shapes beside it, bf16): persistent where the attention is not causal, where every
+# tile costs the same and the static order loses nothing (persistent / one CTA per tile over
+# the 20 non-causal sweep points: geometric mean 1.014, 0.996 to 1.057, the gain at seqlen
+# 1024, where a CTA's start weighs most); one CTA per tile for causal attention (0.968, 0.902
+# to 1.037: hd128 s4096-16384 lose 10%, the 3000-token LLM shape 5%). Causal tiles differ in
+# length, and CTA c taking tiles c, c + 132, ... of the LPT order in turn balances them worse
+# than the hardware handing each next tile to the first SM that frees, which a grid of one
+# CTA per tile gets for free; a persistent causal kernel would need a dynamic scheduler (an
+# atomic tile counter), as FA3's Hopper kernel has. hd256 stages O in Q's bytes: one CTA per
+# tile (above).
 def persistent_able(tuning: Sm90Tuning) -> bool:
     """Whether a plan with this tuning can run persistent CTAs (Note [sm90 persistent CTAs])."""
     return not tuning.o_in_q
@@ -107,12 +118,12 @@ def persistent_able(tuning: Sm90Tuning) -> bool:
 
 def persistent_default(head_dim: int, head_dim_v: int, causal: bool, seqlen_q: int,
                        seqlen_k: int) -> bool:
-    """Whether an sm90 plan of this shape is persistent when not told (Note [sm90 persistent
-    CTAs]); also what `fa4lab.attention` compiles for a call of this shape."""
+    """Whether an sm90 plan of this shape is persistent when not told: where it can be and the
+    attention is not causal (measured: Note [sm90 persistent CTAs]); also what
+    `fa4lab.attention` compiles for a call of this shape. The sizes are not used (yet): the
+    measurement found no seqlen where the choice turns."""
     tuning = SM90_TUNING.get((head_dim, head_dim_v))
-    if tuning is None or not persistent_able(tuning):
-        return False
-    return False
+    return tuning is not None and persistent_able(tuning) and not causal
 
 
 def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
