@@ -8,10 +8,11 @@ normalised over its own keys, and that range's LSE. A combine step merges the sp
 rule of notebook 01 (`fa4lab.online_softmax.merge_out_lse`, Note [merge rule]): it is the same
 merge as two online-softmax states over disjoint key sets, applied num_splits - 1 times.
 
-What is here (CPU or GPU tensors; the GPU kernels build on it later):
+What is here (CPU or GPU tensors):
 - `split_blocks`: each split's half-open key-block range, balanced;
 - `partial_attention_reference`: the float64 partial outputs and LSEs a split kernel must write;
-- `combine`: the N-way merge (any float dtype in, float32 math, float64 kept as float64);
+- `combine`: the N-way merge (any float dtype in, float32 math, float64 kept as float64); float32
+  partials on an sm90 / sm100 GPU go to the combine kernel (`fa4lab.kernels.combine`);
 - `choose_num_splits`: how many splits a decode shape gets (Note [choosing num_splits]).
 
 An empty split (more splits than blocks, or a window that hides its whole range) writes out 0
@@ -103,16 +104,20 @@ def partial_attention_reference(q, k, v, *, num_splits: int, n_block_size: int,
     return torch.stack(outs), torch.stack(lses)
 
 
-def combine(out_partial, lse_partial, *, learnable_sink=None):
+def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
     """Merge split-KV partials: (out, lse) over the union of the splits' keys.
 
     out_partial (num_splits, ..., head_dim_v), each split normalised over its own keys;
     lse_partial (num_splits, ...) their natural-log LSEs, shaped like out_partial without its
     last dim. Any floating dtypes; the math runs in float32 (float64 when either input is
-    float64). out comes back in out_partial's dtype, lse in the math dtype; a row no split saw
-    gives out 0 and lse -inf, never NaN. The merge is `merge_out_lse` folded over the splits
-    (Note [merge rule]). learnable_sink (heads_q,) (lse_partial's LAST axis is the head axis)
-    joins as one more partial with out 0 and lse sink[h]: a sink is a key with no value.
+    float64). out comes back in out_dtype (default: out_partial's dtype), lse in the math dtype;
+    a row no split saw gives out 0 and lse -inf, never NaN. The merge is `merge_out_lse` folded
+    over the splits (Note [merge rule]). learnable_sink (heads_q,) (lse_partial's LAST axis is
+    the head axis) joins as one more partial with out 0 and lse sink[h]: a sink is a key with no
+    value. Float32 partials laid out as the split kernels write them (num_splits, batch,
+    seqlen_q, heads, head_dim_v) on an sm90 / sm100 GPU are merged by the combine kernel
+    (`fa4lab.kernels.combine.combine_cuda`, the same rule in device form); anything else in
+    torch, on the partials' device.
     """
     import torch
 
@@ -132,23 +137,54 @@ def combine(out_partial, lse_partial, *, learnable_sink=None):
     if lse_partial.device != out_partial.device:
         raise InputError(f"lse_partial is on {lse_partial.device} but out_partial on "
                          f"{out_partial.device}; move one with .to()")
-    wide = torch.float64 in (out_partial.dtype, lse_partial.dtype)
-    math_dtype = torch.float64 if wide else torch.float32
-    outs = out_partial.to(math_dtype)
-    lses = lse_partial.to(math_dtype)
     if learnable_sink is not None:
         heads = lse_partial.shape[-1]
         if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (
                 heads,):
             raise InputError(f"learnable_sink must be a torch tensor (heads_q,) = ({heads},) "
                              f"for lse_partial {tuple(lse_partial.shape)} (heads last)")
+    out_dtype = out_partial.dtype if out_dtype is None else out_dtype
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise InputTypeError(f"out_dtype must be a floating torch dtype, got {out_dtype!r}")
+    if _combine_kernel_takes(out_partial, lse_partial, out_dtype):
+        from fa4lab.kernels.combine import combine_cuda
+
+        out, lse = combine_cuda(out_partial.contiguous(), lse_partial.contiguous(),
+                                out_dtype=out_dtype, learnable_sink=learnable_sink)
+        return out, lse.transpose(1, 2)
+    wide = torch.float64 in (out_partial.dtype, lse_partial.dtype)
+    math_dtype = torch.float64 if wide else torch.float32
+    outs = out_partial.to(math_dtype)
+    lses = lse_partial.to(math_dtype)
+    if learnable_sink is not None:
         sink = learnable_sink.to(device=lses.device, dtype=math_dtype).expand(lses.shape[1:])
         outs = torch.cat([outs, torch.zeros_like(outs[:1])])
         lses = torch.cat([lses, sink[None]])
     out, lse = outs[0], lses[0]
     for s in range(1, outs.shape[0]):
         out, lse = merge_out_lse(out, lse, outs[s], lses[s])
-    return out.to(out_partial.dtype), lse
+    return out.to(out_dtype), lse
+
+
+def _combine_kernel_takes(out_partial, lse_partial, out_dtype) -> bool:
+    """Whether `combine_cuda` merges these partials: float32 split-kernel partials (rank 5) on a
+    GPU the kernels are compiled for, a head_dim_v and a split count its plan takes, and an out
+    dtype it writes."""
+    import torch
+
+    if not (out_partial.is_cuda and out_partial.dim() == 5 and out_partial.shape[0] <= MAX_SPLITS
+            and out_partial.dtype == lse_partial.dtype == torch.float32
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    from fa4lab.errors import PlanError
+    from fa4lab.kernels.combine import CombinePlan
+    from fa4lab.kernels.launch import device_arch
+
+    try:
+        CombinePlan(int(out_partial.shape[-1]), "fp32")
+    except PlanError:
+        return False
+    return device_arch(out_partial.device.index) is not None
 
 
 # Note [choosing num_splits]
