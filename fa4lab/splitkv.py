@@ -160,8 +160,10 @@ def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
         sink = learnable_sink.to(device=lses.device, dtype=math_dtype).expand(lses.shape[1:])
         outs = torch.cat([outs, torch.zeros_like(outs[:1])])
         lses = torch.cat([lses, sink[None]])
-    out, lse = outs[0], lses[0]
-    for s in range(1, outs.shape[0]):
+    # From the empty state (no key: out 0, lse -inf), so one split is merged like several: a
+    # row it did not see comes out 0, whatever its partial holds.
+    out, lse = torch.zeros_like(outs[0]), torch.full_like(lses[0], -math.inf)
+    for s in range(outs.shape[0]):
         out, lse = merge_out_lse(out, lse, outs[s], lses[s])
     return out.to(out_dtype), lse
 

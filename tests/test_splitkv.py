@@ -116,6 +116,22 @@ def test_empty_splits_weigh_nothing(rng):
     assert (nothing[0] == 0).all() and torch.isneginf(nothing[1]).all()
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_a_row_no_split_saw_is_zero_whatever_its_partial_holds(num_splits):
+    """One split is merged like several (the fold starts from the empty state): a row whose
+    every LSE is -inf gives out 0, even where its partials hold leftover numbers."""
+    g = torch.Generator().manual_seed(17 + num_splits)
+    out_p = torch.randn(num_splits, 2, 3, 4, 8, generator=g)
+    lse_p = torch.randn(num_splits, 2, 3, 4, generator=g)
+    lse_p[:, 1, 2, :] = -math.inf
+    out, lse = combine(out_p, lse_p)
+    assert (out[1, 2] == 0).all() and torch.isneginf(lse[1, 2]).all()
+    seen = torch.ones(2, 3, 4, dtype=torch.bool)
+    seen[1, 2] = False
+    if num_splits == 1:
+        assert torch.equal(out[seen], out_p[0][seen]) and torch.equal(lse[seen], lse_p[0][seen])
+
+
 def test_combine_refuses_mismatched_partials():
     with pytest.raises(InputError, match="same leading shape"):
         combine(torch.zeros(2, 3, 4, 8), torch.zeros(2, 4, 3))
