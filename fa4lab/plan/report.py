@@ -139,7 +139,7 @@ def build_report(plan, costs=None) -> dict:
     pred = predict(plan, costs)
     bc = pred.block_cycles
     n_sim = 6
-    sim = simulate(plan, n_sim, 1, costs)
+    sim = simulate(plan, n_sim, 2, costs)   # two tiles where a CTA runs several
     hidden = unobservable(plan)
     mutations = {k: v or (f"not observable: {hidden[k]}" if k in hidden else "NOT CAUGHT")
                  for k, v in mutation_check(plan, costs=costs).items()}
@@ -327,9 +327,12 @@ def render_markdown(plan, rep: dict) -> str:
              + f"SMEM {plan.smem.total_bytes}/{plan.smem.limit_bytes} bytes; registers "
              f"{plan.registers_used}/{hw.registers_per_sm}.",
              f"- Protocol: {'no deadlock, no hazard' if clean else 'PROBLEMS (see below)'} in "
-             f"one work tile of {sim['n_blocks']} blocks (one per CTA, as the kernel runs); "
-             f"removing any one of {len(rep['simulation']['mutations'])} barriers is caught in "
-             f"{caught}" + (f" ({hidden} not observable in one tile)" if hidden else "") + ".",
+             + (f"{sim['n_tiles']} work tiles of {sim['n_blocks']} blocks in one CTA (a "
+                f"persistent CTA runs several, as the kernel does); " if sim["n_tiles"] > 1 else
+                f"one work tile of {sim['n_blocks']} blocks (one per CTA, as the kernel runs); ")
+             + f"removing any one of {len(rep['simulation']['mutations'])} barriers is caught in "
+             f"{caught}" + (f" ({hidden} not observable by the simulator, see below)" if hidden
+                            else "") + ".",
              f"- Predicted **{pred['tflops']:.0f} TFLOP/s** ({pred['utilization']:.0%} of the "
              f"{pred['peak_tflops']:.0f} TFLOP/s dense MMA peak), {pred['label']}."]
     lines += _mask_lines(plan, rep)
