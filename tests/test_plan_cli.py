@@ -171,3 +171,33 @@ def test_python_m_fa4lab_plan_takes_the_mask_flags():
                          timeout=300)
     assert bad.returncode == EXIT_NO_PLAN
     assert "negative" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("page_size", [16, 100, 256])
+def test_page_size_shows_how_pages_meet_the_blocks(capsys, page_size):
+    """Note [paged blocks in the plan]: the blocks' pieces come from key_block_pages, in order;
+    every key of the sequence is read once, from the slot that holds it."""
+    from fa4lab.varlen import key_block_pages
+
+    rc, out = run_cli(capsys, "--arch", "sm90", "--seqlen", "1000", "--page-size",
+                      str(page_size), "--format", "json")
+    assert rc == 0
+    sec = json.loads(out)["report"]["paged"]
+    n = sec["n_block"]
+    blocks = key_block_pages(1000, page_size, n)
+    keys = [s * page_size + t for b in blocks for s, _, a, z in b for t in range(a, z)]
+    assert keys == list(range(1000))
+    assert sec["blocks"] == len(blocks) == -(-1000 // n)
+    assert sec["max_pieces_per_block"] == max(len(b) for b in blocks)
+    want = {16: f"gathers {n // 16} pages", 256: "whole K/V block", 100: "straddle"}[page_size]
+    assert want in sec["path"]
+    rc, md = run_cli(capsys, "--arch", "sm90", "--seqlen", "1000", "--page-size", str(page_size))
+    assert rc == 0 and f"## Paged K/V (pages of {page_size} tokens)" in md
+
+
+def test_page_size_must_be_positive(capsys):
+    parser = argparse.ArgumentParser(prog="fa4lab")
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--arch", "sm90", "--page-size", "0"])
+    assert args.func(args) == EXIT_NO_PLAN
+    assert "--page-size: page_size must be a positive int, got 0" in capsys.readouterr().err

@@ -485,8 +485,52 @@ def add_cli(subparsers) -> None:
     p.add_argument("--n-block", type=int, default=None)
     p.add_argument("--kv-stage", type=int, default=None)
     p.add_argument("--q-stage", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None, metavar="P",
+                   help="also show how a paged K/V cache of P-token pages maps to the plan's "
+                        "K/V blocks (`fa4lab.varlen.key_block_pages`)")
     p.add_argument("--format", default="md", choices=["md", "json"])
     p.set_defaults(func=run)
+
+
+# Note [paged blocks in the plan]
+# How a paged K/V cache meets the plan's K/V blocks, from `fa4lab.varlen.key_block_pages` (one
+# rule for the plan, notebook 02 and the gather): a page size that is a multiple of n_block
+# serves whole blocks, each one contiguous box (what a TMA load of the block needs); a smaller
+# page makes each block a gather of n_block / page_size pages; a size that does not divide
+# n_block leaves some blocks straddling a page edge. The kernels do not read pages yet:
+# `fa4lab.attention_varlen` gathers the pages before it calls them.
+def paged_section(plan, page_size: int, show: int = 4) -> dict:
+    """The plan's K/V blocks over pages of `page_size` tokens, in page-table slots (a table in
+    order: slot s is page s). Note [paged blocks in the plan]."""
+    from fa4lab.varlen import key_block_pages
+
+    n = plan.tiles.n_block
+    blocks = key_block_pages(plan.spec.seqlen_k, page_size, n)
+    pieces = [len(b) for b in blocks]
+    if page_size % n == 0:
+        path = (f"one page holds {page_size // n} whole K/V block(s): each block is one "
+                f"contiguous box of its page (one TMA load)")
+    elif n % page_size == 0:
+        path = (f"each K/V block gathers {n // page_size} pages of {page_size} tokens (a gather "
+                f"path, not one TMA box)")
+    else:
+        path = (f"{page_size} does not divide n_block {n} nor the reverse: "
+                f"{sum(p > 1 for p in pieces)} of {len(blocks)} blocks straddle a page edge")
+    return {"page_size": page_size, "n_block": n, "blocks": len(blocks),
+            "max_pieces_per_block": max(pieces, default=0), "path": path,
+            "first_blocks": [[list(p) for p in b] for b in blocks[:show]]}
+
+
+def render_paged(sec: dict) -> str:
+    lines = ["", f"## Paged K/V (pages of {sec['page_size']} tokens)", "",
+             f"- {sec['blocks']} K/V blocks of {sec['n_block']} keys; {sec['path']}.",
+             "- Planned, not yet in the kernels: `fa4lab.attention_varlen` gathers the pages "
+             "before it calls them (Note [paged blocks in the plan]).", "",
+             "| K/V block | pieces (page-table slot: tokens [first, stop)) |", "|---|---|"]
+    for j, pieces in enumerate(sec["first_blocks"]):
+        lines.append(f"| {j} | " + ", ".join(f"slot {s}: [{a}, {b})" for s, _, a, b in pieces)
+                     + " |")
+    return "\n".join(lines)
 
 
 def _number(text: str, kind=float):
@@ -568,10 +612,18 @@ def run(args) -> int:
                 print("Try: " + "; ".join(f"`{f}`" for f in fallbacks))
         return EXIT_NO_PLAN
     rep = build_report(plan)
+    page_size = getattr(args, "page_size", None)
+    if page_size is not None:
+        try:
+            rep["paged"] = paged_section(plan, page_size)
+        except ValueError as err:
+            print(f"fa4lab plan: --page-size: {err}", file=sys.stderr)
+            return EXIT_NO_PLAN
     if args.format == "json":
         out = plan.to_dict()
         out["report"] = rep
         print(json.dumps(out, sort_keys=True, indent=2))
     else:
-        print(render_markdown(plan, rep))
+        print(render_markdown(plan, rep) + (render_paged(rep["paged"]) if "paged" in rep
+                                            else ""))
     return 0
