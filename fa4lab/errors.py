@@ -18,6 +18,14 @@ class InputError(Fa4labError, ValueError):
     raised before anything runs."""
 
 
+def check_same_device(name: str, device, other_name: str, other_device) -> None:
+    """The one rule for a tensor `name` on another device than the tensor it goes with: an
+    InputError naming both devices and the fix (`{name}.to({other_name}.device)`)."""
+    if device != other_device:
+        raise InputError(f"{name} is on {device} but {other_name} is on {other_device}; move "
+                         f"it with {name}.to({other_name}.device)")
+
+
 class InputTypeError(Fa4labError, TypeError):
     """An input of the wrong kind or dtype (e.g. int64 where the kernels read int32), raised
     before anything runs."""

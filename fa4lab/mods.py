@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fa4lab.errors import Fa4labError
+from fa4lab.errors import Fa4labError, check_same_device
 
 __all__ = ["BoundMod", "KernelMods", "ModCompileError", "abs", "alibi", "check_mods",
            "describe", "document_mask", "exp2", "kernel_mods", "log2", "maximum", "minimum",
@@ -323,9 +323,7 @@ def _check_aux(aux_tensors, device) -> tuple:
         if str(t.dtype).removeprefix("torch.") not in AUX_DTYPES:
             raise TypeError(f"aux_tensors[{i}] has dtype {t.dtype}: the kernels read float32 or "
                             f"int32 aux tensors; cast with .float() or .int()")
-        if t.device != device:
-            raise ValueError(f"aux_tensors[{i}] is on {t.device} but q is on {device}; move it "
-                             f"with .to(q.device)")
+        check_same_device(f"aux_tensors[{i}]", t.device, "q", device)
         if t.dim() < 1:
             raise ValueError(f"aux_tensors[{i}] is 0-dimensional: give it shape (1,) and read "
                              f"aux[{i}][0]")

@@ -44,6 +44,7 @@ import math
 
 import numpy as np
 
+from fa4lab.errors import check_same_device
 from fa4lab.spec import (
     check_qkv_shapes,
     check_sink_shape,
@@ -154,9 +155,7 @@ def check_sink(learnable_sink, q, kind: str):
                         f"{'torch.as_tensor(sink)' if kind == 'torch' else 'np.asarray(sink)'}")
     check_sink_shape(learnable_sink, int(q.shape[2]))
     if kind == "torch":
-        if learnable_sink.device != q.device:
-            raise ValueError(f"learnable_sink is on {learnable_sink.device} but q is on "
-                             f"{q.device}; move it with learnable_sink.to(q.device)")
+        check_same_device("learnable_sink", learnable_sink.device, "q", q.device)
         floating = learnable_sink.is_floating_point()
     else:
         floating = np.issubdtype(learnable_sink.dtype, np.floating)

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from fa4lab.errors import check_same_device
+
 LOG2E = math.log2(math.e)  # the kernels work in base 2: Note [exp2 and scale_log2]
 LN2 = math.log(2.0)        # and turn base-2 log-sum-exps back into natural logs
 
@@ -393,9 +395,7 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
         if learnable_sink.dtype != torch.float32:
             raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink logits "
                             f"are float32; cast with learnable_sink.float()")
-        if learnable_sink.device != q.device:
-            raise ValueError(f"learnable_sink is on {learnable_sink.device} but q is on "
-                             f"{q.device}; move it with learnable_sink.to(q.device)")
+        check_same_device("learnable_sink", learnable_sink.device, "q", q.device)
     if arch is None:
         return
     from fa4lab.limits import kernel_builds, unsupported_head_dims

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from fa4lab.errors import InputError, InputTypeError
+from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import ceil_div, num_m_blocks, num_n_blocks
 
 __all__ = ["MAX_SPLITS", "MIN_BLOCKS_PER_SPLIT", "SPLIT_EFFICIENCY_SLACK", "SPLIT_FILL_FRACTION",
@@ -134,9 +134,8 @@ def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
         raise InputError(f"combine needs out_partial (num_splits >= 1, ..., head_dim_v) and "
                          f"lse_partial (num_splits, ...) of the same leading shape; got "
                          f"{tuple(out_partial.shape)} and {tuple(lse_partial.shape)}")
-    if lse_partial.device != out_partial.device:
-        raise InputError(f"lse_partial is on {lse_partial.device} but out_partial on "
-                         f"{out_partial.device}; move one with .to()")
+    check_same_device("lse_partial", lse_partial.device, "out_partial",
+                      out_partial.device)
     if learnable_sink is not None:
         heads = lse_partial.shape[-1]
         if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fa4lab.errors import InputError, InputTypeError
+from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import CostModel, Workload, ceil_div, num_m_blocks
 
 __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_varlen", "gather_paged",
@@ -83,9 +83,7 @@ def _index_tensor(name: str, t, q, ndim: int, shape_hint: str) -> list:
     if t.dtype != torch.int32:
         raise InputTypeError(f"{name} has dtype {t.dtype}: the kernels read int32 indices; "
                              f"convert with {name}.to(torch.int32)")
-    if t.device != q.device:
-        raise InputError(f"{name} is on {t.device} but q is on {q.device}; move it with "
-                         f"{name}.to(q.device)")
+    check_same_device(name, t.device, "q", q.device)
     if t.dim() != ndim:
         raise InputError(f"{name} has shape {tuple(t.shape)}: expected {shape_hint}")
     return t.tolist()
@@ -144,9 +142,7 @@ def _check_tensors(q, k, v, paged: bool) -> None:
         raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, "
                              f"{v.dtype}; cast them, e.g. k.to(q.dtype)")
     for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise InputError(f"{name} is on {t.device} but q is on {q.device}; move it with "
-                             f"{name}.to(q.device)")
+        check_same_device(name, t.device, "q", q.device)
     lead = 2 if paged else 1          # (num_pages, page_size) or (total_k,)
     what = "num_pages, page_size" if paged else "total_k"
     if tuple(k.shape[:lead + 1]) != tuple(v.shape[:lead + 1]):

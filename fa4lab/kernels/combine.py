@@ -37,7 +37,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from fa4lab.errors import InputError, InputTypeError, PlanError, UnsupportedArchError
+from fa4lab.errors import (
+    InputError,
+    InputTypeError,
+    PlanError,
+    UnsupportedArchError,
+    check_same_device,
+)
 from fa4lab.kernels.device.merge import merge_basis, merge_finish, merge_weight
 from fa4lab.splitkv import MAX_SPLITS
 
@@ -375,9 +381,8 @@ def combine_plan_for(out_partial, lse_partial, *, out_dtype, return_lse: bool,
         if not t.is_cuda:
             raise InputError(f"{name} is on {t.device}; combine_cuda runs on a CUDA GPU "
                              f"(fa4lab.splitkv.combine runs anywhere)")
-    if lse_partial.device != out_partial.device:
-        raise InputError(f"lse_partial is on {lse_partial.device} but out_partial on "
-                         f"{out_partial.device}; move one with .to()")
+    check_same_device("lse_partial", lse_partial.device, "out_partial",
+                      out_partial.device)
     if out_partial.dim() != 5 or tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
         raise InputError(f"combine_cuda needs out_partial (num_splits, batch, seqlen_q, heads, "
                          f"head_dim_v) and lse_partial (num_splits, batch, seqlen_q, heads); got "
