@@ -142,14 +142,16 @@ def sass_instructions(text: str) -> list[tuple[int, str, str]]:
 
 
 def steady_loop(text: str) -> tuple[int, int] | None:
-    """Address range [start, end] of the kernel's last loop that issues MMAs (HGMMA / UTCHMMA).
+    """Address range [start, end] of the kernel's last innermost loop that issues MMAs (HGMMA /
+    UTCHMMA).
 
     A loop is a conditional backward branch (the unconditional ones jump back from the
     out-of-line retry stubs of barrier waits); in the sm90 kernel the last loop with MMAs in
-    its body is the FULL-block loop, where the time goes.
+    its body and no such loop inside it is the FULL-block loop, where the time goes (a
+    persistent kernel's tile loop holds it, and is not it).
     """
     insts = sass_instructions(text)
-    best = None
+    loops = []
     for addr, op, args in insts:
         if not (op.startswith("@") and op.endswith(" BRA")):
             continue
@@ -159,8 +161,10 @@ def steady_loop(text: str) -> tuple[int, int] | None:
         start = int(target.group(1), 16)
         if any(start <= a <= addr and o.split()[-1].startswith(("HGMMA", "UTCHMMA"))
                for a, o, _ in insts):
-            best = (start, addr) if best is None or addr > best[1] else best
-    return best
+            loops.append((start, addr))
+    inner = [x for x in loops
+             if not any(y != x and x[0] <= y[0] and y[1] <= x[1] for y in loops)]
+    return max(inner, key=lambda x: x[1], default=None)
 
 
 def spills_in(text: str, span: tuple[int, int] | None) -> int:
