@@ -31,6 +31,12 @@ that sees no key then gives out 0 and lse = sink[h]. A new window size, sink, sc
 value never compiles a new kernel; which window sides exist and whether a sink comes do. The
 argument names are upstream FA4's `flash_attn_func`'s where the meaning is the same.
 
+Split-KV (flash-decoding, `fa4lab.splitkv`): `num_splits=n > 1` cuts each tile's keys into n
+ranges run by n CTAs, whose float32 partial outputs and LSEs the combine kernel merges (the sink
+joins there); 1 never splits; None (the default) chooses for the shape and the GPU
+(`fa4lab.splitkv.choose_num_splits`: decode shapes that cannot fill the GPU split, prefill does
+not). The split count is a runtime value: no compile per count. Not with mods yet.
+
 `score_mod(score, b, h, q_idx, kv_idx[, aux])`, `mask_mod(b, h, q_idx, kv_idx[, aux])` and
 `aux_tensors` are FlexAttention-style user functions compiled into the kernel (`fa4lab.mods`:
 the contract, what a mod may use, ready-made ALiBi / relative-bias / document / prefix-LM mods).
@@ -58,9 +64,10 @@ import warnings
 
 import torch
 
-from fa4lab.errors import UnsupportedArchError
+from fa4lab.errors import InputError, UnsupportedArchError
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_qkv_shapes, normalize_mask
+from fa4lab.splitkv import check_num_splits
 
 
 class SlowReferenceWarning(UserWarning):
@@ -95,21 +102,26 @@ def _grad_error() -> GradientNotSupportedError:
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-             score_mod=None, mask_mod=None, aux_tensors=None):
+             score_mod=None, mask_mod=None, aux_tensors=None, num_splits=None):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink)
+    num_splits = check_num_splits(num_splits)
     mods, aux = None, ()
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         from fa4lab.mods import check_mods
 
         mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
+        if num_splits not in (None, 1):
+            raise InputError(f"num_splits={num_splits}: split-KV does not take a score_mod / "
+                             f"mask_mod yet; pass num_splits=None or 1 with mods")
     if arch is not None:
         return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
-                              softcap, window_size, learnable_sink, mods, aux)
+                              softcap, window_size, learnable_sink, mods, aux,
+                              num_splits=num_splits)
     out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                           window_size=window_size, learnable_sink=learnable_sink,
                           score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
@@ -118,11 +130,12 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
 
 @torch.compiler.disable
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                       window_size, learnable_sink, score_mod, mask_mod, aux_tensors):
+                       window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
+                       num_splits=None):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
     custom op, so a call with mods is a graph break (Note [mods in the kernels])."""
     return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
-                    learnable_sink, score_mod, mask_mod, aux_tensors)
+                    learnable_sink, score_mod, mask_mod, aux_tensors, num_splits)
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
@@ -131,11 +144,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       pack_gqa: bool | None, softcap: float, window_left: int | None = None,
                       window_right: int | None = None,
                       learnable_sink: torch.Tensor | None = None,
+                      num_splits: int | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
     window's sides are window_left / window_right (None = unbounded)."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                        (window_left, window_right), learnable_sink)
+                        (window_left, window_right), learnable_sink, num_splits=num_splits)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
@@ -143,9 +157,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_left=None, window_right=None, learnable_sink=None):
+                            window_left=None, window_right=None, learnable_sink=None,
+                            num_splits=None):
     check_qkv_shapes(q, k, v)
     normalize_mask(causal, (window_left, window_right))
+    check_num_splits(num_splits)
     b, sq, hq, _ = q.shape
     lse_shape = (b, hq, sq) if return_lse else (0,)
     return (q.new_empty((b, sq, hq, v.shape[3])),
@@ -170,29 +186,31 @@ def _intercepted(*tensors) -> bool:
 
 def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
               window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
-              pack_gqa: bool | None = None, score_mod=None, mask_mod=None, aux_tensors=None,
-              return_lse: bool = False):
+              num_splits: int | None = None, pack_gqa: bool | None = None, score_mod=None,
+              mask_mod=None, aux_tensors=None, return_lse: bool = False):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
 
-    The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order."""
+    The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order (num_splits
+    None, not upstream's 1, chooses: see the module docstring)."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
     causal, return_lse = bool(causal), bool(return_lse)
+    num_splits = check_num_splits(num_splits)
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
                                       softcap, window_size, learnable_sink, score_mod, mask_mod,
-                                      aux_tensors)
+                                      aux_tensors, num_splits)
     elif _intercepted(q, k, v, learnable_sink):
         scale = None if softmax_scale is None else float(softmax_scale)
         causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
-                                     float(softcap), left, right, learnable_sink)
+                                     float(softcap), left, right, learnable_sink, num_splits)
     else:
         out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_size, learnable_sink)
+                            window_size, learnable_sink, num_splits=num_splits)
     return (out, lse) if return_lse else out
 
 

@@ -178,6 +178,9 @@ class AttentionSpec:
     causal and window_size are stored in one form per mask (see Note [window and causal]):
     `effective_window` is the (left, right) in effect and `has_mask` says whether it hides any
     key. learnable_sink says whether a (heads_q,) float32 sink tensor comes with the call.
+    split_kv: the kernel writes each split's partial output and LSE (float32) for a combine
+    step instead of the output (`fa4lab.splitkv`: the split count is a runtime value, and a
+    split kernel leaves the sink to the combine).
     """
 
     batch: int
@@ -194,6 +197,7 @@ class AttentionSpec:
     window_size: tuple[int | None, int | None] = (None, None)
     softcap: float = 0.0
     learnable_sink: bool = False
+    split_kv: bool = False
     # filled in by __post_init__
     qhead_per_kvhead: int = field(init=False)
 
@@ -214,6 +218,11 @@ class AttentionSpec:
                             f"(heads_q,) float32 sink tensor comes with the call (the tensor "
                             f"itself goes to the call, or to AttentionSpec.from_tensors)")
         object.__setattr__(self, "learnable_sink", bool(self.learnable_sink))
+        if not isinstance(self.split_kv, (bool, np.bool_)):
+            raise TypeError(f"split_kv is a flag in AttentionSpec, got "
+                            f"{type(self.split_kv).__name__}: True for the split-KV kernel "
+                            f"(the split count is a call's num_splits)")
+        object.__setattr__(self, "split_kv", bool(self.split_kv))
         object.__setattr__(self, "return_lse", bool(self.return_lse))
         if self.heads_q % self.heads_kv:
             raise ValueError(

@@ -109,7 +109,7 @@ def target_arch(arch: str):
 
 def fake_args(spec: AttentionSpec, mods=None):
     """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks and the stream: the kernels' contract.
+    mask_blocks, num_splits, out_partial, lse_partial and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -119,7 +119,10 @@ def fake_args(spec: AttentionSpec, mods=None):
     runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
     window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
     any (`fa4lab.kernels.device.mods.fake_aux`); mask_blocks a mask_mod's block table, None
-    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling).
+    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling); with
+    `spec.split_kv`, num_splits a runtime Int32 and the float32 partials (num_splits, batch,
+    seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q, heads_q), heads last and
+    contiguous (`fa4lab.splitkv`'s layout), else 1, None, None.
     """
     import cutlass
     import cutlass.cute as cute
@@ -146,8 +149,18 @@ def fake_args(spec: AttentionSpec, mods=None):
     scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap,
                                        score_mod=mods is not None and mods.score_mod is not None)
     left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
+    out_partial = lse_partial = None
+    if spec.split_kv:
+        splits = cute.sym_int()
+        out_partial = make_fake_tensor(
+            cutlass.Float32, (splits, b, sq, hq, spec.head_dim_v),
+            (*(cute.sym_int64(divisibility=4) for _ in range(4)), 1), assumed_align=16)
+        lse_partial = make_fake_tensor(cutlass.Float32, (splits, b, sq, hq),
+                                       (*(cute.sym_int64() for _ in range(3)), 1),
+                                       assumed_align=4)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
+            cutlass.Int32(1), out_partial, lse_partial,
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
@@ -181,8 +194,9 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
 
     The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
-    window]), the aux tensors (a tuple, or None) and a mask_mod's block table (or None:
-    `fa4lab.mods_blocks.block_table`) and launches on the current stream (Note
+    window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
+    `fa4lab.mods_blocks.block_table`), num_splits and the split-KV partials (1, None, None
+    without split-KV: `fake_args`) and launches on the current stream (Note
     [TVM-FFI launch]); it can be exported with `export_to_c`. `mods` (`fa4lab.mods.KernelMods`)
     compiles a score_mod / mask_mod into the kernel.
     """
@@ -259,7 +273,8 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     window = ("L" if left is not None else "") + ("R" if right is not None else "")
     return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
-            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else ""))
+            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
+            + ("-splitkv" if s.split_kv else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:

@@ -25,6 +25,12 @@ qhead_per_kvhead query heads of one KV head, its rows being packed rows; only th
 the grid, the block ranges, the causal row index and the LSE address change. Compiled and
 audited for sm_100a on CPU; not yet run on a B200.
 
+split-KV (`spec.split_kv`, `fa4lab.kernels.device.split`): num_splits (a runtime Int32) CTAs per
+tile, folded into the grid's head axis; each visits its split's blocks of the tile's range
+(none: an empty split, written as a CTA with no key) and the correction warps store its float32
+partial O and LSE from TMEM (`correction_store_partial`); the epilogue warp keeps its hand-off
+and stores nothing. Compiled and audited for sm_100a on CPU; not yet run on a B200.
+
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
   * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages"), or with
     q_stage 1 (head_dim 256) one Q tile whose key blocks ping-pong between the two S buffers
@@ -74,10 +80,11 @@ from cutlass.tensor_utils import LayoutEnum
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import scheduler, storage
 from fa4lab.kernels.device import softmax as softmax_mod
+from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.opaque import opaque_zero
-from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
+from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed, unpack_row
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
@@ -223,6 +230,11 @@ class FlashForwardSm100:
         self.mods = mods if mods else None
         self.has_score_mod = self.mods is not None and mods.score_mod is not None
         self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
+        # Split-KV (fa4lab.kernels.device.split): float32 partials, num_splits at run time.
+        self.split_kv = spec.split_kv
+        if self.split_kv and self.mods is not None:
+            raise ValueError("the split-KV kernel takes no score_mod / mask_mod: call without "
+                             "num_splits (or num_splits=1) to use mods")
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.
@@ -261,11 +273,19 @@ class FlashForwardSm100:
         window_right: Int32,  # side the plan's spec does not have is unused
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
-        stream: cuda.CUstream,            # block table] in fa4lab.tiling; else None
+                                          # block table] in fa4lab.tiling; else None
+        num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
+        mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
+        stream: cuda.CUstream,
     ):
         if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
+        if cutlass.const_expr(self.split_kv != (mOPartial is not None)
+                              or self.split_kv != (mLSEPartial is not None)):
+            raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
+                             "and only it does")
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]
@@ -324,6 +344,8 @@ class FlashForwardSm100:
         # seqlen_q * g packed rows per KV head with pack-GQA (Note [sm100 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if cutlass.const_expr(self.pack_gqa) else cute.size(
             mQ.shape[2])
+        if cutlass.const_expr(self.split_kv):   # the splits fold into the head axis
+            heads = heads * num_splits
         grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
                                     cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
                                     self.num_ctas if cutlass.const_expr(self.persistent)
@@ -331,7 +353,8 @@ class FlashForwardSm100:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
-            aux, mask_blocks, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+            aux, mask_blocks, num_splits, mOPartial, mLSEPartial, sQ_layout, sK_layout,
+            tP_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -358,6 +381,9 @@ class FlashForwardSm100:
         window_right: Int32,
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32
+        num_splits: Int32,
+        mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -371,10 +397,9 @@ class FlashForwardSm100:
             seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
-        m_block = head = batch = None   # persistent: each role's tile loop (`tiles`)
+        m_block = head = batch = split = None   # persistent: each role's tile loop (`tiles`)
         if cutlass.const_expr(not self.persistent):
-            m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k,
-                                                         self.cta_m, self.bytes_per_key)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -414,7 +439,8 @@ class FlashForwardSm100:
                    pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
                    pipe_epi=pipe_epi, m_block=m_block, head=head, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
-                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks)
+                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, split=split,
+                   num_splits=num_splits, mOPartial=mOPartial, mLSEPartial=mLSEPartial)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -475,7 +501,7 @@ class FlashForwardSm100:
                                                 self.kv_stage)
         if self.persistent:
             self.load_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                            e["mask_blocks"], kv_state)
+                            e["mask_blocks"], e["num_splits"], kv_state)
         else:
             self.load(*args, e["m_block"], e["head"], e["batch"], self._visit(e), kv_state,
                       Int32(1))
@@ -484,7 +510,7 @@ class FlashForwardSm100:
         self.set_registers("epilogue")
         args = (e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"])
         if self.persistent:
-            self.epilogue_tiles(args, e["mQ"], e["seqlen_k"])
+            self.epilogue_tiles(args, e["mQ"], e["seqlen_k"], e["num_splits"])
         else:
             self.epilogue(*args, e["m_block"], e["head"], e["batch"], Int32(0))
 
@@ -497,11 +523,11 @@ class FlashForwardSm100:
         rest = (e["scale_log2"], e["pre_scale"])
         if self.persistent:
             self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
-                               e["aux"], e["mask_blocks"], *e["window"])
+                               e["aux"], e["mask_blocks"], *e["window"], e["num_splits"])
         else:
             self.softmax(stage, *args, e["m_block"], e["seqlen_q"], e["seqlen_k"], *rest,
                          e["head"], e["batch"], e["aux"], e["mask_blocks"], *e["window"],
-                         Int32(0), Int32(1))
+                         Int32(0), Int32(1), e["split"], e["num_splits"])
         self.sites.bar_arrive(role, "tmem")
 
     def correction_role(self, e):
@@ -509,15 +535,17 @@ class FlashForwardSm100:
         self.sites.bar_sync("correction", "tmem")
         _, tOtO, _ = self._tmem_views(e)
         args = (e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"], e["pipe_o"],
-                e["pipe_stats"], e["pipe_epi"])
+                e["pipe_stats"], e["pipe_epi"], e["mOPartial"], e["mLSEPartial"])
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.q_stage)
         if self.persistent:
             self.correction_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                                  e["mask_blocks"], e["scale_log2"], stats_state)
+                                  e["mask_blocks"], e["scale_log2"], stats_state,
+                                  e["num_splits"])
         else:
-            self.correction(*args, e["m_block"], e["head"], e["batch"], self._visit(e)[0],
-                            e["seqlen_q"], e["scale_log2"], stats_state, Int32(0), Int32(1))
+            self.correction(*args, e["m_block"], e["head"], e["batch"], e["split"],
+                            self._visit(e)[0], e["seqlen_q"], e["scale_log2"], stats_state,
+                            Int32(0), Int32(1))
         self.sites.bar_arrive("correction", "tmem")
 
     def mma_role(self, e):
@@ -534,7 +562,8 @@ class FlashForwardSm100:
             self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, self._visit(e)[0])
         elif self.persistent:
             self.mma_tiles(args, (tStS, tOtO, tOrP), pipes, e["mQ"], e["seqlen_q"],
-                           e["seqlen_k"], *e["window"], e["mask_blocks"], kv_state)
+                           e["seqlen_k"], *e["window"], e["mask_blocks"], kv_state,
+                           e["num_splits"])
         else:
             self.mma(*args, tStS, tOtO, tOrP, *pipes, self._visit(e)[0], kv_state, Int32(0),
                      Int32(0), Int32(1))
@@ -543,35 +572,45 @@ class FlashForwardSm100:
         tmem.free(tmem_ptr)
 
     # ---- the persistent tile loops (Note [pipeline states across tiles]) ----
-    def tiles(self, mQ):
+    def tiles(self, mQ, num_splits):
         """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
         (cutlass.range's arguments)."""
-        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
+        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
+        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m, splits),
                 cute.arch.grid_dim()[0])
 
-    def coords(self, mQ, seqlen_k, tile):
-        """(m_block, head, batch) of linear tile `tile` (`fa4lab.tiling.tile_at`)."""
-        return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                     self.bytes_per_key, tile)
+    def work(self, mQ, seqlen_k, num_splits, tile=None):
+        """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`; None:
+        this CTA's one tile); split is None without split-KV (`fa4lab.kernels.device.split`)."""
+        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
+                                                     self.bytes_per_key, tile, splits)
+        if cutlass.const_expr(not self.split_kv):
+            return m_block, head, batch, None
+        head, split = split_mod.split_of(head, num_splits)
+        return m_block, head, batch, split
 
     @cute.jit
-    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, kv_state):
+    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, num_splits,
+                   kv_state):
         q_phase = Int32(1)   # q_empty starts released
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
-            visit = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
+            visit = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
+                                    split, num_splits)
             kv_state, q_phase = self.load(*args, m_block, head, batch, visit, kv_state, q_phase)
 
     @cute.jit
     def mma_tiles(self, args, tmem, pipes, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                  kv_state):
+                  kv_state, num_splits):
         tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
         q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, _, _ = self.coords(mQ, seqlen_k, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            m_block, _, _, split = self.work(mQ, seqlen_k, num_splits, tile)
+            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
+                                       split, num_splits)[0]
             # Note [operand descriptors per tile]
             # The score and value MMAs' SMEM descriptors (one 64-bit value per K step, per Q
             # tile) do not change from tile to tile, so the compiler hoists them out of the tile
@@ -587,33 +626,34 @@ class FlashForwardSm100:
 
     @cute.jit
     def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
-                      aux, mask_blocks, left, right):
+                      aux, mask_blocks, left, right, num_splits):
         s_phase, stats_phase = Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
             s_phase, stats_phase = self.softmax(
                 stage, *args, m_block, seqlen_q, seqlen_k, *rest, head, batch, aux, mask_blocks,
-                left, right, s_phase, stats_phase)
+                left, right, s_phase, stats_phase, split, num_splits)
 
     @cute.jit
     def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                         scale_log2: Float32, stats_state):
+                         scale_log2: Float32, stats_state, num_splits):
         o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
+            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
+                                       split, num_splits)[0]
             stats_state, o_phase, epi_phase = self.correction(
-                *args, m_block, head, batch, n_blocks, seqlen_q, scale_log2, stats_state,
+                *args, m_block, head, batch, split, n_blocks, seqlen_q, scale_log2, stats_state,
                 o_phase, epi_phase)
 
     @cute.jit
-    def epilogue_tiles(self, args, mQ, seqlen_k):
+    def epilogue_tiles(self, args, mQ, seqlen_k, num_splits):
         epi_phase = Int32(0)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            m_block, head, batch, _ = self.work(mQ, seqlen_k, num_splits, tile)
             epi_phase = self.epilogue(*args, m_block, head, batch, epi_phase)
 
     def _tmem_views(self, e, with_ptr: bool = False):
@@ -624,7 +664,7 @@ class FlashForwardSm100:
 
     def _visit(self, e):
         return self.visit_plan(e["m_block"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                               e["mask_blocks"])
+                               e["mask_blocks"], e["split"], e["num_splits"])
 
     # Note [role branches]
     # With sequential `if`s every warp walks past every role's branch, so a value computed
@@ -675,12 +715,15 @@ class FlashForwardSm100:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
             barrier_storage=getattr(smem, pb.full).data_ptr(), defer_sync=True, **kw)
 
-    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None):
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None,
+                   split=None, num_splits=1):
         """(n_blocks, n_masked, order) of this CTA (fa4lab.kernels.device.scheduler): it visits
         n_blocks key blocks, none when no row of it sees a key; step s is block
         scheduler.visit_block(s, *order) (Note [block visit order] in fa4lab.tiling), the
         first n_masked of them masked for some row of the CTA. With a mask_mod, `mask_blocks`
-        is its block table (Note [mask_mod block table] in fa4lab.tiling).
+        is its block table (Note [mask_mod block table] in fa4lab.tiling); with split-KV,
+        `split` the CTA's split of `num_splits`: its blocks of the range, none for an empty
+        split (`fa4lab.kernels.device.split`; like a CTA no row of which sees a key).
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
@@ -690,6 +733,9 @@ class FlashForwardSm100:
         row = scheduler.table_row(mask_blocks, m_block)
         if row is not None:
             n_min, n_max = scheduler.table_range(n_min, n_max, row)
+        if split is not None:
+            n_min, n_max, _ = split_mod.narrow(n_min, n_max, seqlen_k, self.n_block,
+                                               num_splits, split)
         left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
                                                   seqlen_q, seqlen_k, left, right, n_min, n_max)
         if row is not None:
@@ -963,7 +1009,7 @@ class FlashForwardSm100:
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
                 pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
                 pre_scale: Float32, head, batch, aux, mask_blocks, left, right, s_count,
-                stats_phase):
+                stats_phase, split=None, num_splits=1):
         """Softmax warpgroup `stage` on one work tile: one thread per row of Q tile `stage`,
         the CTA's blocks in its visit order (Note [block visit order] in fa4lab.tiling).
         Returns (s_count, stats_phase) advanced (Note [pipeline states across tiles]).
@@ -998,7 +1044,7 @@ class FlashForwardSm100:
         limit = mask_mod.key_range(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, left, right,
                                    self.pack)
         n_blocks, n_masked, order, unmasked_end = self.softmax_plan(
-            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
+            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks, split, num_splits)
         n_max, mask_min, left_run = order
         mod_rows = None
         if cutlass.const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
@@ -1033,7 +1079,7 @@ class FlashForwardSm100:
         return s_count, stats_phase
 
     def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right,
-                     mask_blocks=None):
+                     mask_blocks=None, split=None, num_splits=1):
         """(n_blocks, n_masked, order, unmasked_end) of Q tile `stage`'s softmax: it walks the
         CTA's n_blocks blocks, steps [0, n_masked) masked (block scheduler.visit_block(s,
         *order)), then blocks order[1] - 1 down to unmasked_end unmasked.
@@ -1049,14 +1095,16 @@ class FlashForwardSm100:
         rule would mask).
         """
         n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
-                                                    mask_blocks)
+                                                    mask_blocks, split, num_splits)
         n_max, mask_min, left_run = order
         if left_run is not None:
             return n_blocks, n_masked, order, left_run[1]
+        # The range starts at block 0, but a split's starts where the split does.
+        n_min = n_max - n_blocks if cutlass.const_expr(self.split_kv) else 0
         _, mask_min = scheduler.mask_split(m_block * self.q_stage + stage, self.m_block,
                                            self.pack, self.n_block, seqlen_q, seqlen_k, left,
-                                           right, 0, n_max)
-        return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), 0
+                                           right, n_min, n_max)
+        return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), n_min
 
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_count,
@@ -1146,11 +1194,14 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: correction
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
-                   pipe_epi, m_block, head, batch, n_blocks, seqlen_q, scale_log2: Float32,
-                   stats_state, o_phase, epi_phase):
+                   pipe_epi, mOPartial, mLSEPartial, m_block, head, batch, split, n_blocks,
+                   seqlen_q, scale_log2: Float32, stats_state, o_phase, epi_phase):
         """One work tile: rescale O_i when a row max moved (per step), then O_i / row_sum ->
-        sO (the sink in the sum: Note [sinks]), and LSE. Returns stats_state and the o_final
-        and o_empty phases, advanced (Note [pipeline states across tiles])."""
+        sO (the sink in the sum: Note [sinks]), and LSE. Split-KV: O_i / row_sum (float32) and
+        the LSE straight to the split's partials, no sink (`fa4lab.kernels.device.split`); the
+        o_empty / o_staged hand-off with the epilogue warp stays, so the protocol is the
+        table's. Returns stats_state and the o_final and o_empty phases, advanced (Note
+        [pipeline states across tiles])."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -1188,14 +1239,20 @@ class FlashForwardSm100:
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None
-            if cutlass.const_expr(mSink is not None):
+            if cutlass.const_expr(mSink is not None and not self.split_kv):
                 sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
             inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
             epi_state = _phase_state(self.q_stage, stage, epi_phase)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
-            self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
-                                     inv_sum, n_blocks > 0)
+            if cutlass.const_expr(self.split_kv):
+                mOP, mLP = split_mod.split_views(mOPartial, mLSEPartial, split)
+                self.correction_store_partial(thr_mma_pv, tOtO[stage], tidx, inv_sum,
+                                              n_blocks > 0, mOP, row, head, batch, seqlen_q)
+                softmax_mod.store_lse(mLP, row, lse, head, batch, seqlen_q, self.pack)
+            else:
+                self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
+                                         inv_sum, n_blocks > 0)
             cute.arch.fence_view_async_shared()
             self.sites("correction", "arrive o_staged", pipe_epi.producer_commit, epi_state,
                        stage=stage)
@@ -1203,7 +1260,7 @@ class FlashForwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
-            if cutlass.const_expr(self.return_lse):
+            if cutlass.const_expr(self.return_lse and not self.split_kv):
                 softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
         if n_blocks > 0:
             o_phase ^= 1
@@ -1235,6 +1292,35 @@ class FlashForwardSm100:
             cute.copy(thr_store, tOrO,
                       cute.make_tensor(tOtO_r2t.iterator + c * cols, tOtO_r2t.layout))
         cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def correction_store_partial(self, thr_mma_pv, tOtO, tidx, inv_sum, has_work, mOP, row,
+                                 head, batch, seqlen_q):
+        """Split-KV: this thread's row of O_i * inv_sum, float32, into the split's out_partial
+        `mOP` (batch, seqlen_q, heads_q, head_dim_v), 16 columns at a time through registers;
+        a row past seqlen_q (packed: seqlen_q * g) is dropped, a packed row goes to its
+        (position, query head) (`unpack_row`)."""
+        cols = 16
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor(self.mma_tiler_pv[:2]))
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)),
+                                        Float32)
+        tOtO_c = cute.composition(tOtO, cute.make_layout((self.m_block, cols)))
+        tOcO_c = cute.composition(tOcO, cute.make_layout((self.m_block, cols)))
+        thr_load = tcgen05.make_tmem_copy(load_atom, tOtO_c).get_slice(tidx)
+        tOtO_t2r = thr_load.partition_S(tOtO_c)
+        tOcO_t2r = thr_load.partition_D(tOcO_c)
+        pos, q_head = unpack_row(row, head, self.pack)
+        out_row = mOP[batch, pos, q_head, None]
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            tOrO = cute.make_rmem_tensor(tOcO_t2r.shape, Float32)
+            if has_work:
+                cute.copy(thr_load,
+                          cute.make_tensor(tOtO_t2r.iterator + c * cols, tOtO_t2r.layout), tOrO)
+            else:
+                tOrO.fill(0.0)
+            if row < seqlen_q * self.pack:
+                for j in cutlass.range_constexpr(cute.size(tOrO)):
+                    out_row[c * cols + tOcO_t2r[j][1]] = tOrO[j] * inv_sum
 
     @cute.jit
     def correction_epilogue(self, thr_mma_pv, tOtO, sO, tidx, inv_sum, has_work):
@@ -1280,8 +1366,10 @@ class FlashForwardSm100:
         for stage in cutlass.range_constexpr(self.q_stage):
             self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
                        _phase_state(self.q_stage, stage, epi_phase), stage=stage)
-            cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, m_block * self.q_stage + stage])
-            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(not self.split_kv):   # split-KV: the correction stored O
+                cute.copy(tma_atom_O, tOsO[None, stage],
+                          tOgO[None, m_block * self.q_stage + stage])
+                cute.arch.cp_async_bulk_commit_group()
         for stage in cutlass.range_constexpr(self.q_stage):
             # The smem tile may be reused once the TMA has read it; drain before exit.
             cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
@@ -1293,7 +1381,7 @@ class FlashForwardSm100:
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                     pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                    score_mod=None, mask_mod=None, aux_tensors=None):
+                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
@@ -1304,11 +1392,14 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
     aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) as in
-    `fa4lab.attention`.
+    `fa4lab.attention`. num_splits > 1: split-KV (`fa4lab.kernels.device.split`; compiled
+    and audited, not yet run on a B200); 1 (the default) no split; None chooses 1 here until
+    it has run (`fa4lab.kernels.launch.AUTO_SPLIT_ARCHS`).
     """
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
-                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        num_splits=num_splits)

@@ -144,21 +144,24 @@ def lpt_coords(t, num_m, heads, batch, swizzle):
     return coords(t, "lpt", num_m, heads, batch, swizzle)
 
 
-def num_tiles(mQ: cute.Tensor, cta_m: int):
+def num_tiles(mQ: cute.Tensor, cta_m: int, splits=1):
     """Work tiles of a launch: m_blocks x heads x batch of the kernel's (rows, d, heads, batch)
-    view of Q (rows packed with pack-GQA)."""
-    return num_m_blocks(cute.size(mQ.shape[0]), cta_m) * cute.size(mQ.shape[2]) * cute.size(
-        mQ.shape[3])
+    view of Q (rows packed with pack-GQA), times `splits` with split-KV
+    (`fa4lab.kernels.device.split`: the splits fold into the head axis)."""
+    return num_m_blocks(cute.size(mQ.shape[0]), cta_m) * cute.size(mQ.shape[2]) * splits * \
+        cute.size(mQ.shape[3])
 
 
 @cute.jit
 def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
                 cta_m: cutlass.Constexpr[int], bytes_per_key: cutlass.Constexpr[int],
-                tile=None):
+                tile=None, splits=1):
     """(m_block, head, batch) of this CTA for a grid made by `grid_shape(..., order)`, or of
     linear tile `tile` of a persistent CTA (`grid_shape(..., num_ctas)`).
 
-    mQ (or mO) as the kernel sees it: (rows, d, heads, batch), rows packed with pack-GQA."""
+    mQ (or mO) as the kernel sees it: (rows, d, heads, batch), rows packed with pack-GQA. With
+    split-KV the grid's head axis holds heads * `splits` (`fa4lab.kernels.device.split.split_of`
+    unfolds the head returned here)."""
     if cutlass.const_expr(tile is None and order != "lpt"):
         bx, by, bz = cute.arch.block_idx()
         m_block, head, batch = bx, by, bz
@@ -172,4 +175,4 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
     if cutlass.const_expr(order == "lpt"):
         swizzle = l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
-                  cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), swizzle)
+                  cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)
