@@ -56,6 +56,9 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
       stats  full stats_full   softmax_i -> correction     empty stats_empty correction -> softmax_i
              (the mailbox sScale holds tile i's row scale, or the final row_sum and row_max)
       epi    full o_staged     correction -> epilogue      empty o_empty     epilogue -> correction
+      p_part (two Q tiles)     softmax_i -> mma: P_i's first p_split keys are in TMEM; the
+             value MMA takes them first, the rest after p_ready (`make_p_part`, Note [split P
+             hand-off] in fa4lab.plan.sm100)
     The s, o, stats and epi pipelines are indexed by Q tile, not round robin: `_phase_state`.
     Orderings that need no barrier, because tcgen05 operations from the MMA thread run in issue
     order and a tcgen05.commit fires after everything issued before it:
@@ -88,6 +91,7 @@ from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_pa
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
+from fa4lab.plan.sm100 import p_split
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # The DSL pipelines over the protocol table's barriers: (full side, empty side).
@@ -256,6 +260,11 @@ class FlashForwardSm100:
         self.v_acquire = {} if v_bytes == self.tx_bytes["kv_full"] else {"expected_tx": v_bytes}
         self.v_tx_bytes = v_bytes
         self.o_in_q = plan.smem.region("o").alias_of == "q"   # O staged in Q's bytes
+        # Note [split P hand-off] in fa4lab.plan.sm100: keys of P handed over first (0: one
+        # hand-off), with the table's p_part barrier.
+        self.p_split = p_split(tiles)
+        if bool(self.p_split) != ("p_part" in self.arrivals):
+            raise ValueError("the plan's p_split and its p_part barrier disagree")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -409,6 +418,7 @@ class FlashForwardSm100:
         smem = utils.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv, pipe_s, pipe_o, pipe_stats, pipe_epi = (
             self.make_pipeline(smem, key) for key in _PIPELINES)
+        p_part = self.make_p_part(smem)
         # The TMEM hand-off goes through the table's named barrier "tmem" (self.sites.bar_*),
         # not the allocator's own (aligned) one.
         tmem = utils.TmemAllocator(smem.tmem_ptr.ptr, allocator_warp_id=self.mma_warp,
@@ -437,7 +447,7 @@ class FlashForwardSm100:
                    tma_atom_V=tma_atom_V, mV=mV, tma_atom_O=tma_atom_O, mO=mO, mLSE=mLSE,
                    mSink=mSink, sQ=sQ, sK=sK, sV=sV, sO=sO, sScale=sScale, pipe_q=pipe_q,
                    pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
-                   pipe_epi=pipe_epi, m_block=m_block, head=head, batch=batch,
+                   pipe_epi=pipe_epi, p_part=p_part, m_block=m_block, head=head, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
                    pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, split=split,
                    num_splits=num_splits, mOPartial=mOPartial, mLSEPartial=mLSEPartial)
@@ -519,7 +529,8 @@ class FlashForwardSm100:
         self.set_registers(role)
         self.sites.bar_sync(role, "tmem")
         tStS, _, _ = self._tmem_views(e)
-        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"])
+        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"],
+                e["p_part"])
         rest = (e["scale_log2"], e["pre_scale"])
         if self.persistent:
             self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
@@ -561,12 +572,12 @@ class FlashForwardSm100:
         if self.ping_pong:
             self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, self._visit(e)[0])
         elif self.persistent:
-            self.mma_tiles(args, (tStS, tOtO, tOrP), pipes, e["mQ"], e["seqlen_q"],
-                           e["seqlen_k"], *e["window"], e["mask_blocks"], kv_state,
-                           e["num_splits"])
+            self.mma_tiles(args, (tStS, tOtO, tOrP), (*pipes, e["p_part"]), e["mQ"],
+                           e["seqlen_q"], e["seqlen_k"], *e["window"], e["mask_blocks"],
+                           kv_state, e["num_splits"])
         else:
-            self.mma(*args, tStS, tOtO, tOrP, *pipes, self._visit(e)[0], kv_state, Int32(0),
-                     Int32(0), Int32(1))
+            self.mma(*args, tStS, tOtO, tOrP, *pipes, e["p_part"], self._visit(e)[0], kv_state,
+                     Int32(0), Int32(0), Int32(1))
         tmem.relinquish_alloc_permit()
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
@@ -702,6 +713,16 @@ class FlashForwardSm100:
             "o": (self.dtype, cute.cosize(sO_layout)),
             # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
             "stats": (Float32, self.q_stage * self.m_block * 2)})
+
+    def make_p_part(self, smem):
+        """The table's p_part mbarriers (Note [split P hand-off] in fa4lab.plan.sm100), one per
+        Q tile, each completed by its softmax warpgroup's threads; None with one hand-off."""
+        if not self.p_split:
+            return None
+        return pipeline.MbarrierArray(
+            smem.p_part.data_ptr(), self.plan.barriers.barrier("p_part").stages,
+            (pipeline.PipelineOp.AsyncThread,
+             pipeline.CooperativeGroup(pipeline.Agent.Thread, self.arrivals["p_part"])))
 
     def make_pipeline(self, smem, key: str):
         """The DSL pipeline over the table's barriers `_PIPELINES[key]` (full, then empty): its
@@ -864,7 +885,8 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: mma
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
-            pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks, kv_state, q_phase, p_phase, o_phase):
+            pipe_q, pipe_kv, pipe_s, pipe_o, p_part, n_blocks, kv_state, q_phase, p_phase,
+            o_phase):
         """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j, for the
         n_blocks key blocks of one work tile the load warp brings, in its order. Returns the
         tiled MMAs, kv_state and the q_full, p_ready and o_rescaled phases, advanced (Note
@@ -891,14 +913,10 @@ class FlashForwardSm100:
                 v_state = kv_state.clone()
                 kv_state.advance()
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    # P_i(j) is in TMEM (p_ready) and O_i was rescaled (o_rescaled)
-                    self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
-                               _phase_state(self.q_stage, stage, p_phase), stage=stage)
-                    self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                               _phase_state(self.q_stage, stage, o_phase), stage=stage)
-                    tiled_mma_pv = self.gemm(
+                    tiled_mma_pv = self.value_mma(
                         tiled_mma_pv, tOtO[stage], tOrP[stage],
-                        tOrV[None, None, None, v_state.index], accumulate)
+                        tOrV[None, None, None, v_state.index], pipe_s, pipe_o, p_part, stage,
+                        p_phase, o_phase, accumulate)
                     if cutlass.const_expr(stage == self.q_stage - 1):
                         self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, v_state)
                     if cutlass.const_expr(stage == 0):
@@ -922,13 +940,10 @@ class FlashForwardSm100:
             self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
                        kv_state)  # V of the last block
             for stage in cutlass.range_constexpr(self.q_stage):
-                self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
-                           _phase_state(self.q_stage, stage, p_phase), stage=stage)
-                self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                           _phase_state(self.q_stage, stage, o_phase), stage=stage)
-                tiled_mma_pv = self.gemm(
+                tiled_mma_pv = self.value_mma(
                     tiled_mma_pv, tOtO[stage], tOrP[stage],
-                    tOrV[None, None, None, kv_state.index], accumulate)
+                    tOrV[None, None, None, kv_state.index], pipe_s, pipe_o, p_part, stage,
+                    p_phase, o_phase, accumulate)
                 self.sites("mma", "commit o_final", pipe_o.producer_commit,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
@@ -937,6 +952,28 @@ class FlashForwardSm100:
             p_phase ^= 1
             o_phase ^= 1
         return tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase
+
+    @cute.jit
+    def value_mma(self, tiled_mma_pv, tOtO, tOrP, tOrV, pipe_s, pipe_o, p_part,
+                  stage: cutlass.Constexpr[int], p_phase, o_phase, accumulate):
+        """O_i += P_i V_j once P_i is in TMEM (p_ready) and O_i was rescaled (o_rescaled). With
+        a split hand-off (Note [split P hand-off] in fa4lab.plan.sm100) the K blocks of P's
+        first p_split keys go once p_part completed, the others once p_ready did."""
+        p_state = _phase_state(self.q_stage, stage, p_phase)
+        if cutlass.const_expr(self.p_split > 0):
+            self.sites("mma", "wait p_part", p_part.wait, stage, p_phase, stage=stage)
+        else:
+            self.sites("mma", "wait p_ready", pipe_s.producer_acquire, p_state, stage=stage)
+        self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
+                   _phase_state(self.q_stage, stage, o_phase), stage=stage)
+        k_split = cute.size(tOrP, mode=[2]) * self.p_split // self.n_block
+        if cutlass.const_expr(self.p_split > 0):
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate, 0, k_split)
+            self.sites("mma", "wait p_ready", pipe_s.producer_acquire, p_state, stage=stage)
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate, k_split)
+        else:
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate)
+        return tiled_mma_pv
 
     @cute.jit
     def mma_ping_pong(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
@@ -995,9 +1032,12 @@ class FlashForwardSm100:
         return tiled_mma_pv
 
     @cute.jit
-    def gemm(self, tiled_mma, acc, tA, tB, accumulate):
-        """acc (+)= A B over the K blocks of one tile; accumulate is a runtime flag."""
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+    def gemm(self, tiled_mma, acc, tA, tB, accumulate, k_first: cutlass.Constexpr[int] = 0,
+             k_end: cutlass.Constexpr[int] = None):
+        """acc (+)= A B over K blocks [k_first, k_end) of one tile (all by default); accumulate
+        is a runtime flag (a K block after the first always accumulates)."""
+        k_end = cute.size(tA, mode=[2]) if cutlass.const_expr(k_end is None) else k_end
+        for k in cutlass.range_constexpr(k_first, k_end):
             tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
         # Returned so callers rebind it: the ACCUMULATE field is traced state that must flow
@@ -1007,7 +1047,7 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
+                pipe_stats, p_part, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
                 pre_scale: Float32, head, batch, aux, mask_blocks, left, right, s_count,
                 stats_phase, split=None, num_splits=1):
         """Softmax warpgroup `stage` on one work tile: one thread per row of Q tile `stage`,
@@ -1056,7 +1096,8 @@ class FlashForwardSm100:
         # s_count: the S buffer's phase, or (ping-pong) the block steps done; stats_phase:
         # stats_empty's (it starts released).
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
+                pipe_s, pipe_stats, p_part, stage, tidx, limit, scale_log2, pre_scale,
+                mod_rows)
         for i in cutlass.range(n_masked, unroll=1):
             row_max, row_sum, s_count, stats_phase = self.softmax_step(
                 scheduler.visit_block(i, n_max, mask_min, left_run), True, row_max, row_sum,
@@ -1109,8 +1150,8 @@ class FlashForwardSm100:
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_count,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
-                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
-                     scale_log2: Float32, pre_scale: Float32, mod_rows):
+                     sScale, pipe_s, pipe_stats, p_part, stage: cutlass.Constexpr[int], tidx,
+                     limit, scale_log2: Float32, pre_scale: Float32, mod_rows):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM.
 
         Two Q tiles: S buffer `stage`, and `s_count` is its phase, flipped each step (as a
@@ -1183,6 +1224,10 @@ class FlashForwardSm100:
                                        cute.arch.add_packed_f32x2, width=1)
             tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
             cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
+            if cutlass.const_expr((c + 1) * chunk == self.p_split):
+                # P's first p_split keys are in TMEM: Note [split P hand-off]
+                cute.arch.fence_view_async_tmem_store()
+                self.sites(role, "arrive p_part", p_part.arrive, stage, None, stage=sb)
         cute.arch.fence_view_async_tmem_store()
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
                    stage=sb)  # P is in TMEM
