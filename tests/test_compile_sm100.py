@@ -41,11 +41,16 @@ SUBSET = [
 MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL + EXTRA_DIMS
 # The options beyond the matrix, each on two configurations: softcap (a cap value; its value is
 # a runtime argument, so one compile serves every cap); a sliding window (causal with a left
-# side; both sides) and a learnable sink (their values are runtime arguments too).
+# side; both sides) and a learnable sink (their values are runtime arguments too); variable-length
+# batches (packed q/k/v, the tile table, O stored row by row).
 OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (64, False, 1, False, "fp16", (("softcap", 5.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
-           (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True)))]
+           (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
+           # varlen (Note [sm100 varlen]): persistent and causal; a window; one Q tile
+           (128, True, 4, True, "bf16", (("varlen", True),)),
+           (64, False, 1, False, "fp16", (("varlen", True), ("window_size", (37, 12)))),
+           (256, True, 1, True, "bf16", (("varlen", True), ("learnable_sink", True)))]
 
 _compiled = {}
 
