@@ -52,7 +52,8 @@ ratio and LSE flag never compile twice, whatever the batch, sequence lengths or 
 (a runtime argument of the kernel).
 
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
-caches (`fa4lab.varlen`); until its kernel lands it runs `attention` once per sequence on CUDA.
+caches (`fa4lab.varlen`): one varlen kernel launch per batch (paged caches: `attention` once per
+sequence, for now).
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]).
@@ -253,9 +254,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
     grad mode is on, as in `attention`. On CPU tensors: the float64 reference
     (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
-    On CUDA tensors, until the varlen kernel lands: one `fa4lab.attention` call per sequence
-    (a paged sequence's K/V gathered into contiguous tensors first), so a batch costs one
-    launch per non-empty sequence, and every padded or ragged shape compiles nothing new.
+    On a Hopper or B200 GPU without a page_table: the varlen kernel, one launch over the
+    batch's real tiles (`fa4lab.kernels.launch.forward_varlen`; one compile per configuration,
+    whatever the lengths). With a page_table, or on another GPU: one `fa4lab.attention` call
+    per sequence (a paged sequence's K/V gathered into contiguous tensors first).
     Not yet a torch custom op (torch.compile graph-breaks here).
     """
     from fa4lab.reference import attention_varlen_reference
@@ -267,10 +269,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k, page_table)
     causal, window_size = normalize_mask(causal, window_size)
+    arch = launch.device_arch(q.device.index) if q.is_cuda else None
     # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
     check_inputs(*(t.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v)),
-                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 learnable_sink=learnable_sink)
+                 softmax_scale=softmax_scale, arch=arch, window_size=window_size,
+                 softcap=softcap, learnable_sink=learnable_sink)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
     if not q.is_cuda:
@@ -279,6 +282,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                               seqused_k=seqused_k, page_table=page_table,
                                               return_lse=True, **options)
         out, lse = out.to(q.dtype), lse.to(torch.float32)
+        return (out, lse) if return_lse else out
+    if arch is not None and page_table is None:     # one launch over the batch's real tiles
+        out, lse = launch.forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k,
+                                         seqused_k, arch, causal, softmax_scale, return_lse,
+                                         float(softcap), window_size, learnable_sink)
         return (out, lse) if return_lse else out
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))

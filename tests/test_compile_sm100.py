@@ -42,14 +42,19 @@ MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL + EXTR
 # The options beyond the matrix, each on two configurations: softcap (a cap value; its value is
 # a runtime argument, so one compile serves every cap); a sliding window (causal with a left
 # side; both sides) and a learnable sink (their values are runtime arguments too); split-KV
-# (its split count is a runtime argument).
+# (its split count is a runtime argument); variable-length batches (packed q/k/v, the tile
+# table, O stored row by row).
 OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (64, False, 1, False, "fp16", (("softcap", 5.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
            (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
            # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
            (128, False, 8, False, "bf16", (("split_kv", True),)),
-           (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True)))]
+           (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True))),
+           # varlen (Note [sm100 varlen]): persistent and causal; a window; one Q tile
+           (128, True, 4, True, "bf16", (("varlen", True),)),
+           (64, False, 1, False, "fp16", (("varlen", True), ("window_size", (37, 12)))),
+           (256, True, 1, True, "bf16", (("varlen", True), ("learnable_sink", True)))]
 
 _compiled = {}
 

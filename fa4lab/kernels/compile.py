@@ -107,9 +107,10 @@ def target_arch(arch: str):
             os.environ["CUTE_DSL_ARCH"] = old_env
 
 
-def fake_args(spec: AttentionSpec, mods=None):
+def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
     """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks, num_splits, out_partial, lse_partial and the stream: the kernels' contract.
+    mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, num_splits, out_partial,
+    lse_partial and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -123,6 +124,14 @@ def fake_args(spec: AttentionSpec, mods=None):
     `spec.split_kv`, num_splits a runtime Int32 and the float32 partials (num_splits, batch,
     seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q, heads_q), heads last and
     contiguous (`fa4lab.splitkv`'s layout), else 1, None, None.
+
+    With spec.varlen (Note [sm90 varlen] in fa4lab.kernels.fwd_sm90): q, out (total_q, heads,
+    d), k, v (total_k, heads_kv, d), lse (heads_q, total_q), int32 cu_seqlens_q / cu_seqlens_k
+    (batch + 1,) and seqused_k (batch,) (the launch always passes the key counts: the user's
+    seqused_k or cu_seqlens_k's differences) and the (rows, 2) int32 tile table (contiguous:
+    Note [varlen tile table] in fa4lab.kernels.device.scheduler); else all four None.
+    `seqused_k` True gives a seqused_k without varlen (a ragged key count on the padded
+    layout); None means spec.varlen.
     """
     import cutlass
     import cutlass.cute as cute
@@ -135,12 +144,28 @@ def fake_args(spec: AttentionSpec, mods=None):
         strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
         return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
 
-    q, k = bshd(sq, hq, spec.head_dim), bshd(sk, hkv, spec.head_dim)
-    v, o = bshd(sk, hkv, spec.head_dim_v), bshd(sq, hq, spec.head_dim_v)
+    def thd(s, h, d):
+        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
+        return make_fake_tensor(dtype, (s, h, d), (*strides, 1), assumed_align=16)
+
+    def int32s(n):
+        return make_fake_tensor(cutlass.Int32, (n,), (cute.sym_int64(),), assumed_align=4)
+
+    layout = thd if spec.varlen else bshd
+    q, k = layout(sq, hq, spec.head_dim), layout(sk, hkv, spec.head_dim)
+    v, o = layout(sk, hkv, spec.head_dim_v), layout(sq, hq, spec.head_dim_v)
     lse = None
-    if spec.return_lse:
+    if spec.return_lse and spec.varlen:
+        lse = make_fake_tensor(cutlass.Float32, (hq, sq), (cute.sym_int64(), 1), assumed_align=4)
+    elif spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    varlen = [None] * 4
+    if spec.varlen:
+        varlen[:2] = int32s(cute.sym_int()), int32s(cute.sym_int())
+        varlen[3] = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), (2, 1), assumed_align=4)
+    if spec.varlen if seqused_k is None else seqused_k:
+        varlen[2] = int32s(b)
     sink = None
     if spec.learnable_sink:
         sink = make_fake_tensor(cutlass.Float32, (hq,), (cute.sym_int64(),), assumed_align=4)
@@ -160,7 +185,7 @@ def fake_args(spec: AttentionSpec, mods=None):
                                        assumed_align=4)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
-            cutlass.Int32(1), out_partial, lse_partial,
+            *varlen, cutlass.Int32(1), out_partial, lse_partial,
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
@@ -189,16 +214,19 @@ def window_args(window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
             0 if right is None else min(int(right), int(seqlen_q)))
 
 
-def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
+def compile_plan(plan, *, options: str = "", mutation=None, mods=None,
+                 seqused_k: bool | None = None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
     The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
     window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
-    `fa4lab.mods_blocks.block_table`), num_splits and the split-KV partials (1, None, None
-    without split-KV: `fake_args`) and launches on the current stream (Note
-    [TVM-FFI launch]); it can be exported with `export_to_c`. `mods` (`fa4lab.mods.KernelMods`)
-    compiles a score_mod / mask_mod into the kernel.
+    `fa4lab.mods_blocks.block_table`), then cu_seqlens_q, cu_seqlens_k, seqused_k and the
+    varlen tile table (None each unless the spec is varlen: `fake_args`), num_splits and the
+    split-KV partials (1, None, None without split-KV), and launches on the current stream
+    (Note [TVM-FFI launch]); it can be exported with `export_to_c`. `mods`
+    (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the kernel; `seqused_k`
+    True a seqused_k argument without varlen (`fake_args`).
     """
     import cutlass.cute as cute
 
@@ -206,7 +234,7 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
     # A mutation (fa4lab.kernels.protocol.Mutation: tests of the audit) breaks the barrier
     # protocol on purpose; only compile_forward passes one, and it never writes the disk cache.
     kernel = kernel_class(arch)(plan, mutation=mutation, mods=mods)
-    args = fake_args(plan.spec, mods)
+    args = fake_args(plan.spec, mods, seqused_k)
     with target_arch("sm_" + arch.removeprefix("sm")):
         t0 = time.perf_counter()
         compiled = cute.compile(kernel, *args, options=" ".join(("--enable-tvm-ffi", options)))
@@ -274,7 +302,7 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
             + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
-            + ("-splitkv" if s.split_kv else ""))
+            + ("-varlen" if s.varlen else "") + ("-splitkv" if s.split_kv else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
@@ -287,11 +315,12 @@ def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
 
 
 def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
-                    mutation=None, mods=None) -> CompiledForward:
+                    mutation=None, mods=None, seqused_k: bool | None = None) -> CompiledForward:
     """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir.
 
     `mutation` (a `fa4lab.kernels.protocol.Mutation`) compiles a deliberately broken barrier
-    protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod."""
+    protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod;
+    `seqused_k` True a seqused_k argument without varlen (ragged keys, `fake_args`)."""
     arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
@@ -300,12 +329,13 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     keep = root / (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
                    + ("-mutated" if mutation is not None else "")
-                   + ("-mods" if mods else ""))
+                   + ("-mods" if mods else "")
+                   + ("-seqused" if seqused_k and not plan.spec.varlen else ""))
     keep.mkdir(parents=True, exist_ok=True)
     start_wall = time.time()
     kernel, compiled, seconds = compile_plan(
         plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation,
-        mods=mods)
+        mods=mods, seqused_k=seqused_k)
     storage = getattr(kernel, "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(

@@ -10,7 +10,7 @@ in fa4lab.tiling gives the order every role walks the others in).
 
 Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
 head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
-contiguous. No split-KV, no varlen.
+contiguous. No split-KV. Variable-length batches (spec.varlen): Note [sm100 varlen].
 
 Scheduling (`plan.tiles.order`, fa4lab.kernels.device.scheduler): with two Q tiles and O staged
 in its own SMEM (head_dim 64, 96, 128) the CTAs are persistent (Note [persistent CTAs] in
@@ -81,7 +81,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler, storage
+from fa4lab.kernels.device import scheduler, seqlen, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
@@ -265,6 +265,11 @@ class FlashForwardSm100:
         self.p_split = p_split(tiles)
         if bool(self.p_split) != ("p_part" in self.arrivals):
             raise ValueError("the plan's p_split and its p_part barrier disagree")
+        self.varlen = spec.varlen   # Note [sm100 varlen]
+        if self.varlen and self.pack_gqa:
+            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
+        if self.varlen and self.split_kv:
+            raise ValueError("split-KV does not compose with varlen yet: one or the other")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -283,6 +288,10 @@ class FlashForwardSm100:
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen only
+        mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
+        mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
         num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
         mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -295,6 +304,17 @@ class FlashForwardSm100:
                               or self.split_kv != (mLSEPartial is not None)):
             raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
                              "and only it does")
+        if cutlass.const_expr(self.varlen != (mTileTable is not None)
+                              or self.varlen != (mCuSeqlensQ is not None)
+                              or self.varlen != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, cu_seqlens_k and its tile "
+                             "table, and only it does (Note [sm100 varlen])")
+        if cutlass.const_expr(self.varlen and mask_blocks is not None):
+            raise ValueError("a varlen kernel takes no mask_mod block table")
+        if cutlass.const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
+            mQ, mK, mV, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mK, mV, mO)]
+            if cutlass.const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total)
+                mLSE = seqlen.as_batch_of_one(mLSE)
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]
@@ -355,15 +375,22 @@ class FlashForwardSm100:
             mQ.shape[2])
         if cutlass.const_expr(self.split_kv):   # the splits fold into the head axis
             heads = heads * num_splits
-        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
-                                    self.num_ctas if cutlass.const_expr(self.persistent)
-                                    else None)
+        if cutlass.const_expr(self.varlen):   # Note [varlen tile table] in ...device.scheduler
+            tiles = scheduler.varlen_num_tiles(mTileTable, heads)
+            grid = (cutlass.min(tiles, self.num_ctas) if cutlass.const_expr(self.persistent)
+                    else tiles, 1, 1)
+        else:
+            grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
+                                        cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                        self.num_ctas if cutlass.const_expr(self.persistent)
+                                        else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
             aux, mask_blocks, num_splits, mOPartial, mLSEPartial, sQ_layout, sK_layout,
             tP_layout, sV_layout, sO_layout,
+            (mO if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK,
+             mSeqUsedK, mTileTable),
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -398,6 +425,9 @@ class FlashForwardSm100:
         tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        # (mO (total_q, dv, heads_q, 1) or None, cu_seqlens_q, cu_seqlens_k, seqused_k, tile
+        # table): Note [sm100 varlen]; all None but seqused_k's when not varlen
+        varlen: tuple,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # Packed: `head` is the KV head and seqlen_q counts positions, not packed rows.
@@ -406,9 +436,11 @@ class FlashForwardSm100:
             seqlen_q = mQ.shape[0][1]
         seqlen_k = mK.shape[0]
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
-        m_block = head = batch = split = None   # persistent: each role's tile loop (`tiles`)
-        if cutlass.const_expr(not self.persistent):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits)
+        # Persistent: each role's tile loop (`tiles`); varlen: each role's `_tile` (Note
+        # [sm100 varlen]).
+        m_block = head = batch = split = None
+        if cutlass.const_expr(not self.persistent and not self.varlen):
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -449,8 +481,9 @@ class FlashForwardSm100:
                    pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
                    pipe_epi=pipe_epi, p_part=p_part, m_block=m_block, head=head, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
-                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, split=split,
-                   num_splits=num_splits, mOPartial=mOPartial, mLSEPartial=mLSEPartial)
+                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, varlen=varlen,
+                   split=split, num_splits=num_splits, mOPartial=mOPartial,
+                   mLSEPartial=mLSEPartial)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -504,6 +537,7 @@ class FlashForwardSm100:
 
     def load_role(self, e):
         self.set_registers("load")
+        e = self._tile(e)
         args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
                 e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
                 e["pipe_kv"])
@@ -511,22 +545,26 @@ class FlashForwardSm100:
                                                 self.kv_stage)
         if self.persistent:
             self.load_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                            e["mask_blocks"], e["num_splits"], kv_state)
+                            e["mask_blocks"], e["varlen"], e["num_splits"], kv_state)
         else:
-            self.load(*args, e["m_block"], e["head"], e["batch"], self._visit(e), kv_state,
-                      Int32(1))
+            seq = self._seq(e)
+            self.load(*args, e["m_block"], e["head"], e["batch"], seq, self._visit(e, seq),
+                      kv_state, Int32(1))
 
     def epilogue_role(self, e):
         self.set_registers("epilogue")
-        args = (e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"])
+        e = self._tile(e)
+        args = (e["tma_atom_O"], e["mO"], e["varlen"][0], e["sO"], e["pipe_epi"])
         if self.persistent:
-            self.epilogue_tiles(args, e["mQ"], e["seqlen_k"], e["num_splits"])
+            self.epilogue_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], e["varlen"],
+                                e["num_splits"])
         else:
-            self.epilogue(*args, e["m_block"], e["head"], e["batch"], Int32(0))
+            self.epilogue(*args, e["m_block"], e["head"], e["batch"], self._seq(e), Int32(0))
 
     def softmax_role(self, stage: int, e):
         role = f"softmax{stage}"
         self.set_registers(role)
+        e = self._tile(e)
         self.sites.bar_sync(role, "tmem")
         tStS, _, _ = self._tmem_views(e)
         args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"],
@@ -534,15 +572,18 @@ class FlashForwardSm100:
         rest = (e["scale_log2"], e["pre_scale"])
         if self.persistent:
             self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
-                               e["aux"], e["mask_blocks"], *e["window"], e["num_splits"])
+                               e["aux"], e["mask_blocks"], e["varlen"], *e["window"],
+                               e["num_splits"])
         else:
-            self.softmax(stage, *args, e["m_block"], e["seqlen_q"], e["seqlen_k"], *rest,
+            seq = self._seq(e)
+            self.softmax(stage, *args, e["m_block"], seq.seqlen_q, seq.seqlen_k, *rest,
                          e["head"], e["batch"], e["aux"], e["mask_blocks"], *e["window"],
                          Int32(0), Int32(1), e["split"], e["num_splits"])
         self.sites.bar_arrive(role, "tmem")
 
     def correction_role(self, e):
         self.set_registers("correction")
+        e = self._tile(e)
         self.sites.bar_sync("correction", "tmem")
         _, tOtO, _ = self._tmem_views(e)
         args = (e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"], e["pipe_o"],
@@ -551,16 +592,18 @@ class FlashForwardSm100:
                                                    self.q_stage)
         if self.persistent:
             self.correction_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                                  e["mask_blocks"], e["scale_log2"], stats_state,
+                                  e["mask_blocks"], e["varlen"], e["scale_log2"], stats_state,
                                   e["num_splits"])
         else:
+            seq = self._seq(e)
             self.correction(*args, e["m_block"], e["head"], e["batch"], e["split"],
-                            self._visit(e)[0], e["seqlen_q"], e["scale_log2"], stats_state,
-                            Int32(0), Int32(1))
+                            self._visit(e, seq)[0], (e["seqlen_q"], e["seqlen_k"], e["varlen"]),
+                            e["scale_log2"], stats_state, Int32(0), Int32(1))
         self.sites.bar_arrive("correction", "tmem")
 
     def mma_role(self, e):
         self.set_registers("mma")
+        e = self._tile(e)
         tmem = e["tmem"]
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")
@@ -570,58 +613,106 @@ class FlashForwardSm100:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stage)
         if self.ping_pong:
-            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, self._visit(e)[0])
+            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes,
+                               self._visit(e, self._seq(e))[0])
         elif self.persistent:
             self.mma_tiles(args, (tStS, tOtO, tOrP), (*pipes, e["p_part"]), e["mQ"],
                            e["seqlen_q"], e["seqlen_k"], *e["window"], e["mask_blocks"],
-                           kv_state, e["num_splits"])
+                           e["varlen"], kv_state, e["num_splits"])
         else:
-            self.mma(*args, tStS, tOtO, tOrP, *pipes, e["p_part"], self._visit(e)[0], kv_state,
+            self.mma(*args, tStS, tOtO, tOrP, *pipes, e["p_part"], self._visit(e, self._seq(e))[0],
+                     kv_state,
                      Int32(0), Int32(0), Int32(1))
         tmem.relinquish_alloc_permit()
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
 
     # ---- the persistent tile loops (Note [pipeline states across tiles]) ----
-    def tiles(self, mQ, num_splits):
+    def tiles(self, mQ, varlen, num_splits):
         """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
         (cutlass.range's arguments)."""
         splits = num_splits if cutlass.const_expr(self.split_kv) else 1
-        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m, splits),
-                cute.arch.grid_dim()[0])
+        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
+        if cutlass.const_expr(self.varlen):
+            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
+        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
 
-    def work(self, mQ, seqlen_k, num_splits, tile=None):
-        """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`; None:
-        this CTA's one tile); split is None without split-KV (`fa4lab.kernels.device.split`)."""
+    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
+        """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
+        tile table's with varlen; None: this CTA's one tile); split is None without split-KV
+        (`fa4lab.kernels.device.split`)."""
         splits = num_splits if cutlass.const_expr(self.split_kv) else 1
         m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                                     self.bytes_per_key, tile, splits)
+                                                     self.bytes_per_key, tile, splits,
+                                                     varlen[4])
         if cutlass.const_expr(not self.split_kv):
             return m_block, head, batch, None
         head, split = split_mod.split_of(head, num_splits)
         return m_block, head, batch, split
 
+    # Note [sm100 varlen]
+    # The sm90 kernel's scheme (Note [sm90 varlen] in fwd_sm90.py) in the warp-specialised
+    # kernel: every role looks its tile up (the tile table: Note [varlen tile table]) and reads
+    # its sequence (`seqlen.of_launch`) itself, in its own branch, so nothing new lives across
+    # setmaxnreg (Note [role branches]). The load shifts Q, K and V to the sequence's first
+    # rows; the MMA and softmax roles walk the sequence's own blocks and masks; the correction
+    # writes LSE at the sequence's rows; the epilogue warp stores O row by row from the SMEM
+    # staging, only the sequence's rows (Note [varlen rows past a sequence] in
+    # fa4lab.kernels.device.seqlen), instead of a TMA store. A sequence with no key visits no
+    # block: O = 0 and LSE -inf (or the sink), the empty tile's usual path.
+    #
+    # Note [sm100 varlen ping-pong loads]
+    # With one Q tile (head_dim 256) the load warp, at 48 registers, kept the K and V views'
+    # sequence offset live through its block loop, and ptxas spilled the kernel's SMEM base
+    # instead (40 spill instructions, 4 in the MMA warp's loop, measured on the compiled
+    # binary). There each K/V load rebuilds its view from the offset read again from
+    # cu_seqlens_k (`Sequence.reread_offset_k`: an L1 hit next to a TMA load): no spill.
+
+    def _tile(self, e):
+        """`e` with this CTA's one tile, looked up in the role's own branch with varlen: a
+        value loaded before the role branches would live across every role's setmaxnreg (Note
+        [role branches]; the MMA warp's 48 registers spilled). Persistent CTAs and padded
+        launches: `e` as it is."""
+        if self.persistent or not self.varlen:
+            return e
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, e["mQ"], e["seqlen_k"],
+                                                     self.cta_m, self.bytes_per_key, None,
+                                                     tile_table=e["varlen"][4])
+        return dict(e, m_block=m_block, head=head, batch=batch)
+
+    def _seq(self, e):
+        """The sequence of this CTA's one tile (`seqlen.of_launch`)."""
+        return seqlen.of_launch(e["batch"], e["seqlen_q"], e["seqlen_k"], e["varlen"])
+
+    def batch_index(self, batch):
+        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
+        return 0 if cutlass.const_expr(self.varlen) else batch
+
     @cute.jit
-    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, num_splits,
+    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
+                   num_splits,
                    kv_state):
         q_phase = Int32(1)   # q_empty starts released
-        first, stop, step = self.tiles(mQ, num_splits)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
-            visit = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
-                                    split, num_splits)
-            kv_state, q_phase = self.load(*args, m_block, head, batch, visit, kv_state, q_phase)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            visit = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                    mask_blocks, split, num_splits)
+            kv_state, q_phase = self.load(*args, m_block, head, batch, seq, visit, kv_state,
+                                          q_phase)
 
     @cute.jit
     def mma_tiles(self, args, tmem, pipes, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                  kv_state, num_splits):
+                  varlen, kv_state, num_splits):
         tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
         q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ, num_splits)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, _, _, split = self.work(mQ, seqlen_k, num_splits, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
-                                       split, num_splits)[0]
+            m_block, _, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                       mask_blocks, split, num_splits)[0]
             # Note [operand descriptors per tile]
             # The score and value MMAs' SMEM descriptors (one 64-bit value per K step, per Q
             # tile) do not change from tile to tile, so the compiler hoists them out of the tile
@@ -637,35 +728,38 @@ class FlashForwardSm100:
 
     @cute.jit
     def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
-                      aux, mask_blocks, left, right, num_splits):
+                      aux, mask_blocks, varlen, left, right, num_splits):
         s_phase, stats_phase = Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ, num_splits)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             s_phase, stats_phase = self.softmax(
-                stage, *args, m_block, seqlen_q, seqlen_k, *rest, head, batch, aux, mask_blocks,
-                left, right, s_phase, stats_phase, split, num_splits)
+                stage, *args, m_block, seq.seqlen_q, seq.seqlen_k, *rest, head, batch, aux,
+                mask_blocks, left, right, s_phase, stats_phase, split, num_splits)
 
     @cute.jit
-    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
+    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
                          scale_log2: Float32, stats_state, num_splits):
         o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
-        first, stop, step = self.tiles(mQ, num_splits)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, num_splits, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks,
-                                       split, num_splits)[0]
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                       mask_blocks, split, num_splits)[0]
             stats_state, o_phase, epi_phase = self.correction(
-                *args, m_block, head, batch, split, n_blocks, seqlen_q, scale_log2, stats_state,
-                o_phase, epi_phase)
+                *args, m_block, head, batch, split, n_blocks, (seqlen_q, seqlen_k, varlen),
+                scale_log2, stats_state, o_phase, epi_phase)
 
     @cute.jit
-    def epilogue_tiles(self, args, mQ, seqlen_k, num_splits):
+    def epilogue_tiles(self, args, mQ, seqlen_q, seqlen_k, varlen, num_splits):
         epi_phase = Int32(0)
-        first, stop, step = self.tiles(mQ, num_splits)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, _ = self.work(mQ, seqlen_k, num_splits, tile)
-            epi_phase = self.epilogue(*args, m_block, head, batch, epi_phase)
+            m_block, head, batch, _ = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            epi_phase = self.epilogue(*args, m_block, head, batch, seq, epi_phase)
 
     def _tmem_views(self, e, with_ptr: bool = False):
         """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
@@ -673,8 +767,8 @@ class FlashForwardSm100:
         views = self.tmem_tensors(e["thr_mma_qk"], e["thr_mma_pv"], e["tP_layout"], tmem_ptr)
         return (*views, tmem_ptr) if with_ptr else views
 
-    def _visit(self, e):
-        return self.visit_plan(e["m_block"], e["seqlen_q"], e["seqlen_k"], *e["window"],
+    def _visit(self, e, seq):
+        return self.visit_plan(e["m_block"], seq.seqlen_q, seq.seqlen_k, *e["window"],
                                e["mask_blocks"], e["split"], e["num_splits"])
 
     # Note [role branches]
@@ -789,29 +883,47 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, visit, kv_state, q_phase):
+             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, seq, visit, kv_state, q_phase):
         """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
         next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
         advanced (Note [pipeline states across tiles])."""
         n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
+        # Note [sm100 varlen]: the sequence's own rows (V is (d, s, h, b): its mode 1).
+        mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
+        b = self.batch_index(batch)
+        gQ = cute.local_tile(mQ[None, None, head, b], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch],
-                             cute.select(self.mma_tiler_qk, [1, 2]), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch],
-                             cute.select(self.mma_tiler_pv, [1, 2]), (0, None))
         no_mcast = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+
+        def kv_views(offset_k):
+            """(tKsK, tKgK, tVsV, tVgV) of the sequence whose keys start at packed row
+            offset_k."""
+            gK = cute.local_tile(seqlen.at_offset(mK, offset_k, self.varlen)[None, None,
+                                                                              head_kv, b],
+                                 cute.select(self.mma_tiler_qk, [1, 2]), (None, 0))
+            gV = cute.local_tile(seqlen.at_offset(mV, offset_k, self.varlen, mode=1)[
+                None, None, head_kv, b], cute.select(self.mma_tiler_pv, [1, 2]), (0, None))
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
+                cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
+                cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+            return tKsK, tKgK, tVsV, tVgV
+
+        tKsK, tKgK, tVsV, tVgV = kv_views(seq.offset_k)
         if cutlass.const_expr(self.ping_pong):
+            # With varlen each K/V load rebuilds its view from the sequence's offset, read
+            # again (Note [sm100 varlen ping-pong loads]).
+            views = None
+            if cutlass.const_expr(self.varlen):
+                views = lambda: kv_views(seq.reread_offset_k())  # noqa: E731
             self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
-                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit)
+                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, views)
         else:
             if n_blocks > 0:
                 for stage in cutlass.range_constexpr(self.q_stage):
@@ -850,7 +962,7 @@ class FlashForwardSm100:
 
     @cute.jit
     def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
-                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit):
+                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, views=None):
         """One Q tile: Q, K of step 0, then (K of step j + 1, V of step j) per step, then V of
         the last (the order the MMA warp reads them in: Note [S ping-pong])."""
         n_blocks, _, order = visit
@@ -865,12 +977,16 @@ class FlashForwardSm100:
                          scheduler.visit_block(0, *order), False)
             kv_state.advance()
             for i in cutlass.range(n_blocks - 1, unroll=1):
+                if cutlass.const_expr(views is not None):
+                    _, tKgK, _, tVgV = views()
                 self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
                              scheduler.visit_block(i + 1, *order), False)
                 kv_state.advance()
                 self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
                              scheduler.visit_block(i, *order), True)
                 kv_state.advance()
+            if cutlass.const_expr(views is not None):
+                _, tKgK, _, tVgV = views()
             self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
                          scheduler.visit_block(n_blocks - 1, *order), True)
 
@@ -1240,13 +1356,15 @@ class FlashForwardSm100:
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
                    pipe_epi, mOPartial, mLSEPartial, m_block, head, batch, split, n_blocks,
-                   seqlen_q, scale_log2: Float32, stats_state, o_phase, epi_phase):
+                   lengths, scale_log2: Float32, stats_state, o_phase, epi_phase):
         """One work tile: rescale O_i when a row max moved (per step), then O_i / row_sum ->
         sO (the sink in the sum: Note [sinks]), and LSE. Split-KV: O_i / row_sum (float32) and
         the LSE straight to the split's partials, no sink (`fa4lab.kernels.device.split`); the
         o_empty / o_staged hand-off with the epilogue warp stays, so the protocol is the
-        table's. Returns stats_state and the o_final and o_empty phases, advanced (Note
-        [pipeline states across tiles])."""
+        table's. `lengths` (the launch's seqlen_q, seqlen_k and varlen tuple) give the LSE's
+        rows: the sequence is read where LSE is stored, not kept live through the block loop.
+        Returns stats_state and the o_final and o_empty phases, advanced (Note [pipeline states
+        across tiles])."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -1292,6 +1410,7 @@ class FlashForwardSm100:
                        stage=stage)
             if cutlass.const_expr(self.split_kv):
                 mOP, mLP = split_mod.split_views(mOPartial, mLSEPartial, split)
+                seqlen_q = lengths[0]   # split-KV is not varlen: the launch's
                 self.correction_store_partial(thr_mma_pv, tOtO[stage], tidx, inv_sum,
                                               n_blocks > 0, mOP, row, head, batch, seqlen_q)
                 softmax_mod.store_lse(mLP, row, lse, head, batch, seqlen_q, self.pack)
@@ -1305,8 +1424,12 @@ class FlashForwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
+            # At the sequence's rows with varlen.
             if cutlass.const_expr(self.return_lse and not self.split_kv):
-                softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
+                seq = seqlen.of_launch(batch, *lengths)
+                softmax_mod.store_lse(seqlen.at_offset(mLSE, seq.offset_q, self.varlen), row,
+                                      lse, head, self.batch_index(batch), seq.seqlen_q,
+                                      self.pack)
         if n_blocks > 0:
             o_phase ^= 1
         return stats_state, o_phase, epi_phase ^ 1
@@ -1402,9 +1525,42 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: epilogue
     @cute.jit
-    def epilogue(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
+    def epilogue(self, tma_atom_O, mO, mO_rows, sO, pipe_epi, m_block, head, batch, seq,
+                 epi_phase):
         """TMA store of one work tile's normalised O tiles (rows past seqlen_q are clipped by
-        the TMA). Returns the o_staged phase, advanced (Note [pipeline states across tiles])."""
+        the TMA); with varlen, row by row into `mO_rows` (Note [sm100 varlen]). Returns the
+        o_staged phase, advanced (Note [pipeline states across tiles])."""
+        if cutlass.const_expr(self.varlen):
+            self.epilogue_rows(mO_rows, sO, pipe_epi, m_block, head, seq, epi_phase)
+        else:
+            self.epilogue_tma(tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase)
+        return epi_phase ^ 1
+
+    @cute.jit
+    def epilogue_rows(self, mO_rows, sO, pipe_epi, m_block, head, seq, epi_phase):
+        """The varlen store: each staged O tile's rows of the sequence, 16 bytes per lane."""
+        lane = cute.arch.lane_idx()
+        gO = cute.local_tile(seqlen.at_offset(mO_rows, seq.offset_q, True)[None, None, head, 0],
+                             self.epi_tile, (None, 0))
+        for stage in cutlass.range_constexpr(self.q_stage):
+            self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
+                       _phase_state(self.q_stage, stage, epi_phase), stage=stage)
+        for stage in cutlass.range_constexpr(self.q_stage):
+            tile = m_block * self.q_stage + stage
+            rows = seq.seqlen_q - tile * self.m_block
+            if rows > 0:   # a Q tile past the sequence's end stores nothing
+                # A loop, not unrolled: one warp at the epilogue's registers (plan.roles).
+                seqlen.store_rows(sO[None, None, stage], gO[None, None, tile], rows, lane, 32,
+                                  unroll=False)
+        cute.arch.sync_warp()   # every lane has read its rows of the staging tiles
+        for stage in cutlass.range_constexpr(self.q_stage):
+            with cute.arch.elect_one():
+                self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
+
+    @cute.jit
+    def epilogue_tma(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
+        """The TMA store of the staged O tiles."""
         gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
         tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                            cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
@@ -1421,7 +1577,6 @@ class FlashForwardSm100:
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
-        return epi_phase ^ 1
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,

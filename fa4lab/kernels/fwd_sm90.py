@@ -46,6 +46,10 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
   tile's range and stores its float32 partial O (normalised over its keys) and LSE straight
   from registers (`epilogue_split`) for the combine kernel; no sink (the combine adds it).
 
+Variable-length batches (spec.varlen, `fa4lab.attention_varlen`): packed q/k/v, one launch over
+the batch's real tiles in LPT order from a tile table, O and LSE stored row by row: Note [sm90
+varlen].
+
 Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal
 tiles run in FA4's LPT order, one CTA per tile; non-causal plans (but head_dim 256) run
 persistent CTAs, min(tiles, SMs), each looping over tiles c, c + gridDim.x, ... with the next
@@ -71,7 +75,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler, storage
+from fa4lab.kernels.device import scheduler, seqlen, storage
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.mods import ModRows, tile_rows
 from fa4lab.kernels.device.opaque import opaque_zero
@@ -233,6 +237,12 @@ class FlashForwardSm90:
         self.o_in_q = o_region.alias_of == "q"
         # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
         self.sites = Sites(plan, mutation)
+        # A variable-length batch (Note [sm90 varlen]): packed q/k/v, the tile table's tiles.
+        self.varlen = spec.varlen
+        if self.varlen and self.split_kv:
+            raise ValueError("split-KV does not compose with varlen yet: one or the other")
+        if self.varlen and self.pack_gqa:
+            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -251,6 +261,10 @@ class FlashForwardSm90:
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen only
+        mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
+        mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
         num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
         mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -259,11 +273,22 @@ class FlashForwardSm90:
         if const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
+        if const_expr(self.varlen != (mTileTable is not None)
+                      or self.varlen != (mCuSeqlensQ is not None)
+                      or self.varlen != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, cu_seqlens_k and its tile "
+                             "table, and only it does (Note [sm90 varlen])")
+        if const_expr(self.varlen and mask_blocks is not None):
+            raise ValueError("a varlen kernel takes no mask_mod block table")
         if const_expr(self.split_kv != (mOPartial is not None)
                       or self.split_kv != (mLSEPartial is not None)):
             raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
                              "and only it does")
         dtype = self.dtype = mQ.element_type
+        if const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
+            mQ, mK, mV, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mK, mV, mO)]
+            if const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total_q)
+                mLSE = seqlen.as_batch_of_one(mLSE)
         # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch).
         mQ, mK, mV, mO = [
             cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 3, 2, 0]))
@@ -314,14 +339,21 @@ class FlashForwardSm90:
         heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
         if const_expr(self.split_kv):   # the splits fold into the head axis
             heads = heads * num_splits
-        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
-                                    self.num_ctas if const_expr(self.persistent) else None)
+        if const_expr(self.varlen):   # Note [varlen tile table] in ...device.scheduler
+            tiles = scheduler.varlen_num_tiles(mTileTable, heads)
+            grid = (cutlass.min(tiles, self.num_ctas) if const_expr(self.persistent) else tiles,
+                    1, 1)
+        else:
+            grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
+                                        cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                        self.num_ctas if const_expr(self.persistent) else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
             mSink, scale_log2, pre_scale, window_left, window_right, aux, mask_blocks, num_splits,
             mOPartial, mLSEPartial, sQ_layout, sK_layout, sV_layout, sO_layout,
+            (mO if const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+             mTileTable),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -350,6 +382,9 @@ class FlashForwardSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        # (mO (total_q, dv, heads_q, 1) or None, cu_seqlens_q, cu_seqlens_k, seqused_k, tile
+        # table): Note [sm90 varlen]; all None but seqused_k's when not varlen
+        varlen: tuple,
     ):
         self.sites.start()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -385,14 +420,14 @@ class FlashForwardSm90:
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                           (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
-                          window_right, mask_blocks, num_splits)
+                          window_right, mask_blocks, varlen, num_splits)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                          sO, (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
                          cute.size(mK.shape[0]), scale_log2, pre_scale, aux, mask_blocks,
-                         num_splits, mOPartial, mLSEPartial,
+                         varlen, num_splits, mOPartial, mLSEPartial,
                          *self.window(window_left, window_right))
         self.sites.finish()
 
@@ -482,26 +517,49 @@ class FlashForwardSm90:
         return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
     # ---- the tile loops: Note [sm90 persistent CTAs] in fa4lab.plan.sm90 ----
-    def tiles(self, mQ, num_splits):
+    def tiles(self, mQ, varlen, num_splits):
         """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
         (cutlass.range's arguments)."""
         splits = num_splits if const_expr(self.split_kv) else 1
-        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m, splits),
-                cute.arch.grid_dim()[0])
+        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
+        if const_expr(self.varlen):
+            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
+        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
 
-    def coords(self, mQ, seqlen_k, tile=None):
+    def coords(self, mQ, seqlen_k, varlen, tile=None):
         """(m_block, head, batch) of linear tile `tile`, or of this CTA's one tile (None)."""
         return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                     self.bytes_per_key, tile)
+                                     self.bytes_per_key, tile, tile_table=varlen[4])
 
-    def work(self, mQ, seqlen_k, num_splits, tile=None):
+    # Note [sm90 varlen]
+    # A variable-length batch (spec.varlen) comes packed: q, out (total_q, heads, d), k, v
+    # (total_k, heads_kv, d), LSE (heads_q, total_q). The kernel views each as a batch of one
+    # (`seqlen.as_batch_of_one`), so the TMA descriptors are the padded kernel's over the
+    # packed tensors; a tile (from the tile table: Note [varlen tile table]) reads its
+    # sequence's offsets and lengths (`seqlen.sequence`) and shifts its Q, K, V, O and LSE views
+    # to the sequence's first row (`seqlen.at_offset`); from there on positions, masks and block
+    # ranges are the sequence's own. O is not stored by TMA but row by row from the SMEM
+    # staging, and LSE row by row, both predicated on the sequence's seqlen_q: Note [varlen rows
+    # past a sequence] in fa4lab.kernels.device.seqlen. seqused_k works with or without varlen.
+
+    def sequence(self, batch, seqlen_q, seqlen_k, varlen):
+        """Sequence `batch`'s offsets and lengths (`seqlen.sequence`): the fixed sizes when
+        the launch has neither cu_seqlens nor seqused_k."""
+        return seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+
+    def batch_index(self, batch):
+        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
+        return 0 if const_expr(self.varlen) else batch
+
+    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
         """(m_block, head, batch, split) of linear tile `tile` (None: this CTA's one tile);
         split is None without split-KV (`fa4lab.kernels.device.split.split_of`)."""
         if const_expr(not self.split_kv):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            m_block, head, batch = self.coords(mQ, seqlen_k, varlen, tile)
             return m_block, head, batch, None
         m_block, head_split, batch = scheduler.tile_coords(
-            self.tile_order, mQ, seqlen_k, self.cta_m, self.bytes_per_key, tile, num_splits)
+            self.tile_order, mQ, seqlen_k, self.cta_m, self.bytes_per_key, tile, num_splits,
+            varlen[4])
         head, split = split_mod.split_of(head_split, num_splits)
         return m_block, head, batch, split
 
@@ -518,27 +576,30 @@ class FlashForwardSm90:
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, mask_blocks,
-             num_splits: Int32):
+             varlen, num_splits: Int32):
         """Producer warp: for each work tile, Q once, then K and V block by block in the visit
         order (`visit_plan`); a persistent CTA waits for q_empty before each tile's Q."""
         args = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars[0], pipeline_k,
-                pipeline_v, *self.window(window_left, window_right), mask_blocks, num_splits)
+                pipeline_v, *self.window(window_left, window_right), mask_blocks, varlen,
+                num_splits)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(1)   # q_empty starts released
-            first, stop, step = self.tiles(mQ, num_splits)
+            first, stop, step = self.tiles(mQ, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 self.sites("load", "wait q_empty", cute.arch.mbarrier_wait, mbars[1], q_phase,
                            stage=0)
                 q_phase = q_phase ^ 1
-                state = self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), num_splits,
-                                                        tile), state)
+                state = self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), varlen,
+                                                        num_splits, tile), state)
         else:
-            self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), num_splits), state)
+            self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), varlen, num_splits),
+                           state)
 
     @cute.jit
     def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
-                  pipeline_k, pipeline_v, left, right, mask_blocks, num_splits, coords, state):
+                  pipeline_k, pipeline_v, left, right, mask_blocks, varlen, num_splits, coords,
+                  state):
         """One work tile's loads; returns the K/V ring's next slot.
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
@@ -548,12 +609,16 @@ class FlashForwardSm90:
         m_block, head, batch, split = coords
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        seqlen_q, seqlen_k = self.seqlen_q_of(mQ), cute.size(mK.shape[0])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.m_block, self.head_dim),
+        seq = self.sequence(batch, self.seqlen_q_of(mQ), cute.size(mK.shape[0]), varlen)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
+        mK = seqlen.at_offset(mK, seq.offset_k, self.varlen)
+        mV = seqlen.at_offset(mV, seq.offset_k, self.varlen)
+        b = self.batch_index(batch)
+        gQ = cute.local_tile(mQ[None, None, head, b], (self.m_block, self.head_dim), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, b], (self.n_block, self.head_dim),
                              (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.n_block, self.head_dim),
-                             (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.n_block, self.head_dim_v),
+        gV = cute.local_tile(mV[None, None, head_kv, b], (self.n_block, self.head_dim_v),
                              (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
@@ -595,13 +660,13 @@ class FlashForwardSm90:
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
                 mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, num_splits: Int32,
-                mOPartial, mLSEPartial, left, right):
+                scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, varlen,
+                num_splits: Int32, mOPartial, mLSEPartial, left, right):
         """Consumer warpgroup: for each work tile, the key-block loop for its 64 query rows,
         then the epilogue. The ping-pong ring opens and closes once per CTA."""
         args = (tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO, mbars,
                 pipeline_k, pipeline_v, seqlen_q, seqlen_k, scale_log2, pre_scale, aux,
-                mask_blocks, num_splits, mOPartial, mLSEPartial, left, right)
+                mask_blocks, varlen, num_splits, mOPartial, mLSEPartial, left, right)
         wg = self._consumer_index()  # 0 .. q_stage-1
         if const_expr(self.pingpong):
             if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
@@ -609,7 +674,7 @@ class FlashForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(0)
-            first, stop, step = self.tiles(mO, num_splits)
+            first, stop, step = self.tiles(mO, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 state = self.consume_tile(*args, tile, state, q_phase)
                 q_phase = q_phase ^ 1
@@ -630,7 +695,7 @@ class FlashForwardSm90:
     @cute.jit
     def consume_tile(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                      sO, mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                     scale_log2: Float32, pre_scale: Float32, aux, mask_blocks,
+                     scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, varlen,
                      num_splits: Int32, mOPartial, mLSEPartial, left, right, tile, state,
                      q_phase: Int32):
         """One work tile (linear `tile` of a persistent CTA, None: the CTA's one tile) from the
@@ -638,7 +703,9 @@ class FlashForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
-        m_block, head, batch, split = self.work(mO, seqlen_k, num_splits, tile)
+        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
+        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
@@ -708,7 +775,7 @@ class FlashForwardSm90:
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch, split = self.work(mO, seqlen_k, num_splits, tile)
+        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         sinks = None
@@ -719,12 +786,18 @@ class FlashForwardSm90:
                 sinks[r] = sink_log2(mSink, m_offset + tScS_mn[r, 0][0], head, self.pack)
         inv_sum, lse = softmax.finalize(sinks)
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
+        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
         if const_expr(self.split_kv):
             self.epilogue_split(tiled_mma_pv, mOPartial, mLSEPartial, acc_O, lse, tScS_mn, wg,
-                                tidx % _WG, head, batch, split, m_offset, seqlen_q)
+                                tidx % _WG, head, batch, split, m_offset, seq.seqlen_q)
         else:
+            if const_expr(self.varlen):   # Note [sm90 varlen]: the sequence's own rows
+                mO = seqlen.at_offset(varlen[0], seq.offset_q, True)
+                if const_expr(mLSE is not None):
+                    mLSE = seqlen.at_offset(mLSE, seq.offset_q, True)
             self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
-                          tidx % _WG, m_block, head, batch, m_offset, seqlen_q)
+                          tidx % _WG, m_block, head, self.batch_index(batch), m_offset,
+                          seq.seqlen_q)
         state.advance()
         return state
 
@@ -880,19 +953,28 @@ class FlashForwardSm90:
         # Each consumer writes only its own slot; with O staged in Q's bytes that slot is the
         # Q tile only this consumer read, and its last score wgmma has completed.
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
-        # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
-        if tid // 32 == zero:
+        if const_expr(self.varlen):
+            # Row by row, only the sequence's own: Note [varlen rows past a sequence]. mO is
+            # the (rows, dv, heads, 1) tensor itself, from the sequence's first row.
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
-                                 (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.persistent):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                 (m_block * self.q_stage + wg, 0))
+            seqlen.store_rows(sO[None, None, wg], gO, seqlen_q - m_offset, tid, _WG)
+        else:
+            # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the
+            # store.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
+            if tid // 32 == zero:
+                gO = cute.local_tile(mO[None, None, head, batch],
+                                     (self.m_block, self.head_dim_v), (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.persistent):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def epilogue_split(self, tiled_mma_pv, mOPartial, mLSEPartial, acc_O, lse, tScS_mn, wg, tid,

@@ -70,46 +70,58 @@ def device_arch(index: int) -> str | None:
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
            softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-           persistent: bool | None = None, split_kv: bool = False) -> tuple:
+           persistent: bool | None = None, varlen: bool = False, split_kv: bool = False) -> tuple:
     """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
     on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
     the canonical spec of the key has no shape). causal and window_size in
     `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
-    sizes (Note [runtime window]). split_kv: the split-KV kernel (`fa4lab.splitkv`), whose
-    split count is a runtime value."""
-    g = q.shape[2] // k.shape[2]
-    packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
+    sizes (Note [runtime window]). `varlen`: q, k, v are packed (total, heads, d) tensors
+    (`forward_varlen`), planned without pack-GQA. split_kv: the split-KV kernel
+    (`fa4lab.splitkv`), whose split count is a runtime value."""
+    g = q.shape[-2] // k.shape[-2]
+    if varlen:
+        packed = False
+    else:
+        packed = (pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None
+                  else pack_gqa and g > 1)
     sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":
         from fa4lab.plan.sm90 import persistent_default
 
-        persistent = persistent_default(q.shape[3], v.shape[3], causal, q.shape[1], k.shape[1])
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), sides,
-            learnable_sink is not None, persistent, packed, bool(split_kv))
+        persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
+                                        k.shape[-3])
+    return (arch, q.shape[-1], v.shape[-1], q.dtype, causal, g, return_lse, bool(softcap), sides,
+            learnable_sink is not None, persistent, packed, bool(varlen),
+            bool(split_kv))
+
+
+# The launch key's fields read by name (`key_of`'s tuple).
+_PERSISTENT, _PACKED, _VARLEN, _SPLIT_KV = 10, 11, 12, 13
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
     (a window side's size included)."""
-    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _, _, split_kv = key
+    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink = key[:10]
     window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
                          return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
-                         learnable_sink=sink, split_kv=split_kv)
+                         learnable_sink=sink, varlen=key[_VARLEN], split_kv=key[_SPLIT_KV])
 
 
 def plan_of_key(key: tuple):
     """The plan of the kernel of `key`: its canonical spec with the key's switches."""
     from fa4lab.plan import plan_forward
 
-    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[11], persistent=key[10])
+    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[_PACKED],
+                        persistent=key[_PERSISTENT])
 
 
 def _build(key: tuple):
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan, config_name
 
-    arch, persistent, packed = key[0], key[10], key[11]
+    arch, persistent, packed = key[0], key[_PERSISTENT], key[_PACKED]
 
     def compile_default_plan():
         return compile_plan(plan_of_key(key))[1]
@@ -224,7 +236,8 @@ def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | N
     lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
     unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     fn(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
-       *window_args(window_size, sq, k.shape[1]), None, None, num_splits, out_p, lse_p)
+       *window_args(window_size, sq, k.shape[1]), None, None, None, None, None, None,
+       num_splits, out_p, lse_p)
     return out_p, lse_p
 
 
@@ -256,7 +269,43 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     score_mod = mods is not None and mods.score_mod is not None
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
        *window_args(window_size, sq, k.shape[1]), aux or None,
-       mask_blocks_for(key, mods, aux, q, k), 1, None, None)
+       mask_blocks_for(key, mods, aux, q, k), None, None, None, None, 1, None, None)
+    return out, lse
+
+
+def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch: str,
+                   causal: bool, softmax_scale, return_lse: bool, softcap: float = 0.0,
+                   window_size=(None, None), learnable_sink=None):
+    """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
+    on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
+    one launch over the batch's real tiles (Note [varlen tile table] in
+    fa4lab.kernels.device.scheduler). The key counts always go to the kernel as seqused_k
+    (cu_seqlens_k's differences when the caller gives none)."""
+    import torch
+
+    from fa4lab.varlen import varlen_tile_table
+
+    key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
+                 None, varlen=True)
+    fn = kernel_for(key)
+    cta_m, n_block, _ = cta_tiles(key)
+    max_q, max_k = max(lengths.seqlens_q, default=0), max(lengths.seqlens_k, default=0)
+    rows = varlen_tile_table(lengths.seqlens_q, lengths.seqlens_k, m_block_size=cta_m,
+                             n_block_size=n_block, causal=causal, window_size=window_size)
+    total_q, hq = q.shape[0], q.shape[1]
+    out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
+           else None)
+    if len(rows.table) == 0:      # every sequence is empty: nothing to launch
+        return out, lse
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
+        k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
+    table = torch.from_numpy(rows.table).to(q.device, non_blocking=True)
+    fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
+       *window_args(window_size, max_q, max_k), None, None, cu_seqlens_q, cu_seqlens_k,
+       seqused_k, table, 1, None, None)
     return out, lse
 
 
@@ -295,7 +344,7 @@ def compile_plan(plan, example):
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None, None, 1, None, None)
+           *window_args(window, sq, k.shape[1]), None, None, None, None, None, None, 1, None, None)
         return out
 
     return run, seconds
