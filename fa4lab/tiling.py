@@ -409,6 +409,27 @@ def n_block_left_masked_range(m_block: int, *, seqlen_q: int, seqlen_k: int,
     return n_min, left_end
 
 
+def block_counts(m_blocks, seqlen_q, seqlen_k, *, m_block_size: int, n_block_size: int,
+                 causal: bool, qhead_per_kvhead: int = 1, window_size=(None, None)):
+    """(unmasked, masked) key-block counts of tiles `m_blocks` (an int64 array) on sequences of
+    `seqlen_q` / `seqlen_k` query / key positions (ints, or int64 arrays one per tile: a varlen
+    batch's tiles at once), as int64 arrays: the three runs of `n_block_left_masked_range` and
+    `n_block_masked_range` (`block_range` and `mask_split` on numpy arrays), the masked count
+    holding both edges of a window. A tile whose rows see no key counts 0 and 0."""
+    m = np.asarray(m_blocks, dtype=np.int64)
+    sq = np.broadcast_to(np.asarray(seqlen_q, dtype=np.int64), m.shape)
+    sk = np.broadcast_to(np.asarray(seqlen_k, dtype=np.int64), m.shape)
+    left, right = effective_window(causal, window_size)
+    pos_lo, pos_hi = tile_positions(m, m_block_size, qhead_per_kvhead)
+    n_min, n_max = block_range(pos_lo, pos_hi, sq, sk, n_block_size, left, right,
+                               imin=np.minimum, imax=np.maximum)
+    left_end, mask_min = mask_split(pos_lo, pos_hi, n_min, n_max, sq, sk, n_block_size, left,
+                                    right, imin=np.minimum, imax=np.maximum)
+    unmasked = (mask_min - left_end).astype(np.int64)
+    masked = ((n_max - mask_min) + (left_end - n_min)).astype(np.int64)
+    return unmasked, masked
+
+
 # --------------------------------------------------------------------------- tile kinds
 
 
@@ -698,19 +719,12 @@ class Workload:
 
     def blocks_per_m_block(self) -> tuple[np.ndarray, np.ndarray]:
         """(unmasked, masked) K/V block counts per m_block (the same for every batch, head);
-        masked counts both edges of a sliding window."""
-        unmasked = np.zeros(self.num_m_blocks, dtype=np.int64)
-        masked = np.zeros(self.num_m_blocks, dtype=np.int64)
-        kw = dict(seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k,
-                  m_block_size=self.m_block_size, n_block_size=self.n_block_size,
-                  causal=self.causal, qhead_per_kvhead=self.qhead_per_kvhead,
-                  window_size=self.window_size)
-        for m in range(self.num_m_blocks):
-            n_min, n_left_end = n_block_left_masked_range(m, **kw)
-            n_mask_min, n_max = n_block_masked_range(m, **kw)
-            unmasked[m] = n_mask_min - n_left_end
-            masked[m] = (n_max - n_mask_min) + (n_left_end - n_min)
-        return unmasked, masked
+        masked counts both edges of a sliding window (`block_counts`)."""
+        return block_counts(np.arange(self.num_m_blocks, dtype=np.int64), self.seqlen_q,
+                            self.seqlen_k, m_block_size=self.m_block_size,
+                            n_block_size=self.n_block_size, causal=self.causal,
+                            qhead_per_kvhead=self.qhead_per_kvhead,
+                            window_size=self.window_size)
 
     def tile_costs(self, cost: CostModel | None = None) -> np.ndarray:
         """Cost of each m_block's tile, shape (num_m_blocks,). See Note [tile cost model]."""

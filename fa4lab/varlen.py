@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fa4lab.errors import InputError, InputTypeError, check_same_device
-from fa4lab.tiling import CostModel, Workload, ceil_div, num_m_blocks
+from fa4lab.tiling import CostModel, Workload, block_counts, ceil_div, num_m_blocks
 
 __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_varlen", "gather_paged",
            "key_block_pages", "pack", "pad", "sequence_kv", "unpack", "varlen_tiles"]
@@ -326,29 +326,21 @@ def varlen_tile_table(seqlens_q, seqlens_k, *, m_block_size: int, n_block_size: 
         raise InputError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths: "
                          f"one of each per sequence")
     cost = cost or CostModel()
-    batch_idx, m_idx, unmasked_all, masked_all = [], [], [], []
-    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
-        lq, lk = int(lq), int(lk)
-        if lq == 0:
-            continue
-        if lk == 0:     # no key to visit: every tile only writes O = 0 and its LSE
-            unmasked = masked = np.zeros(num_m_blocks(lq, m_block_size, qhead_per_kvhead),
-                                         dtype=np.int64)
-        else:
-            work = Workload(batch=1, heads=1, seqlen_q=lq, seqlen_k=lk,
-                            m_block_size=m_block_size, n_block_size=n_block_size,
-                            causal=causal, qhead_per_kvhead=qhead_per_kvhead,
-                            window_size=window_size)
-            unmasked, masked = work.blocks_per_m_block()
-        batch_idx.append(np.full(len(unmasked), b, dtype=np.int64))
-        m_idx.append(np.arange(len(unmasked), dtype=np.int64))
-        unmasked_all.append(np.asarray(unmasked, dtype=np.int64))
-        masked_all.append(np.asarray(masked, dtype=np.int64))
-    if not batch_idx:
+    lq = np.asarray([int(n) for n in seqlens_q], dtype=np.int64)
+    lk = np.asarray([int(n) for n in seqlens_k], dtype=np.int64)
+    per_seq = -(-lq * qhead_per_kvhead // m_block_size)        # num_m_blocks, vectorised
+    if not per_seq.sum():
         empty = np.zeros(0, dtype=np.int64)
         return VarlenTileTable(np.zeros((0, 2), dtype=np.int32), empty.astype(np.float64), empty)
-    bs, ms = np.concatenate(batch_idx), np.concatenate(m_idx)
-    unmasked, masked = np.concatenate(unmasked_all), np.concatenate(masked_all)
+    bs = np.repeat(np.arange(len(lq), dtype=np.int64), per_seq)
+    ms = np.arange(len(bs), dtype=np.int64) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    # All the batch's tiles at once (`fa4lab.tiling.block_counts`); a sequence with no key
+    # visits no block: its tiles only write O = 0 and their LSE.
+    unmasked, masked = block_counts(ms, lq[bs], lk[bs], m_block_size=m_block_size,
+                                    n_block_size=n_block_size, causal=causal,
+                                    qhead_per_kvhead=qhead_per_kvhead, window_size=window_size)
+    no_key = lk[bs] == 0
+    unmasked, masked = np.where(no_key, 0, unmasked), np.where(no_key, 0, masked)
     costs = np.asarray(cost.tile_cost(unmasked, masked), dtype=np.float64)
     order = np.lexsort((ms, bs, -costs))
     table = np.stack([bs[order], ms[order]], axis=1).astype(np.int32)
