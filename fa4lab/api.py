@@ -45,6 +45,13 @@ an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) 
 ratio and LSE flag never compile twice, whatever the batch, sequence lengths or softmax scale
 (a runtime argument of the kernel).
 
+`page_table` (int32 (batch, pages_per_seq)) makes k and v a paged K/V cache (num_pages,
+page_size, heads_kv, d), `fa4lab.varlen`'s layout: sequence b's keys are its pages
+page_table[b, 0], page_table[b, 1], ..., pages_per_seq * page_size of them; q stays dense. The
+kernels read the pages in place (Note [paged key blocks] in `fa4lab.kernels.device.paged`: the
+page size must be a multiple of the kernel's key block or divide it); a new page table costs no
+compile, a new page size does. The reference gathers the sequences' K/V first.
+
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
 caches (`fa4lab.varlen`); until its kernel lands it runs `attention` once per sequence on CUDA.
 
@@ -95,13 +102,13 @@ def _grad_error() -> GradientNotSupportedError:
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-             score_mod=None, mask_mod=None, aux_tensors=None):
+             score_mod=None, mask_mod=None, aux_tensors=None, page_table=None):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink)
+                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     mods, aux = None, ()
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         from fa4lab.mods import check_mods
@@ -109,7 +116,13 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
         mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
     if arch is not None:
         return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
-                              softcap, window_size, learnable_sink, mods, aux)
+                              softcap, window_size, learnable_sink, mods, aux,
+                              page_table=page_table)
+    if page_table is not None:     # the reference reads each sequence's gathered K/V
+        from fa4lab.varlen import gather_paged, paged_seqlen_k
+
+        seqlens = [paged_seqlen_k(k, page_table)] * q.shape[0]
+        k, v = (torch.stack(gather_paged(x, page_table, seqlens)) for x in (k, v))
     out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                           window_size=window_size, learnable_sink=learnable_sink,
                           score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
@@ -118,11 +131,12 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
 
 @torch.compiler.disable
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                       window_size, learnable_sink, score_mod, mask_mod, aux_tensors):
+                       window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
+                       page_table=None):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
     custom op, so a call with mods is a graph break (Note [mods in the kernels])."""
     return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
-                    learnable_sink, score_mod, mask_mod, aux_tensors)
+                    learnable_sink, score_mod, mask_mod, aux_tensors, page_table)
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
@@ -131,11 +145,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       pack_gqa: bool | None, softcap: float, window_left: int | None = None,
                       window_right: int | None = None,
                       learnable_sink: torch.Tensor | None = None,
+                      page_table: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
-    window's sides are window_left / window_right (None = unbounded)."""
+    window's sides are window_left / window_right (None = unbounded); with page_table, k and v
+    are a paged cache."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                        (window_left, window_right), learnable_sink)
+                        (window_left, window_right), learnable_sink, page_table=page_table)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
@@ -143,8 +159,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_left=None, window_right=None, learnable_sink=None):
-    check_qkv_shapes(q, k, v)
+                            window_left=None, window_right=None, learnable_sink=None,
+                            page_table=None):
+    if page_table is None:    # a paged cache's shapes are checked with its table's values
+        check_qkv_shapes(q, k, v)
     normalize_mask(causal, (window_left, window_right))
     b, sq, hq, _ = q.shape
     lse_shape = (b, hq, sq) if return_lse else (0,)
@@ -171,10 +189,14 @@ def _intercepted(*tensors) -> bool:
 def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
               window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
               pack_gqa: bool | None = None, score_mod=None, mask_mod=None, aux_tensors=None,
-              return_lse: bool = False):
+              return_lse: bool = False, page_table=None):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
 
-    The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order."""
+    The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order; `page_table`
+    (int32 (batch, pages_per_seq)) makes k and v a paged cache (num_pages, page_size,
+    heads_kv, d) whose sequence b is its pages page_table[b, 0], page_table[b, 1], ... (every
+    sequence pages_per_seq * page_size keys; `fa4lab.varlen`'s layout, Note [paged key blocks]
+    in fa4lab.kernels.device.paged for the kernels' page sizes)."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
@@ -184,15 +206,15 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
                                       softcap, window_size, learnable_sink, score_mod, mask_mod,
-                                      aux_tensors)
-    elif _intercepted(q, k, v, learnable_sink):
+                                      aux_tensors, page_table)
+    elif _intercepted(q, k, v, learnable_sink, page_table):
         scale = None if softmax_scale is None else float(softmax_scale)
         causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
-                                     float(softcap), left, right, learnable_sink)
+                                     float(softcap), left, right, learnable_sink, page_table)
     else:
         out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_size, learnable_sink)
+                            window_size, learnable_sink, page_table=page_table)
     return (out, lse) if return_lse else out
 
 

@@ -45,7 +45,12 @@ MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL + EXTR
 OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (64, False, 1, False, "fp16", (("softcap", 5.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
-           (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True)))]
+           (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
+           # A paged K/V cache (Note [paged key blocks]): one TMA box per key block (pages of
+           # 128, 256) and a gather of two pages per block (64).
+           (128, True, 4, True, "bf16", (("page_size", 128),)),
+           (64, False, 1, False, "fp16", (("page_size", 256),)),
+           (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None))))]
 
 _compiled = {}
 

@@ -109,7 +109,7 @@ def target_arch(arch: str):
 
 def fake_args(spec: AttentionSpec, mods=None):
     """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks and the stream: the kernels' contract.
+    mask_blocks, page_table and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -119,7 +119,10 @@ def fake_args(spec: AttentionSpec, mods=None):
     runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
     window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
     any (`fa4lab.kernels.device.mods.fake_aux`); mask_blocks a mask_mod's block table, None
-    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling).
+    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling). With
+    `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
+    num_pages and page_table an int32 (batch, pages_per_seq) tensor (rows of any stride), else
+    None (Note [paged key blocks] in fa4lab.kernels.device.paged).
     """
     import cutlass
     import cutlass.cute as cute
@@ -132,8 +135,18 @@ def fake_args(spec: AttentionSpec, mods=None):
         strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
         return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
 
-    q, k = bshd(sq, hq, spec.head_dim), bshd(sk, hkv, spec.head_dim)
-    v, o = bshd(sk, hkv, spec.head_dim_v), bshd(sq, hq, spec.head_dim_v)
+    q, o = bshd(sq, hq, spec.head_dim), bshd(sq, hq, spec.head_dim_v)
+    page_table = None
+    if spec.page_size is None:
+        k, v = bshd(sk, hkv, spec.head_dim), bshd(sk, hkv, spec.head_dim_v)
+    else:
+        pages = cute.sym_int()
+        k, v = (make_fake_tensor(dtype, (pages, spec.page_size, hkv, d),
+                                 (*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
+                                 assumed_align=16)
+                for d in (spec.head_dim, spec.head_dim_v))
+        page_table = make_fake_tensor(cutlass.Int32, (b, cute.sym_int()), (cute.sym_int64(), 1),
+                                      assumed_align=4)
     lse = None
     if spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
@@ -148,7 +161,7 @@ def fake_args(spec: AttentionSpec, mods=None):
     left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
-            make_fake_stream(use_tvm_ffi_env_stream=True)]
+            page_table, make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
 def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
@@ -181,10 +194,10 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
 
     The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
-    window]), the aux tensors (a tuple, or None) and a mask_mod's block table (or None:
-    `fa4lab.mods_blocks.block_table`) and launches on the current stream (Note
-    [TVM-FFI launch]); it can be exported with `export_to_c`. `mods` (`fa4lab.mods.KernelMods`)
-    compiles a score_mod / mask_mod into the kernel.
+    window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
+    `fa4lab.mods_blocks.block_table`) and a paged cache's page table (or None), and launches
+    on the current stream (Note [TVM-FFI launch]); it can be exported with `export_to_c`.
+    `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the kernel.
     """
     import cutlass.cute as cute
 
@@ -259,7 +272,8 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     window = ("L" if left is not None else "") + ("R" if right is not None else "")
     return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
-            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else ""))
+            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
+            + (f"-page{s.page_size}" if s.page_size is not None else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:

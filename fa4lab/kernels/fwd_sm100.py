@@ -61,6 +61,8 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
 
 from __future__ import annotations
 
+from functools import partial
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -71,8 +73,9 @@ from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
+from fa4lab.errors import PlanError
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler, storage
+from fa4lab.kernels.device import paged, scheduler, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
@@ -83,6 +86,7 @@ from fa4lab.limits import kernel_builds, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_MAX_GATHER_PIECES = 2     # pages per key block of a paged gather (Note [paged key blocks])
 # The DSL pipelines over the protocol table's barriers: (full side, empty side).
 _PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
               "s": ("s_full", "p_ready"), "o": ("o_final", "o_rescaled"),
@@ -244,6 +248,20 @@ class FlashForwardSm100:
         self.v_acquire = {} if v_bytes == self.tx_bytes["kv_full"] else {"expected_tx": v_bytes}
         self.v_tx_bytes = v_bytes
         self.o_in_q = plan.smem.region("o").alias_of == "q"   # O staged in Q's bytes
+        # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
+        self.page_size = spec.page_size
+        if self.page_size is not None:
+            paged.check_page_size(self.page_size, self.n_block)
+        # Pages smaller than a key block: a gather of TMA boxes per block. More than
+        # _MAX_GATHER_PIECES pieces per block spill at the load role's registers (kernel-wide
+        # values of every role go to the stack: 4 instructions at 4 pieces, 62 at 8, hd128).
+        self.gather = self.page_size is not None and self.page_size < self.n_block
+        if self.gather and paged.pages_per_block(self.page_size, self.n_block) > \
+                _MAX_GATHER_PIECES:
+            raise PlanError(f"page_size={self.page_size}: the sm100 kernel gathers at most "
+                            f"{_MAX_GATHER_PIECES} pages per {self.n_block}-key block so far; "
+                            f"use pages of {self.n_block // _MAX_GATHER_PIECES} tokens or more "
+                            f"(the sm90 kernel takes {paged.MIN_GATHER_PAGE})")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -261,11 +279,16 @@ class FlashForwardSm100:
         window_right: Int32,  # side the plan's spec does not have is unused
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
-        stream: cuda.CUstream,            # block table] in fa4lab.tiling; else None
+                                          # block table] in fa4lab.tiling; else None
+        mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32 with a paged cache
+        stream: cuda.CUstream,
     ):
         if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
+        if cutlass.const_expr((self.page_size is not None) != (mPageTable is not None)):
+            raise ValueError("a paged kernel (spec.page_size) takes a page table, and only it "
+                             "does: see Note [paged key blocks] in fa4lab.kernels.device.paged")
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]
@@ -304,12 +327,22 @@ class FlashForwardSm100:
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_Q, tma_Q = _q_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
                                    cluster_vmnk.shape, self.pack)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
-            tiled_mma_qk, cluster_vmnk.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
-            tiled_mma_pv, cluster_vmnk.shape)
+        if cutlass.const_expr(self.gather):   # Note [paged key blocks]: boxes of one page
+            tma_atom_K, tma_K = paged.page_tma(
+                tma_load, mK, paged.plain(cute.select(sK_layout, mode=[0, 1, 2]), self.n_block,
+                                          self.head_dim), self.n_block, self.head_dim,
+                self.page_size)
+            tma_atom_V, tma_V = paged.page_tma(
+                tma_load, mV, paged.plain(cute.select(sV_layout, mode=[0, 1, 2]),
+                                          self.head_dim_v, self.n_block), self.n_block,
+                self.head_dim_v, self.page_size, keys_mode=1)
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
+                tiled_mma_qk, cluster_vmnk.shape)
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
+                tiled_mma_pv, cluster_vmnk.shape)
         if cutlass.const_expr(self.pack_gqa):
             tma_atom_O, tma_O = packed_tma(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
@@ -331,7 +364,7 @@ class FlashForwardSm100:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
-            aux, mask_blocks, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+            aux, mask_blocks, mPageTable, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -345,9 +378,9 @@ class FlashForwardSm100:
         # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
         mQ: cute.Tensor,  # TMA coordinates
         tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch)
+        mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch); paged (page_size, .., page)
         tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch)
+        mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch); paged (.., page_size, ..)
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
@@ -358,6 +391,7 @@ class FlashForwardSm100:
         window_right: Int32,
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32
+        mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
@@ -369,7 +403,7 @@ class FlashForwardSm100:
         seqlen_q = mQ.shape[0]
         if cutlass.const_expr(self.pack_gqa):
             seqlen_q = mQ.shape[0][1]
-        seqlen_k = mK.shape[0]
+        seqlen_k = self.seqlen_k_of(mK, mPageTable)
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
         m_block = head = batch = None   # persistent: each role's tile loop (`tiles`)
         if cutlass.const_expr(not self.persistent):
@@ -414,7 +448,7 @@ class FlashForwardSm100:
                    pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
                    pipe_epi=pipe_epi, m_block=m_block, head=head, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
-                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks)
+                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, mPageTable=mPageTable)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -470,7 +504,7 @@ class FlashForwardSm100:
         self.set_registers("load")
         args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
                 e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
-                e["pipe_kv"])
+                e["pipe_kv"], e["mPageTable"], e["seqlen_k"])
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
         if self.persistent:
@@ -548,6 +582,13 @@ class FlashForwardSm100:
         (cutlass.range's arguments)."""
         return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
                 cute.arch.grid_dim()[0])
+
+    def seqlen_k_of(self, mK, mPageTable):
+        """Keys of a sequence: mK's rows, or a paged launch's (`paged.seqlen_k`, the hook
+        where per-sequence key counts plug in)."""
+        if cutlass.const_expr(mPageTable is not None):
+            return paged.seqlen_k(mPageTable, self.page_size)
+        return mK.shape[0]
 
     def coords(self, mQ, seqlen_k, tile):
         """(m_block, head, batch) of linear tile `tile` (`fa4lab.tiling.tile_at`)."""
@@ -722,31 +763,46 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, visit, kv_state, q_phase):
+             sQ, sK, sV, pipe_q, pipe_kv, mPageTable, seqlen_k, m_block, head, batch, visit,
+             kv_state, q_phase):
         """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
         next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
-        advanced (Note [pipeline states across tiles])."""
+        advanced (Note [pipeline states across tiles]). With a paged cache a block's page is
+        read before its K slot is waited for, and its V copy reuses it."""
         n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch],
-                             cute.select(self.mma_tiler_qk, [1, 2]), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch],
-                             cute.select(self.mma_tiler_pv, [1, 2]), (0, None))
         no_mcast = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        if cutlass.const_expr(self.gather):
+            tKsK, tKgK = self.gather_partition(tma_atom_K, mK, sK, head_kv, self.head_dim, 0)
+            tVsV, tVgV = self.gather_partition(tma_atom_V, mV, sV, head_kv, self.head_dim_v, 1)
+        else:
+            # Paged: the key blocks of a page are its row blocks, and the page a last mode.
+            k_at, v_at, b = (None, 0), (0, None), batch
+            if cutlass.const_expr(mPageTable is not None):
+                k_at, v_at, b = (None, 0, None), (0, None, None), None
+            gK = cute.local_tile(mK[None, None, head_kv, b],
+                                 cute.select(self.mma_tiler_qk, [1, 2]), k_at)
+            gV = cute.local_tile(mV[None, None, head_kv, b],
+                                 cute.select(self.mma_tiler_pv, [1, 2]), v_at)
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
+                cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
+                cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
         if cutlass.const_expr(self.ping_pong):
             self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
-                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit)
+                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages)
         else:
             if n_blocks > 0:
+                n_first = scheduler.visit_block(0, *order)
+                page = pages(n_first)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = _phase_state(self.q_stage, stage, q_phase)
                     self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
@@ -756,36 +812,32 @@ class FlashForwardSm100:
                     if cutlass.const_expr(stage == 0):
                         self.sites("load", "wait kv_empty; expect_tx kv_full",
                                    pipe_kv.producer_acquire, kv_state)
-                        cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
-                                  tKsK[None, kv_state.index],
-                                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page, kv_state, pipe_kv)
                         kv_state.advance()
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                            kv_state, **self.v_acquire)
-                cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(0, *order)],
-                          tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                self.copy_kv(tma_atom_V, tVgV, tVsV, n_first, page, kv_state, pipe_kv)
                 kv_state.advance()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = scheduler.visit_block(i + 1, *order)
+                    page = pages(n)
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    self.copy_kv(tma_atom_K, tKgK, tKsK, n, page, kv_state, pipe_kv)
                     kv_state.advance()
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state, **self.v_acquire)
-                    cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    self.copy_kv(tma_atom_V, tVgV, tVsV, n, page, kv_state, pipe_kv)
                     kv_state.advance()
                 q_phase ^= 1
         return kv_state, q_phase
 
     @cute.jit
     def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
-                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit):
+                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages):
         """One Q tile: Q, K of step 0, then (K of step j + 1, V of step j) per step, then V of
-        the last (the order the MMA warp reads them in: Note [S ping-pong])."""
+        the last (the order the MMA warp reads them in: Note [S ping-pong]); `pages` (a block's
+        page, `block_pages`) is read once per block, its V reusing its K's."""
         n_blocks, _, order = visit
         if n_blocks > 0:
             q_state = _phase_state(1, 0, 1)
@@ -794,26 +846,64 @@ class FlashForwardSm100:
             cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, 0],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             # (kv_state advances here, in the loop body: the tracer carries it as a local.)
-            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
-                         scheduler.visit_block(0, *order), False)
+            n_first = scheduler.visit_block(0, *order)
+            page_k = pages(n_first)
+            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_first, page_k, False)
             kv_state.advance()
             for i in cutlass.range(n_blocks - 1, unroll=1):
-                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
-                             scheduler.visit_block(i + 1, *order), False)
+                n_next = scheduler.visit_block(i + 1, *order)
+                page_v = page_k
+                page_k = pages(n_next)
+                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_next, page_k, False)
                 kv_state.advance()
                 self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                             scheduler.visit_block(i, *order), True)
+                             scheduler.visit_block(i, *order), page_v, True)
                 kv_state.advance()
             self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                         scheduler.visit_block(n_blocks - 1, *order), True)
+                         scheduler.visit_block(n_blocks - 1, *order), page_k, True)
 
     @cute.jit
-    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, is_v: cutlass.Constexpr[bool]):
+    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, page: Int32,
+                is_v: cutlass.Constexpr[bool]):
         """TMA of K or V block n into kv_state's ring buffer."""
         self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                    kv_state, **(self.v_acquire if is_v else {}))
-        cute.copy(atom, gmem[None, n], smem[None, kv_state.index],
-                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        self.copy_kv(atom, gmem, smem, n, page, kv_state, pipe_kv)
+
+    def gather_partition(self, atom, mX, sX, head_kv, cols: int, keys_mode: int):
+        """(tXsX, tXgX) of a gather: SMEM ((TMA), piece, stage) over the plain view of the
+        MMA's operand stages, and the cache's ((TMA), row block, page)."""
+        n, k = (self.n_block, cols) if keys_mode == 0 else (cols, self.n_block)
+        sX_plain = cute.make_tensor(sX.iterator, paged.plain(sX.layout, n, k, self.kv_stage))
+        gX = paged.page_coords(mX, head_kv, self.n_block, cols, self.page_size, keys_mode)
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1),
+            paged.stage_pieces(sX_plain, self.n_block, cols, self.page_size, keys_mode),
+            cute.group_modes(gX, 0, 2))
+
+    @cute.jit
+    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32):
+        """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
+        if cutlass.const_expr(mPageTable is None):
+            return Int32(0)
+        num_slots = (seqlen_k + (self.page_size - 1)) // self.page_size
+        return paged.read_pages(mPageTable, batch, n_block, num_slots, self.page_size,
+                                self.n_block)
+
+    @cute.jit
+    def copy_kv(self, atom, gmem, smem, n, page: Int32, kv_state, pipe_kv):
+        """The TMA of K or V block n into kv_state's buffer, on its kv_full barrier: one box at
+        block n, or paged at (row block, page) (Note [paged key blocks])."""
+        barrier = pipe_kv.producer_get_barrier(kv_state)
+        if cutlass.const_expr(self.page_size is None):
+            cute.copy(atom, gmem[None, n], smem[None, kv_state.index], tma_bar_ptr=barrier)
+        elif cutlass.const_expr(self.gather):
+            paged.copy_block(atom, gmem, smem, n, page, kv_state.index, barrier, self.page_size,
+                             self.n_block)
+        else:
+            _, row_block, _ = paged.block_reads(n, self.page_size, self.n_block)[0]
+            cute.copy(atom, gmem[None, row_block, page], smem[None, kv_state.index],
+                      tma_bar_ptr=barrier)
 
     # ------------------------------------------------------------------ role: mma
     @cute.jit
@@ -1293,7 +1383,7 @@ class FlashForwardSm100:
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                     pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                    score_mod=None, mask_mod=None, aux_tensors=None):
+                    score_mod=None, mask_mod=None, aux_tensors=None, page_table=None):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
@@ -1303,12 +1393,14 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
     kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
-    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) as in
-    `fa4lab.attention`.
+    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) and `page_table`
+    (a paged K/V cache, Note [paged key blocks]; pages of a multiple of the key block, or of
+    half of it, so far; compiled and audited only) as in `fa4lab.attention`.
     """
     from fa4lab.kernels.launch import attention_on
 
     return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
-                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        page_table=page_table)

@@ -9,10 +9,11 @@ checked once, by `fa4lab.spec.check_inputs`, before this is reached.
 On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
 compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
 kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
-pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes
--- and never on batch, sequence lengths, head counts, the softmax scale, the cap's value, the
-window's sizes or the sink's values, which are runtime values (Note [runtime scale] and Note
-[runtime window] in `fa4lab.kernels.compile`).
+pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes,
+the page size of a paged K/V cache -- and never on batch, sequence lengths, head counts, the
+softmax scale, the cap's value, the window's sizes, the sink's values or the page table, which
+are runtime values (Note [runtime scale] and Note [runtime window] in
+`fa4lab.kernels.compile`).
 
 With a score_mod / mask_mod (`fa4lab.mods`) the key also holds the mods' identity, and the
 kernel is compiled in this process, never read from or written to disk (Note [mods in the
@@ -65,45 +66,58 @@ def device_arch(index: int) -> str | None:
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
            softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-           persistent: bool | None = None) -> tuple:
+           persistent: bool | None = None, page_table=None) -> tuple:
     """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
     on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
     the canonical spec of the key has no shape). causal and window_size in
     `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
-    sizes (Note [runtime window])."""
+    sizes (Note [runtime window]). With a page_table, k and v are the paged cache and the key
+    ends with its page size (None without)."""
     g = q.shape[2] // k.shape[2]
+    page_size = None if page_table is None else k.shape[1]
     packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
     sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":
         from fa4lab.plan.sm90 import persistent_default
 
-        persistent = persistent_default(q.shape[3], v.shape[3], causal, q.shape[1], k.shape[1])
+        persistent = persistent_default(q.shape[3], v.shape[3], causal, q.shape[1],
+                                        _seqlen_k(k, page_table))
     return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), sides,
-            learnable_sink is not None, persistent, packed)
+            learnable_sink is not None, persistent, packed, page_size)
+
+
+def _seqlen_k(k, page_table) -> int:
+    """Keys per sequence: k's, or a paged cache's (`fa4lab.varlen.paged_seqlen_k`)."""
+    if page_table is None:
+        return k.shape[1]
+    from fa4lab.varlen import paged_seqlen_k
+
+    return paged_seqlen_k(k, page_table)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
     (a window side's size included)."""
-    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _, _ = key
+    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _, _, page_size = key
     window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
                          return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
-                         learnable_sink=sink)
+                         learnable_sink=sink, page_size=page_size)
 
 
 def plan_of_key(key: tuple):
     """The plan of the kernel of `key`: its canonical spec with the key's switches."""
     from fa4lab.plan import plan_forward
 
-    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[-1], persistent=key[-2])
+    arch, persistent, packed = key[0], key[10], key[11]
+    return plan_forward(spec_of_key(key), arch=arch, pack_gqa=packed, persistent=persistent)
 
 
 def _build(key: tuple):
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan, config_name
 
-    arch, persistent, packed = key[0], key[-2], key[-1]
+    arch, persistent, packed = key[0], key[10], key[11]
 
     def compile_default_plan():
         return compile_plan(plan_of_key(key))[1]
@@ -166,22 +180,25 @@ def kernel_for(key: tuple, mods=None):
 
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
             pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
-            learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None):
+            learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None,
+            page_table=None):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
     and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
-    `fa4lab.mods.check_mods` (or None and ())."""
+    `fa4lab.mods.check_mods` (or None and ()); k, v a paged cache with `page_table`."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                 learnable_sink, persistent)
+                 learnable_sink, persistent, page_table)
+    if page_table is not None:
+        check_paged_call(key, mods)
     fn = kernel_for(key, mods)
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
     score_mod = mods is not None and mods.score_mod is not None
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
-       *window_args(window_size, sq, k.shape[1]), aux or None,
-       mask_blocks_for(key, mods, aux, q, k))
+       *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
+       mask_blocks_for(key, mods, aux, q, k), page_table)
     return out, lse
 
 
@@ -220,10 +237,24 @@ def compile_plan(plan, example):
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None, None)
+           *window_args(window, sq, k.shape[1]), None, None, None)
         return out
 
     return run, seconds
+
+
+def check_paged_call(key: tuple, mods) -> None:
+    """Before a paged launch (key's page size not None): no mods (their block table and key
+    indices assume contiguous K/V) and a page size the kernel's key blocks take
+    (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
+    from fa4lab.errors import InputError
+    from fa4lab.kernels.device.paged import check_page_size
+
+    if mods:
+        raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
+                         "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
+                         "on contiguous tensors")
+    check_page_size(key[12], cta_tiles(key)[1])
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",
@@ -234,10 +265,11 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                  pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                 score_mod=None, mask_mod=None, aux_tensors=None, persistent=None):
+                 score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
+                 page_table=None):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse).
     `persistent` None: the plan's choice for the shape; True / False force it (PlanError where
-    the plan cannot be persistent)."""
+    the plan cannot be persistent). With `page_table`, k and v are a paged cache."""
     import torch
 
     from fa4lab.errors import UnsupportedArchError
@@ -258,11 +290,11 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink)
+                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     from fa4lab.mods import check_mods
 
     mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
     out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
                        float(softcap), window_size, learnable_sink, mods if mods else None, aux,
-                       persistent)
+                       persistent, page_table)
     return (out, lse) if return_lse else out
