@@ -16,6 +16,7 @@ from fa4lab.bench import (
     FEATURES,
     HOST_OVERHEAD,
     NEIGHBOURS,
+    SERVING,
     decode_results_of,
     feature_results_of,
     format_decode_table,
@@ -26,6 +27,7 @@ from fa4lab.bench import (
     load_record,
     load_records,
     results_of,
+    serving_results_of,
 )
 
 
@@ -36,6 +38,10 @@ def table_of(rec: dict) -> str:
         return format_decode_table(decode_results_of(rec), hbm_gbps=rec["hbm_gbps"])
     if rec["kind"] == FEATURES:
         return format_features_table(feature_results_of(rec))
+    if rec["kind"] == SERVING:
+        from fa4lab.bench.serving_cli import format_serving_table
+
+        return format_serving_table(serving_results_of(rec), hbm_gbps=rec["hbm_gbps"])
     if rec["kind"] == NEIGHBOURS:
         from fa4lab.bench.neighbours import format_neighbours_table
 

@@ -178,6 +178,13 @@ class AttentionSpec:
     causal and window_size are stored in one form per mask (see Note [window and causal]):
     `effective_window` is the (left, right) in effect and `has_mask` says whether it hides any
     key. learnable_sink says whether a (heads_q,) float32 sink tensor comes with the call.
+    varlen: a variable-length batch (`fa4lab.varlen`'s packed layout: q (total_q, heads_q, d),
+    k / v (total_k, heads_kv, d) with int32 cu_seqlens); `batch` is then the number of
+    sequences and seqlen_q / seqlen_k the longest ones (max_seqlen_q / max_seqlen_k), the sizes
+    a plan is made for.
+    split_kv: the kernel writes each split's partial output and LSE (float32) for a combine
+    step instead of the output (`fa4lab.splitkv`: the split count is a runtime value, and a
+    split kernel leaves the sink to the combine).
     page_size P says K/V come as a paged cache of P-token pages with a page table (seqlen_k is
     then the keys of each sequence); None: contiguous (batch, seqlen_k, heads_kv, d) K/V.
     """
@@ -196,8 +203,10 @@ class AttentionSpec:
     window_size: tuple[int | None, int | None] = (None, None)
     softcap: float = 0.0
     learnable_sink: bool = False
+    varlen: bool = False
     # Tokens per page of a paged K/V cache (`fa4lab.varlen`'s layout), None for contiguous K/V.
     page_size: int | None = None
+    split_kv: bool = False
     # filled in by __post_init__
     qhead_per_kvhead: int = field(init=False)
 
@@ -218,9 +227,17 @@ class AttentionSpec:
                             f"(heads_q,) float32 sink tensor comes with the call (the tensor "
                             f"itself goes to the call, or to AttentionSpec.from_tensors)")
         object.__setattr__(self, "learnable_sink", bool(self.learnable_sink))
+        if not isinstance(self.split_kv, (bool, np.bool_)):
+            raise TypeError(f"split_kv is a flag in AttentionSpec, got "
+                            f"{type(self.split_kv).__name__}: True for the split-KV kernel "
+                            f"(the split count is a call's num_splits)")
+        object.__setattr__(self, "split_kv", bool(self.split_kv))
         object.__setattr__(self, "return_lse", bool(self.return_lse))
         if self.page_size is not None:
             object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
+        if not isinstance(self.varlen, (bool, np.bool_)):
+            raise TypeError(f"varlen is a flag in AttentionSpec, got {self.varlen!r}")
+        object.__setattr__(self, "varlen", bool(self.varlen))
         if self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}: with GQA "

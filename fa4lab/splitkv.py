@@ -9,7 +9,8 @@ rule of notebook 01 (`fa4lab.online_softmax.merge_out_lse`, Note [merge rule]): 
 merge as two online-softmax states over disjoint key sets, applied num_splits - 1 times.
 
 What is here (CPU or GPU tensors):
-- `split_blocks`: each split's half-open key-block range, balanced;
+- `split_blocks` / `split_range`: each split's half-open key-block range, balanced (the one
+  rule, for ints and the kernels' Int32);
 - `partial_attention_reference`: the float64 partial outputs and LSEs a split kernel must write;
 - `combine`: the N-way merge (any float dtype in, float32 math, float64 kept as float64); float32
   partials on an sm90 / sm100 GPU go to the combine kernel (`fa4lab.kernels.combine`);
@@ -32,8 +33,8 @@ from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import ceil_div, num_m_blocks, num_n_blocks
 
 __all__ = ["MAX_SPLITS", "MIN_BLOCKS_PER_SPLIT", "SPLIT_EFFICIENCY_SLACK", "SPLIT_FILL_FRACTION",
-           "choose_num_splits", "combine", "partial_attention_reference", "split_blocks",
-           "wave_efficiency"]
+           "check_num_splits", "choose_num_splits", "combine", "partial_attention_reference",
+           "split_blocks", "split_range", "wave_efficiency"]
 
 # Tuning knobs of `choose_num_splits` (Note [choosing num_splits]).
 SPLIT_FILL_FRACTION = 0.8       # a grid with this share of a wave of CTAs is not split
@@ -48,8 +49,36 @@ def _count(name: str, value, lowest: int) -> int:
     return int(value)
 
 
+def check_num_splits(num_splits) -> int | None:
+    """A call's num_splits: None (choose: `choose_num_splits`), 1 (no split) or n > 1 splits
+    of the key blocks (more splits than blocks leave the last ones empty)."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__"):
+        raise InputTypeError(f"num_splits must be None (choose for the shape) or an int >= 1, "
+                             f"got {type(num_splits).__name__} {num_splits!r}")
+    if int(num_splits) < 1:
+        raise InputError(f"num_splits must be >= 1 (1: no split-KV), got {int(num_splits)}; "
+                         f"pass None to let fa4lab choose for the shape")
+    return int(num_splits)
+
+
+def split_range(n_blocks, num_splits, split, *, imin=min):
+    """Split `split`'s HALF-OPEN key-block range (lo, hi) of [0, n_blocks): THE rule of
+    `split_blocks`, for ints or the kernels' DSL Int32 (`imin`: the DSL's min), so the split
+    kernels and the reference cut the key axis with the same arithmetic.
+
+    Split s starts after s whole shares of n_blocks // num_splits blocks and after one extra
+    block for each earlier split among the first n_blocks % num_splits."""
+    base = n_blocks // num_splits
+    extra = n_blocks - base * num_splits
+    return (split * base + imin(split, extra),
+            (split + 1) * base + imin(split + 1, extra))
+
+
 def split_blocks(n_blocks: int, num_splits: int) -> tuple[tuple[int, int], ...]:
-    """Each split's HALF-OPEN key-block range [lo, hi), in order, covering [0, n_blocks).
+    """Each split's HALF-OPEN key-block range [lo, hi), in order, covering [0, n_blocks)
+    (`split_range` of each split).
 
     Balanced: the first n_blocks % num_splits splits take one block more than the others, so
     no split is longer than ceil(n_blocks / num_splits) (upstream cuts ceil-sized chunks and
@@ -57,13 +86,7 @@ def split_blocks(n_blocks: int, num_splits: int) -> tuple[tuple[int, int], ...]:
     With num_splits > n_blocks the last splits are empty (lo == hi)."""
     n_blocks = _count("n_blocks", n_blocks, 0)
     num_splits = _count("num_splits", num_splits, 1)
-    base, extra = divmod(n_blocks, num_splits)
-    ranges, lo = [], 0
-    for s in range(num_splits):
-        hi = lo + base + (s < extra)
-        ranges.append((lo, hi))
-        lo = hi
-    return tuple(ranges)
+    return tuple(split_range(n_blocks, num_splits, s) for s in range(num_splits))
 
 
 def _keys_between(first: int, end: int):

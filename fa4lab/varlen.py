@@ -351,8 +351,60 @@ def sequence_kv(lengths: VarlenLengths, k, v, page_table=None) -> list[tuple]:
 # and orders them longest first (LPT) over the whole batch, not per sequence: the cost of a
 # tile is `tiling.CostModel`'s, from the key blocks `tiling`'s block-range functions give it
 # on its own sequence's (len_q, len_k) (Note [tile cost model]), so a long prefill's tiles
-# start before a batch of decodes' one-block tiles fill the gaps. Ties keep (batch, head,
-# m_block) order, so the query heads of one KV head run side by side (they share its K/V).
+# start before a batch of decodes' one-block tiles fill the gaps. A tile's cost does not depend
+# on its head, so the order is one of (batch, m_block) rows (`varlen_tile_table`, ties in
+# (batch, m_block) order) with the heads expanded innermost: the heads of one row run side by
+# side (they read the same sequence's K/V). The kernels launch from that table (Note [varlen
+# tile table] in fa4lab.kernels.device.scheduler); `varlen_tiles` lists the same tiles.
+
+
+@dataclass(frozen=True)
+class VarlenTileTable:
+    """The real tiles of a varlen launch as (batch, m_block) rows, LPT order (Note [varlen
+    tiles]): table (rows, 2) int32, the kernels' mTileTable; costs (rows,) each row's tile
+    cost (one head's), non-increasing; key_blocks (rows,) the key blocks each tile visits."""
+
+    table: np.ndarray
+    costs: np.ndarray
+    key_blocks: np.ndarray
+
+
+def varlen_tile_table(seqlens_q, seqlens_k, *, m_block_size: int, n_block_size: int,
+                      causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
+                      cost: CostModel | None = None) -> VarlenTileTable:
+    """The (batch, m_block) rows of a varlen launch's real tiles, longest first (Note [varlen
+    tiles]); `m_block_size` is the rows of one work tile (a CTA's)."""
+    if len(seqlens_q) != len(seqlens_k):
+        raise InputError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths: "
+                         f"one of each per sequence")
+    cost = cost or CostModel()
+    batch_idx, m_idx, unmasked_all, masked_all = [], [], [], []
+    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
+        lq, lk = int(lq), int(lk)
+        if lq == 0:
+            continue
+        if lk == 0:     # no key to visit: every tile only writes O = 0 and its LSE
+            unmasked = masked = np.zeros(num_m_blocks(lq, m_block_size, qhead_per_kvhead),
+                                         dtype=np.int64)
+        else:
+            work = Workload(batch=1, heads=1, seqlen_q=lq, seqlen_k=lk,
+                            m_block_size=m_block_size, n_block_size=n_block_size,
+                            causal=causal, qhead_per_kvhead=qhead_per_kvhead,
+                            window_size=window_size)
+            unmasked, masked = work.blocks_per_m_block()
+        batch_idx.append(np.full(len(unmasked), b, dtype=np.int64))
+        m_idx.append(np.arange(len(unmasked), dtype=np.int64))
+        unmasked_all.append(np.asarray(unmasked, dtype=np.int64))
+        masked_all.append(np.asarray(masked, dtype=np.int64))
+    if not batch_idx:
+        empty = np.zeros(0, dtype=np.int64)
+        return VarlenTileTable(np.zeros((0, 2), dtype=np.int32), empty.astype(np.float64), empty)
+    bs, ms = np.concatenate(batch_idx), np.concatenate(m_idx)
+    unmasked, masked = np.concatenate(unmasked_all), np.concatenate(masked_all)
+    costs = np.asarray(cost.tile_cost(unmasked, masked), dtype=np.float64)
+    order = np.lexsort((ms, bs, -costs))
+    table = np.stack([bs[order], ms[order]], axis=1).astype(np.int32)
+    return VarlenTileTable(table, costs[order], (unmasked + masked)[order])
 
 
 @dataclass(frozen=True)
@@ -381,38 +433,21 @@ class VarlenTiles:
 def varlen_tiles(seqlens_q, seqlens_k, *, heads: int, m_block_size: int, n_block_size: int,
                  causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
                  max_seqlen_q: int | None = None, cost: CostModel | None = None) -> VarlenTiles:
-    """The real tiles of a varlen launch, longest first (Note [varlen tiles]).
+    """The real tiles of a varlen launch, longest first (Note [varlen tiles]): the rows of
+    `varlen_tile_table` with each row's `heads` tiles next to each other, as a kernel runs
+    them (linear tile t is row t // heads, head t % heads).
 
     `heads` is the grid's head axis (heads_q, or heads_kv with pack-GQA and
     `qhead_per_kvhead` > 1 query heads folded into M). `max_seqlen_q` sizes the padded grid
     it is compared with (default: the longest sequence)."""
-    if len(seqlens_q) != len(seqlens_k):
-        raise InputError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths: "
-                         f"one of each per sequence")
-    cost = cost or CostModel()
-    rows, costs, blocks = [], [], []
-    for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)):
-        lq, lk = int(lq), int(lk)
-        if lq == 0:
-            continue
-        if lk == 0:     # no key to visit: every tile only writes O = 0 and its LSE
-            unmasked = masked = np.zeros(num_m_blocks(lq, m_block_size, qhead_per_kvhead),
-                                         dtype=np.int64)
-        else:
-            work = Workload(batch=1, heads=1, seqlen_q=lq, seqlen_k=lk,
-                            m_block_size=m_block_size, n_block_size=n_block_size,
-                            causal=causal, qhead_per_kvhead=qhead_per_kvhead,
-                            window_size=window_size)
-            unmasked, masked = work.blocks_per_m_block()
-        for m, (u, n_masked) in enumerate(zip(unmasked.tolist(), masked.tolist())):
-            for h in range(heads):
-                rows.append((b, h, m))
-                costs.append(cost.tile_cost(u, n_masked))
-                blocks.append(u + n_masked)
-    tiles = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    costs_arr = np.array(costs, dtype=np.float64)
-    order = np.lexsort((tiles[:, 2], tiles[:, 1], tiles[:, 0], -costs_arr)) if rows else \
-        np.zeros(0, dtype=np.int64)
+    rows = varlen_tile_table(seqlens_q, seqlens_k, m_block_size=m_block_size,
+                             n_block_size=n_block_size, causal=causal, window_size=window_size,
+                             qhead_per_kvhead=qhead_per_kvhead, cost=cost)
+    n = len(rows.table)
+    tiles = np.empty((n * heads, 3), dtype=np.int64)
+    tiles[:, 0] = np.repeat(rows.table[:, 0], heads)
+    tiles[:, 1] = np.tile(np.arange(heads, dtype=np.int64), n)
+    tiles[:, 2] = np.repeat(rows.table[:, 1], heads)
     longest = max((int(n) for n in seqlens_q), default=0)
     if max_seqlen_q is None:
         max_seqlen_q = longest
@@ -421,8 +456,8 @@ def varlen_tiles(seqlens_q, seqlens_k, *, heads: int, m_block_size: int, n_block
                          f"length {longest}")
     padded = len(seqlens_q) * heads * num_m_blocks(int(max_seqlen_q), m_block_size,
                                                    qhead_per_kvhead)
-    return VarlenTiles(tiles[order], costs_arr[order],
-                       np.array(blocks, dtype=np.int64)[order], padded)
+    return VarlenTiles(tiles, np.repeat(rows.costs, heads), np.repeat(rows.key_blocks, heads),
+                       padded)
 
 
 # --------------------------------------------------------------------------- pages and blocks

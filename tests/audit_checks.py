@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-def compile_and_audit(plan, arch: str, keep_dir, mods=None):
+def compile_and_audit(plan, arch: str, keep_dir, mods=None, seqused_k=None):
     """compile_forward + audit_compiled; every audit row must pass. Returns the compiled kernel.
     `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod in.
 
@@ -15,7 +15,7 @@ def compile_and_audit(plan, arch: str, keep_dir, mods=None):
     audit = pytest.importorskip("fa4lab.kernels.audit")
     from fa4lab.kernels import compile_forward
 
-    cf = compile_forward(plan, arch=arch, keep_dir=keep_dir, mods=mods)
+    cf = compile_forward(plan, arch=arch, keep_dir=keep_dir, mods=mods, seqused_k=seqused_k)
     assert cf.smem_bytes == plan.smem.total_bytes
     try:
         result = audit.audit_compiled(cf)

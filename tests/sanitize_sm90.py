@@ -7,10 +7,12 @@ causal and not, GQA with and without pack-GQA, key-length tails, and a fully mas
 (seqlen_q > seqlen_k, causal); a sliding window (the left-edge masked blocks, a window that
 leaves rows without a key) with a learnable sink, packed and not, and a mask_mod (every block
 masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) with several
-tiles per CTA, two and three consumers. Each output is also checked against the float64
-reference, so a
-run that the tool passes but that computes garbage still fails. Small sizes: under the tool
-every launch is slow.
+tiles per CTA, two and three consumers; split-KV (a packed GQA decode in three splits and
+their combine) and a variable-length batch (the tile table, the row-by-row O store; an empty
+and a length-1 sequence), and a paged decode (one launch, the page table read per key block,
+seqused_k ending inside a page, 0 included). Each output is also checked against the float64
+reference, so a run that the tool passes but that computes garbage still fails. Small sizes:
+under the tool every launch is slow.
 """
 
 from __future__ import annotations
@@ -81,7 +83,63 @@ def main() -> int:
         if not same_inf:
             return 1
         worst = max(worst, err, lse_err)
+    for name, err in (("split-KV decode, 3 splits", split_case()),
+                      ("varlen batch", varlen_case()),
+                      ("paged decode, pages of 16", paged_decode_case(16)),
+                      ("paged decode, pages of 128", paged_decode_case(128))):
+        print(f"{name}: max|out - ref| {err:.2e}", flush=True)
+        worst = max(worst, err)
     return 0 if worst < 2e-2 else 1
+
+
+def split_case() -> float:
+    """A GQA-8 decode (packed rows) in three splits (fa4lab.kernels.device.split), combined."""
+    q = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out = attention_sm90(q, k, v, num_splits=3, pack_gqa=True)
+    torch.cuda.synchronize()
+    ref = attention_reference(q.cpu(), k.cpu(), v.cpu())
+    return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
+
+
+def varlen_case() -> float:
+    """A causal varlen batch with an empty and a length-1 sequence (Note [sm90 varlen])."""
+    import fa4lab
+    from fa4lab.reference import attention_varlen_reference
+
+    lengths_q, lengths_k = [130, 0, 1, 257], [200, 64, 1, 140]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
+    out = fa4lab.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lengths_q),
+                                  max(lengths_k), causal=True)
+    torch.cuda.synchronize()
+    ref = attention_varlen_reference(q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, causal=True)
+    return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
+
+
+def paged_decode_case(page_size: int) -> float:
+    """A GQA-8 decode over a paged cache (Note [paged key blocks]): attention_varlen's one
+    paged launch, ragged seqused_k (inside a page, a page edge, 0), pages in random order."""
+    import fa4lab
+    from fa4lab.reference import attention_varlen_reference
+
+    used = torch.tensor([300, 0, page_size, 1], dtype=torch.int32)
+    pages = 384 // page_size
+    q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(4 * pages + 1, page_size, 2, 128, device="cuda",
+                                    dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(4 * pages + 1)[:4 * pages].view(4, pages).to(torch.int32)
+    cu_q = torch.arange(5, dtype=torch.int32)
+    out = fa4lab.attention_varlen(q, k_cache, v_cache, cu_q.cuda(), None, 1, 384,
+                                  seqused_k=used.cuda(), page_table=table.cuda())
+    torch.cuda.synchronize()
+    ref = attention_varlen_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, None,
+                                     seqused_k=used, page_table=table)
+    return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
 
 
 if __name__ == "__main__":

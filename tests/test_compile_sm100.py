@@ -41,7 +41,9 @@ SUBSET = [
 MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL + EXTRA_DIMS
 # The options beyond the matrix, each on two configurations: softcap (a cap value; its value is
 # a runtime argument, so one compile serves every cap); a sliding window (causal with a left
-# side; both sides) and a learnable sink (their values are runtime arguments too).
+# side; both sides) and a learnable sink (their values are runtime arguments too); split-KV
+# (its split count is a runtime argument); variable-length batches (packed q/k/v, the tile
+# table, O stored row by row).
 OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (64, False, 1, False, "fp16", (("softcap", 5.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
@@ -50,7 +52,14 @@ OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            # 128, 256) and a gather of two pages per block (64).
            (128, True, 4, True, "bf16", (("page_size", 128),)),
            (64, False, 1, False, "fp16", (("page_size", 256),)),
-           (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None))))]
+           (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None)))),
+           # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
+           (128, False, 8, False, "bf16", (("split_kv", True),)),
+           (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True))),
+           # varlen (Note [sm100 varlen]): persistent and causal; a window; one Q tile
+           (128, True, 4, True, "bf16", (("varlen", True),)),
+           (64, False, 1, False, "fp16", (("varlen", True), ("window_size", (37, 12)))),
+           (256, True, 1, True, "bf16", (("varlen", True), ("learnable_sink", True)))]
 
 _compiled = {}
 
@@ -108,6 +117,25 @@ def test_one_q_tile_plan_compiles_and_passes_audit(tmp_path_factory):
                          for r in result.failures())
     assert result.ok, failures
     assert result.row("spill instructions (STL/LDL)").found == 0
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_split_kv_pack_gqa_compiles_and_passes_audit(tmp_path_factory):
+    """The decode shape's kernel: split-KV with pack-GQA 8 (non-causal, persistent), the same
+    audit; the correction warps store the float32 partials in 16-byte vectors and the epilogue
+    warp issues no TMA store."""
+    from fa4lab.kernels import compile_forward
+
+    spec = _spec(128, False, 8, False, "bf16", (("split_kv", True),))
+    cf = compile_forward(plan_forward(spec, arch="sm100", pack_gqa=True), arch="sm100a",
+                         keep_dir=tmp_path_factory.mktemp("sm100split"))
+    result = audit_mod.audit_compiled(cf)
+    failures = "\n".join(f"{r.name}: expected {r.expected}, found {r.found}"
+                         for r in result.failures())
+    assert result.ok, failures
+    assert result.row("spill instructions (STL/LDL)").found == 0
+    assert "st.global.v4" in cf.ptx and "cp.async.bulk.tensor.4d.global.shared" not in cf.ptx
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Paged K/V caches on the CPU: the kernels' block -> page mapping against
 `fa4lab.varlen.key_block_pages`, the page sizes a kernel takes, the checks and the reference
-path of `fa4lab.attention(q, k_cache, v_cache, page_table=...)`, and the launch key.
+path of `fa4lab.attention(q, k_cache, v_cache, page_table=...)`, the launch key, and the
+batch view of `fa4lab.attention_varlen`'s one paged decode launch.
 (The kernels themselves: tests/test_sm90_compile.py, tests/test_compile_sm100.py on the CPU,
-tests/test_paged_gpu.py on an H200.)"""
+tests/test_paged_gpu.py and tests/test_paged_decode_gpu.py on an H200.)"""
 
 from __future__ import annotations
 
@@ -173,7 +174,7 @@ def test_the_op_takes_a_page_table():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowReferenceWarning)
         out, lse = torch.ops.fa4lab.attention_forward(q, kc, vc, True, None, True, None, 0.0,
-                                                      None, None, None, table)
+                                                      None, None, None, None, table)
         want, want_lse = fa4lab.attention(q, kc, vc, page_table=table, causal=True,
                                           return_lse=True)
     torch.testing.assert_close(out, want)
@@ -181,5 +182,48 @@ def test_the_op_takes_a_page_table():
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (q, kc, vc, table)]
         out, lse = torch.ops.fa4lab.attention_forward(*fake[:3], False, None, True, None, 0.0,
-                                                      None, None, None, fake[3])
+                                                      None, None, None, None, fake[3])
     assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
+    """attention_varlen's one paged launch for L queries per sequence (`_paged_same_length`):
+    packed q viewed as (batch, L, heads, d) and the launch's out / lse put back in varlen form
+    are the varlen reference, seqused_k reaching the launch. The launch is stood in for by the
+    float64 reference on each sequence's first seqused_k keys (the kernel's contract)."""
+    from fa4lab import api
+    from fa4lab.kernels import launch
+    from fa4lab.reference import attention_reference, attention_varlen_reference
+    from fa4lab.varlen import check_varlen
+
+    q4, kc, vc, table = _paged(batch=3, sq=L, pages=3, seed=9 + L)
+    q = q4.reshape(-1, *q4.shape[2:])
+    cu_q = (torch.arange(4) * L).to(torch.int32)
+    used = torch.tensor([40, 0, 17], dtype=torch.int32)
+
+    def forward(q_b, k_cache, v_cache, arch, causal, scale, return_lse, pack_gqa, softcap,
+                window_size, sink, page_table=None, seqused_k=None):
+        assert q_b.shape == q4.shape and page_table is table and seqused_k is used
+        outs, lses = [], []
+        for b, (k, v) in enumerate(zip(gather_paged(k_cache, page_table, used.tolist()),
+                                       gather_paged(v_cache, page_table, used.tolist()))):
+            if k.shape[0] == 0:     # no key: the kernel's 0 and -inf
+                outs.append(torch.zeros_like(q_b[b:b + 1], dtype=torch.float64))
+                lses.append(torch.full((1, q_b.shape[2], L), -float("inf"), dtype=torch.float64))
+                continue
+            o, lse = attention_reference(q_b[b:b + 1], k[None], v[None], causal=causal,
+                                         window_size=window_size, return_lse=True)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    lengths = check_varlen(q, kc, vc, cu_q, None, L, None, used, table)
+    options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
+                   learnable_sink=None)
+    out, lse = api._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
+                                                page_table=table, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)

@@ -11,8 +11,7 @@ page size, mask kind, pack-GQA) is one compile):
   its slots past the last page);
 * causal, a window, softcap, a learnable sink; extreme logits;
 * decode: seqlen_q 1 with GQA 8 packed (the shape the paged benchmark measures).
-Not here yet: a key count that ends inside a page (it needs seqused_k in the kernel, Note
-[paged key blocks] in fa4lab.kernels.device.paged).
+A key count that ends inside a page (seqused_k): tests/test_paged_decode_gpu.py.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ def test_sm100_defaults_are_fa4():
     assert (off["q"], off["kv"], off["o"]) == (0, 2 * 32768, 5 * 32768)
     bars = p.barrier_offsets()
     assert bars["q_full"] == off["barriers"] and bars["q_empty"] == off["barriers"] + 16
-    assert list(bars)[-1] == "o_empty" and bars["o_empty"] == off["barriers"] + 8 * 24
+    assert bars["o_empty"] == off["barriers"] + 8 * 24
+    # Note [split P hand-off]: p_part (one per Q tile) after the pipelines' barriers.
+    assert list(bars)[-1] == "p_part" and bars["p_part"] == bars["o_empty"] + 16
     # What the compiled kernel's mbarrier.init addresses read (hd128, bf16): q_full at 231424.
     assert off["barriers"] == 231424 and bars["o_empty"] == 231616
     assert p.barriers.barrier("tmem").arrive_count == 416   # bar.sync 1, 416: 13 warps

@@ -48,12 +48,27 @@ def test_dropped_wait_is_named(tmp_path_factory):
     from fa4lab.kernels.protocol import Mutation
 
     plan = plan_forward(SPEC, "sm100")
-    site = plan.protocol.sites("mma", 2)[13]
+    site = plan.protocol.sites("mma", 2)[14]
     assert (site.kind, site.barrier, site.stage) == ("wait", "o_rescaled", 1)
+    cf = _compile(Mutation("drop", "mma", 14), tmp_path_factory)
+    bad = _failures(cf.plan, cf.ptx)
+    assert [r.name for r in bad] == ["protocol: mma"]
+    assert "the table has wait o_rescaled[1]" in bad[0].note and "mma op 14" in bad[0].note
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_dropped_p_part_wait_is_named(tmp_path_factory):
+    """Note [split P hand-off]: a value MMA issued without waiting for the first part of P."""
+    from fa4lab.kernels.protocol import Mutation
+
+    plan = plan_forward(SPEC, "sm100")
+    site = plan.protocol.sites("mma", 2)[13]
+    assert (site.kind, site.barrier, site.stage) == ("wait", "p_part", 1)
     cf = _compile(Mutation("drop", "mma", 13), tmp_path_factory)
     bad = _failures(cf.plan, cf.ptx)
     assert [r.name for r in bad] == ["protocol: mma"]
-    assert "the table has wait o_rescaled[1]" in bad[0].note and "mma op 13" in bad[0].note
+    assert "the table has wait p_part[1]" in bad[0].note and "mma op 13" in bad[0].note
 
 
 @pytest.mark.slow
@@ -68,6 +83,23 @@ def test_swapped_arrives_are_named(tmp_path_factory):
     bad = _failures(cf.plan, cf.ptx)
     assert [r.name for r in bad] == ["protocol: epilogue"]
     assert ("epilogue op 2: the binary has arrive o_empty[1], the table has arrive o_empty[0]"
+            in bad[0].note)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_late_p_part_arrive_is_named(tmp_path_factory):
+    """Note [split P hand-off]: the softmax's p_part arrive issued after its p_ready arrive
+    (the first part handed over only with the whole of P)."""
+    from fa4lab.kernels.protocol import Mutation
+
+    plan = plan_forward(SPEC, "sm100")
+    first, second = plan.protocol.sites("softmax0", 2)[4:6]
+    assert (str(first), str(second)) == ("arrive p_part[0]", "arrive p_ready[0]")
+    cf = _compile(Mutation("swap", "softmax0", 4), tmp_path_factory)
+    bad = _failures(cf.plan, cf.ptx)
+    assert [r.name for r in bad] == ["protocol: softmax0"]
+    assert ("softmax0 op 4: the binary has arrive p_ready[0], the table has arrive p_part[0]"
             in bad[0].note)
 
 

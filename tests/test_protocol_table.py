@@ -35,7 +35,7 @@ def test_sm100_tile_counts_are_the_kernels(n, masked):
     assert kv == [f"{x}{j}" for j in range(n - 1, -1, -1) for x in "KV"]
     # The MMA's first score MMA reads the last block; the masked blocks come first.
     mmas = [op.label for op in progs["mma"] if isinstance(op, Issue)]
-    assert mmas[0] == f"S0=Q0K{n - 1}" and mmas[-1] == "O1+=P1V0"
+    assert mmas[0] == f"S0=Q0K{n - 1}" and mmas[-1].startswith("O1+=P1V0")
 
 
 def test_sm90_turns_leave_no_arrival():

@@ -136,6 +136,29 @@ def test_softcap_compiles_for_sm90a(head_dim, causal, tmp_path):
     assert "tanh.approx.f32" in cf.ptx_path.read_text()
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("options, pack_gqa", [
+    (dict(head_dim=128), True),                                   # decode: persistent, packed
+    (dict(head_dim=128, causal=True), True),                      # LPT order, packed
+    (dict(head_dim=64, causal=True, window_size=(100, 0)), False),  # the tightest registers
+    (dict(head_dim=256, window_size=(None, 40), softcap=5.0, learnable_sink=True), False),
+], ids=["hd128-full-packed", "hd128-causal-packed", "hd64-causal-left", "hd256-right-cap-sink"])
+def test_split_kv_compiles_for_sm90a(options, pack_gqa, tmp_path):
+    """The split-KV kernel (fa4lab.kernels.device.split): the same audit, no spills, the
+    protocol table unchanged; float32 partial stores in pairs (st.global.v2) and no TMA store
+    of O."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 300, 700, 8, 1, split_kv=True, **options)
+    cf = compile_and_audit(plan_forward(spec, "sm90", pack_gqa=pack_gqa), "sm90a", tmp_path)
+    ptx = cf.ptx_path.read_text()
+    assert cf.keep_dir.name.split("-packgqa")[0].endswith("-splitkv")
+    assert "st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared" not in ptx
+
+
 def _mod_configs():
     """One score_mod config (ALiBi, reading an aux tensor, after a softcap) and one mask_mod
     config (document ids), as `fa4lab.mods.KernelMods`."""

@@ -39,6 +39,7 @@ How to run:
     fa4lab bench --host-overhead       # host time per call, fa4lab / FA4 / SDPA
     fa4lab bench --decode              # GQA decode and prefill against the HBM floor
     fa4lab bench --features --plot f.png   # each attention option beside FA4 and PyTorch
+    fa4lab bench --serving             # varlen prefill, paged and split-KV decode
 
 The modules, one concept each:
 
@@ -52,6 +53,8 @@ The modules, one concept each:
     features        the attention options, their calls, visible FLOPs, the plan of a run
     pytorch_peers   SDPA with materialized masks and FlexAttention, per feature
     features_cli    `fa4lab bench --features`
+    serving         varlen prefill, paged decode and split-KV decode beside FA4 and PyTorch
+    serving_cli     `fa4lab bench --serving`: its table, bars and command
     records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
     table           TFLOP/s tables and fa4lab/peer ratios
     cli             `fa4lab bench ...`
@@ -152,6 +155,7 @@ from fa4lab.bench.records import (
     OK,
     RECORD_KINDS,
     SCHEMA,
+    SERVING,
     SKIPPED,
     STATUSES,
     DecodeResult,
@@ -159,6 +163,7 @@ from fa4lab.bench.records import (
     HostResult,
     NeighbourResult,
     Result,
+    ServingResult,
     decode_results_of,
     default_record_path,
     feature_results_of,
@@ -172,6 +177,7 @@ from fa4lab.bench.records import (
     recorded_tflops,
     results_of,
     save_record,
+    serving_results_of,
     validate_record,
     versions,
 )
@@ -241,4 +247,5 @@ __all__ = [
     "short_error", "simulated_tflops", "sweep", "time_ms", "timer_name", "to_bhsd",
     "validate_record", "versions",
     "NEIGHBOURS", "NeighbourResult", "neighbour_results_of",
+    "SERVING", "ServingResult", "serving_results_of",
 ]

@@ -1,10 +1,11 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-Five modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features` and
-`--neighbours` (`fa4lab.bench.neighbours`). On a GPU each checks, times and records; on a CPU
-it says so, prints what it would run and the latest recorded results, and exits 0. Bad
-arguments exit 2; `--strict` makes a provider that raised or failed its check exit 1; a
-`--features` run that outlives its step limit exits 3 (TIMEOUT_EXIT, Note [run time limits]).
+Six modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features`,
+`--neighbours` (`fa4lab.bench.neighbours`) and `--serving` (`fa4lab.bench.serving`). On a GPU
+each checks, times and records; on a CPU it says so, prints what it would run and the latest
+recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that raised or
+failed its check exit 1; a `--features` or `--serving` run that outlives its step limit exits 3
+(TIMEOUT_EXIT, Note [run time limits]).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def add_cli(subparsers) -> None:
                    help="heads * head_dim for every point (default 2048)")
     p.add_argument("--quick", action="store_true",
                    help="hd128, seqlen 4096 and 8192 only (overrides --head-dim/--seqlen)")
-    p.add_argument("--json", default=None, metavar="OUT.json",
+    p.add_argument("--json", "--out", dest="json", default=None, metavar="OUT.json",
                    help="where to save the record (default: benchmarks/<date>_<gpu>_<commit>.json)")
     p.add_argument("--no-save", action="store_true", help="do not write a JSON record")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="save the throughput plot")
@@ -198,6 +199,15 @@ def add_cli(subparsers) -> None:
                               "--head-dim, one --seqlen, --causal true or false")
     nb.add_argument("--neighbours", action="store_true",
                     help="time the neighbouring plans of one shape instead of the sweep")
+    serve = p.add_argument_group(
+        "serving", "a varlen prefill (32 sequences of 128..8192 tokens), a paged decode (batch "
+                   "64, K/V lengths 4096..32768, page sizes 16 and 128) and a split-KV decode "
+                   "(batch 1/2/4, seqlen_k 131072) for fa4lab, upstream FA4 and PyTorch, "
+                   "against FA4 and the HBM floor (fa4lab.bench.serving); --quick (smaller "
+                   "sizes), --dtype, --json/--out, the timing options, --time-budget (none by "
+                   "default) and --step-timeout apply")
+    serve.add_argument("--serving", action="store_true",
+                       help="measure the serving calls instead of the sweep")
     p.set_defaults(func=main_args)
 
 
@@ -290,7 +300,7 @@ def _changed(args, names) -> list[str]:
 
 def _modes(args) -> list[str]:
     return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
-                                                  "neighbours")
+                                                  "neighbours", "serving")
             if getattr(args, m, False)]
 
 
@@ -309,6 +319,10 @@ def main_args(args) -> int:
         from fa4lab.bench.features_cli import features_args
 
         return features_args(args)
+    if getattr(args, "serving", False):
+        from fa4lab.bench.serving_cli import serving_args
+
+        return serving_args(args)
     wrong = _changed(args, _FEATURES_ONLY)
     if wrong:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --features only", file=sys.stderr)

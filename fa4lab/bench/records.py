@@ -6,8 +6,9 @@ command, config): throughput records ("measured", "reference-peers") hold one `R
 provider; "decode" records (`fa4lab bench --decode`) hold one `DecodeResult` per (provider,
 shape) and the memory bandwidth the HBM floor was computed from; "features" records
 (`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider); "neighbours"
-records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape. The format
-is described in benchmarks/README.md.
+records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape; "serving"
+records (`fa4lab bench --serving`) one `ServingResult` per (case, provider) and the memory
+bandwidth, as "decode" records do. The format is described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
 planner's report can read records without an import cycle.
@@ -37,8 +38,9 @@ HOST_OVERHEAD = "host-overhead"
 DECODE = "decode"
 FEATURES = "features"
 NEIGHBOURS = "neighbours"
+SERVING = "serving"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 _REPO = BENCHMARKS_DIR.parent
@@ -142,6 +144,50 @@ class DecodeResult:
 
 
 @dataclass
+class ServingResult:
+    """One provider on one case of `fa4lab bench --serving` (a varlen prefill, a paged decode
+    at one page size, a split-KV decode at one batch). The times and rates are None unless
+    status == 'ok'; x_floor also when no bandwidth was measured. The case's lengths are in the
+    record's config."""
+
+    provider: str
+    scenario: str           # "varlen-prefill", "paged-decode" or "splitkv-decode"
+    case: str               # e.g. "paged-decode p16", "splitkv-decode b2"
+    batch: int              # sequences
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    total_q: int            # query rows of all sequences
+    total_k: int            # keys all sequences attend to (seqused_k applied)
+    max_seqlen_k: int
+    page_size: int | None = None     # paged-decode only
+    dtype: str = "bf16"
+    status: str = OK
+    us: float | None = None          # median microseconds per call
+    x_floor: float | None = None     # us / floor_us: 1.0 is the HBM floor
+    floor_us: float | None = None    # hbm_bytes at the run's measured bandwidth
+    hbm_bytes: int | None = None     # K/V attended once, q and out once
+    gbps: float | None = None        # hbm_bytes / us, GB/s (1e9 bytes)
+    tflops: float | None = None      # flops / us
+    flops: float | None = None       # 2 x (head_dim + head_dim_v) x visible pairs x heads_q
+    max_err: float | None = None     # the check before timing, as in Result
+    tol: float | None = None
+    first_call_s: float | None = None
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServingResult:
+        return _from_dict(cls, d, ("provider", "scenario", "case", "batch", "heads_q",
+                                   "heads_kv", "head_dim", "causal", "total_q", "total_k",
+                                   "max_seqlen_k", "status"))
+
+
+@dataclass
 class FeatureResult:
     """One provider on one feature of `fa4lab bench --features` (one attention option at the
     mode's shape). us/tflops are None unless status == 'ok'; tflops counts only the visible
@@ -232,9 +278,11 @@ DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
 FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
 # Each kind's row type and the time it must carry when ok (throughput rows: tflops).
 _ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
-         FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms")}
+         FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms"),
+         SERVING: (ServingResult, "us")}
 _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
-            FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of"}
+            FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of",
+            SERVING: "serving_results_of"}
 
 
 def validate_record(record: dict) -> dict:
@@ -242,7 +290,8 @@ def validate_record(record: dict) -> dict:
     if not isinstance(record, dict):
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
     required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
-                FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS}.get(
+                FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS,
+                SERVING: DECODE_RECORD_KEYS}.get(
         record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
@@ -267,7 +316,9 @@ def _rows_of(record: dict, kind: str | None, reader: str):
     if (have in _ROWS) if kind is None else (have != kind):
         what = {HOST_OVERHEAD: "host times", DECODE: "GQA shapes against the HBM floor",
                 FEATURES: "attention features",
-                NEIGHBOURS: "neighbouring plans of one shape"}.get(have, "the throughput sweep")
+                NEIGHBOURS: "neighbouring plans of one shape",
+                SERVING: "serving cases against FA4 and the HBM floor"}.get(
+                    have, "the throughput sweep")
         right = _READERS.get(have, "results_of")
         raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
                          f"with {right}")
@@ -298,6 +349,11 @@ def feature_results_of(record: dict) -> list[FeatureResult]:
 def neighbour_results_of(record: dict) -> list[NeighbourResult]:
     """The results of a "neighbours" record (`fa4lab bench --neighbours`)."""
     return _rows_of(record, NEIGHBOURS, "neighbour_results_of")
+
+
+def serving_results_of(record: dict) -> list[ServingResult]:
+    """The results of a "serving" record (`fa4lab bench --serving`)."""
+    return _rows_of(record, SERVING, "serving_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -457,7 +513,7 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
     Throughput records carry no kind in the name; the others end in their kind
-    (_host-overhead, _decode, _features, _neighbours)."""
+    (_host-overhead, _decode, _features, _neighbours, _serving)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")

@@ -107,9 +107,10 @@ def target_arch(arch: str):
             os.environ["CUTE_DSL_ARCH"] = old_env
 
 
-def fake_args(spec: AttentionSpec, mods=None):
+def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
     """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks, page_table and the stream: the kernels' contract.
+    mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
+    out_partial, lse_partial and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -119,10 +120,24 @@ def fake_args(spec: AttentionSpec, mods=None):
     runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
     window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
     any (`fa4lab.kernels.device.mods.fake_aux`); mask_blocks a mask_mod's block table, None
-    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling). With
-    `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
-    num_pages and page_table an int32 (batch, pages_per_seq) tensor (rows of any stride), else
-    None (Note [paged key blocks] in fa4lab.kernels.device.paged).
+    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling); with
+    `spec.split_kv`, num_splits a runtime Int32 and the float32 partials (num_splits, batch,
+    seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q, heads_q), heads last and
+    contiguous (`fa4lab.splitkv`'s layout), else 1, None, None.
+
+    With spec.varlen (Note [sm90 varlen] in fa4lab.kernels.fwd_sm90): q, out (total_q, heads,
+    d), k, v (total_k, heads_kv, d), lse (heads_q, total_q), int32 cu_seqlens_q / cu_seqlens_k
+    (batch + 1,) and seqused_k (batch,) (the launch always passes the key counts: the user's
+    seqused_k or cu_seqlens_k's differences) and the (rows, 2) int32 tile table (contiguous:
+    Note [varlen tile table] in fa4lab.kernels.device.scheduler); else all four None.
+    `seqused_k` True gives a seqused_k without varlen (a ragged key count on the padded
+    layout); None means spec.varlen or a paged spec.
+
+    With `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
+    num_pages (never varlen's packed layout), page_table an int32 (batch, pages_per_seq) tensor
+    (rows of any stride) and seqused_k always present (each sequence's key count: Note [paged
+    key blocks] in fa4lab.kernels.device.paged), cu_seqlens_k None even with varlen (q and out
+    packed, the cache not); else page_table None.
     """
     import cutlass
     import cutlass.cute as cute
@@ -135,10 +150,18 @@ def fake_args(spec: AttentionSpec, mods=None):
         strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
         return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
 
-    q, o = bshd(sq, hq, spec.head_dim), bshd(sq, hq, spec.head_dim_v)
+    def thd(s, h, d):
+        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
+        return make_fake_tensor(dtype, (s, h, d), (*strides, 1), assumed_align=16)
+
+    def int32s(n):
+        return make_fake_tensor(cutlass.Int32, (n,), (cute.sym_int64(),), assumed_align=4)
+
+    layout = thd if spec.varlen else bshd
+    q, o = layout(sq, hq, spec.head_dim), layout(sq, hq, spec.head_dim_v)
     page_table = None
     if spec.page_size is None:
-        k, v = bshd(sk, hkv, spec.head_dim), bshd(sk, hkv, spec.head_dim_v)
+        k, v = layout(sk, hkv, spec.head_dim), layout(sk, hkv, spec.head_dim_v)
     else:
         pages = cute.sym_int()
         k, v = (make_fake_tensor(dtype, (pages, spec.page_size, hkv, d),
@@ -148,9 +171,19 @@ def fake_args(spec: AttentionSpec, mods=None):
         page_table = make_fake_tensor(cutlass.Int32, (b, cute.sym_int()), (cute.sym_int64(), 1),
                                       assumed_align=4)
     lse = None
-    if spec.return_lse:
+    if spec.return_lse and spec.varlen:
+        lse = make_fake_tensor(cutlass.Float32, (hq, sq), (cute.sym_int64(), 1), assumed_align=4)
+    elif spec.return_lse:
         lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    varlen = [None] * 4
+    if spec.varlen:
+        varlen[0] = int32s(cute.sym_int())
+        if spec.page_size is None:   # a paged varlen batch's keys are its pages
+            varlen[1] = int32s(cute.sym_int())
+        varlen[3] = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), (2, 1), assumed_align=4)
+    if spec.page_size is not None or (spec.varlen if seqused_k is None else seqused_k):
+        varlen[2] = int32s(b)
     sink = None
     if spec.learnable_sink:
         sink = make_fake_tensor(cutlass.Float32, (hq,), (cute.sym_int64(),), assumed_align=4)
@@ -159,9 +192,19 @@ def fake_args(spec: AttentionSpec, mods=None):
     scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap,
                                        score_mod=mods is not None and mods.score_mod is not None)
     left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
+    out_partial = lse_partial = None
+    if spec.split_kv:
+        splits = cute.sym_int()
+        out_partial = make_fake_tensor(
+            cutlass.Float32, (splits, b, sq, hq, spec.head_dim_v),
+            (*(cute.sym_int64(divisibility=4) for _ in range(4)), 1), assumed_align=16)
+        lse_partial = make_fake_tensor(cutlass.Float32, (splits, b, sq, hq),
+                                       (*(cute.sym_int64() for _ in range(3)), 1),
+                                       assumed_align=4)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
-            page_table, make_fake_stream(use_tvm_ffi_env_stream=True)]
+            *varlen, page_table, cutlass.Int32(1), out_partial, lse_partial,
+            make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
 def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
@@ -189,15 +232,19 @@ def window_args(window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
             0 if right is None else min(int(right), int(seqlen_q)))
 
 
-def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
+def compile_plan(plan, *, options: str = "", mutation=None, mods=None,
+                 seqused_k: bool | None = None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
 
     The compiled function takes torch tensors (q, k, v, out, lse or None, sink or None),
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
     window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
-    `fa4lab.mods_blocks.block_table`) and a paged cache's page table (or None), and launches
-    on the current stream (Note [TVM-FFI launch]); it can be exported with `export_to_c`.
-    `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the kernel.
+    `fa4lab.mods_blocks.block_table`), then cu_seqlens_q, cu_seqlens_k, seqused_k and the
+    varlen tile table (None each unless the spec is varlen: `fake_args`), a paged cache's page
+    table (or None), num_splits and the split-KV partials (1, None, None without split-KV), and
+    launches on the current stream (Note [TVM-FFI launch]); it can be exported with
+    `export_to_c`. `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the
+    kernel; `seqused_k` True a seqused_k argument without varlen (`fake_args`).
     """
     import cutlass.cute as cute
 
@@ -205,7 +252,7 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None):
     # A mutation (fa4lab.kernels.protocol.Mutation: tests of the audit) breaks the barrier
     # protocol on purpose; only compile_forward passes one, and it never writes the disk cache.
     kernel = kernel_class(arch)(plan, mutation=mutation, mods=mods)
-    args = fake_args(plan.spec, mods)
+    args = fake_args(plan.spec, mods, seqused_k)
     with target_arch("sm_" + arch.removeprefix("sm")):
         t0 = time.perf_counter()
         compiled = cute.compile(kernel, *args, options=" ".join(("--enable-tvm-ffi", options)))
@@ -273,7 +320,9 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
             + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
-            + (f"-page{s.page_size}" if s.page_size is not None else ""))
+            + ("-varlen" if s.varlen else "")
+            + (f"-page{s.page_size}" if s.page_size is not None else "")
+            + ("-splitkv" if s.split_kv else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
@@ -286,11 +335,12 @@ def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
 
 
 def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
-                    mutation=None, mods=None) -> CompiledForward:
+                    mutation=None, mods=None, seqused_k: bool | None = None) -> CompiledForward:
     """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir.
 
     `mutation` (a `fa4lab.kernels.protocol.Mutation`) compiles a deliberately broken barrier
-    protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod."""
+    protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod;
+    `seqused_k` True a seqused_k argument without varlen (ragged keys, `fake_args`)."""
     arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
@@ -299,12 +349,14 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     keep = root / (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
                    + ("-mutated" if mutation is not None else "")
-                   + ("-mods" if mods else ""))
+                   + ("-mods" if mods else "")
+                   + ("-seqused" if seqused_k and not plan.spec.varlen
+                      and plan.spec.page_size is None else ""))
     keep.mkdir(parents=True, exist_ok=True)
     start_wall = time.time()
     kernel, compiled, seconds = compile_plan(
         plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation,
-        mods=mods)
+        mods=mods, seqused_k=seqused_k)
     storage = getattr(kernel, "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(

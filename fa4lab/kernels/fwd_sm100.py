@@ -10,7 +10,7 @@ in fa4lab.tiling gives the order every role walks the others in).
 
 Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
 head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
-contiguous. No split-KV, no varlen.
+contiguous. No split-KV. Variable-length batches (spec.varlen): Note [sm100 varlen].
 
 Scheduling (`plan.tiles.order`, fa4lab.kernels.device.scheduler): with two Q tiles and O staged
 in its own SMEM (head_dim 64, 96, 128) the CTAs are persistent (Note [persistent CTAs] in
@@ -24,6 +24,12 @@ pack-GQA (`plan.tiles.pack_gqa`, Note [sm100 pack-GQA kernel]): optionally a CTA
 qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O TMA views,
 the grid, the block ranges, the causal row index and the LSE address change. Compiled and
 audited for sm_100a on CPU; not yet run on a B200.
+
+split-KV (`spec.split_kv`, `fa4lab.kernels.device.split`): num_splits (a runtime Int32) CTAs per
+tile, folded into the grid's head axis; each visits its split's blocks of the tile's range
+(none: an empty split, written as a CTA with no key) and the correction warps store its float32
+partial O and LSE from TMEM (`correction_store_partial`); the epilogue warp keeps its hand-off
+and stores nothing. Compiled and audited for sm_100a on CPU; not yet run on a B200.
 
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
   * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages"), or with
@@ -50,6 +56,9 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
       stats  full stats_full   softmax_i -> correction     empty stats_empty correction -> softmax_i
              (the mailbox sScale holds tile i's row scale, or the final row_sum and row_max)
       epi    full o_staged     correction -> epilogue      empty o_empty     epilogue -> correction
+      p_part (two Q tiles)     softmax_i -> mma: P_i's first p_split keys are in TMEM; the
+             value MMA takes them first, the rest after p_ready (`make_p_part`, Note [split P
+             hand-off] in fa4lab.plan.sm100)
     The s, o, stats and epi pipelines are indexed by Q tile, not round robin: `_phase_state`.
     Orderings that need no barrier, because tcgen05 operations from the MMA thread run in issue
     order and a tcgen05.commit fires after everything issued before it:
@@ -75,15 +84,17 @@ from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.errors import PlanError
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import paged, scheduler, storage
+from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import softmax as softmax_mod
+from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.opaque import opaque_zero
-from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed
+from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed, unpack_row
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
+from fa4lab.plan.sm100 import p_split
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 _MAX_GATHER_PIECES = 2     # pages per key block of a paged gather (Note [paged key blocks])
@@ -227,6 +238,11 @@ class FlashForwardSm100:
         self.mods = mods if mods else None
         self.has_score_mod = self.mods is not None and mods.score_mod is not None
         self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
+        # Split-KV (fa4lab.kernels.device.split): float32 partials, num_splits at run time.
+        self.split_kv = spec.split_kv
+        if self.split_kv and self.mods is not None:
+            raise ValueError("the split-KV kernel takes no score_mod / mask_mod: call without "
+                             "num_splits (or num_splits=1) to use mods")
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.
@@ -262,6 +278,16 @@ class FlashForwardSm100:
                             f"{_MAX_GATHER_PIECES} pages per {self.n_block}-key block so far; "
                             f"use pages of {self.n_block // _MAX_GATHER_PIECES} tokens or more "
                             f"(the sm90 kernel takes {paged.MIN_GATHER_PAGE})")
+        # Note [split P hand-off] in fa4lab.plan.sm100: keys of P handed over first (0: one
+        # hand-off), with the table's p_part barrier.
+        self.p_split = p_split(tiles)
+        if bool(self.p_split) != ("p_part" in self.arrivals):
+            raise ValueError("the plan's p_split and its p_part barrier disagree")
+        self.varlen = spec.varlen   # Note [sm100 varlen]
+        if self.varlen and self.pack_gqa:
+            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
+        if self.varlen and self.split_kv:
+            raise ValueError("split-KV does not compose with varlen yet: one or the other")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -280,15 +306,42 @@ class FlashForwardSm100:
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen without a page table
+        mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
+        mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
         mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32 with a paged cache
+        num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
+        mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         stream: cuda.CUstream,
     ):
         if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
-        if cutlass.const_expr((self.page_size is not None) != (mPageTable is not None)):
-            raise ValueError("a paged kernel (spec.page_size) takes a page table, and only it "
-                             "does: see Note [paged key blocks] in fa4lab.kernels.device.paged")
+        if cutlass.const_expr((self.page_size is not None) != (mPageTable is not None)
+                              or (self.page_size is not None and mSeqUsedK is None)):
+            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
+                             "and only it takes a page table: see Note [paged key blocks] in "
+                             "fa4lab.kernels.device.paged")
+        if cutlass.const_expr(self.split_kv != (mOPartial is not None)
+                              or self.split_kv != (mLSEPartial is not None)):
+            raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
+                             "and only it does")
+        if cutlass.const_expr(self.varlen != (mTileTable is not None)
+                              or self.varlen != (mCuSeqlensQ is not None)
+                              or (self.varlen and self.page_size is None)
+                              != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
+                             "paged, cu_seqlens_k, and only it does (Note [sm100 varlen])")
+        if cutlass.const_expr(self.varlen and mask_blocks is not None):
+            raise ValueError("a varlen kernel takes no mask_mod block table")
+        if cutlass.const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
+            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
+            if cutlass.const_expr(self.page_size is None):   # a paged cache stays pages
+                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
+            if cutlass.const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total)
+                mLSE = seqlen.as_batch_of_one(mLSE)
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]
@@ -357,14 +410,24 @@ class FlashForwardSm100:
         # seqlen_q * g packed rows per KV head with pack-GQA (Note [sm100 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if cutlass.const_expr(self.pack_gqa) else cute.size(
             mQ.shape[2])
-        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
-                                    self.num_ctas if cutlass.const_expr(self.persistent)
-                                    else None)
+        if cutlass.const_expr(self.split_kv):   # the splits fold into the head axis
+            heads = heads * num_splits
+        if cutlass.const_expr(self.varlen):   # Note [varlen tile table] in ...device.scheduler
+            tiles = scheduler.varlen_num_tiles(mTileTable, heads)
+            grid = (cutlass.min(tiles, self.num_ctas) if cutlass.const_expr(self.persistent)
+                    else tiles, 1, 1)
+        else:
+            grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
+                                        cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                        self.num_ctas if cutlass.const_expr(self.persistent)
+                                        else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
-            aux, mask_blocks, mPageTable, sQ_layout, sK_layout, tP_layout, sV_layout, sO_layout,
+            aux, mask_blocks, mPageTable, num_splits, mOPartial, mLSEPartial, sQ_layout,
+            sK_layout, tP_layout, sV_layout, sO_layout,
+            (mO if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK,
+             mSeqUsedK, mTileTable),
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
@@ -392,11 +455,17 @@ class FlashForwardSm100:
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32
         mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32
+        num_splits: Int32,
+        mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tP_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        # (mO (total_q, dv, heads_q, 1) or None, cu_seqlens_q, cu_seqlens_k, seqused_k, tile
+        # table): Note [sm100 varlen]; all None but seqused_k's when not varlen
+        varlen: tuple,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # Packed: `head` is the KV head and seqlen_q counts positions, not packed rows.
@@ -405,10 +474,11 @@ class FlashForwardSm100:
             seqlen_q = mQ.shape[0][1]
         seqlen_k = self.seqlen_k_of(mK, mPageTable)
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
-        m_block = head = batch = None   # persistent: each role's tile loop (`tiles`)
-        if cutlass.const_expr(not self.persistent):
-            m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k,
-                                                         self.cta_m, self.bytes_per_key)
+        # Persistent: each role's tile loop (`tiles`); varlen: each role's `_tile` (Note
+        # [sm100 varlen]).
+        m_block = head = batch = split = None
+        if cutlass.const_expr(not self.persistent and not self.varlen):
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -418,6 +488,7 @@ class FlashForwardSm100:
         smem = utils.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv, pipe_s, pipe_o, pipe_stats, pipe_epi = (
             self.make_pipeline(smem, key) for key in _PIPELINES)
+        p_part = self.make_p_part(smem)
         # The TMEM hand-off goes through the table's named barrier "tmem" (self.sites.bar_*),
         # not the allocator's own (aligned) one.
         tmem = utils.TmemAllocator(smem.tmem_ptr.ptr, allocator_warp_id=self.mma_warp,
@@ -446,9 +517,11 @@ class FlashForwardSm100:
                    tma_atom_V=tma_atom_V, mV=mV, tma_atom_O=tma_atom_O, mO=mO, mLSE=mLSE,
                    mSink=mSink, sQ=sQ, sK=sK, sV=sV, sO=sO, sScale=sScale, pipe_q=pipe_q,
                    pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
-                   pipe_epi=pipe_epi, m_block=m_block, head=head, batch=batch,
+                   pipe_epi=pipe_epi, p_part=p_part, m_block=m_block, head=head, batch=batch,
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
-                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, mPageTable=mPageTable)
+                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, varlen=varlen,
+                   split=split, num_splits=num_splits, mOPartial=mOPartial,
+                   mLSEPartial=mLSEPartial, mPageTable=mPageTable)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -502,60 +575,73 @@ class FlashForwardSm100:
 
     def load_role(self, e):
         self.set_registers("load")
+        e = self._tile(e)
         args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
                 e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
-                e["pipe_kv"], e["mPageTable"], e["seqlen_k"])
+                e["pipe_kv"], e["mPageTable"])
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
         if self.persistent:
             self.load_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                            e["mask_blocks"], kv_state)
+                            e["mask_blocks"], e["varlen"], e["num_splits"], kv_state)
         else:
-            self.load(*args, e["m_block"], e["head"], e["batch"], self._visit(e), kv_state,
-                      Int32(1))
+            seq = self._seq(e)
+            self.load(*args, e["m_block"], e["head"], e["batch"], seq, self._visit(e, seq),
+                      kv_state, Int32(1))
 
     def epilogue_role(self, e):
         self.set_registers("epilogue")
-        args = (e["tma_atom_O"], e["mO"], e["sO"], e["pipe_epi"])
+        e = self._tile(e)
+        args = (e["tma_atom_O"], e["mO"], e["varlen"][0], e["sO"], e["pipe_epi"])
         if self.persistent:
-            self.epilogue_tiles(args, e["mQ"], e["seqlen_k"])
+            self.epilogue_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], e["varlen"],
+                                e["num_splits"])
         else:
-            self.epilogue(*args, e["m_block"], e["head"], e["batch"], Int32(0))
+            self.epilogue(*args, e["m_block"], e["head"], e["batch"], self._seq(e), Int32(0))
 
     def softmax_role(self, stage: int, e):
         role = f"softmax{stage}"
         self.set_registers(role)
+        e = self._tile(e)
         self.sites.bar_sync(role, "tmem")
         tStS, _, _ = self._tmem_views(e)
-        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"])
+        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"],
+                e["p_part"])
         rest = (e["scale_log2"], e["pre_scale"])
         if self.persistent:
             self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
-                               e["aux"], e["mask_blocks"], *e["window"])
+                               e["aux"], e["mask_blocks"], e["varlen"], *e["window"],
+                               e["num_splits"])
         else:
-            self.softmax(stage, *args, e["m_block"], e["seqlen_q"], e["seqlen_k"], *rest,
+            seq = self._seq(e)
+            self.softmax(stage, *args, e["m_block"], seq.seqlen_q, seq.seqlen_k, *rest,
                          e["head"], e["batch"], e["aux"], e["mask_blocks"], *e["window"],
-                         Int32(0), Int32(1))
+                         Int32(0), Int32(1), e["split"], e["num_splits"])
         self.sites.bar_arrive(role, "tmem")
 
     def correction_role(self, e):
         self.set_registers("correction")
+        e = self._tile(e)
         self.sites.bar_sync("correction", "tmem")
         _, tOtO, _ = self._tmem_views(e)
         args = (e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"], e["pipe_o"],
-                e["pipe_stats"], e["pipe_epi"])
+                e["pipe_stats"], e["pipe_epi"], e["mOPartial"], e["mLSEPartial"])
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.q_stage)
         if self.persistent:
             self.correction_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                                  e["mask_blocks"], e["scale_log2"], stats_state)
+                                  e["mask_blocks"], e["varlen"], e["scale_log2"], stats_state,
+                                  e["num_splits"])
         else:
-            self.correction(*args, e["m_block"], e["head"], e["batch"], self._visit(e)[0],
-                            e["seqlen_q"], e["scale_log2"], stats_state, Int32(0), Int32(1))
+            seq = self._seq(e)
+            self.correction(*args, e["m_block"], e["head"], e["batch"], e["split"],
+                            self._visit(e, seq)[0], (e["seqlen_q"], e["seqlen_k"], e["varlen"]),
+                            e["scale_log2"], stats_state, Int32(0), Int32(1))
         self.sites.bar_arrive("correction", "tmem")
 
     def mma_role(self, e):
         self.set_registers("mma")
+        e = self._tile(e)
         tmem = e["tmem"]
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")
@@ -565,54 +651,113 @@ class FlashForwardSm100:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stage)
         if self.ping_pong:
-            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes, self._visit(e)[0])
+            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes,
+                               self._visit(e, self._seq(e))[0])
         elif self.persistent:
-            self.mma_tiles(args, (tStS, tOtO, tOrP), pipes, e["mQ"], e["seqlen_q"],
-                           e["seqlen_k"], *e["window"], e["mask_blocks"], kv_state)
+            self.mma_tiles(args, (tStS, tOtO, tOrP), (*pipes, e["p_part"]), e["mQ"],
+                           e["seqlen_q"], e["seqlen_k"], *e["window"], e["mask_blocks"],
+                           e["varlen"], kv_state, e["num_splits"])
         else:
-            self.mma(*args, tStS, tOtO, tOrP, *pipes, self._visit(e)[0], kv_state, Int32(0),
-                     Int32(0), Int32(1))
+            self.mma(*args, tStS, tOtO, tOrP, *pipes, e["p_part"], self._visit(e, self._seq(e))[0],
+                     kv_state,
+                     Int32(0), Int32(0), Int32(1))
         tmem.relinquish_alloc_permit()
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
 
     # ---- the persistent tile loops (Note [pipeline states across tiles]) ----
-    def tiles(self, mQ):
+    def tiles(self, mQ, varlen, num_splits):
         """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
         (cutlass.range's arguments)."""
-        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
-                cute.arch.grid_dim()[0])
+        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
+        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
+        if cutlass.const_expr(self.varlen):
+            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
+        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
 
     def seqlen_k_of(self, mK, mPageTable):
-        """Keys of a sequence: mK's rows, or a paged launch's (`paged.seqlen_k`, the hook
-        where per-sequence key counts plug in)."""
+        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
+        a tile's own count is its sequence's (seqused_k, which a paged launch always has)."""
         if cutlass.const_expr(mPageTable is not None):
             return paged.seqlen_k(mPageTable, self.page_size)
         return mK.shape[0]
 
-    def coords(self, mQ, seqlen_k, tile):
-        """(m_block, head, batch) of linear tile `tile` (`fa4lab.tiling.tile_at`)."""
-        return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                     self.bytes_per_key, tile)
+    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
+        """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
+        tile table's with varlen; None: this CTA's one tile); split is None without split-KV
+        (`fa4lab.kernels.device.split`)."""
+        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
+                                                     self.bytes_per_key, tile, splits,
+                                                     varlen[4])
+        if cutlass.const_expr(not self.split_kv):
+            return m_block, head, batch, None
+        head, split = split_mod.split_of(head, num_splits)
+        return m_block, head, batch, split
+
+    # Note [sm100 varlen]
+    # The sm90 kernel's scheme (Note [sm90 varlen] in fwd_sm90.py) in the warp-specialised
+    # kernel: every role looks its tile up (the tile table: Note [varlen tile table]) and reads
+    # its sequence (`seqlen.of_launch`) itself, in its own branch, so nothing new lives across
+    # setmaxnreg (Note [role branches]). The load shifts Q, K and V to the sequence's first
+    # rows; the MMA and softmax roles walk the sequence's own blocks and masks; the correction
+    # writes LSE at the sequence's rows; the epilogue warp stores O row by row from the SMEM
+    # staging, only the sequence's rows (Note [varlen rows past a sequence] in
+    # fa4lab.kernels.device.seqlen), instead of a TMA store. A sequence with no key visits no
+    # block: O = 0 and LSE -inf (or the sink), the empty tile's usual path.
+    #
+    # Note [sm100 varlen ping-pong loads]
+    # With one Q tile (head_dim 256) the load warp, at 48 registers, kept the K and V views'
+    # sequence offset live through its block loop, and ptxas spilled the kernel's SMEM base
+    # instead (40 spill instructions, 4 in the MMA warp's loop, measured on the compiled
+    # binary). There each K/V load rebuilds its view from the offset read again from
+    # cu_seqlens_k (`Sequence.reread_offset_k`: an L1 hit next to a TMA load): no spill.
+
+    def _tile(self, e):
+        """`e` with this CTA's one tile, looked up in the role's own branch with varlen: a
+        value loaded before the role branches would live across every role's setmaxnreg (Note
+        [role branches]; the MMA warp's 48 registers spilled). Persistent CTAs and padded
+        launches: `e` as it is."""
+        if self.persistent or not self.varlen:
+            return e
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, e["mQ"], e["seqlen_k"],
+                                                     self.cta_m, self.bytes_per_key, None,
+                                                     tile_table=e["varlen"][4])
+        return dict(e, m_block=m_block, head=head, batch=batch)
+
+    def _seq(self, e):
+        """The sequence of this CTA's one tile (`seqlen.of_launch`)."""
+        return seqlen.of_launch(e["batch"], e["seqlen_q"], e["seqlen_k"], e["varlen"])
+
+    def batch_index(self, batch):
+        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
+        return 0 if cutlass.const_expr(self.varlen) else batch
 
     @cute.jit
-    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, kv_state):
+    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
+                   num_splits,
+                   kv_state):
         q_phase = Int32(1)   # q_empty starts released
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
-            visit = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
-            kv_state, q_phase = self.load(*args, m_block, head, batch, visit, kv_state, q_phase)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            visit = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                    mask_blocks, split, num_splits)
+            kv_state, q_phase = self.load(*args, m_block, head, batch, seq, visit, kv_state,
+                                          q_phase)
 
     @cute.jit
     def mma_tiles(self, args, tmem, pipes, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                  kv_state):
+                  varlen, kv_state, num_splits):
         tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
         q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, _, _ = self.coords(mQ, seqlen_k, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            m_block, _, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                       mask_blocks, split, num_splits)[0]
             # Note [operand descriptors per tile]
             # The score and value MMAs' SMEM descriptors (one 64-bit value per K step, per Q
             # tile) do not change from tile to tile, so the compiler hoists them out of the tile
@@ -628,34 +773,38 @@ class FlashForwardSm100:
 
     @cute.jit
     def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
-                      aux, mask_blocks, left, right):
+                      aux, mask_blocks, varlen, left, right, num_splits):
         s_phase, stats_phase = Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             s_phase, stats_phase = self.softmax(
-                stage, *args, m_block, seqlen_q, seqlen_k, *rest, head, batch, aux, mask_blocks,
-                left, right, s_phase, stats_phase)
+                stage, *args, m_block, seq.seqlen_q, seq.seqlen_k, *rest, head, batch, aux,
+                mask_blocks, left, right, s_phase, stats_phase, split, num_splits)
 
     @cute.jit
-    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                         scale_log2: Float32, stats_state):
+    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
+                         scale_log2: Float32, stats_state, num_splits):
         o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
-            n_blocks = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right, mask_blocks)[0]
+            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
+                                       mask_blocks, split, num_splits)[0]
             stats_state, o_phase, epi_phase = self.correction(
-                *args, m_block, head, batch, n_blocks, seqlen_q, scale_log2, stats_state,
-                o_phase, epi_phase)
+                *args, m_block, head, batch, split, n_blocks, (seqlen_q, seqlen_k, varlen),
+                scale_log2, stats_state, o_phase, epi_phase)
 
     @cute.jit
-    def epilogue_tiles(self, args, mQ, seqlen_k):
+    def epilogue_tiles(self, args, mQ, seqlen_q, seqlen_k, varlen, num_splits):
         epi_phase = Int32(0)
-        first, stop, step = self.tiles(mQ)
+        first, stop, step = self.tiles(mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch = self.coords(mQ, seqlen_k, tile)
-            epi_phase = self.epilogue(*args, m_block, head, batch, epi_phase)
+            m_block, head, batch, _ = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+            epi_phase = self.epilogue(*args, m_block, head, batch, seq, epi_phase)
 
     def _tmem_views(self, e, with_ptr: bool = False):
         """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
@@ -663,9 +812,9 @@ class FlashForwardSm100:
         views = self.tmem_tensors(e["thr_mma_qk"], e["thr_mma_pv"], e["tP_layout"], tmem_ptr)
         return (*views, tmem_ptr) if with_ptr else views
 
-    def _visit(self, e):
-        return self.visit_plan(e["m_block"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                               e["mask_blocks"])
+    def _visit(self, e, seq):
+        return self.visit_plan(e["m_block"], seq.seqlen_q, seq.seqlen_k, *e["window"],
+                               e["mask_blocks"], e["split"], e["num_splits"])
 
     # Note [role branches]
     # With sequential `if`s every warp walks past every role's branch, so a value computed
@@ -704,6 +853,16 @@ class FlashForwardSm100:
             # softmax -> correction mailbox: a row scale per step, then row_sum | row_max
             "stats": (Float32, self.q_stage * self.m_block * 2)})
 
+    def make_p_part(self, smem):
+        """The table's p_part mbarriers (Note [split P hand-off] in fa4lab.plan.sm100), one per
+        Q tile, each completed by its softmax warpgroup's threads; None with one hand-off."""
+        if not self.p_split:
+            return None
+        return pipeline.MbarrierArray(
+            smem.p_part.data_ptr(), self.plan.barriers.barrier("p_part").stages,
+            (pipeline.PipelineOp.AsyncThread,
+             pipeline.CooperativeGroup(pipeline.Agent.Thread, self.arrivals["p_part"])))
+
     def make_pipeline(self, smem, key: str):
         """The DSL pipeline over the table's barriers `_PIPELINES[key]` (full, then empty): its
         stages, arrival counts and transaction bytes from the table."""
@@ -716,12 +875,15 @@ class FlashForwardSm100:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
             barrier_storage=getattr(smem, pb.full).data_ptr(), defer_sync=True, **kw)
 
-    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None):
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None,
+                   split=None, num_splits=1):
         """(n_blocks, n_masked, order) of this CTA (fa4lab.kernels.device.scheduler): it visits
         n_blocks key blocks, none when no row of it sees a key; step s is block
         scheduler.visit_block(s, *order) (Note [block visit order] in fa4lab.tiling), the
         first n_masked of them masked for some row of the CTA. With a mask_mod, `mask_blocks`
-        is its block table (Note [mask_mod block table] in fa4lab.tiling).
+        is its block table (Note [mask_mod block table] in fa4lab.tiling); with split-KV,
+        `split` the CTA's split of `num_splits`: its blocks of the range, none for an empty
+        split (`fa4lab.kernels.device.split`; like a CTA no row of which sees a key).
 
         Each role computes it itself: a value computed before the role branches would live across
         setmaxnreg and, at the launch budget of 65536 / 512 = 128 registers, spill.
@@ -731,6 +893,9 @@ class FlashForwardSm100:
         row = scheduler.table_row(mask_blocks, m_block)
         if row is not None:
             n_min, n_max = scheduler.table_range(n_min, n_max, row)
+        if split is not None:
+            n_min, n_max, _ = split_mod.narrow(n_min, n_max, seqlen_k, self.n_block,
+                                               num_splits, split)
         left_end, mask_min = scheduler.mask_split(m_block, self.cta_m, self.pack, self.n_block,
                                                   seqlen_q, seqlen_k, left, right, n_min, n_max)
         if row is not None:
@@ -763,7 +928,7 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, mPageTable, seqlen_k, m_block, head, batch, visit,
+             sQ, sK, sV, pipe_q, pipe_kv, mPageTable, m_block, head, batch, seq, visit,
              kv_state, q_phase):
         """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
         next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
@@ -772,33 +937,29 @@ class FlashForwardSm100:
         n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.mma_tiler_qk, [0, 2]),
+        # Note [sm100 varlen]: the sequence's own rows (V is (d, s, h, b): its mode 1).
+        mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
+        b = self.batch_index(batch)
+        gQ = cute.local_tile(mQ[None, None, head, b], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
         no_mcast = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
-        if cutlass.const_expr(self.gather):
-            tKsK, tKgK = self.gather_partition(tma_atom_K, mK, sK, head_kv, self.head_dim, 0)
-            tVsV, tVgV = self.gather_partition(tma_atom_V, mV, sV, head_kv, self.head_dim_v, 1)
-        else:
-            # Paged: the key blocks of a page are its row blocks, and the page a last mode.
-            k_at, v_at, b = (None, 0), (0, None), batch
-            if cutlass.const_expr(mPageTable is not None):
-                k_at, v_at, b = (None, 0, None), (0, None, None), None
-            gK = cute.local_tile(mK[None, None, head_kv, b],
-                                 cute.select(self.mma_tiler_qk, [1, 2]), k_at)
-            gV = cute.local_tile(mV[None, None, head_kv, b],
-                                 cute.select(self.mma_tiler_pv, [1, 2]), v_at)
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
-                cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
-                cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
-        pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
+        # K/V: the sequence's rows (varlen: from its first key row), or the cache's pages.
+        views = partial(self.kv_partitions, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK,
+                        tma_atom_V, mV, sV, head_kv, b)
+        tKsK, tKgK, tVsV, tVgV = views(seq.offset_k)
+        # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
+        pages = partial(self.block_pages, mPageTable, batch, seq.seqlen_k)
         if cutlass.const_expr(self.ping_pong):
+            # With varlen each K/V load rebuilds its view from the sequence's offset, read
+            # again (Note [sm100 varlen ping-pong loads]).
+            reload = None
+            if cutlass.const_expr(self.varlen and self.page_size is None):
+                reload = lambda: views(seq.reread_offset_k())  # noqa: E731
             self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
-                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages)
+                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages,
+                                reload)
         else:
             if n_blocks > 0:
                 n_first = scheduler.visit_block(0, *order)
@@ -834,7 +995,7 @@ class FlashForwardSm100:
 
     @cute.jit
     def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
-                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages):
+                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages, views=None):
         """One Q tile: Q, K of step 0, then (K of step j + 1, V of step j) per step, then V of
         the last (the order the MMA warp reads them in: Note [S ping-pong]); `pages` (a block's
         page, `block_pages`) is read once per block, its V reusing its K's."""
@@ -854,11 +1015,15 @@ class FlashForwardSm100:
                 n_next = scheduler.visit_block(i + 1, *order)
                 page_v = page_k
                 page_k = pages(n_next)
+                if cutlass.const_expr(views is not None):
+                    _, tKgK, _, tVgV = views()
                 self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_next, page_k, False)
                 kv_state.advance()
                 self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
                              scheduler.visit_block(i, *order), page_v, True)
                 kv_state.advance()
+            if cutlass.const_expr(views is not None):
+                _, tKgK, _, tVgV = views()
             self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
                          scheduler.visit_block(n_blocks - 1, *order), page_k, True)
 
@@ -869,6 +1034,32 @@ class FlashForwardSm100:
         self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                    kv_state, **(self.v_acquire if is_v else {}))
         self.copy_kv(atom, gmem, smem, n, page, kv_state, pipe_kv)
+
+    def kv_partitions(self, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK, tma_atom_V, mV, sV,
+                      head_kv, b, offset_k):
+        """(tKsK, tKgK, tVsV, tVgV) of KV head head_kv: batch b of the views, from packed key
+        row offset_k with varlen; paged, the cache's pages, never offset (Note [paged key
+        blocks]): ((TMA), row block, page) coordinates, a gather's per piece."""
+        if self.gather:
+            return (*self.gather_partition(tma_atom_K, mK, sK, head_kv, self.head_dim, 0),
+                    *self.gather_partition(tma_atom_V, mV, sV, head_kv, self.head_dim_v, 1))
+        tiler_k = cute.select(self.mma_tiler_qk, [1, 2])
+        tiler_v = cute.select(self.mma_tiler_pv, [1, 2])
+        if self.page_size is not None:   # a page's key blocks are its row blocks
+            gK = cute.local_tile(mK[None, None, head_kv, None], tiler_k, (None, 0, None))
+            gV = cute.local_tile(mV[None, None, head_kv, None], tiler_v, (0, None, None))
+        else:   # V is (d, s, h, b): the sequence is its mode 1
+            gK = cute.local_tile(seqlen.at_offset(mK, offset_k, self.varlen)[None, None,
+                                                                              head_kv, b],
+                                 tiler_k, (None, 0))
+            gV = cute.local_tile(seqlen.at_offset(mV, offset_k, self.varlen, mode=1)[
+                None, None, head_kv, b], tiler_v, (0, None))
+        no_mcast = cute.make_layout(1)
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        return tKsK, tKgK, tVsV, tVgV
 
     def gather_partition(self, atom, mX, sX, head_kv, cols: int, keys_mode: int):
         """(tXsX, tXgX) of a gather: SMEM ((TMA), piece, stage) over the plain view of the
@@ -886,8 +1077,7 @@ class FlashForwardSm100:
         """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
         if cutlass.const_expr(mPageTable is None):
             return Int32(0)
-        num_slots = (seqlen_k + (self.page_size - 1)) // self.page_size
-        return paged.read_pages(mPageTable, batch, n_block, num_slots, self.page_size,
+        return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
                                 self.n_block)
 
     @cute.jit
@@ -908,7 +1098,8 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: mma
     @cute.jit
     def mma(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
-            pipe_q, pipe_kv, pipe_s, pipe_o, n_blocks, kv_state, q_phase, p_phase, o_phase):
+            pipe_q, pipe_kv, pipe_s, pipe_o, p_part, n_blocks, kv_state, q_phase, p_phase,
+            o_phase):
         """One thread issues every tcgen05.mma: S_i = Q_i K_j^T and O_i += P_i V_j, for the
         n_blocks key blocks of one work tile the load warp brings, in its order. Returns the
         tiled MMAs, kv_state and the q_full, p_ready and o_rescaled phases, advanced (Note
@@ -935,14 +1126,10 @@ class FlashForwardSm100:
                 v_state = kv_state.clone()
                 kv_state.advance()
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    # P_i(j) is in TMEM (p_ready) and O_i was rescaled (o_rescaled)
-                    self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
-                               _phase_state(self.q_stage, stage, p_phase), stage=stage)
-                    self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                               _phase_state(self.q_stage, stage, o_phase), stage=stage)
-                    tiled_mma_pv = self.gemm(
+                    tiled_mma_pv = self.value_mma(
                         tiled_mma_pv, tOtO[stage], tOrP[stage],
-                        tOrV[None, None, None, v_state.index], accumulate)
+                        tOrV[None, None, None, v_state.index], pipe_s, pipe_o, p_part, stage,
+                        p_phase, o_phase, accumulate)
                     if cutlass.const_expr(stage == self.q_stage - 1):
                         self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, v_state)
                     if cutlass.const_expr(stage == 0):
@@ -966,13 +1153,10 @@ class FlashForwardSm100:
             self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
                        kv_state)  # V of the last block
             for stage in cutlass.range_constexpr(self.q_stage):
-                self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
-                           _phase_state(self.q_stage, stage, p_phase), stage=stage)
-                self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                           _phase_state(self.q_stage, stage, o_phase), stage=stage)
-                tiled_mma_pv = self.gemm(
+                tiled_mma_pv = self.value_mma(
                     tiled_mma_pv, tOtO[stage], tOrP[stage],
-                    tOrV[None, None, None, kv_state.index], accumulate)
+                    tOrV[None, None, None, kv_state.index], pipe_s, pipe_o, p_part, stage,
+                    p_phase, o_phase, accumulate)
                 self.sites("mma", "commit o_final", pipe_o.producer_commit,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
@@ -981,6 +1165,28 @@ class FlashForwardSm100:
             p_phase ^= 1
             o_phase ^= 1
         return tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase
+
+    @cute.jit
+    def value_mma(self, tiled_mma_pv, tOtO, tOrP, tOrV, pipe_s, pipe_o, p_part,
+                  stage: cutlass.Constexpr[int], p_phase, o_phase, accumulate):
+        """O_i += P_i V_j once P_i is in TMEM (p_ready) and O_i was rescaled (o_rescaled). With
+        a split hand-off (Note [split P hand-off] in fa4lab.plan.sm100) the K blocks of P's
+        first p_split keys go once p_part completed, the others once p_ready did."""
+        p_state = _phase_state(self.q_stage, stage, p_phase)
+        if cutlass.const_expr(self.p_split > 0):
+            self.sites("mma", "wait p_part", p_part.wait, stage, p_phase, stage=stage)
+        else:
+            self.sites("mma", "wait p_ready", pipe_s.producer_acquire, p_state, stage=stage)
+        self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
+                   _phase_state(self.q_stage, stage, o_phase), stage=stage)
+        k_split = cute.size(tOrP, mode=[2]) * self.p_split // self.n_block
+        if cutlass.const_expr(self.p_split > 0):
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate, 0, k_split)
+            self.sites("mma", "wait p_ready", pipe_s.producer_acquire, p_state, stage=stage)
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate, k_split)
+        else:
+            tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate)
+        return tiled_mma_pv
 
     @cute.jit
     def mma_ping_pong(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP,
@@ -1039,9 +1245,12 @@ class FlashForwardSm100:
         return tiled_mma_pv
 
     @cute.jit
-    def gemm(self, tiled_mma, acc, tA, tB, accumulate):
-        """acc (+)= A B over the K blocks of one tile; accumulate is a runtime flag."""
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+    def gemm(self, tiled_mma, acc, tA, tB, accumulate, k_first: cutlass.Constexpr[int] = 0,
+             k_end: cutlass.Constexpr[int] = None):
+        """acc (+)= A B over K blocks [k_first, k_end) of one tile (all by default); accumulate
+        is a runtime flag (a K block after the first always accumulates)."""
+        k_end = cute.size(tA, mode=[2]) if cutlass.const_expr(k_end is None) else k_end
+        for k in cutlass.range_constexpr(k_first, k_end):
             tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
         # Returned so callers rebind it: the ACCUMULATE field is traced state that must flow
@@ -1051,9 +1260,9 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
     def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
+                pipe_stats, p_part, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
                 pre_scale: Float32, head, batch, aux, mask_blocks, left, right, s_count,
-                stats_phase):
+                stats_phase, split=None, num_splits=1):
         """Softmax warpgroup `stage` on one work tile: one thread per row of Q tile `stage`,
         the CTA's blocks in its visit order (Note [block visit order] in fa4lab.tiling).
         Returns (s_count, stats_phase) advanced (Note [pipeline states across tiles]).
@@ -1088,7 +1297,7 @@ class FlashForwardSm100:
         limit = mask_mod.key_range(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, left, right,
                                    self.pack)
         n_blocks, n_masked, order, unmasked_end = self.softmax_plan(
-            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks)
+            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks, split, num_splits)
         n_max, mask_min, left_run = order
         mod_rows = None
         if cutlass.const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
@@ -1100,7 +1309,8 @@ class FlashForwardSm100:
         # s_count: the S buffer's phase, or (ping-pong) the block steps done; stats_phase:
         # stats_empty's (it starts released).
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, stage, tidx, limit, scale_log2, pre_scale, mod_rows)
+                pipe_s, pipe_stats, p_part, stage, tidx, limit, scale_log2, pre_scale,
+                mod_rows)
         for i in cutlass.range(n_masked, unroll=1):
             row_max, row_sum, s_count, stats_phase = self.softmax_step(
                 scheduler.visit_block(i, n_max, mask_min, left_run), True, row_max, row_sum,
@@ -1123,7 +1333,7 @@ class FlashForwardSm100:
         return s_count, stats_phase
 
     def softmax_plan(self, stage: int, m_block, seqlen_q, seqlen_k, left, right,
-                     mask_blocks=None):
+                     mask_blocks=None, split=None, num_splits=1):
         """(n_blocks, n_masked, order, unmasked_end) of Q tile `stage`'s softmax: it walks the
         CTA's n_blocks blocks, steps [0, n_masked) masked (block scheduler.visit_block(s,
         *order)), then blocks order[1] - 1 down to unmasked_end unmasked.
@@ -1139,20 +1349,22 @@ class FlashForwardSm100:
         rule would mask).
         """
         n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
-                                                    mask_blocks)
+                                                    mask_blocks, split, num_splits)
         n_max, mask_min, left_run = order
         if left_run is not None:
             return n_blocks, n_masked, order, left_run[1]
+        # The range starts at block 0, but a split's starts where the split does.
+        n_min = n_max - n_blocks if cutlass.const_expr(self.split_kv) else 0
         _, mask_min = scheduler.mask_split(m_block * self.q_stage + stage, self.m_block,
                                            self.pack, self.n_block, seqlen_q, seqlen_k, left,
-                                           right, 0, n_max)
-        return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), 0
+                                           right, n_min, n_max)
+        return n_blocks, n_max - mask_min, (n_max, mask_min, left_run), n_min
 
     @cute.jit
     def softmax_step(self, n_block, mask: cutlass.Constexpr[bool], row_max, row_sum, s_count,
                      stats_phase, tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape,
-                     sScale, pipe_s, pipe_stats, stage: cutlass.Constexpr[int], tidx, limit,
-                     scale_log2: Float32, pre_scale: Float32, mod_rows):
+                     sScale, pipe_s, pipe_stats, p_part, stage: cutlass.Constexpr[int], tidx,
+                     limit, scale_log2: Float32, pre_scale: Float32, mod_rows):
         """One block: S -> (mask) -> row max -> scale to correction -> P = exp2 -> TMEM.
 
         Two Q tiles: S buffer `stage`, and `s_count` is its phase, flipped each step (as a
@@ -1225,6 +1437,10 @@ class FlashForwardSm100:
                                        cute.arch.add_packed_f32x2, width=1)
             tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
             cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
+            if cutlass.const_expr((c + 1) * chunk == self.p_split):
+                # P's first p_split keys are in TMEM: Note [split P hand-off]
+                cute.arch.fence_view_async_tmem_store()
+                self.sites(role, "arrive p_part", p_part.arrive, stage, None, stage=sb)
         cute.arch.fence_view_async_tmem_store()
         self.sites(role, "arrive p_ready", pipe_s.consumer_release, s_state,
                    stage=sb)  # P is in TMEM
@@ -1236,11 +1452,16 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: correction
     @cute.jit
     def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
-                   pipe_epi, m_block, head, batch, n_blocks, seqlen_q, scale_log2: Float32,
-                   stats_state, o_phase, epi_phase):
+                   pipe_epi, mOPartial, mLSEPartial, m_block, head, batch, split, n_blocks,
+                   lengths, scale_log2: Float32, stats_state, o_phase, epi_phase):
         """One work tile: rescale O_i when a row max moved (per step), then O_i / row_sum ->
-        sO (the sink in the sum: Note [sinks]), and LSE. Returns stats_state and the o_final
-        and o_empty phases, advanced (Note [pipeline states across tiles])."""
+        sO (the sink in the sum: Note [sinks]), and LSE. Split-KV: O_i / row_sum (float32) and
+        the LSE straight to the split's partials, no sink (`fa4lab.kernels.device.split`); the
+        o_empty / o_staged hand-off with the epilogue warp stays, so the protocol is the
+        table's. `lengths` (the launch's seqlen_q, seqlen_k and varlen tuple) give the LSE's
+        rows: the sequence is read where LSE is stored, not kept live through the block loop.
+        Returns stats_state and the o_final and o_empty phases, advanced (Note [pipeline states
+        across tiles])."""
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -1278,14 +1499,21 @@ class FlashForwardSm100:
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None
-            if cutlass.const_expr(mSink is not None):
+            if cutlass.const_expr(mSink is not None and not self.split_kv):
                 sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
             inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
             epi_state = _phase_state(self.q_stage, stage, epi_phase)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
-            self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
-                                     inv_sum, n_blocks > 0)
+            if cutlass.const_expr(self.split_kv):
+                mOP, mLP = split_mod.split_views(mOPartial, mLSEPartial, split)
+                seqlen_q = lengths[0]   # split-KV is not varlen: the launch's
+                self.correction_store_partial(thr_mma_pv, tOtO[stage], tidx, inv_sum,
+                                              n_blocks > 0, mOP, row, head, batch, seqlen_q)
+                softmax_mod.store_lse(mLP, row, lse, head, batch, seqlen_q, self.pack)
+            else:
+                self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
+                                         inv_sum, n_blocks > 0)
             cute.arch.fence_view_async_shared()
             self.sites("correction", "arrive o_staged", pipe_epi.producer_commit, epi_state,
                        stage=stage)
@@ -1293,8 +1521,12 @@ class FlashForwardSm100:
                 cute.arch.fence_view_async_tmem_load()
                 self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
-            if cutlass.const_expr(self.return_lse):
-                softmax_mod.store_lse(mLSE, row, lse, head, batch, seqlen_q, self.pack)
+            # At the sequence's rows with varlen.
+            if cutlass.const_expr(self.return_lse and not self.split_kv):
+                seq = seqlen.of_launch(batch, *lengths)
+                softmax_mod.store_lse(seqlen.at_offset(mLSE, seq.offset_q, self.varlen), row,
+                                      lse, head, self.batch_index(batch), seq.seqlen_q,
+                                      self.pack)
         if n_blocks > 0:
             o_phase ^= 1
         return stats_state, o_phase, epi_phase ^ 1
@@ -1325,6 +1557,35 @@ class FlashForwardSm100:
             cute.copy(thr_store, tOrO,
                       cute.make_tensor(tOtO_r2t.iterator + c * cols, tOtO_r2t.layout))
         cute.arch.fence_view_async_tmem_store()
+
+    @cute.jit
+    def correction_store_partial(self, thr_mma_pv, tOtO, tidx, inv_sum, has_work, mOP, row,
+                                 head, batch, seqlen_q):
+        """Split-KV: this thread's row of O_i * inv_sum, float32, into the split's out_partial
+        `mOP` (batch, seqlen_q, heads_q, head_dim_v), 16 columns at a time through registers;
+        a row past seqlen_q (packed: seqlen_q * g) is dropped, a packed row goes to its
+        (position, query head) (`unpack_row`)."""
+        cols = 16
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor(self.mma_tiler_pv[:2]))
+        load_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(cols)),
+                                        Float32)
+        tOtO_c = cute.composition(tOtO, cute.make_layout((self.m_block, cols)))
+        tOcO_c = cute.composition(tOcO, cute.make_layout((self.m_block, cols)))
+        thr_load = tcgen05.make_tmem_copy(load_atom, tOtO_c).get_slice(tidx)
+        tOtO_t2r = thr_load.partition_S(tOtO_c)
+        tOcO_t2r = thr_load.partition_D(tOcO_c)
+        pos, q_head = unpack_row(row, head, self.pack)
+        out_row = mOP[batch, pos, q_head, None]
+        for c in cutlass.range_constexpr(self.head_dim_v // cols):
+            tOrO = cute.make_rmem_tensor(tOcO_t2r.shape, Float32)
+            if has_work:
+                cute.copy(thr_load,
+                          cute.make_tensor(tOtO_t2r.iterator + c * cols, tOtO_t2r.layout), tOrO)
+            else:
+                tOrO.fill(0.0)
+            if row < seqlen_q * self.pack:
+                for j in cutlass.range_constexpr(cute.size(tOrO)):
+                    out_row[c * cols + tOcO_t2r[j][1]] = tOrO[j] * inv_sum
 
     @cute.jit
     def correction_epilogue(self, thr_mma_pv, tOtO, sO, tidx, inv_sum, has_work):
@@ -1361,29 +1622,64 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: epilogue
     @cute.jit
-    def epilogue(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
+    def epilogue(self, tma_atom_O, mO, mO_rows, sO, pipe_epi, m_block, head, batch, seq,
+                 epi_phase):
         """TMA store of one work tile's normalised O tiles (rows past seqlen_q are clipped by
-        the TMA). Returns the o_staged phase, advanced (Note [pipeline states across tiles])."""
+        the TMA); with varlen, row by row into `mO_rows` (Note [sm100 varlen]). Returns the
+        o_staged phase, advanced (Note [pipeline states across tiles])."""
+        if cutlass.const_expr(self.varlen):
+            self.epilogue_rows(mO_rows, sO, pipe_epi, m_block, head, seq, epi_phase)
+        else:
+            self.epilogue_tma(tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase)
+        return epi_phase ^ 1
+
+    @cute.jit
+    def epilogue_rows(self, mO_rows, sO, pipe_epi, m_block, head, seq, epi_phase):
+        """The varlen store: each staged O tile's rows of the sequence, 16 bytes per lane."""
+        lane = cute.arch.lane_idx()
+        gO = cute.local_tile(seqlen.at_offset(mO_rows, seq.offset_q, True)[None, None, head, 0],
+                             self.epi_tile, (None, 0))
+        for stage in cutlass.range_constexpr(self.q_stage):
+            self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
+                       _phase_state(self.q_stage, stage, epi_phase), stage=stage)
+        for stage in cutlass.range_constexpr(self.q_stage):
+            tile = m_block * self.q_stage + stage
+            rows = seq.seqlen_q - tile * self.m_block
+            if rows > 0:   # a Q tile past the sequence's end stores nothing
+                # A loop, not unrolled: one warp at the epilogue's registers (plan.roles).
+                seqlen.store_rows(sO[None, None, stage], gO[None, None, tile], rows, lane, 32,
+                                  unroll=False)
+        cute.arch.sync_warp()   # every lane has read its rows of the staging tiles
+        for stage in cutlass.range_constexpr(self.q_stage):
+            with cute.arch.elect_one():
+                self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
+                           _phase_state(self.q_stage, stage, 0), stage=stage)
+
+    @cute.jit
+    def epilogue_tma(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
+        """The TMA store of the staged O tiles."""
         gO = cute.local_tile(mO[None, None, head, batch], self.epi_tile, (None, 0))
         tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                            cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
         for stage in cutlass.range_constexpr(self.q_stage):
             self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
                        _phase_state(self.q_stage, stage, epi_phase), stage=stage)
-            cute.copy(tma_atom_O, tOsO[None, stage], tOgO[None, m_block * self.q_stage + stage])
-            cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(not self.split_kv):   # split-KV: the correction stored O
+                cute.copy(tma_atom_O, tOsO[None, stage],
+                          tOgO[None, m_block * self.q_stage + stage])
+                cute.arch.cp_async_bulk_commit_group()
         for stage in cutlass.range_constexpr(self.q_stage):
             # The smem tile may be reused once the TMA has read it; drain before exit.
             cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
-        return epi_phase ^ 1
 
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                     pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                    score_mod=None, mask_mod=None, aux_tensors=None, page_table=None):
+                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1,
+                    page_table=None):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
@@ -1395,7 +1691,10 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
     aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) and `page_table`
     (a paged K/V cache, Note [paged key blocks]; pages of a multiple of the key block, or of
-    half of it, so far; compiled and audited only) as in `fa4lab.attention`.
+    half of it, so far; compiled and audited only) as in `fa4lab.attention`. num_splits > 1:
+    split-KV (`fa4lab.kernels.device.split`; compiled and audited, not yet run on a B200); 1
+    (the default) no split; None chooses 1 here until it has run
+    (`fa4lab.kernels.launch.AUTO_SPLIT_ARCHS`).
     """
     from fa4lab.kernels.launch import attention_on
 
@@ -1403,4 +1702,4 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
                         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        page_table=page_table)
+                        num_splits=num_splits, page_table=page_table)

@@ -45,6 +45,14 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
 * pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges, the mask's row index and the LSE and sink addresses change.
+* split-KV (`spec.split_kv`, `fa4lab.kernels.device.split`): num_splits (a runtime Int32) CTAs
+  per tile, the split folded into the grid's head axis; each visits its split's blocks of the
+  tile's range and stores its float32 partial O (normalised over its keys) and LSE straight
+  from registers (`epilogue_split`) for the combine kernel; no sink (the combine adds it).
+
+Variable-length batches (spec.varlen, `fa4lab.attention_varlen`): packed q/k/v, one launch over
+the batch's real tiles in LPT order from a tile table, O and LSE stored row by row: Note [sm90
+varlen].
 
 Tile order (`plan.tiles.order`, Note [tile order] in `fa4lab.kernels.device.scheduler`): causal
 tiles run in FA4's LPT order, one CTA per tile; non-causal plans (but head_dim 256) run
@@ -71,7 +79,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import paged, scheduler, storage
+from fa4lab.kernels.device import paged, scheduler, seqlen, storage
+from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.mods import ModRows, tile_rows
 from fa4lab.kernels.device.opaque import opaque_zero
 from fa4lab.kernels.device.pack_gqa import packed_tma as _packed_tma
@@ -200,6 +209,11 @@ class FlashForwardSm90:
         self.mods = mods if mods else None
         self.has_score_mod = self.mods is not None and mods.score_mod is not None
         self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
+        # Split-KV (fa4lab.kernels.device.split): float32 partials, num_splits at run time.
+        self.split_kv = spec.split_kv
+        if self.split_kv and self.mods is not None:
+            raise ValueError("the split-KV kernel takes no score_mod / mask_mod: call without "
+                             "num_splits (or num_splits=1) to use mods")
         # Which sides of a window the kernel has; their sizes are runtime arguments (Note
         # [runtime window]): causal is right = 0, a constant.
         self.window_size = spec.window_size
@@ -231,6 +245,12 @@ class FlashForwardSm90:
         self.o_in_q = o_region.alias_of == "q"
         # Every barrier op by name from the protocol table (fa4lab.kernels.protocol).
         self.sites = Sites(plan, mutation)
+        # A variable-length batch (Note [sm90 varlen]): packed q/k/v, the tile table's tiles.
+        self.varlen = spec.varlen
+        if self.varlen and self.split_kv:
+            raise ValueError("split-KV does not compose with varlen yet: one or the other")
+        if self.varlen and self.pack_gqa:
+            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -249,16 +269,42 @@ class FlashForwardSm90:
         aux: tuple | None,    # the mods' aux tensors (fa4lab.mods), or None
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
+        mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen without a page table
+        mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
+        mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
         mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32 with a paged cache
+        num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
+        mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         stream: cuda.CUstream,
     ):
         if const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
-        if const_expr((self.page_size is not None) != (mPageTable is not None)):
-            raise ValueError("a paged kernel (spec.page_size) takes a page table, and only it "
-                             "does: see Note [paged key blocks] in fa4lab.kernels.device.paged")
+        if const_expr((self.page_size is not None) != (mPageTable is not None)
+                      or (self.page_size is not None and mSeqUsedK is None)):
+            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
+                             "and only it takes a page table: see Note [paged key blocks] in "
+                             "fa4lab.kernels.device.paged")
+        if const_expr(self.varlen != (mTileTable is not None)
+                      or self.varlen != (mCuSeqlensQ is not None)
+                      or (self.varlen and self.page_size is None) != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
+                             "paged, cu_seqlens_k, and only it does (Note [sm90 varlen])")
+        if const_expr(self.varlen and mask_blocks is not None):
+            raise ValueError("a varlen kernel takes no mask_mod block table")
+        if const_expr(self.split_kv != (mOPartial is not None)
+                      or self.split_kv != (mLSEPartial is not None)):
+            raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
+                             "and only it does")
         dtype = self.dtype = mQ.element_type
+        if const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
+            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
+            if const_expr(self.page_size is None):   # a paged cache stays pages
+                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
+            if const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total_q)
+                mLSE = seqlen.as_batch_of_one(mLSE)
         # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch). A
         # paged cache (pages, page_size, h, d) becomes (page_size, d, h, pages) the same way.
         mQ, mK, mV, mO = [
@@ -314,14 +360,23 @@ class FlashForwardSm90:
             "v": (dtype, cute.cosize(sV_layout)), "o": (dtype, cute.cosize(sO_layout))})
         # With pack-GQA: seqlen_q * g packed rows per KV head (Note [sm90 pack-GQA kernel]).
         heads = cute.size(mK.shape[2]) if const_expr(self.pack_gqa) else cute.size(mQ.shape[2])
-        grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
-                                    cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
-                                    self.num_ctas if const_expr(self.persistent) else None)
+        if const_expr(self.split_kv):   # the splits fold into the head axis
+            heads = heads * num_splits
+        if const_expr(self.varlen):   # Note [varlen tile table] in ...device.scheduler
+            tiles = scheduler.varlen_num_tiles(mTileTable, heads)
+            grid = (cutlass.min(tiles, self.num_ctas) if const_expr(self.persistent) else tiles,
+                    1, 1)
+        else:
+            grid = scheduler.grid_shape(cute.size(mQ.shape[0]) * self.pack, heads,
+                                        cute.size(mQ.shape[3]), self.cta_m, self.tile_order,
+                                        self.num_ctas if const_expr(self.persistent) else None)
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
             mSink, scale_log2, pre_scale, window_left, window_right, aux, mask_blocks, mPageTable,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            num_splits, mOPartial, mLSEPartial, sQ_layout, sK_layout, sV_layout, sO_layout,
+            (mO if const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+             mTileTable),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device
@@ -345,10 +400,16 @@ class FlashForwardSm90:
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,              # (cta tiles, 4) int32
         mPageTable: cute.Tensor | None,               # (batch, pages_per_seq) int32
+        num_splits: Int32,
+        mOPartial: cute.Tensor | None,   # (num_splits, batch, seqlen_q, heads_q, dv) fp32
+        mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        # (mO (total_q, dv, heads_q, 1) or None, cu_seqlens_q, cu_seqlens_k, seqused_k, tile
+        # table): Note [sm90 varlen]; all None but seqused_k's when not varlen
+        varlen: tuple,
     ):
         self.sites.start()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -384,13 +445,14 @@ class FlashForwardSm90:
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                           (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
-                          window_right, mask_blocks, mPageTable)
+                          window_right, mask_blocks, varlen, mPageTable, num_splits)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                          sO, (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
-                         self.seqlen_k_of(mK, mPageTable), scale_log2, pre_scale, aux, mask_blocks,
+                         self.seqlen_k_of(mK, mPageTable), scale_log2, pre_scale, aux,
+                         mask_blocks, varlen, num_splits, mOPartial, mLSEPartial,
                          *self.window(window_left, window_right))
         self.sites.finish()
 
@@ -440,8 +502,8 @@ class FlashForwardSm90:
         return cute.size(mQ.shape[0])
 
     def seqlen_k_of(self, mK, mPageTable):
-        """Keys of a sequence: mK's rows, or a paged launch's (`paged.seqlen_k`, the hook
-        where per-sequence key counts plug in)."""
+        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
+        a tile's own count is its `sequence`'s (seqused_k, which a paged launch always has)."""
         if const_expr(mPageTable is not None):
             return paged.seqlen_k(mPageTable, self.page_size)
         return cute.size(mK.shape[0])
@@ -450,19 +512,24 @@ class FlashForwardSm90:
         """(left, right) for the mask and the block ranges (`mask.window_sides`)."""
         return mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
 
-    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None):
+    def visit_plan(self, m_block, seqlen_q, seqlen_k, left, right, mask_blocks=None,
+                   split=None, num_splits=1):
         """(n_blocks, n_masked, order) of this CTA: it visits n_blocks key blocks, the first
         n_masked of them masked, step s being block scheduler.visit_block(s, *order) (Note
         [block visit order] in fa4lab.tiling). The producer and the consumers both call this,
         so they walk the same blocks in the same order. Block ranges are the whole CTA's (one
         K/V stream feeds every consumer), so a consumer may mask a block its own rows see whole.
-        With a mask_mod, `mask_blocks` is its block table (Note [mask_mod block table]).
+        With a mask_mod, `mask_blocks` is its block table (Note [mask_mod block table]); with
+        split-KV, `split` the CTA's split of `num_splits` (Note [empty splits]).
         """
         n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
                                              seqlen_q, seqlen_k, left, right)
         row = scheduler.table_row(mask_blocks, m_block)
         if row is not None:
             n_min, n_max = scheduler.table_range(n_min, n_max, row)
+        if split is not None:   # the split's blocks of the range: fa4lab.kernels.device.split
+            n_min, n_max, _ = split_mod.narrow(n_min, n_max, seqlen_k, self.n_block,
+                                               num_splits, split)
         # Note [fully masked CTAs]: a CTA whose rows all see no key (causal or a window's right
         # side with seqlen_q > seqlen_k: the range is [0, 0)) still visits block 0 fully
         # masked, which yields O = 0 and LSE = -inf through the normal path (no special case,
@@ -482,41 +549,89 @@ class FlashForwardSm90:
         return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
     # ---- the tile loops: Note [sm90 persistent CTAs] in fa4lab.plan.sm90 ----
-    def tiles(self, mQ):
+    def tiles(self, mQ, varlen, num_splits):
         """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
         (cutlass.range's arguments)."""
-        return (cute.arch.block_idx()[0], scheduler.num_tiles(mQ, self.cta_m),
-                cute.arch.grid_dim()[0])
+        splits = num_splits if const_expr(self.split_kv) else 1
+        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
+        if const_expr(self.varlen):
+            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
+        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
 
-    def coords(self, mQ, seqlen_k, tile=None):
+    def coords(self, mQ, seqlen_k, varlen, tile=None):
         """(m_block, head, batch) of linear tile `tile`, or of this CTA's one tile (None)."""
         return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                     self.bytes_per_key, tile)
+                                     self.bytes_per_key, tile, tile_table=varlen[4])
+
+    # Note [sm90 varlen]
+    # A variable-length batch (spec.varlen) comes packed: q, out (total_q, heads, d), k, v
+    # (total_k, heads_kv, d), LSE (heads_q, total_q). The kernel views each as a batch of one
+    # (`seqlen.as_batch_of_one`), so the TMA descriptors are the padded kernel's over the
+    # packed tensors; a tile (from the tile table: Note [varlen tile table]) reads its
+    # sequence's offsets and lengths (`seqlen.sequence`) and shifts its Q, K, V, O and LSE views
+    # to the sequence's first row (`seqlen.at_offset`); from there on positions, masks and block
+    # ranges are the sequence's own. O is not stored by TMA but row by row from the SMEM
+    # staging, and LSE row by row, both predicated on the sequence's seqlen_q: Note [varlen rows
+    # past a sequence] in fa4lab.kernels.device.seqlen. seqused_k works with or without varlen.
+
+    def sequence(self, batch, seqlen_q, seqlen_k, varlen):
+        """Sequence `batch`'s offsets and lengths (`seqlen.sequence`): the fixed sizes when
+        the launch has neither cu_seqlens nor seqused_k."""
+        return seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
+
+    def batch_index(self, batch):
+        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
+        return 0 if const_expr(self.varlen) else batch
+
+    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
+        """(m_block, head, batch, split) of linear tile `tile` (None: this CTA's one tile);
+        split is None without split-KV (`fa4lab.kernels.device.split.split_of`)."""
+        if const_expr(not self.split_kv):
+            m_block, head, batch = self.coords(mQ, seqlen_k, varlen, tile)
+            return m_block, head, batch, None
+        m_block, head_split, batch = scheduler.tile_coords(
+            self.tile_order, mQ, seqlen_k, self.cta_m, self.bytes_per_key, tile, num_splits,
+            varlen[4])
+        head, split = split_mod.split_of(head_split, num_splits)
+        return m_block, head, batch, split
+
+    def split_keys(self, m_block, seqlen_q, seqlen_k, left, right, split, num_splits):
+        """The key length the CTA's row limits use: seqlen_k, or 0 for a split that keeps no
+        block of the tile's range (Note [empty splits] in fa4lab.kernels.device.split)."""
+        if const_expr(not self.split_kv):
+            return seqlen_k
+        n_min, n_max = scheduler.block_range(m_block, self.cta_m, self.pack, self.n_block,
+                                             seqlen_q, seqlen_k, left, right)
+        _, _, seen = split_mod.narrow(n_min, n_max, seqlen_k, self.n_block, num_splits, split)
+        return split_mod.keys_seen(seqlen_k, seen)
 
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, mask_blocks,
-             mPageTable):
+             varlen, mPageTable, num_splits: Int32):
         """Producer warp: for each work tile, Q once, then K and V block by block in the visit
         order (`visit_plan`); a persistent CTA waits for q_empty before each tile's Q."""
         args = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars[0], pipeline_k,
-                pipeline_v, *self.window(window_left, window_right), mask_blocks, mPageTable)
+                pipeline_v, *self.window(window_left, window_right), mask_blocks, varlen,
+                mPageTable, num_splits)
         seqlen_k = self.seqlen_k_of(mK, mPageTable)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(1)   # q_empty starts released
-            first, stop, step = self.tiles(mQ)
+            first, stop, step = self.tiles(mQ, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 self.sites("load", "wait q_empty", cute.arch.mbarrier_wait, mbars[1], q_phase,
                            stage=0)
                 q_phase = q_phase ^ 1
-                state = self.load_tile(*args, self.coords(mQ, seqlen_k, tile), state)
+                state = self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits,
+                                                        tile), state)
         else:
-            self.load_tile(*args, self.coords(mQ, seqlen_k), state)
+            self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits), state)
 
     @cute.jit
     def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
-                  pipeline_k, pipeline_v, left, right, mask_blocks, mPageTable, coords, state):
+                  pipeline_k, pipeline_v, left, right, mask_blocks, varlen, mPageTable,
+                  num_splits, coords, state):
         """One work tile's loads; returns the K/V ring's next slot.
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
@@ -524,19 +639,23 @@ class FlashForwardSm90:
         `consume_tile`), so K runs one ahead. With a paged cache a block's page indices are
         read before its K slot is waited for, and its V copy reuses them.
         """
-        m_block, head, batch = coords
+        m_block, head, batch, split = coords
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        seqlen_q, seqlen_k = self.seqlen_q_of(mQ), self.seqlen_k_of(mK, mPageTable)
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.m_block, self.head_dim),
-                             (None, 0))
+        seq = self.sequence(batch, self.seqlen_q_of(mQ), self.seqlen_k_of(mK, mPageTable),
+                            varlen)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
+        b = self.batch_index(batch)
+        gQ = cute.local_tile(mQ[None, None, head, b], (self.m_block, self.head_dim), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = self.kv_partition(tma_atom_K, mK, sK, head_kv, batch, self.head_dim,
-                                       mPageTable)
-        tVsV, tVgV = self.kv_partition(tma_atom_V, mV, sV, head_kv, batch, self.head_dim_v,
-                                       mPageTable)
+        tKsK, tKgK = self.kv_partition(tma_atom_K, mK, sK, head_kv, b, seq.offset_k,
+                                       self.head_dim, mPageTable)
+        tVsV, tVgV = self.kv_partition(tma_atom_V, mV, sV, head_kv, b, seq.offset_k,
+                                       self.head_dim_v, mPageTable)
+        # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
         pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
 
         with cute.arch.elect_one():
@@ -547,7 +666,7 @@ class FlashForwardSm90:
                       tma_bar_ptr=mbar_q)
 
         n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
-                                             mask_blocks)
+                                             mask_blocks, split, num_splits)
         n_first = scheduler.visit_block(0, *order)
         page_k = pages(n_first)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
@@ -571,16 +690,18 @@ class FlashForwardSm90:
         state.advance()
         return state
 
-    def kv_partition(self, atom, mX, sX, head_kv, batch, cols: int, mPageTable):
-        """(tXsX, tXgX) of K or V: SMEM ((TMA), stage) and the block's coordinates ((TMA), n);
-        paged, ((TMA), piece, stage) and ((TMA), row block, page) (Note [paged key blocks])."""
+    def kv_partition(self, atom, mX, sX, head_kv, b, offset_k, cols: int, mPageTable):
+        """(tXsX, tXgX) of K or V: SMEM ((TMA), stage) and the block's coordinates ((TMA), n)
+        in batch b of the views, from packed row offset_k when varlen; paged, ((TMA), piece,
+        stage) and ((TMA), row block, page) (Note [paged key blocks]: never offset)."""
         one = cute.make_layout(1)
         if const_expr(mPageTable is not None):
             gX = paged.page_coords(mX, head_kv, self.n_block, cols, self.page_size)
             return cpasync.tma_partition(
                 atom, 0, one, paged.stage_pieces(sX, self.n_block, cols, self.page_size),
                 cute.group_modes(gX, 0, 2))
-        gX = cute.local_tile(mX[None, None, head_kv, batch], (self.n_block, cols), (None, 0))
+        mX = seqlen.at_offset(mX, offset_k, self.varlen)
+        gX = cute.local_tile(mX[None, None, head_kv, b], (self.n_block, cols), (None, 0))
         return cpasync.tma_partition(atom, 0, one, cute.group_modes(sX, 0, 2),
                                      cute.group_modes(gX, 0, 2))
 
@@ -589,8 +710,7 @@ class FlashForwardSm90:
         """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
         if const_expr(mPageTable is None):
             return Int32(0)
-        num_slots = (seqlen_k + (self.page_size - 1)) // self.page_size
-        return paged.read_pages(mPageTable, batch, n_block, num_slots, self.page_size,
+        return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
                                 self.n_block)
 
     @cute.jit
@@ -606,12 +726,13 @@ class FlashForwardSm90:
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
                 mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, left, right):
+                scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, varlen,
+                num_splits: Int32, mOPartial, mLSEPartial, left, right):
         """Consumer warpgroup: for each work tile, the key-block loop for its 64 query rows,
         then the epilogue. The ping-pong ring opens and closes once per CTA."""
         args = (tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO, mbars,
                 pipeline_k, pipeline_v, seqlen_q, seqlen_k, scale_log2, pre_scale, aux,
-                mask_blocks, left, right)
+                mask_blocks, varlen, num_splits, mOPartial, mLSEPartial, left, right)
         wg = self._consumer_index()  # 0 .. q_stage-1
         if const_expr(self.pingpong):
             if wg == self.num_consumers - 1:  # the ring's last consumer lets consumer0 go first
@@ -619,7 +740,7 @@ class FlashForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(0)
-            first, stop, step = self.tiles(mO)
+            first, stop, step = self.tiles(mO, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 state = self.consume_tile(*args, tile, state, q_phase)
                 q_phase = q_phase ^ 1
@@ -640,14 +761,17 @@ class FlashForwardSm90:
     @cute.jit
     def consume_tile(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                      sO, mbars, pipeline_k, pipeline_v, seqlen_q: Int32, seqlen_k: Int32,
-                     scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, left, right,
-                     tile, state, q_phase: Int32):
+                     scale_log2: Float32, pre_scale: Float32, aux, mask_blocks, varlen,
+                     num_splits: Int32, mOPartial, mLSEPartial, left, right, tile, state,
+                     q_phase: Int32):
         """One work tile (linear `tile` of a persistent CTA, None: the CTA's one tile) from the
         K/V ring's slot `state`; returns the ring's next slot."""
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
-        m_block, head, batch = self.coords(mO, seqlen_k, tile)
+        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
+        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
@@ -664,8 +788,10 @@ class FlashForwardSm90:
         # Thread 0's coordinates are compile-time constants (Note [static columns] in mask).
         tScS0_mn = acc_mn_view(tiled_mma_qk.get_slice(0).partition_C(cS))
         # Each row's first hidden key, once per tile (masked blocks then only compare).
-        limits = mask_mod.row_limits(tScS_mn, tScS0_mn, m_offset, seqlen_q, seqlen_k, left,
-                                     right, self.pack)
+        limits = mask_mod.row_limits(tScS_mn, tScS0_mn, m_offset, seqlen_q,
+                                     self.split_keys(m_block, seqlen_q, seqlen_k, left, right,
+                                                     split, num_splits),
+                                     left, right, self.pack)
         mod_rows = None
         if const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
             mod_rows = ModRows(self.mods, aux, batch, head, tile_rows(tScS_mn, m_offset),
@@ -683,7 +809,7 @@ class FlashForwardSm90:
 
         # See Note [fully masked CTAs] in visit_plan.
         n_blocks, n_masked, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
-                                                    mask_blocks)
+                                                    mask_blocks, split, num_splits)
 
         self.sites("consumer", "wait q_full", cute.arch.mbarrier_wait, mbars[0], q_phase,
                    stage=0)
@@ -715,18 +841,29 @@ class FlashForwardSm90:
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch = self.coords(mO, seqlen_k, tile)
+        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         sinks = None
-        if const_expr(mSink is not None):  # Note [sinks]: each row's own query head
+        # Note [sinks]: each row's own query head; a split leaves the sink to the combine.
+        if const_expr(mSink is not None and not self.split_kv):
             sinks = cute.make_rmem_tensor(softmax.num_rows, Float32)
             for r in cutlass.range_constexpr(softmax.num_rows):
                 sinks[r] = sink_log2(mSink, m_offset + tScS_mn[r, 0][0], head, self.pack)
         inv_sum, lse = softmax.finalize(sinks)
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
-        self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
-                      tidx % _WG, m_block, head, batch, m_offset, seqlen_q)
+        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
+        if const_expr(self.split_kv):
+            self.epilogue_split(tiled_mma_pv, mOPartial, mLSEPartial, acc_O, lse, tScS_mn, wg,
+                                tidx % _WG, head, batch, split, m_offset, seq.seqlen_q)
+        else:
+            if const_expr(self.varlen):   # Note [sm90 varlen]: the sequence's own rows
+                mO = seqlen.at_offset(varlen[0], seq.offset_q, True)
+                if const_expr(mLSE is not None):
+                    mLSE = seqlen.at_offset(mLSE, seq.offset_q, True)
+            self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
+                          tidx % _WG, m_block, head, self.batch_index(batch), m_offset,
+                          seq.seqlen_q)
         state.advance()
         return state
 
@@ -882,19 +1019,49 @@ class FlashForwardSm90:
         # Each consumer writes only its own slot; with O staged in Q's bytes that slot is the
         # Q tile only this consumer read, and its last score wgmma has completed.
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO[None, None, wg]))
-        # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the store.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
-        if tid // 32 == zero:
+        if const_expr(self.varlen):
+            # Row by row, only the sequence's own: Note [varlen rows past a sequence]. mO is
+            # the (rows, dv, heads, 1) tensor itself, from the sequence's first row.
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
             gO = cute.local_tile(mO[None, None, head, batch], (self.m_block, self.head_dim_v),
-                                 (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.persistent):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                                 (m_block * self.q_stage + wg, 0))
+            seqlen.store_rows(sO[None, None, wg], gO, seqlen_q - m_offset, tid, _WG)
+        else:
+            # Generic-proxy SMEM writes must be visible to the TMA (async proxy) before the
+            # store.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
+            if tid // 32 == zero:
+                gO = cute.local_tile(mO[None, None, head, batch],
+                                     (self.m_block, self.head_dim_v), (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_O, tOsO[None, wg], tOgO[None, m_block * self.q_stage + wg])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.persistent):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def epilogue_split(self, tiled_mma_pv, mOPartial, mLSEPartial, acc_O, lse, tScS_mn, wg, tid,
+                       head, batch, split, m_offset, seqlen_q):
+        """Split-KV: the normalised float32 O and the LSE of this split straight from
+        registers into the combine's layout (`fa4lab.kernels.device.split`); no SMEM staging.
+        The epilogue's named barriers are kept, so the protocol is the table's."""
+        zero = opaque_zero() if const_expr(self.persistent) else 0
+        mOP, mLP = split_mod.split_views(mOPartial, mLSEPartial, split)
+        if tid % 4 == zero:  # the quad's first thread holds column 0 of its rows
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                store_lse(mLP, m_offset + tScS_mn[r, 0][0], lse[r], head, batch, seqlen_q,
+                          self.pack)
+        epilogue_id = self.sites.named_id("epilogue0") + wg
+        if const_expr(self.persistent):
+            self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
+        cO = cute.make_identity_tensor((self.m_block, self.head_dim_v))
+        tOcO_mn = acc_mn_view(tiled_mma_pv.get_slice(tid).partition_C(cO))
+        split_mod.store_partial(mOP, acc_mn_view(acc_O), tOcO_mn, m_offset, head, batch,
+                                seqlen_q, self.pack)
+        self.sites.bar_sync("consumer", "epilogue{c}", barrier_id=epilogue_id)
 
 
 def port_table(spec) -> list[tuple[str, str, str]]:
@@ -961,7 +1128,7 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
                    score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
-                   page_table=None):
+                   num_splits=1, page_table=None):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
@@ -969,8 +1136,10 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
     aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`. `persistent` None: the plan's choice
     for the shape (Note [sm90 persistent CTAs] in fa4lab.plan.sm90); True / False force it.
-    `page_table` makes k, v a paged cache (Note [paged key blocks] in
-    fa4lab.kernels.device.paged), as in `fa4lab.attention`.
+    num_splits: split-KV as in `fa4lab.attention`, but 1 (no split) by default: this runs the
+    kernel as asked; None chooses for the shape as `fa4lab.attention` does. `page_table` makes
+    k, v a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged), as in
+    `fa4lab.attention`.
     """
     from fa4lab.kernels.launch import attention_on
 
@@ -978,7 +1147,7 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
                         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        persistent=persistent, page_table=page_table)
+                        persistent=persistent, num_splits=num_splits, page_table=page_table)
 
 
 def _role_registers(plan) -> tuple[int, int]:

@@ -20,6 +20,10 @@ kernel is compiled in this process, never read from or written to disk (Note [mo
 kernels] in `fa4lab.mods`); a mask_mod comes with its block table (`mask_blocks_for`, cached:
 Note [block table cache] in `fa4lab.mods_blocks`).
 
+Split-KV (`fa4lab.splitkv`): with num_splits > 1 (or None and `splits_for`'s choice) `forward`
+runs the split kernel of the key with split_kv set (`partials`: float32 partial outputs and
+LSEs, the split count a runtime argument) and merges them with `fa4lab.splitkv.combine`.
+
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
 """
@@ -37,6 +41,7 @@ import tvm_ffi  # noqa: F401
 from fa4lab.kernels.compile import scale_args, window_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
 from fa4lab.spec import AttentionSpec, normalize_dtype, normalize_mask
+from fa4lab.tiling import num_n_blocks
 
 _lock = threading.Lock()
 _kernels: dict[tuple, object] = {}
@@ -66,30 +71,42 @@ def device_arch(index: int) -> str | None:
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
            softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-           persistent: bool | None = None, page_table=None) -> tuple:
+           persistent: bool | None = None, varlen: bool = False, split_kv: bool = False,
+           page_table=None) -> tuple:
     """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
     on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
     the canonical spec of the key has no shape). causal and window_size in
     `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
-    sizes (Note [runtime window]). With a page_table, k and v are the paged cache and the key
-    ends with its page size (None without)."""
-    g = q.shape[2] // k.shape[2]
+    sizes (Note [runtime window]). `varlen`: q, k, v are packed (total, heads, d) tensors
+    (`forward_varlen`), planned without pack-GQA. split_kv: the split-KV kernel
+    (`fa4lab.splitkv`), whose split count is a runtime value. With a page_table, k and v are
+    the paged cache and the key ends with its page size (None without)."""
+    g = q.shape[-2] // k.shape[-2]
     page_size = None if page_table is None else k.shape[1]
-    packed = pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None else pack_gqa and g > 1
+    if varlen:
+        packed = False
+    else:
+        packed = (pack_gqa_default(arch, g, q.shape[1]) if pack_gqa is None
+                  else pack_gqa and g > 1)
     sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":
         from fa4lab.plan.sm90 import persistent_default
 
-        persistent = persistent_default(q.shape[3], v.shape[3], causal, q.shape[1],
+        persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
                                         _seqlen_k(k, page_table))
-    return (arch, q.shape[3], v.shape[3], q.dtype, causal, g, return_lse, bool(softcap), sides,
-            learnable_sink is not None, persistent, packed, page_size)
+    return (arch, q.shape[-1], v.shape[-1], q.dtype, causal, g, return_lse, bool(softcap), sides,
+            learnable_sink is not None, persistent, packed, bool(varlen),
+            bool(split_kv), page_size)
+
+
+# The launch key's fields read by name (`key_of`'s tuple).
+_PERSISTENT, _PACKED, _VARLEN, _SPLIT_KV, _PAGE_SIZE = 10, 11, 12, 13, 14
 
 
 def _seqlen_k(k, page_table) -> int:
-    """Keys per sequence: k's, or a paged cache's (`fa4lab.varlen.paged_seqlen_k`)."""
+    """Keys per sequence of a launch: k's, or a paged cache's (`fa4lab.varlen.paged_seqlen_k`)."""
     if page_table is None:
-        return k.shape[1]
+        return k.shape[-3]
     from fa4lab.varlen import paged_seqlen_k
 
     return paged_seqlen_k(k, page_table)
@@ -98,26 +115,27 @@ def _seqlen_k(k, page_table) -> int:
 def spec_of_key(key: tuple) -> AttentionSpec:
     """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
     (a window side's size included)."""
-    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink, _, _, page_size = key
+    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink = key[:10]
     window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
                          return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
-                         learnable_sink=sink, page_size=page_size)
+                         learnable_sink=sink, varlen=key[_VARLEN], split_kv=key[_SPLIT_KV],
+                         page_size=key[_PAGE_SIZE])
 
 
 def plan_of_key(key: tuple):
     """The plan of the kernel of `key`: its canonical spec with the key's switches."""
     from fa4lab.plan import plan_forward
 
-    arch, persistent, packed = key[0], key[10], key[11]
-    return plan_forward(spec_of_key(key), arch=arch, pack_gqa=packed, persistent=persistent)
+    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[_PACKED],
+                        persistent=key[_PERSISTENT])
 
 
 def _build(key: tuple):
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan, config_name
 
-    arch, persistent, packed = key[0], key[10], key[11]
+    arch, persistent, packed = key[0], key[_PERSISTENT], key[_PACKED]
 
     def compile_default_plan():
         return compile_plan(plan_of_key(key))[1]
@@ -178,19 +196,92 @@ def kernel_for(key: tuple, mods=None):
     return fn
 
 
+@cache
+def num_sms(index: int) -> int:
+    """SMs of CUDA device `index`: asked once per device."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@cache
+def _chosen_splits(key: tuple, batch: int, heads: int, rows: int, seqlen_k: int,
+                   sms: int) -> int:
+    from fa4lab.splitkv import choose_num_splits
+
+    cta_m, n_block, _ = cta_tiles(key)
+    return choose_num_splits(batch, heads, rows, seqlen_k, n_block, sms, m_block=cta_m)
+
+
+# The archs whose split-KV kernel num_splits=None may choose: the ones it has run on. The sm100
+# split kernel is compiled and audited but has not run on a B200; num_splits > 1 asks for it.
+AUTO_SPLIT_ARCHS = ("sm90",)
+
+
+def splits_for(key: tuple, q, k, num_splits: int | None) -> int:
+    """The call's split count: num_splits, or with None `fa4lab.splitkv.choose_num_splits` for
+    the shape and the kernel of `key` (its tiles, its pack-GQA rows and grid heads) on q's GPU
+    (Note [choosing num_splits]): decode shapes split, prefill does not; 1 on an arch not in
+    AUTO_SPLIT_ARCHS. A given num_splits is capped at the key blocks."""
+    if num_splits is not None:   # more splits than key blocks would only add empty ones
+        return min(num_splits, num_n_blocks(k.shape[1], cta_tiles(key)[1]))
+    if key[0] not in AUTO_SPLIT_ARCHS:
+        return 1
+    _, _, pack = cta_tiles(key)
+    heads = k.shape[2] if pack > 1 else q.shape[2]
+    return _chosen_splits(key, q.shape[0], heads, q.shape[1] * pack, k.shape[1],
+                          num_sms(q.device.index))
+
+
+def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | None,
+             softcap: float, window_size, num_splits: int, persistent: bool | None = None):
+    """(out_partial, lse_partial) of the `arch` split-KV kernel on checked CUDA tensors: float32
+    (num_splits, batch, seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q,
+    heads_q), as `fa4lab.splitkv.partial_attention_reference` gives them (no sink: the combine
+    adds it). num_splits is a runtime value of one compiled kernel."""
+    import torch
+
+    key = key_of(q, k, v, arch, causal, False, pack_gqa, softcap, window_size, None,
+                 persistent, split_kv=True)
+    fn = kernel_for(key)
+    b, sq, hq, d = q.shape
+    dv = v.shape[3]
+    out_p = torch.empty((num_splits, b, sq, hq, dv), dtype=torch.float32, device=q.device)
+    lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
+    unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
+    fn(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
+       *window_args(window_size, sq, k.shape[1]), None, None, None, None, None, None, None,
+       num_splits, out_p, lse_p)
+    return out_p, lse_p
+
+
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
             pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
             learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None,
-            page_table=None):
+            num_splits: int | None = None, page_table=None, seqused_k=None):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
     and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
-    `fa4lab.mods.check_mods` (or None and ()); k, v a paged cache with `page_table`."""
+    `fa4lab.mods.check_mods` (or None and ()). num_splits (`fa4lab.splitkv.check_num_splits`'s
+    form) None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
+    (`fa4lab.splitkv.combine`, the learnable sink joining there). With `page_table`, k and v
+    are a paged cache, one launch without split-KV (`paged_launch_args`), seqused_k (int32
+    (batch,), or None: every page's keys) each sequence's key count."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                 learnable_sink, persistent, page_table)
+                 learnable_sink, persistent, page_table=page_table)
     if page_table is not None:
-        check_paged_call(key, mods)
+        check_paged_call(key, mods, num_splits)
+        splits = 1
+    else:
+        splits = 1 if mods is not None else splits_for(key, q, k, num_splits)
+    if splits > 1:
+        from fa4lab.splitkv import combine
+
+        out_p, lse_p = partials(q, k, v, arch, causal, softmax_scale, pack_gqa, softcap,
+                                window_size, splits, persistent)
+        out, lse = combine(out_p, lse_p, learnable_sink=learnable_sink, out_dtype=q.dtype)
+        return out, (lse.transpose(1, 2).contiguous() if return_lse else None)
     fn = kernel_for(key, mods)
     b, sq, hq, d = q.shape
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
@@ -198,7 +289,56 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     score_mod = mods is not None and mods.score_mod is not None
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
        *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
-       mask_blocks_for(key, mods, aux, q, k), page_table)
+       mask_blocks_for(key, mods, aux, q, k),
+       *paged_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q))
+    return out, lse
+
+
+def paged_launch_args(page_table, seqused_k, seqlen_k: int, q) -> tuple:
+    """The kernel's (cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
+    out_partial, lse_partial) of a padded launch: with a page table, seqused_k always (the
+    caller's, or seqlen_k for every sequence: Note [paged key blocks] in
+    fa4lab.kernels.device.paged); one split."""
+    import torch
+
+    if page_table is not None and seqused_k is None:
+        seqused_k = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
+    return None, None, seqused_k, None, page_table, 1, None, None
+
+
+def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch: str,
+                   causal: bool, softmax_scale, return_lse: bool, softcap: float = 0.0,
+                   window_size=(None, None), learnable_sink=None):
+    """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
+    on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
+    one launch over the batch's real tiles (Note [varlen tile table] in
+    fa4lab.kernels.device.scheduler). The key counts always go to the kernel as seqused_k
+    (cu_seqlens_k's differences when the caller gives none)."""
+    import torch
+
+    from fa4lab.varlen import varlen_tile_table
+
+    key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
+                 None, varlen=True)
+    fn = kernel_for(key)
+    cta_m, n_block, _ = cta_tiles(key)
+    max_q, max_k = max(lengths.seqlens_q, default=0), max(lengths.seqlens_k, default=0)
+    rows = varlen_tile_table(lengths.seqlens_q, lengths.seqlens_k, m_block_size=cta_m,
+                             n_block_size=n_block, causal=causal, window_size=window_size)
+    total_q, hq = q.shape[0], q.shape[1]
+    out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
+           else None)
+    if len(rows.table) == 0:      # every sequence is empty: nothing to launch
+        return out, lse
+    if seqused_k is None:
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
+        k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
+    table = torch.from_numpy(rows.table).to(q.device, non_blocking=True)
+    fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
+       *window_args(window_size, max_q, max_k), None, None, cu_seqlens_q, cu_seqlens_k,
+       seqused_k, table, None, 1, None, None)
     return out, lse
 
 
@@ -237,16 +377,18 @@ def compile_plan(plan, example):
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None, None, None)
+           *window_args(window, sq, k.shape[1]), None, None,
+           *paged_launch_args(None, None, k.shape[1], q))
         return out
 
     return run, seconds
 
 
-def check_paged_call(key: tuple, mods) -> None:
+def check_paged_call(key: tuple, mods, num_splits: int | None = None) -> None:
     """Before a paged launch (key's page size not None): no mods (their block table and key
-    indices assume contiguous K/V) and a page size the kernel's key blocks take
-    (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
+    indices assume contiguous K/V), no split-KV (one launch) and a page size the kernel's key
+    blocks take (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes
+    that fit)."""
     from fa4lab.errors import InputError
     from fa4lab.kernels.device.paged import check_page_size
 
@@ -254,7 +396,10 @@ def check_paged_call(key: tuple, mods) -> None:
         raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
                          "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
                          "on contiguous tensors")
-    check_page_size(key[12], cta_tiles(key)[1])
+    if num_splits not in (None, 1):
+        raise InputError(f"num_splits={num_splits}: a paged K/V cache runs as one launch "
+                         f"without split-KV for now; pass num_splits=None or 1 with a page_table")
+    check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1])
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",
@@ -266,13 +411,14 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                  pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
                  score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
-                 page_table=None):
+                 num_splits=None, page_table=None):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse).
     `persistent` None: the plan's choice for the shape; True / False force it (PlanError where
-    the plan cannot be persistent). With `page_table`, k and v are a paged cache."""
+    the plan cannot be persistent). num_splits as in `fa4lab.attention` (split-KV). With
+    `page_table`, k and v are a paged cache."""
     import torch
 
-    from fa4lab.errors import UnsupportedArchError
+    from fa4lab.errors import InputError, UnsupportedArchError
     from fa4lab.spec import check_inputs
 
     for name, value in (("pack_gqa", pack_gqa), ("persistent", persistent)):
@@ -292,9 +438,14 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     from fa4lab.mods import check_mods
+    from fa4lab.splitkv import check_num_splits
 
+    num_splits = check_num_splits(num_splits)
     mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
+    if mods and num_splits not in (None, 1):
+        raise InputError(f"num_splits={num_splits}: split-KV does not take a score_mod / "
+                         f"mask_mod yet; pass num_splits=None or 1 with mods")
     out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
                        float(softcap), window_size, learnable_sink, mods if mods else None, aux,
-                       persistent, page_table)
+                       persistent, num_splits, page_table)
     return (out, lse) if return_lse else out

@@ -65,11 +65,14 @@ from fa4lab.tiling import n_block_range
 #     load      TMA "Q{i}" -> smem q[i]; "K{j}" / "V{j}" -> smem kv[stage]  (the tile's step-th
 #               K or V; steps walk the K/V blocks from the last to the first, as the kernel)
 #     mma       writes S[i]: S_i = Q_i K^T (fp32);  writes O[i]: O_i (+)= P_i V (the first value
-#               MMA of a work tile overwrites, as the kernel's accumulate flag)
+#               MMA of a work tile overwrites, as the kernel's accumulate flag); a value MMA
+#               that reads only some of P's columns (Note [split P hand-off] in
+#               fa4lab.plan.sm100) multiplies those keys by V's matching rows, and the second
+#               part always accumulates
 #     softmax   reads S[i]: mask, row max, conditional rescale, exp2 (MUFU or polynomial per
 #               pair of columns), row sum (update_state); writes P[i]: P in 16 bits over S's
-#               upper half; writes stats[i]: the row scale, or (labels with "sum") row sum and
-#               row max
+#               upper half, only the columns of its Ref (one part of a split hand-off); writes
+#               stats[i]: the row scale, or (labels with "sum") row sum and row max
 #     correction reads stats[i]: the scale, or row sum and row max; reads and writes O[i]:
 #               O *= scale; reads O[i]: O / row_sum and LSE (finalize); writes smem o[i]: O in
 #               16 bits, and LSE to global
@@ -143,7 +146,8 @@ class Schedule:
             ops = []
             for op in prog:
                 if isinstance(op, Work):
-                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(role))
+                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(role),
+                                             hold=op.hold * self.factor(role))
                 elif isinstance(op, Issue):
                     op = dataclasses.replace(op, cycles=op.cycles * self.factor(op.engine))
                 ops.append(op)
@@ -325,12 +329,15 @@ class DataSimulator(Simulator):
         self._effects(role, op, start, end)
 
     # -- the effect queue --
-    def _push_effect(self, t: float, fn) -> None:
-        heapq.heappush(self.effects, (t, next(self.effect_seq), fn))
+    def _push_effect(self, t: float, fn, write: bool = False) -> None:
+        # At one instant writes land before reads start: an MMA that the in-order tensor pipe
+        # starts as the one before it ends (the two parts of a split value MMA, Note [split P
+        # hand-off] in fa4lab.plan.sm100) reads what that one wrote.
+        heapq.heappush(self.effects, (t, not write, next(self.effect_seq), fn))
 
     def _drain(self, t: float) -> None:
         while self.effects and self.effects[0][0] <= t:
-            when, _, fn = heapq.heappop(self.effects)
+            when, _, _, fn = heapq.heappop(self.effects)
             fn(when)
 
     def _effects(self, role: str, op, start: float, end: float) -> None:
@@ -344,6 +351,8 @@ class DataSimulator(Simulator):
         if stage is not None and self.plan.tiles.q_stage == 1:
             stage = 0            # one Q tile; its S buffers alternate (Note [S ping-pong])
         key = (kind, stage) if kind not in ("load_k", "load_v") else (kind, None)
+        if kind in ("mma_pv", "st_p"):   # each part of P counts its own blocks
+            key += (self._p_keys(op)[0],)
         count = self.counts[key]
         self.counts[key] += 1
         if kind in PER_BLOCK:
@@ -358,7 +367,8 @@ class DataSimulator(Simulator):
             with np.errstate(all="ignore"):     # garbage in a broken protocol is expected
                 produced = handler(ctx)
             if produced is not None:
-                self._push_effect(max(end, when), lambda w: self._write(ctx, produced))
+                self._push_effect(max(end, when), lambda w: self._write(ctx, produced),
+                                  write=True)
         self._push_effect(start, read)
 
     def _log_reads(self, ctx, when) -> None:
@@ -401,6 +411,14 @@ class DataSimulator(Simulator):
     def _kv_stage(self, op) -> int:
         return next(r.stage for r in op.reads + op.writes if r.name == "kv")
 
+    def _p_keys(self, op) -> tuple[int, int]:
+        """The keys [lo, hi) of P an op reads or writes, from its P columns (16-bit P, two keys
+        per 32-bit column: Note [P aliases S]): all n_block, or one part of a split hand-off
+        (Note [split P hand-off] in fa4lab.plan.sm100)."""
+        ref = next(r for r in op.reads + op.writes if r.name == "P")
+        c = self.plan.tmem.region("P", ref.stage).col_offset
+        return 2 * (ref.lo - c), 2 * (ref.hi - c)
+
     # -- the ops (Note [data effects]); each returns (tag, store) or None --
     def _do_load_q(self, c):
         p, t = self.problem, self.plan.tiles
@@ -434,9 +452,11 @@ class DataSimulator(Simulator):
 
     def _do_mma_pv(self, c):
         dtype = self.problem.dtype
-        p = from_bits16(self._words(c.role, "P", c.buffer).view(np.uint16), dtype)
-        o = p @ self.mem.smem["kv"][self._kv_stage(c.op)][:, :self.plan.tiles.head_dim_v]
-        if c.step > 0:     # the first value MMA of a work tile overwrites O
+        lo, hi = self._p_keys(c.op)     # P's keys this MMA reads: V's rows [lo, hi)
+        words = self._words(c.role, "P", c.buffer)[:, lo // 2:hi // 2]
+        p = from_bits16(np.ascontiguousarray(words).view(np.uint16), dtype)
+        o = p @ self.mem.smem["kv"][self._kv_stage(c.op)][lo:hi, :self.plan.tiles.head_dim_v]
+        if c.step > 0 or lo > 0:     # the first value MMA of a work tile overwrites O
             o = o + self._tmem_f32(c.role, "O", c.stage)
         block = block_of_step(c.tile, c.step)
         return (f"O{c.stage} through block {block} of work tile {c.tile_index}",
@@ -472,9 +492,15 @@ class DataSimulator(Simulator):
 
     def _do_st_p(self, c):
         sm = self.softmax[c.stage]
+        lo, hi = self._p_keys(c.op)
         bits = np.ascontiguousarray(sm["p"]).view(np.uint32)
-        return (f"P{c.buffer} of {sm['what']}",
-                lambda: self._set_words(c.role, "P", c.buffer, bits))
+        part = "" if hi - lo == self.plan.tiles.n_block else f" (keys {lo}-{hi - 1})"
+
+        def store():
+            words = self._words(c.role, "P", c.buffer)
+            words[:, lo // 2:hi // 2] = bits[:, lo // 2:hi // 2]
+            self._set_words(c.role, "P", c.buffer, words)
+        return (f"P{c.buffer} of {sm['what']}{part}", store)
 
     def _do_alloc_tmem(self, c):
         def store():

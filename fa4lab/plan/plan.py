@@ -175,6 +175,10 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
         from fa4lab.plan.sm100 import build_sm100 as build
     else:
         from fa4lab.plan.sm90 import build_sm90 as build
+    if pack_gqa and spec.varlen:
+        raise PlanError("pack_gqa=True with a varlen spec: the varlen kernels do not pack the "
+                        "query heads of a KV head into M yet; plan with pack_gqa=False (the "
+                        "varlen API does)")
     if pack_gqa:
         ov["pack_gqa"] = True
     if persistent is not None:

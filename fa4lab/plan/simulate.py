@@ -88,6 +88,10 @@ class Work:
     unit: str | None = None          # shared execution unit held for the duration ("mufu", ...)
     reads: tuple[Ref, ...] = ()
     writes: tuple[Ref, ...] = ()
+    # Cycles the unit stays this role's after the op: one pass over the unit that the table
+    # cuts into two steps (Note [split P hand-off] in fa4lab.plan.sm100); the role's next op
+    # on the unit starts without queueing behind another role's.
+    hold: float = 0.0
 
     def __str__(self) -> str:
         return f"work  {self.label!r} {self.cycles:.0f} cycles{_unit(self.unit)}" \
@@ -279,6 +283,7 @@ class Simulator:
         self.clocks = {role: _Clock({role: 1}) for role in programs}
         self.pc = dict.fromkeys(programs, 0)
         self.unit_free: dict[str, float] = defaultdict(float)
+        self.unit_held: set[tuple[str, str]] = set()   # (unit, role) a Work.hold keeps
         self.engine_free: dict[str, float] = defaultdict(float)
         self.engine_clock: dict[str, _Clock] = defaultdict(_Clock)
         self.pending: dict[tuple[str, str], tuple[float, _Clock]] = {}
@@ -429,10 +434,14 @@ class Simulator:
                 self._arrive((op.barrier, op.stage), op.count, op.expect_tx,
                              self.clocks[role], t)
             elif isinstance(op, Work):
-                start = max(t, self.unit_free[op.unit]) if op.unit else t
+                held = (op.unit, role) in self.unit_held
+                self.unit_held.discard((op.unit, role))
+                start = max(t, self.unit_free[op.unit]) if op.unit and not held else t
                 end = start + op.cycles
                 if op.unit:
-                    self.unit_free[op.unit] = end
+                    self.unit_free[op.unit] = max(self.unit_free[op.unit], end + op.hold)
+                    if op.hold:
+                        self.unit_held.add((op.unit, role))
                 ev = self._tick(role)
                 self._access(role, ev, self.clocks[role], op.label, op.reads, op.writes, start)
                 if start > t:

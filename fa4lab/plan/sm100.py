@@ -96,6 +96,50 @@ TMEM_BARRIER_ID = 1         # named barrier of the TMEM hand-off (0 is __syncthr
 S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per softmax exp2 chunk
 
 
+# Note [split P hand-off]
+# With two Q tiles the softmax hands P_i to the value MMA in two parts, as upstream FA4 does: it
+# writes P's columns (keys) [0, p_split) chunk by chunk, fences its tcgen05.st, arrives on
+# p_part, then writes [p_split, n_block) and arrives on p_ready. The MMA warp issues
+# O_i += P_i[:, :p_split] V_j[:p_split] once p_part (and o_rescaled) completed, then waits for
+# p_ready and issues O_i += P_i[:, p_split:] V_j[p_split:] (accumulating). What it buys: the
+# tensor core starts O's update while the softmax still computes the last quarter of its
+# exp2 and stores it; with one hand-off the value MMA waited for the whole of P.
+# Why it is safe, edge by edge:
+#   * p_part orders the first part's stores (and the fence) before the MMA that reads those
+#     columns; the second part's stores write the other columns only (P is 16-bit, two per
+#     TMEM column: keys [0, p_split) are P's first p_split / 2 columns), so the first MMA never
+#     reads what the second stores write, and the second MMA waits for p_ready;
+#   * p_ready keeps both of its meanings: P_i is complete, and S_i (read into registers before
+#     any P store) may be overwritten: the next score MMA into S_i is issued after the second
+#     value MMA, which waited for p_ready (Note [P aliases S] in fa4lab.plan.tmem);
+#   * both MMAs read V_j, released once by the kv_empty commit after the last of them;
+#   * p_part needs no empty side: softmax_i arrives on it for the next block only after that
+#     block's s_full, whose score MMA the MMA warp issues after it waited on p_part for this
+#     block, so a phase never completes before the wait on the one before (the simulator
+#     reports a "phase overrun" otherwise).
+# In the timing model (`_steps`) the softmax's exp2 is two steps around the p_part arrive, the
+# first holding the MUFU for the second (Work.hold in fa4lab.plan.simulate): the kernel's exp2
+# chunks run back to back, so the other warpgroup's exp2 does not slip in between (that would
+# undo the two warpgroups' ping-pong, a loss the kernel does not have). Calibrated, the hd64
+# and hd128 B200 plans are bound by the K/V ring's loads (the MMA warp waits on kv_full), so a
+# block costs the same cycles as with one hand-off and only a tile's start and end get shorter;
+# where the softmax -> MMA chain is the bound (TMA latency 100 cycles: hd64, hd128) a block
+# takes 3-5% fewer cycles.
+# p_split is upstream's rule: 3/4 of n_block, rounded down to the softmax's chunk (S_CHUNK, 32
+# columns of S: a chunk's P goes to TMEM in one tcgen05.st, and the MMA's K step of 16 divides
+# it); 0 (one hand-off) when that leaves nothing (n_block 32). The one-Q-tile plans (Note [S
+# ping-pong]) keep one hand-off: their value MMA of step j is issued after the score MMA of
+# step j + 1, so the tensor core already has that score MMA to run while the softmax finishes
+# P(j); splitting there too (p_part per S buffer, at the block step's run-time phase) is not
+# done.
+def p_split(tiles: Tiles) -> int:
+    """Keys (columns of S) of P_i the softmax hands to the value MMA first, 0 for one hand-off:
+    Note [split P hand-off]."""
+    if tiles.q_stage != 2:
+        return 0
+    return tiles.n_block * 3 // 4 // S_CHUNK * S_CHUNK
+
+
 # Note [sm100 pack-GQA]
 # As on sm90 (Note [sm90 pack-GQA] in fa4lab.plan.sm90): with pack_gqa the qhead_per_kvhead (g)
 # query heads of a KV head share one CTA, whose 2 x 128 M rows are packed rows (position * g +
@@ -261,6 +305,14 @@ def build_barriers(tiles: Tiles, eb: int, roles: tuple[Role, ...],
         Barrier("o_empty", "epilogue", "correction", 1, q, 0, PHASE_EMPTY,
                 f"the TMA store finished reading O_i's SMEM staging before the next work "
                 f"tile's epilogue writes it{once}", starts_released=True),
+    ]
+    if p_split(tiles):
+        b.append(Barrier("p_part", softmax, "mma", sm_threads, q, 0, PHASE_FULL,
+                         f"the softmax wrote P_i's first {p_split(tiles)} keys to TMEM (after "
+                         f"its tcgen05.st fence) before the value MMA reads them; the rest "
+                         f"follows under p_ready (Note [split P hand-off])",
+                         per_role_stage=True))
+    b += [
         Barrier("tmem", ",".join(r.name for r in tmem_users if r.name != "mma"), "mma",
                 sum(r.threads for r in tmem_users), 1, 0, PHASE_NAMED,
                 "bar.sync: every TMEM user waits for the MMA warp's tcgen05.alloc (the address "
@@ -367,6 +419,10 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
          f"CTAs])." if persistent else
          "One work tile per CTA (not persistent: Note [persistent CTAs] says which plans "
          "are): q_empty and o_empty are waited once, on their released first phase."),
+        *((f"The softmax hands P_i to the value MMA in two parts: p_part once its first "
+           f"{p_split(tiles)} keys are in TMEM, p_ready once all {n_block} are; the MMA "
+           f"starts O_i += P_i V_j on the first part while the softmax computes the rest "
+           f"(Note [split P hand-off]).",) if p_split(tiles) else ()),
         f"exp2_emulation_fraction balances MUFU ({hw.exp2_per_cycle}/cycle) against FMA "
         f"({hw.fma_per_cycle}/cycle) under fa4lab.plan.costs' instruction counts "
         f"({balanced_exp2_fraction(hw):g}), at most {SM100_EXP2_FRACTION_MAX:g} "
@@ -386,7 +442,8 @@ def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = Fals
     the correction's epilogue stages O_i before it releases O_i (o_rescaled); the epilogue warp
     issues both stores, then drains them. With one Q tile the load and MMA programs are those
     of Note [S ping-pong], the S buffer is the block step's ("j % 2"), and the correction waits
-    for each value MMA before it rescales.
+    for each value MMA before it rescales. With p_part among the barriers P goes to the value
+    MMA in two parts (Note [split P hand-off]).
     """
     E = Op   # noqa: N806
     tmem_sync, tmem_done = E("sync", "tmem"), E("named_arrive", "tmem")
@@ -405,7 +462,11 @@ def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = Fals
                        Step("load K", "K+1"),
                        E("wait", "kv_empty", "V+1"), E("expect_tx", "kv_full", "V+1", one=True),
                        Step("load V", "V+1"))))))
-    value = (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V"))
+    # Note [split P hand-off]: with p_part the value MMA takes P in two parts.
+    split = any(b.name == "p_part" for b in barriers.barriers)
+    value = ((E("wait", "p_part", "i"), E("wait", "o_rescaled", "i"), Step("PV part", "V"),
+              E("wait", "p_ready", "i"), Step("PV rest", "V")) if split else
+             (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V")))
     mma = (Step("alloc TMEM"), *tmem_use, *tiles(_mma_ping_pong()), tmem_sync,
            Step("free TMEM")) if pp else (Step("alloc TMEM"), *tmem_use, *tiles(If("N > 0", (
         per_stage(E("wait", "q_full", "i"), If("i == 0", (E("wait", "kv_full", "K"),)),
@@ -424,10 +485,12 @@ def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = Fals
         E("commit", "kv_empty", "V")))),
         tmem_sync, Step("free TMEM"))
     sb = "j % 2" if pp else "i"    # the S buffer: the block step's, or the Q tile's
+    p_out = ((Step("exp2 part", "i"), Step("st P part", sb), E("arrive", "p_part", sb),
+              Step("exp2 rest", "i"), Step("st P rest", sb)) if split else
+             (Step("exp2", "i"), Step("st P", sb)))
     step = (E("wait", "s_full", sb), Step("ld S", sb),
             E("wait", "stats_empty", "i"), Step("post scale", "i"),
-            E("arrive", "stats_full", "i"), Step("exp2", "i"), Step("st P", sb),
-            E("arrive", "p_ready", sb))
+            E("arrive", "stats_full", "i"), *p_out, E("arrive", "p_ready", sb))
     softmax = (*tmem_use, *tiles(Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
                                  If("N > 0", (E("wait", "stats_empty", "i"),
                                               Step("post row sum", "i"),
@@ -516,6 +579,22 @@ def _steps(plan: Plan, costs, n_blocks: int):
         r = tm.region(name, i)
         return Ref("tmem", name, i, r.col_offset, r.col_end)
 
+    split = p_split(t_)     # Note [split P hand-off]
+
+    def keys(w):
+        """(step, first key, end key): "exp2 part" covers keys [0, split), "... rest" the
+        others, a step without a part all n."""
+        if w.endswith(" part"):
+            return w[:-5], 0, split
+        if w.endswith(" rest"):
+            return w[:-5], split, n
+        return w, 0, n
+
+    def pref(i, lo, hi):
+        """P_i's TMEM columns holding keys [lo, hi): 16-bit, so two keys per column."""
+        c = tm.region("P", i).col_offset
+        return Ref("tmem", "P", i, c + lo * eb // acc_b, c + hi * eb // acc_b)
+
     o_region = plan.smem.region("o")
 
     def sref(name, i):
@@ -536,7 +615,8 @@ def _steps(plan: Plan, costs, n_blocks: int):
 
     def step(s, env, stage):
         i = env.get("i", 0)
-        w = s.what
+        w, lo, hi = keys(s.what)
+        part = f" keys {lo}-{hi - 1}" if hi - lo < n else ""
         if w == "load Q":
             return [Issue("tma", f"Q{i}", costs.tma_cycles(q_bytes), writes=(sref("q", i),),
                           complete_tx=("q_full", i, q_bytes))]
@@ -550,9 +630,9 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w == "PV":
             buf, blk = ring(stage, env)
             pb = env["j"] % 2 if pp else i
-            o_reads = (tref("O", i),) if env["j"] > 0 else ()
-            return [Issue("tensor", f"O{i}+=P{pb}V{blk}", pv,
-                          reads=(tref("P", pb), sref("kv", buf)) + o_reads,
+            o_reads = (tref("O", i),) if env["j"] > 0 or lo > 0 else ()
+            return [Issue("tensor", f"O{i}+=P{pb}V{blk}{part}", pv * (hi - lo) / n,
+                          reads=(pref(pb, lo, hi), sref("kv", buf)) + o_reads,
                           writes=(tref("O", i),))]
         if w == "alloc TMEM":
             return [Work("alloc TMEM", 0, writes=(sref("tmem_ptr", 0),))]
@@ -566,11 +646,14 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w in ("post scale", "post row sum"):
             return [Work(w, 8, writes=(sref("stats", i),))]
         if w == "exp2":
-            cycles = costs.softmax_cycles(hw, m * n, f, env["tag"] == "masked", capped)
-            return [Work(f"exp2 S{i}", cycles, unit="mufu")]
+            def exp2(a, b):
+                return costs.softmax_cycles(hw, m * (b - a), f, env["tag"] == "masked", capped)
+            # The first part keeps the MUFU for the rest, as one pass (its stores between).
+            hold = exp2(split, n) + costs.tmem_cycles(m * split * eb) if hi < n else 0.0
+            return [Work(f"exp2 S{i}{part}", exp2(lo, hi), unit="mufu", hold=hold)]
         if w == "st P":
-            return [Work(f"st P{stage}", costs.tmem_cycles(m * n * eb),
-                         writes=(tref("P", stage),))]
+            return [Work(f"st P{stage}{part}", costs.tmem_cycles(m * (hi - lo) * eb),
+                         writes=(pref(stage, lo, hi),))]
         if w in ("read scale", "read row sum"):
             return [Work(w, 8, reads=(sref("stats", i),))]
         if w == "rescale O":   # the kernel rescales when a row max moved: costs' rate

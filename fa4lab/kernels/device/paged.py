@@ -11,7 +11,7 @@ change (Note [paged key blocks]).
   multiple of n_block, or a divisor of it that is a multiple of 16), a `PlanError` otherwise;
 * `block_reads`: the pieces of key block n, (slot, row block, rows) each: THE mapping, on
   Python ints or DSL Int32 (tests check it against `fa4lab.varlen.key_block_pages`);
-* `seqlen_k`: the keys of a sequence of a paged launch (the hook where seqused_k plugs in);
+* `seqlen_k`: a paged launch's key count per sequence before seqused_k caps it;
 * `page_tma`, `plain`, `stage_pieces`, `page_coords` (host side), `read_pages` and
   `copy_block` (producer side): the TMA atom of one piece, the SMEM slices and cache
   coordinates it copies between, the page indices of a block and its copies.
@@ -58,7 +58,13 @@ MIN_GATHER_PAGE = 16
 # multiple of n_block) is clamped to the last page: its rows are keys >= seqlen_k, masked like
 # any tail, and a real page holds finite values (the rows of a page past seqlen_k are read as
 # they are, so a cache must not hold NaN or Inf there, as with upstream's TMA path).
-# seqlen_k is the sequence's key count (`seqlen_k`): pages_per_seq * page_size for now.
+# A paged kernel always takes seqused_k ((batch,) int32; the launch passes pages_per_seq *
+# page_size for every sequence when the caller gives none): the launch-level seqlen_k is
+# pages_per_seq * page_size (`seqlen_k`), and each tile's key count is its sequence's
+# seqused_k (`fa4lab.kernels.device.seqlen.of_launch`), so keys may end inside a page and the
+# slots past a sequence's last used page are never read. The page-table row is the sequence's
+# index (never the packed view's batch 0 of a varlen launch), and a paged cache is neither
+# offset by cu_seqlens_k (a paged launch has none) nor viewed as a packed batch of one.
 
 
 def check_page_size(page_size: int, n_block: int) -> None:
@@ -99,12 +105,10 @@ def block_reads(n, page_size: int, n_block: int) -> list[tuple]:
     return [(n * per_block + j, 0, page_size) for j in range(per_block)]
 
 
-def seqlen_k(mPageTable: cute.Tensor, page_size: int, batch=None, mSeqUsedK=None):
-    """Keys of sequence `batch` of a paged launch: seqused_k[batch] when a (batch,) int32
-    `mSeqUsedK` comes, else every sequence's pages_per_seq * page_size. THE hook where a
-    per-sequence key count plugs in; both kernels ask it and only it."""
-    if const_expr(mSeqUsedK is not None):
-        return mSeqUsedK[batch]
+def seqlen_k(mPageTable: cute.Tensor, page_size: int):
+    """The launch-level key count of a paged launch, pages_per_seq * page_size: what the
+    tile scheduler and `fa4lab.kernels.device.seqlen.of_launch` start from; each tile's own
+    count is its sequence's seqused_k (Note [paged key blocks])."""
     # Plus an opaque zero (Note [opaque zero]): a key count the compiler knows to be a multiple
     # of page_size let it version the sm100 MMA warp's block loop (two PTX loops for one loop
     # of the protocol table), which a key count from memory, like dense mK's, does not.
@@ -168,16 +172,19 @@ def page_coords(mX: cute.Tensor, head_kv, rows: int, cols: int, page_size: int,
 
 
 @cute.jit
-def read_pages(mPageTable: cute.Tensor, batch, n, num_slots, page_size: cutlass.Constexpr[int],
+def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.Constexpr[int],
                n_block: cutlass.Constexpr[int]) -> Int32:
-    """This lane's page of key block n: lane j reads the page of piece j (lanes past the
-    block's pieces read the last piece's), its slot clamped to the sequence's last one (Note [paged
-    key blocks]). Called by every lane of the load warp."""
+    """This lane's page of key block n of sequence `batch` (its row of the page table), which
+    has seqlen_k keys: lane j reads the page of piece j (lanes past the block's pieces read the
+    last piece's), its slot clamped to the sequence's last page (Note [paged key blocks]). A
+    sequence with no key still loads block 0, fully masked: slot 0, read as page 0 if it holds
+    a pad (-1). Called by every lane of the load warp."""
     per_block = pages_per_block(page_size, n_block)
     slot, _, _ = block_reads(n, page_size, n_block)[0]
     if const_expr(per_block > 1):
         slot = slot + cutlass.min(cute.arch.lane_idx(), per_block - 1)
-    return mPageTable[batch, cutlass.min(slot, num_slots - 1)]
+    last = cutlass.max((seqlen_k + (page_size - 1)) // page_size - 1, 0)
+    return cutlass.max(mPageTable[batch, cutlass.min(slot, last)], 0)
 
 
 @cute.jit

@@ -23,7 +23,8 @@ or a runtime Int32 (`window_left` / `window_right`, Note [runtime window] in
 Scheduling: one CTA per (m_block, head, batch) tile, or persistent CTAs that loop over linear
 tiles (sm100, Note [persistent CTAs] in fa4lab.plan.sm100), in the order the plan names
 (`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]); linear
-index -> tile is `fa4lab.tiling.tile_at`.
+index -> tile is `fa4lab.tiling.tile_at`. A varlen launch instead reads its tiles from a table
+(`varlen_coords`, Note [varlen tile table]).
 """
 
 from __future__ import annotations
@@ -144,21 +145,50 @@ def lpt_coords(t, num_m, heads, batch, swizzle):
     return coords(t, "lpt", num_m, heads, batch, swizzle)
 
 
-def num_tiles(mQ: cute.Tensor, cta_m: int):
+def num_tiles(mQ: cute.Tensor, cta_m: int, splits=1):
     """Work tiles of a launch: m_blocks x heads x batch of the kernel's (rows, d, heads, batch)
-    view of Q (rows packed with pack-GQA)."""
-    return num_m_blocks(cute.size(mQ.shape[0]), cta_m) * cute.size(mQ.shape[2]) * cute.size(
-        mQ.shape[3])
+    view of Q (rows packed with pack-GQA), times `splits` with split-KV
+    (`fa4lab.kernels.device.split`: the splits fold into the head axis)."""
+    return num_m_blocks(cute.size(mQ.shape[0]), cta_m) * cute.size(mQ.shape[2]) * splits * \
+        cute.size(mQ.shape[3])
+
+
+# Note [varlen tile table]
+# A varlen launch runs only real tiles (Note [varlen tiles] in fa4lab.varlen): the host builds
+# `fa4lab.varlen.varlen_tile_table`, (rows, 2) int32 (batch, m_block) in LPT order, uploads it
+# as mTileTable, and launches rows * heads linear tiles (one CTA each, or persistent CTAs
+# looping over them). Linear tile t is row t // heads, head t % heads: the heads of one
+# (sequence, m_block) run side by side (they read the same K/V rows with GQA, the same
+# sequence's without), and the table stays heads times smaller than the tile list.
+
+
+def varlen_coords(t, tile_table, heads):
+    """(m_block, head, batch) of linear tile t of a varlen launch (Note [varlen tile table]);
+    `tile_table` a (rows, 2) int32 tensor or array of (batch, m_block) rows."""
+    row = t // heads
+    return tile_table[row, 1], t - row * heads, tile_table[row, 0]
+
+
+def varlen_num_tiles(tile_table, heads):
+    """Linear tiles of a varlen launch: the table's rows times the grid's heads."""
+    return cute.size(tile_table.shape[0]) * heads
 
 
 @cute.jit
 def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
                 cta_m: cutlass.Constexpr[int], bytes_per_key: cutlass.Constexpr[int],
-                tile=None):
+                tile=None, splits=1, tile_table: cute.Tensor | None = None):
     """(m_block, head, batch) of this CTA for a grid made by `grid_shape(..., order)`, or of
-    linear tile `tile` of a persistent CTA (`grid_shape(..., num_ctas)`).
+    linear tile `tile` of a persistent CTA (`grid_shape(..., num_ctas)`); with `tile_table`
+    (varlen) the table's tile (`varlen_coords`) whatever the order.
 
-    mQ (or mO) as the kernel sees it: (rows, d, heads, batch), rows packed with pack-GQA."""
+    mQ (or mO) as the kernel sees it: (rows, d, heads, batch), rows packed with pack-GQA. With
+    split-KV the grid's head axis holds heads * `splits` (`fa4lab.kernels.device.split.split_of`
+    unfolds the head returned here)."""
+    if cutlass.const_expr(tile_table is not None):
+        if cutlass.const_expr(tile is None):
+            tile = cute.arch.block_idx()[0]
+        return varlen_coords(tile, tile_table, cute.size(mQ.shape[2]) * splits)
     if cutlass.const_expr(tile is None and order != "lpt"):
         bx, by, bz = cute.arch.block_idx()
         m_block, head, batch = bx, by, bz
@@ -172,4 +202,4 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
     if cutlass.const_expr(order == "lpt"):
         swizzle = l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
-                  cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), swizzle)
+                  cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)

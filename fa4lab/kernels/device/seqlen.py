@@ -1,0 +1,117 @@
+"""Where a sequence's rows are and how long it is, per batch index (device code).
+
+Shared by the sm90 and sm100 kernels. A variable-length batch (`fa4lab.varlen`'s packed
+layout, `AttentionSpec(varlen=True)`) keeps every sequence's queries on one packed axis,
+sequence b's at rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]), and its keys likewise on the keys'
+axis; `seqused_k[b]`, when given, caps the keys sequence b uses (the first seqused_k[b] of
+them). seqused_k also works without cu_seqlens, on the ordinary (batch, seqlen_k, heads, d)
+layout, where it makes the key count ragged (decode over a cache). Without any of them every
+sequence has the launch's fixed sizes.
+
+`sequence` reads these once per tile; the kernel then offsets its (rows, d, heads, batch) views
+of the packed tensors by the sequence's first row (`at_offset`: a `cute.domain_offset`, which
+shifts a TMA coordinate tensor as well as a global tensor), and every position, mask and block
+range after that is the sequence's own (bottom-right causal on its own seqlen_q, seqlen_k).
+With Python ints and lists the functions run on the CPU (tests).
+
+Note [varlen rows past a sequence]
+A tile's last rows may lie past its sequence's end: on the packed axis they are the next
+sequence's rows (or past the tensor, which TMA zero-fills). Loading them is harmless: a query
+row past seqlen_q is never stored, and a key past seqlen_k is masked (the seqlen_k tail is a
+masked block of `fa4lab.kernels.device.scheduler.mask_split`). Storing them is not: a TMA store
+of a whole tile would overwrite the next sequence's output, so a varlen kernel stores O and LSE
+row by row, predicated on row < seqlen_q.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+
+class Sequence(NamedTuple):
+    """One sequence of the batch: its first query row and key row on the packed axes (0 when
+    not packed) and its lengths; `cu_seqlens_k` and `batch` to read offset_k again."""
+
+    offset_q: object
+    seqlen_q: object
+    offset_k: object
+    seqlen_k: object
+    cu_seqlens_k: object = None
+    batch: object = None
+
+    def reread_offset_k(self):
+        """offset_k loaded again from cu_seqlens_k (a load in a loop, rather than a value
+        kept live through it where registers are scarce)."""
+        if self.cu_seqlens_k is None:
+            return self.offset_k
+        return self.cu_seqlens_k[self.batch]
+
+
+def sequence(batch, seqlen_q, seqlen_k, cu_seqlens_q=None, cu_seqlens_k=None,
+             seqused_k=None) -> Sequence:
+    """Sequence `batch`'s offsets and lengths: from cu_seqlens_q / cu_seqlens_k ((batch + 1,)
+    int32) where given, else 0 and the fixed `seqlen_q` / `seqlen_k`; `seqused_k` ((batch,)
+    int32), where given, is the key count (it caps what cu_seqlens_k gives)."""
+    offset_q, offset_k = 0, 0
+    if cu_seqlens_q is not None:
+        offset_q = cu_seqlens_q[batch]
+        seqlen_q = cu_seqlens_q[batch + 1] - offset_q
+    if cu_seqlens_k is not None:
+        offset_k = cu_seqlens_k[batch]
+        seqlen_k = cu_seqlens_k[batch + 1] - offset_k
+    if seqused_k is not None:
+        seqlen_k = seqused_k[batch]
+    return Sequence(offset_q, seqlen_q, offset_k, seqlen_k, cu_seqlens_k, batch)
+
+
+def of_launch(batch, seqlen_q, seqlen_k, varlen) -> Sequence:
+    """`sequence` from a kernel's `varlen` tuple (mO or None, cu_seqlens_q, cu_seqlens_k,
+    seqused_k, tile table): the kernels' one way to ask."""
+    return sequence(batch, seqlen_q, seqlen_k, varlen[1], varlen[2], varlen[3])
+
+
+def at_offset(mX, offset, packed: bool, mode: int = 0):
+    """The kernel's view `mX` shifted so that index 0 of its sequence mode `mode` is packed
+    row `offset` (the sequence's first), or `mX` itself when not packed."""
+    if not packed:
+        return mX
+    return cute.domain_offset(tuple(offset if i == mode else 0 for i in range(cute.rank(mX))),
+                              mX)
+
+
+def as_batch_of_one(x):
+    """A packed tensor (total, ...) viewed as (1, total, ...): the batch mode the kernels'
+    (batch, seqlen, heads, d) views expect, of extent 1 (each tile then offsets its rows to its
+    sequence with `at_offset`)."""
+    return cute.make_tensor(x.iterator, cute.prepend(x.layout, cute.make_layout(1)))
+
+
+@cute.jit
+def store_rows(sX: cute.Tensor, gX: cute.Tensor, rows, tid,
+               num_threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[bool] = True
+               ) -> None:
+    """gX[r, :] = sX[r, :] for the rows r < `rows` of a (tile rows, cols) tile staged in SMEM,
+    by `num_threads` threads (thread `tid`), 16 bytes per copy: the predicated store of Note
+    [varlen rows past a sequence]. Every thread of the group must have written its part of sX
+    and synchronised before. `unroll` False keeps the row loop a loop (few registers)."""
+    dtype = sX.element_type
+    vec = 128 // dtype.width
+    cols = cute.size(sX.shape[1]) // vec
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    threads = cute.make_ordered_layout((num_threads // cols, cols), order=(1, 0))
+    copy = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
+    thr = copy.get_slice(tid)
+    tXsX, tXgX = thr.partition_S(sX), thr.partition_D(gX)
+    tXcX = thr.partition_S(cute.make_identity_tensor((cute.size(sX.shape[0]),
+                                                      cute.size(sX.shape[1]))))
+    if cutlass.const_expr(unroll):
+        for m in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+            if tXcX[0, m, 0][0] < rows:
+                cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])
+    else:
+        for m in cutlass.range(cute.size(tXgX, mode=[1]), unroll=1):
+            if tXcX[0, m, 0][0] < rows:
+                cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])

@@ -1,0 +1,144 @@
+"""The varlen kernels on the CPU: the tile table against a brute-force enumeration, the device
+sequence helpers on Python ints, and the sm90a / sm100a varlen kernels compiled and audited
+(no spills, the plan's protocol). Tier 0 and tier 1: no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fa4lab import tiling
+from fa4lab.errors import PlanError
+from fa4lab.spec import AttentionSpec
+from fa4lab.varlen import varlen_tile_table, varlen_tiles
+
+_LENGTHS = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 400)), min_size=1,
+                    max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_LENGTHS, st.sampled_from([64, 128, 192]), st.sampled_from([64, 128]), st.booleans(),
+       st.sampled_from([(None, None), (50, None), (30, 7)]), st.integers(1, 5))
+def test_tile_table_is_every_real_tile_longest_first(lengths, cta_m, n_block, causal, window,
+                                                     heads):
+    lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
+    window = (window[0], 0 if causal and window[1] is not None else window[1])
+    opts = dict(m_block_size=cta_m, n_block_size=n_block, causal=causal, window_size=window)
+    rows = varlen_tile_table(lens_q, lens_k, **opts)
+    assert rows.table.dtype == np.int32 and rows.table.shape[1] == 2
+    want = {(b, m) for b, lq in enumerate(lens_q) for m in range(tiling.ceil_div(lq, cta_m))}
+    got = [tuple(r) for r in rows.table.tolist()]
+    assert len(got) == len(set(got)) and set(got) == want, "a padding tile or a missing tile"
+    assert np.all(np.diff(rows.costs) <= 0), "not longest first"
+    # Each row's key blocks: the brute-force count of blocks with a visible key.
+    for (b, m), blocks in zip(got, rows.key_blocks.tolist()):
+        lq, lk = lens_q[b], lens_k[b]
+        if lk == 0:
+            assert blocks == 0
+            continue
+        from fa4lab.reference import visible_mask
+
+        mask = visible_mask(lq, lk, causal, window_size=window)[m * cta_m:(m + 1) * cta_m]
+        assert blocks == sum(mask[:, n:n + n_block].any() for n in range(0, lk, n_block)), (b, m)
+    # The kernel's lookup (tile t -> row t // heads, head t % heads) walks varlen_tiles' list.
+    from fa4lab.kernels.device import scheduler
+
+    listed = varlen_tiles(lens_q, lens_k, heads=heads, **opts)
+    looked_up = [scheduler.varlen_coords(t, rows.table, heads)
+                 for t in range(len(got) * heads)]
+    assert [(int(b), int(h), int(m)) for m, h, b in looked_up] == [
+        tuple(r) for r in listed.tiles.tolist()]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
+                min_size=1, max_size=6), st.booleans(), st.data())
+def test_sequence_reads_offsets_and_lengths(lengths, with_used, data):
+    from fa4lab.kernels.device.seqlen import sequence
+
+    lens_q = [a for a, _, _ in lengths]
+    lens_k = [b + c for _, b, c in lengths]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).tolist()
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).tolist()
+    used = [b for _, b, _ in lengths] if with_used else None
+    b = data.draw(st.integers(0, len(lengths) - 1))
+    s = sequence(b, 999, 998, cu_q, cu_k, used)
+    assert (s.offset_q, s.seqlen_q) == (sum(lens_q[:b]), lens_q[b])
+    assert (s.offset_k, s.seqlen_k) == (sum(lens_k[:b]), (used or lens_k)[b])
+    # Not varlen: the fixed sizes, with or without seqused_k (ragged keys on the padded layout).
+    assert sequence(b, 999, 998)[:4] == (0, 999, 0, 998)
+    assert sequence(b, 999, 998, seqused_k=used)[:4] == (0, 999, 0, used[b] if used else 998)
+    assert s.reread_offset_k() == s.offset_k
+
+
+def test_varlen_plans_refuse_pack_gqa():
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(3, 500, 700, 8, 2, 128, varlen=True)
+    for arch in ("sm90", "sm100"):
+        assert not getattr(plan_forward(spec, arch).tiles, "pack_gqa", False)
+        with pytest.raises(PlanError, match="varlen"):
+            plan_forward(spec, arch, pack_gqa=True)
+
+
+# The sm90 varlen variants: persistent (non-causal) and one CTA per tile (causal), a window
+# with a learnable sink, and head_dim 64 (three consumers, the tightest registers).
+SM90_VARLEN = {
+    "hd128-full": dict(head_dim=128),
+    "hd128-causal-softcap": dict(head_dim=128, causal=True, softcap=30.0),
+    "hd64-causal-left-sink": dict(head_dim=64, causal=True, window_size=(100, 0),
+                                  learnable_sink=True),
+    "hd256-full-right": dict(head_dim=256, window_size=(None, 40)),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(SM90_VARLEN))
+def test_varlen_compiles_for_sm90a(name, tmp_path):
+    """The varlen kernel (seqused_k included: a varlen launch always passes the key counts)
+    compiles for sm_90a and its binary holds to the plan: no spills, the protocol table."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(3, 500, 700, 8, 2, return_lse=True, varlen=True, **SM90_VARLEN[name])
+    cf = compile_and_audit(plan_forward(spec, "sm90"), "sm90a", tmp_path)
+    assert cf.keep_dir.name.endswith("-varlen")
+    ptx = cf.ptx_path.read_text()
+    # O leaves row by row (16-byte stores), not by a TMA store that would cross a sequence.
+    assert "cp.async.bulk.tensor" in ptx and "st.global.v4" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared" not in ptx.replace("::", ".")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_seqused_k_without_varlen_compiles(arch, tmp_path):
+    """seqused_k on the padded (batch, seqlen, heads, d) layout (ragged keys, as a paged decode
+    needs): the kernel reads each sequence's key count, and audits like the others."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(3, 500, 700, 8, 2, 128, causal=True, return_lse=True)
+    cf = compile_and_audit(plan_forward(spec, arch), arch + "a", tmp_path, seqused_k=True)
+    assert cf.keep_dir.name.endswith("-seqused")
+    assert "ld.global" in cf.ptx_path.read_text()     # the key counts
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,page_size", [("sm90", 16), ("sm90", 128), ("sm100", 64),
+                                            ("sm100", 128)])
+def test_paged_varlen_compiles(arch, page_size, tmp_path):
+    """Packed q beside a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged:
+    the cache is neither offset nor viewed as a batch of one, and a paged varlen launch has no
+    cu_seqlens_k): compiles and audits like the others, on a gather and a one-box page."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(3, 500, 700, 8, 2, 128, causal=True, return_lse=True, varlen=True,
+                         page_size=page_size)
+    cf = compile_and_audit(plan_forward(spec, arch), arch + "a", tmp_path)
+    assert cf.keep_dir.name.endswith(f"-varlen-page{page_size}")
