@@ -51,9 +51,17 @@ an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) 
 ratio and LSE flag never compile twice, whatever the batch, sequence lengths or softmax scale
 (a runtime argument of the kernel).
 
+`page_table` (int32 (batch, pages_per_seq)) makes k and v a paged K/V cache (num_pages,
+page_size, heads_kv, d), `fa4lab.varlen`'s layout: sequence b's keys are its pages
+page_table[b, 0], page_table[b, 1], ..., pages_per_seq * page_size of them; q stays dense. The
+kernels read the pages in place (Note [paged key blocks] in `fa4lab.kernels.device.paged`: the
+page size must be a multiple of the kernel's key block or divide it); a new page table costs no
+compile, a new page size does. The reference gathers the sequences' K/V first.
+
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
-caches (`fa4lab.varlen`): one varlen kernel launch per batch (paged caches: `attention` once per
-sequence, for now).
+caches (`fa4lab.varlen`): one varlen kernel launch per batch; a paged cache whose sequences
+all have the same query count (decode) is one paged launch, other paged batches run `attention`
+once per sequence, for now.
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]).
@@ -103,13 +111,13 @@ def _grad_error() -> GradientNotSupportedError:
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-             score_mod=None, mask_mod=None, aux_tensors=None, num_splits=None):
+             score_mod=None, mask_mod=None, aux_tensors=None, num_splits=None, page_table=None):
     """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink)
+                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     num_splits = check_num_splits(num_splits)
     mods, aux = None, ()
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
@@ -122,7 +130,12 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
     if arch is not None:
         return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
                               softcap, window_size, learnable_sink, mods, aux,
-                              num_splits=num_splits)
+                              num_splits=num_splits, page_table=page_table)
+    if page_table is not None:     # the reference reads each sequence's gathered K/V
+        from fa4lab.varlen import gather_paged, paged_seqlen_k
+
+        seqlens = [paged_seqlen_k(k, page_table)] * q.shape[0]
+        k, v = (torch.stack(gather_paged(x, page_table, seqlens)) for x in (k, v))
     out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                           window_size=window_size, learnable_sink=learnable_sink,
                           score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
@@ -132,11 +145,11 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
 @torch.compiler.disable
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                       num_splits=None):
+                       num_splits=None, page_table=None):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
     custom op, so a call with mods is a graph break (Note [mods in the kernels])."""
     return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
-                    learnable_sink, score_mod, mask_mod, aux_tensors, num_splits)
+                    learnable_sink, score_mod, mask_mod, aux_tensors, num_splits, page_table)
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
@@ -146,11 +159,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       window_right: int | None = None,
                       learnable_sink: torch.Tensor | None = None,
                       num_splits: int | None = None,
+                      page_table: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
-    window's sides are window_left / window_right (None = unbounded)."""
+    window's sides are window_left / window_right (None = unbounded); with page_table, k and v
+    are a paged cache."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                        (window_left, window_right), learnable_sink, num_splits=num_splits)
+                        (window_left, window_right), learnable_sink, num_splits=num_splits,
+                        page_table=page_table)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
@@ -159,8 +175,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                             window_left=None, window_right=None, learnable_sink=None,
-                            num_splits=None):
-    check_qkv_shapes(q, k, v)
+                            num_splits=None, page_table=None):
+    if page_table is None:    # a paged cache's shapes are checked with its table's values
+        check_qkv_shapes(q, k, v)
     normalize_mask(causal, (window_left, window_right))
     check_num_splits(num_splits)
     b, sq, hq, _ = q.shape
@@ -188,11 +205,15 @@ def _intercepted(*tensors) -> bool:
 def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
               window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
               num_splits: int | None = None, pack_gqa: bool | None = None, score_mod=None,
-              mask_mod=None, aux_tensors=None, return_lse: bool = False):
+              mask_mod=None, aux_tensors=None, return_lse: bool = False, page_table=None):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
 
     The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order (num_splits
-    None, not upstream's 1, chooses: see the module docstring)."""
+    None, not upstream's 1, chooses: see the module docstring); `page_table` (int32 (batch,
+    pages_per_seq)) makes k and v a paged cache (num_pages, page_size, heads_kv, d) whose
+    sequence b is its pages page_table[b, 0], page_table[b, 1], ... (every sequence
+    pages_per_seq * page_size keys; `fa4lab.varlen`'s layout, Note [paged key blocks] in
+    fa4lab.kernels.device.paged for the kernels' page sizes; one launch, no split-KV)."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
@@ -203,15 +224,17 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
                                       softcap, window_size, learnable_sink, score_mod, mask_mod,
-                                      aux_tensors, num_splits)
-    elif _intercepted(q, k, v, learnable_sink):
+                                      aux_tensors, num_splits, page_table)
+    elif _intercepted(q, k, v, learnable_sink, page_table):
         scale = None if softmax_scale is None else float(softmax_scale)
         causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
-                                     float(softcap), left, right, learnable_sink, num_splits)
+                                     float(softcap), left, right, learnable_sink, num_splits,
+                                     page_table)
     else:
         out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_size, learnable_sink, num_splits=num_splits)
+                            window_size, learnable_sink, num_splits=num_splits,
+                            page_table=page_table)
     return (out, lse) if return_lse else out
 
 
@@ -256,8 +279,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
     On a Hopper or B200 GPU without a page_table: the varlen kernel, one launch over the
     batch's real tiles (`fa4lab.kernels.launch.forward_varlen`; one compile per configuration,
-    whatever the lengths). With a page_table, or on another GPU: one `fa4lab.attention` call
-    per sequence (a paged sequence's K/V gathered into contiguous tensors first).
+    whatever the lengths). With a page_table there, when every sequence has the same query
+    count L (decode: L = 1): one paged launch over q viewed as (batch, L, heads_q, d), each
+    sequence's keys its seqused_k (`_paged_same_length`); a page_table with ragged query counts,
+    or another GPU: one `fa4lab.attention` call per sequence (a paged sequence's K/V gathered
+    into contiguous tensors first).
     Not yet a torch custom op (torch.compile graph-breaks here).
     """
     from fa4lab.reference import attention_varlen_reference
@@ -288,6 +314,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                          seqused_k, arch, causal, softmax_scale, return_lse,
                                          float(softcap), window_size, learnable_sink)
         return (out, lse) if return_lse else out
+    if arch is not None and len(set(lengths.seqlens_q)) == 1 and lengths.seqlens_q[0] > 0:
+        out, lse = _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch,
+                                      return_lse, options)
+        return (out, lse) if return_lse else out
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))
     lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)
@@ -307,6 +337,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         o_b, lse_b = attention(q_b[None], k_b[None], v_b[None], return_lse=True, **options)
         out[rows], lse[:, rows] = o_b[0], lse_b[0]
     return (out, lse) if return_lse else out
+
+
+def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,
+                       return_lse: bool, options: dict):
+    """(out, lse or None) in varlen form of a paged batch whose sequences all have L queries
+    (checked by `check_varlen`): q (batch * L, heads_q, d) is a (batch, L, heads_q, d) batch,
+    so ONE launch of the padded paged kernel serves it, each sequence's key count its
+    seqused_k (all pages' keys without one: Note [paged key blocks] in
+    fa4lab.kernels.device.paged)."""
+    batch, heads_q = lengths.batch, q.shape[1]
+    q4 = q.reshape(batch, q.shape[0] // batch, heads_q, q.shape[2])
+    out, lse = launch.forward(q4, k_cache, v_cache, arch, options["causal"],
+                              options["softmax_scale"], return_lse, None,
+                              float(options["softcap"]), options["window_size"],
+                              options["learnable_sink"], page_table=page_table,
+                              seqused_k=seqused_k)
+    out = out.view(q.shape[0], heads_q, out.shape[-1])
+    if lse is not None:     # (batch, heads_q, L) -> (heads_q, batch * L)
+        lse = lse.transpose(0, 1).reshape(heads_q, q.shape[0])
+    return out, lse
 
 
 def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, None)):

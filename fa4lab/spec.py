@@ -185,6 +185,8 @@ class AttentionSpec:
     split_kv: the kernel writes each split's partial output and LSE (float32) for a combine
     step instead of the output (`fa4lab.splitkv`: the split count is a runtime value, and a
     split kernel leaves the sink to the combine).
+    page_size P says K/V come as a paged cache of P-token pages with a page table (seqlen_k is
+    then the keys of each sequence); None: contiguous (batch, seqlen_k, heads_kv, d) K/V.
     """
 
     batch: int
@@ -202,6 +204,8 @@ class AttentionSpec:
     softcap: float = 0.0
     learnable_sink: bool = False
     varlen: bool = False
+    # Tokens per page of a paged K/V cache (`fa4lab.varlen`'s layout), None for contiguous K/V.
+    page_size: int | None = None
     split_kv: bool = False
     # filled in by __post_init__
     qhead_per_kvhead: int = field(init=False)
@@ -229,6 +233,8 @@ class AttentionSpec:
                             f"(the split count is a call's num_splits)")
         object.__setattr__(self, "split_kv", bool(self.split_kv))
         object.__setattr__(self, "return_lse", bool(self.return_lse))
+        if self.page_size is not None:
+            object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
         if not isinstance(self.varlen, (bool, np.bool_)):
             raise TypeError(f"varlen is a flag in AttentionSpec, got {self.varlen!r}")
         object.__setattr__(self, "varlen", bool(self.varlen))
@@ -372,7 +378,8 @@ def check_sink_shape(learnable_sink, heads_q: int) -> None:
 
 
 def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
-                 window_size=(None, None), softcap=0.0, learnable_sink=None) -> None:
+                 window_size=(None, None), softcap=0.0, learnable_sink=None,
+                 page_table=None) -> None:
     """The one input check of `fa4lab.attention` and the kernels' launch path, called once per
     call: torch tensors, shapes (`check_qkv_shapes`), one floating dtype, one device, a positive
     finite scale, window_size a pair of ints >= 0 or None, softcap 0.0 (off) or positive and
@@ -380,14 +387,21 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
     ("sm90"/"sm100", the kernel that will run), what that kernel needs besides the math:
     bf16/fp16, a (head_dim, head_dim_v) pair it builds (`fa4lab.limits`), CUDA tensors, the
     last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying
-    what is wrong and what to do. (It never reads tensor values: no device synchronisation.)"""
+    what is wrong and what to do. (It never reads tensor values: no device synchronisation.)
+    With a `page_table`, k and v are a paged cache and `fa4lab.varlen.check_paged` checks the
+    shapes and the table (it reads the table's values: one device-to-host copy)."""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap numpy "
                             f"arrays with torch.from_numpy({name})")
-    check_qkv_shapes(q, k, v)
+    if page_table is None:
+        check_qkv_shapes(q, k, v)
+    else:
+        from fa4lab.varlen import check_paged
+
+        check_paged(q, k, v, page_table)
     if not q.is_floating_point():
         raise TypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
                         f"with q.to(torch.bfloat16)")

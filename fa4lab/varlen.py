@@ -22,6 +22,8 @@ What is here, in plain Python and torch (CPU or GPU tensors):
 - `check_varlen`: the ONE input check of every varlen entry point (`fa4lab.attention_varlen`,
   `fa4lab.reference.attention_varlen_reference`), raising `fa4lab.errors.InputError` /
   `InputTypeError` with what is wrong and what to do; it returns the batch's lengths;
+  `check_paged` the same checks of a paged cache beside a dense q (`fa4lab.attention(q,
+  k_cache, v_cache, page_table=...)`);
 - `unpack` / `pack` (packed <-> per sequence), `pad` (packed -> (batch, max_seqlen, ...)),
   `gather_paged` and `sequence_kv` (each sequence's contiguous K and V, by torch indexing);
 - `varlen_tiles`: the work tiles of a varlen launch (real tiles only, longest first) beside
@@ -44,8 +46,9 @@ import numpy as np
 from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import CostModel, Workload, block_counts, ceil_div, num_m_blocks
 
-__all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_varlen", "gather_paged",
-           "key_block_pages", "pack", "pad", "sequence_kv", "unpack", "varlen_tiles"]
+__all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_varlen",
+           "gather_paged", "key_block_pages", "pack", "pad", "paged_seqlen_k", "sequence_kv",
+           "unpack", "varlen_tiles"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class VarlenLengths:
 
 def _index_tensor(name: str, t, q, ndim: int, shape_hint: str) -> list:
     """An int32 index tensor on q's device with `ndim` dims, as a (nested) Python list."""
+    return _checked_index(name, t, q, ndim, shape_hint).tolist()
+
+
+def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
+    """`t`, checked to be an int32 index tensor on q's device with `ndim` dims."""
     import torch
 
     if not isinstance(t, torch.Tensor):
@@ -86,7 +94,7 @@ def _index_tensor(name: str, t, q, ndim: int, shape_hint: str) -> list:
     check_same_device(name, t.device, "q", q.device)
     if t.dim() != ndim:
         raise InputError(f"{name} has shape {tuple(t.shape)}: expected {shape_hint}")
-    return t.tolist()
+    return t
 
 
 def _check_cu_seqlens(name: str, cu: list, total: int, what: str) -> None:
@@ -188,13 +196,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise InputError("cu_seqlens_k must be None with a page_table: the keys live in the "
                              "paged cache, not on a packed axis; give each sequence's key "
                              "count as seqused_k (int32 (batch,))")
-        table = _index_tensor("page_table", page_table, q, 2, "(batch, pages_per_seq)")
-        if len(table) != batch:
-            raise InputError(f"page_table has {len(table)} rows but cu_seqlens_q describes "
-                             f"{batch} sequences: one row of page indices per sequence")
+        table = _page_table(page_table, q, batch, "cu_seqlens_q describes")
         page_size = int(k.shape[1])
-        capacity = [len(row) * page_size for row in table]
-        seqlens_k = capacity
+        seqlens_k = [paged_seqlen_k(k, table)] * batch
     else:
         if cu_seqlens_k is None:
             raise InputError("cu_seqlens_k is None without a page_table: pass int32 "
@@ -214,25 +218,73 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              f"key count per sequence")
         for b, (n, have) in enumerate(zip(used, seqlens_k)):
             if not 0 <= n <= have:
-                where = (f"its {len(table[b])} pages of {page_size} hold" if paged
+                where = (f"its {table.shape[1]} pages of {page_size} hold" if paged
                          else "cu_seqlens_k gives it")
                 raise InputError(f"seqused_k[{b}] = {n} but {where} {have} keys: seqused_k "
                                  f"counts the keys a sequence uses, 0 <= seqused_k[b] <= {have}")
         seqlens_k = used
     if paged:
-        num_pages = int(k.shape[0])
-        for b, n in enumerate(seqlens_k):
-            for slot in range(ceil_div(n, page_size)):
-                page = table[b][slot]
-                if not 0 <= page < num_pages:
-                    raise InputError(f"page_table[{b}, {slot}] = {page} is not a page of the "
-                                     f"cache (num_pages = {num_pages}): sequence {b} reads "
-                                     f"{n} keys, so its slots 0..{ceil_div(n, page_size) - 1} "
-                                     f"must hold page indices in [0, {num_pages})")
+        _check_pages(table, seqlens_k, page_size, int(k.shape[0]))
     lengths = VarlenLengths(tuple(cu_q), tuple(int(n) for n in seqlens_k), k_starts, page_size)
     _check_max("max_seqlen_q", max_seqlen_q, lengths.seqlens_q, "query")
     _check_max("max_seqlen_k", max_seqlen_k, lengths.seqlens_k, "key")
     return lengths
+
+
+def _page_table(page_table, q, batch: int, who: str):
+    """The page table, checked: int32 (batch, pages_per_seq) on q's device."""
+    table = _checked_index("page_table", page_table, q, 2, "(batch, pages_per_seq)")
+    if table.shape[0] != batch:
+        raise InputError(f"page_table has {table.shape[0]} rows but {who} {batch} sequences: "
+                         f"one row of page indices per sequence")
+    return table
+
+
+def _check_pages(table, seqlens_k, page_size: int, num_pages: int) -> None:
+    """Every slot a sequence reads (its first ceil(seqlens_k[b] / page_size)) holds a page of
+    the cache; later slots are never read and may hold anything (serving stacks pad with -1).
+    One vectorised test (a single device-to-host copy on CUDA)."""
+    import torch
+
+    needed = torch.tensor([ceil_div(int(n), page_size) for n in seqlens_k],
+                          device=table.device)
+    read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
+    bad = read & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        b, slot = (int(x) for x in bad.nonzero()[0])
+        n = int(seqlens_k[b])
+        raise InputError(f"page_table[{b}, {slot}] = {int(table[b, slot])} is not a page of the "
+                         f"cache (num_pages = {num_pages}): sequence {b} reads {n} keys, so "
+                         f"its slots 0..{ceil_div(n, page_size) - 1} must hold page indices in "
+                         f"[0, {num_pages})")
+
+
+def paged_seqlen_k(k_cache, page_table) -> int:
+    """Keys of each sequence of a paged cache without seqused_k: pages_per_seq * page_size."""
+    return int(page_table.shape[1]) * int(k_cache.shape[1])
+
+
+def check_paged(q, k, v, page_table) -> int:
+    """The one check of a call with dense q (batch, seqlen_q, heads_q, head_dim) and a paged
+    cache k, v (num_pages, page_size, heads_kv, head_dim[_v]) with an int32 (batch,
+    pages_per_seq) page table (every sequence has pages_per_seq * page_size keys); returns
+    that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table)."""
+    import torch
+
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise InputError(f"q has shape {tuple(getattr(q, 'shape', ()))}: with a page_table and "
+                         f"no cu_seqlens q is (batch, seqlen_q, heads_q, head_dim) (packed "
+                         f"sequences go to fa4lab.attention_varlen)")
+    if min(q.shape) < 1:
+        raise InputError(f"empty dimension in q {tuple(q.shape)}")
+    _check_tensors(q[0], k, v, paged=True)
+    table = _page_table(page_table, q, int(q.shape[0]), "q has")
+    seqlen_k = paged_seqlen_k(k, table)
+    if seqlen_k < 1:
+        raise InputError(f"page_table has shape {tuple(table.shape)}: each sequence needs at "
+                         f"least one page")
+    _check_pages(table, [seqlen_k] * int(q.shape[0]), int(k.shape[1]), int(k.shape[0]))
+    return seqlen_k
 
 
 # --------------------------------------------------------------------------- layouts

@@ -9,9 +9,10 @@ leaves rows without a key) with a learnable sink, packed and not, and a mask_mod
 masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) with several
 tiles per CTA, two and three consumers; split-KV (a packed GQA decode in three splits and
 their combine) and a variable-length batch (the tile table, the row-by-row O store; an empty
-and a length-1 sequence). Each output is also checked against the float64 reference, so a run
-that the tool passes but that computes garbage still fails. Small sizes: under the tool
-every launch is slow.
+and a length-1 sequence), and a paged decode (one launch, the page table read per key block,
+seqused_k ending inside a page, 0 included). Each output is also checked against the float64
+reference, so a run that the tool passes but that computes garbage still fails. Small sizes:
+under the tool every launch is slow.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def main() -> int:
             return 1
         worst = max(worst, err, lse_err)
     for name, err in (("split-KV decode, 3 splits", split_case()),
-                      ("varlen batch", varlen_case())):
+                      ("varlen batch", varlen_case()),
+                      ("paged decode, pages of 16", paged_decode_case(16)),
+                      ("paged decode, pages of 128", paged_decode_case(128))):
         print(f"{name}: max|out - ref| {err:.2e}", flush=True)
         worst = max(worst, err)
     return 0 if worst < 2e-2 else 1
@@ -115,6 +118,27 @@ def varlen_case() -> float:
                                   max(lengths_k), causal=True)
     torch.cuda.synchronize()
     ref = attention_varlen_reference(q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, causal=True)
+    return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
+
+
+def paged_decode_case(page_size: int) -> float:
+    """A GQA-8 decode over a paged cache (Note [paged key blocks]): attention_varlen's one
+    paged launch, ragged seqused_k (inside a page, a page edge, 0), pages in random order."""
+    import fa4lab
+    from fa4lab.reference import attention_varlen_reference
+
+    used = torch.tensor([300, 0, page_size, 1], dtype=torch.int32)
+    pages = 384 // page_size
+    q = torch.randn(4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(4 * pages + 1, page_size, 2, 128, device="cuda",
+                                    dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(4 * pages + 1)[:4 * pages].view(4, pages).to(torch.int32)
+    cu_q = torch.arange(5, dtype=torch.int32)
+    out = fa4lab.attention_varlen(q, k_cache, v_cache, cu_q.cuda(), None, 1, 384,
+                                  seqused_k=used.cuda(), page_table=table.cuda())
+    torch.cuda.synchronize()
+    ref = attention_varlen_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, None,
+                                     seqused_k=used, page_table=table)
     return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
 
 

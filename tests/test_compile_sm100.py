@@ -48,6 +48,11 @@ OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (64, False, 1, False, "fp16", (("softcap", 5.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
            (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
+           # A paged K/V cache (Note [paged key blocks]): one TMA box per key block (pages of
+           # 128, 256) and a gather of two pages per block (64).
+           (128, True, 4, True, "bf16", (("page_size", 128),)),
+           (64, False, 1, False, "fp16", (("page_size", 256),)),
+           (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None)))),
            # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
            (128, False, 8, False, "bf16", (("split_kv", True),)),
            (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True))),

@@ -267,8 +267,9 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     calls, checked = [], []
 
     def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                window_size, learnable_sink, mods=None, aux=(), num_splits=None):
-        assert mods is None and aux == () and num_splits is None
+                window_size, learnable_sink, mods=None, aux=(), num_splits=None,
+                page_table=None):
+        assert mods is None and aux == () and num_splits is None and page_table is None
         calls.append(dict(arch=arch, causal=causal, softmax_scale=softmax_scale,
                           return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                           window_size=window_size, sink=learnable_sink))

@@ -224,3 +224,33 @@ def test_audit_against_plan(q_stage):
     else:  # one consumer: compiles and keeps the plan's barriers and MMAs (registers untuned)
         rows = [r for r in result.rows if r.name.startswith(("setmaxnreg", "wgmma", "HGMMA"))]
         assert len(rows) >= 3 and all(r.ok for r in rows), rows
+
+
+# Paged K/V caches (Note [paged key blocks] in fa4lab.kernels.device.paged): a gather of pages
+# per key block (16, 64) and one TMA box per block (128, 256); the decode shape (seqlen_q 1,
+# GQA 8 packed) on one of each.
+PAGED = [(16, True, False), (64, False, False), (128, True, True), (256, False, False),
+         (16, True, True)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,causal,decode", PAGED, ids=[
+    f"page{p}-{'causal' if c else 'full'}{'-decode' if d else ''}" for p, c, d in PAGED])
+def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
+    """The paged K/V loads: the same audit (no spills, the protocol table unchanged: a gather's
+    copies all land on the block's one full barrier)."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    shape = (64, 1, 8192, 64, 8) if decode else (2, 300, 1024, 8, 2)
+    spec = AttentionSpec(*shape, 128, causal=causal, return_lse=True, page_size=page_size)
+    plan = plan_forward(spec, "sm90", pack_gqa=True) if decode else plan_forward(spec, "sm90")
+    cf = compile_and_audit(plan, "sm90a", tmp_path)
+    assert cf.keep_dir.name.endswith(f"-page{page_size}" + ("-packgqa" if decode else ""))
+    ptx = cf.ptx_path.read_text()
+    loads = ptx.count("cp.async.bulk.tensor.4d.shared::cta.global")
+    # Q: one copy per consumer and 64-column half; K and V at four sites (first K, the loop's
+    # K and V, last V), each a block's pieces times its halves.
+    pieces = max(1, plan.tiles.n_block // page_size)
+    assert loads == plan.tiles.q_stage * 2 + 4 * pieces * 2

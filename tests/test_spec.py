@@ -229,7 +229,7 @@ def test_check_inputs_names_the_bad_option(kwargs, err, words):
 def test_check_inputs_keeps_its_signature():
     params = inspect.signature(check_inputs).parameters
     assert list(params) == ["q", "k", "v", "softmax_scale", "arch", "window_size", "softcap",
-                            "learnable_sink"]
+                            "learnable_sink", "page_table"]
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[3:])
     assert (params["window_size"].default, params["softcap"].default,
             params["learnable_sink"].default) == ((None, None), 0.0, None)

@@ -125,3 +125,20 @@ def test_seqused_k_without_varlen_compiles(arch, tmp_path):
     cf = compile_and_audit(plan_forward(spec, arch), arch + "a", tmp_path, seqused_k=True)
     assert cf.keep_dir.name.endswith("-seqused")
     assert "ld.global" in cf.ptx_path.read_text()     # the key counts
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch,page_size", [("sm90", 16), ("sm90", 128), ("sm100", 64),
+                                            ("sm100", 128)])
+def test_paged_varlen_compiles(arch, page_size, tmp_path):
+    """Packed q beside a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged:
+    the cache is neither offset nor viewed as a batch of one, and a paged varlen launch has no
+    cu_seqlens_k): compiles and audits like the others, on a gather and a one-box page."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(3, 500, 700, 8, 2, 128, causal=True, return_lse=True, varlen=True,
+                         page_size=page_size)
+    cf = compile_and_audit(plan_forward(spec, arch), arch + "a", tmp_path)
+    assert cf.keep_dir.name.endswith(f"-varlen-page{page_size}")

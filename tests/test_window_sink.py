@@ -246,6 +246,6 @@ def test_the_signature_is_flash_attn_funcs():
     params = inspect.signature(fa4lab.attention).parameters
     assert list(params)[3:] == ["softmax_scale", "causal", "window_size", "learnable_sink",
                                 "softcap", "num_splits", "pack_gqa", "score_mod", "mask_mod",
-                                "aux_tensors", "return_lse"]
+                                "aux_tensors", "return_lse", "page_table"]
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[3:])
     assert effective_window(False, params["window_size"].default) == (None, None)

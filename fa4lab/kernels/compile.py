@@ -109,8 +109,8 @@ def target_arch(arch: str):
 
 def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
     """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, num_splits, out_partial,
-    lse_partial and the stream: the kernels' contract.
+    mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
+    out_partial, lse_partial and the stream: the kernels' contract.
 
     Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
     64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
@@ -131,7 +131,13 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
     seqused_k or cu_seqlens_k's differences) and the (rows, 2) int32 tile table (contiguous:
     Note [varlen tile table] in fa4lab.kernels.device.scheduler); else all four None.
     `seqused_k` True gives a seqused_k without varlen (a ragged key count on the padded
-    layout); None means spec.varlen.
+    layout); None means spec.varlen or a paged spec.
+
+    With `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
+    num_pages (never varlen's packed layout), page_table an int32 (batch, pages_per_seq) tensor
+    (rows of any stride) and seqused_k always present (each sequence's key count: Note [paged
+    key blocks] in fa4lab.kernels.device.paged), cu_seqlens_k None even with varlen (q and out
+    packed, the cache not); else page_table None.
     """
     import cutlass
     import cutlass.cute as cute
@@ -152,8 +158,18 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
         return make_fake_tensor(cutlass.Int32, (n,), (cute.sym_int64(),), assumed_align=4)
 
     layout = thd if spec.varlen else bshd
-    q, k = layout(sq, hq, spec.head_dim), layout(sk, hkv, spec.head_dim)
-    v, o = layout(sk, hkv, spec.head_dim_v), layout(sq, hq, spec.head_dim_v)
+    q, o = layout(sq, hq, spec.head_dim), layout(sq, hq, spec.head_dim_v)
+    page_table = None
+    if spec.page_size is None:
+        k, v = layout(sk, hkv, spec.head_dim), layout(sk, hkv, spec.head_dim_v)
+    else:
+        pages = cute.sym_int()
+        k, v = (make_fake_tensor(dtype, (pages, spec.page_size, hkv, d),
+                                 (*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
+                                 assumed_align=16)
+                for d in (spec.head_dim, spec.head_dim_v))
+        page_table = make_fake_tensor(cutlass.Int32, (b, cute.sym_int()), (cute.sym_int64(), 1),
+                                      assumed_align=4)
     lse = None
     if spec.return_lse and spec.varlen:
         lse = make_fake_tensor(cutlass.Float32, (hq, sq), (cute.sym_int64(), 1), assumed_align=4)
@@ -162,9 +178,11 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     varlen = [None] * 4
     if spec.varlen:
-        varlen[:2] = int32s(cute.sym_int()), int32s(cute.sym_int())
+        varlen[0] = int32s(cute.sym_int())
+        if spec.page_size is None:   # a paged varlen batch's keys are its pages
+            varlen[1] = int32s(cute.sym_int())
         varlen[3] = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), (2, 1), assumed_align=4)
-    if spec.varlen if seqused_k is None else seqused_k:
+    if spec.page_size is not None or (spec.varlen if seqused_k is None else seqused_k):
         varlen[2] = int32s(b)
     sink = None
     if spec.learnable_sink:
@@ -185,7 +203,7 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
                                        assumed_align=4)
     return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
-            *varlen, cutlass.Int32(1), out_partial, lse_partial,
+            *varlen, page_table, cutlass.Int32(1), out_partial, lse_partial,
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
@@ -222,11 +240,11 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None,
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
     window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
     `fa4lab.mods_blocks.block_table`), then cu_seqlens_q, cu_seqlens_k, seqused_k and the
-    varlen tile table (None each unless the spec is varlen: `fake_args`), num_splits and the
-    split-KV partials (1, None, None without split-KV), and launches on the current stream
-    (Note [TVM-FFI launch]); it can be exported with `export_to_c`. `mods`
-    (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the kernel; `seqused_k`
-    True a seqused_k argument without varlen (`fake_args`).
+    varlen tile table (None each unless the spec is varlen: `fake_args`), a paged cache's page
+    table (or None), num_splits and the split-KV partials (1, None, None without split-KV), and
+    launches on the current stream (Note [TVM-FFI launch]); it can be exported with
+    `export_to_c`. `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the
+    kernel; `seqused_k` True a seqused_k argument without varlen (`fake_args`).
     """
     import cutlass.cute as cute
 
@@ -302,7 +320,9 @@ def config_name(spec: AttentionSpec, arch: str) -> str:
     return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
             f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
             + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
-            + ("-varlen" if s.varlen else "") + ("-splitkv" if s.split_kv else ""))
+            + ("-varlen" if s.varlen else "")
+            + (f"-page{s.page_size}" if s.page_size is not None else "")
+            + ("-splitkv" if s.split_kv else ""))
 
 
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
@@ -330,7 +350,8 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
                    + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
                    + ("-mutated" if mutation is not None else "")
                    + ("-mods" if mods else "")
-                   + ("-seqused" if seqused_k and not plan.spec.varlen else ""))
+                   + ("-seqused" if seqused_k and not plan.spec.varlen
+                      and plan.spec.page_size is None else ""))
     keep.mkdir(parents=True, exist_ok=True)
     start_wall = time.time()
     kernel, compiled, seconds = compile_plan(

@@ -70,6 +70,8 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
 
 from __future__ import annotations
 
+from functools import partial
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -80,8 +82,9 @@ from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
+from fa4lab.errors import PlanError
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler, seqlen, storage
+from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
@@ -94,6 +97,7 @@ from fa4lab.online_softmax import emulated_pairs
 from fa4lab.plan.sm100 import p_split
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_MAX_GATHER_PIECES = 2     # pages per key block of a paged gather (Note [paged key blocks])
 # The DSL pipelines over the protocol table's barriers: (full side, empty side).
 _PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
               "s": ("s_full", "p_ready"), "o": ("o_final", "o_rescaled"),
@@ -260,6 +264,20 @@ class FlashForwardSm100:
         self.v_acquire = {} if v_bytes == self.tx_bytes["kv_full"] else {"expected_tx": v_bytes}
         self.v_tx_bytes = v_bytes
         self.o_in_q = plan.smem.region("o").alias_of == "q"   # O staged in Q's bytes
+        # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
+        self.page_size = spec.page_size
+        if self.page_size is not None:
+            paged.check_page_size(self.page_size, self.n_block)
+        # Pages smaller than a key block: a gather of TMA boxes per block. More than
+        # _MAX_GATHER_PIECES pieces per block spill at the load role's registers (kernel-wide
+        # values of every role go to the stack: 4 instructions at 4 pieces, 62 at 8, hd128).
+        self.gather = self.page_size is not None and self.page_size < self.n_block
+        if self.gather and paged.pages_per_block(self.page_size, self.n_block) > \
+                _MAX_GATHER_PIECES:
+            raise PlanError(f"page_size={self.page_size}: the sm100 kernel gathers at most "
+                            f"{_MAX_GATHER_PIECES} pages per {self.n_block}-key block so far; "
+                            f"use pages of {self.n_block // _MAX_GATHER_PIECES} tokens or more "
+                            f"(the sm90 kernel takes {paged.MIN_GATHER_PAGE})")
         # Note [split P hand-off] in fa4lab.plan.sm100: keys of P handed over first (0: one
         # hand-off), with the table's p_part barrier.
         self.p_split = p_split(tiles)
@@ -289,9 +307,10 @@ class FlashForwardSm100:
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
-        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen only
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen without a page table
         mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
         mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
+        mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32 with a paged cache
         num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
         mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -300,19 +319,27 @@ class FlashForwardSm100:
         if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
+        if cutlass.const_expr((self.page_size is not None) != (mPageTable is not None)
+                              or (self.page_size is not None and mSeqUsedK is None)):
+            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
+                             "and only it takes a page table: see Note [paged key blocks] in "
+                             "fa4lab.kernels.device.paged")
         if cutlass.const_expr(self.split_kv != (mOPartial is not None)
                               or self.split_kv != (mLSEPartial is not None)):
             raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
                              "and only it does")
         if cutlass.const_expr(self.varlen != (mTileTable is not None)
                               or self.varlen != (mCuSeqlensQ is not None)
-                              or self.varlen != (mCuSeqlensK is not None)):
-            raise ValueError("a varlen kernel takes cu_seqlens_q, cu_seqlens_k and its tile "
-                             "table, and only it does (Note [sm100 varlen])")
+                              or (self.varlen and self.page_size is None)
+                              != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
+                             "paged, cu_seqlens_k, and only it does (Note [sm100 varlen])")
         if cutlass.const_expr(self.varlen and mask_blocks is not None):
             raise ValueError("a varlen kernel takes no mask_mod block table")
         if cutlass.const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
-            mQ, mK, mV, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mK, mV, mO)]
+            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
+            if cutlass.const_expr(self.page_size is None):   # a paged cache stays pages
+                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
             if cutlass.const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total)
                 mLSE = seqlen.as_batch_of_one(mLSE)
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
@@ -353,12 +380,22 @@ class FlashForwardSm100:
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_Q, tma_Q = _q_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
                                    cluster_vmnk.shape, self.pack)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
-            tiled_mma_qk, cluster_vmnk.shape)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
-            tiled_mma_pv, cluster_vmnk.shape)
+        if cutlass.const_expr(self.gather):   # Note [paged key blocks]: boxes of one page
+            tma_atom_K, tma_K = paged.page_tma(
+                tma_load, mK, paged.plain(cute.select(sK_layout, mode=[0, 1, 2]), self.n_block,
+                                          self.head_dim), self.n_block, self.head_dim,
+                self.page_size)
+            tma_atom_V, tma_V = paged.page_tma(
+                tma_load, mV, paged.plain(cute.select(sV_layout, mode=[0, 1, 2]),
+                                          self.head_dim_v, self.n_block), self.n_block,
+                self.head_dim_v, self.page_size, keys_mode=1)
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), self.mma_tiler_qk,
+                tiled_mma_qk, cluster_vmnk.shape)
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), self.mma_tiler_pv,
+                tiled_mma_pv, cluster_vmnk.shape)
         if cutlass.const_expr(self.pack_gqa):
             tma_atom_O, tma_O = packed_tma(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]),
@@ -387,8 +424,8 @@ class FlashForwardSm100:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_O, tma_O, mLSE, mSink, scale_log2, pre_scale, window_left, window_right,
-            aux, mask_blocks, num_splits, mOPartial, mLSEPartial, sQ_layout, sK_layout,
-            tP_layout, sV_layout, sO_layout,
+            aux, mask_blocks, mPageTable, num_splits, mOPartial, mLSEPartial, sQ_layout,
+            sK_layout, tP_layout, sV_layout, sO_layout,
             (mO if cutlass.const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK,
              mSeqUsedK, mTileTable),
         ).launch(grid=grid, block=[self.threads_per_cta, 1, 1], stream=stream,
@@ -404,9 +441,9 @@ class FlashForwardSm100:
         # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
         mQ: cute.Tensor,  # TMA coordinates
         tma_atom_K: cute.CopyAtom,
-        mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch)
+        mK: cute.Tensor,  # (seqlen_k, head_dim, heads_kv, batch); paged (page_size, .., page)
         tma_atom_V: cute.CopyAtom,
-        mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch)
+        mV: cute.Tensor,  # (head_dim_v, seqlen_k, heads_kv, batch); paged (.., page_size, ..)
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor | None,  # (seqlen_q, heads_q, batch)
@@ -417,6 +454,7 @@ class FlashForwardSm100:
         window_right: Int32,
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32
+        mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32
         num_splits: Int32,
         mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -434,7 +472,7 @@ class FlashForwardSm100:
         seqlen_q = mQ.shape[0]
         if cutlass.const_expr(self.pack_gqa):
             seqlen_q = mQ.shape[0][1]
-        seqlen_k = mK.shape[0]
+        seqlen_k = self.seqlen_k_of(mK, mPageTable)
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
         # Persistent: each role's tile loop (`tiles`); varlen: each role's `_tile` (Note
         # [sm100 varlen]).
@@ -483,7 +521,7 @@ class FlashForwardSm100:
                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
                    pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, varlen=varlen,
                    split=split, num_splits=num_splits, mOPartial=mOPartial,
-                   mLSEPartial=mLSEPartial)
+                   mLSEPartial=mLSEPartial, mPageTable=mPageTable)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -540,7 +578,7 @@ class FlashForwardSm100:
         e = self._tile(e)
         args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
                 e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
-                e["pipe_kv"])
+                e["pipe_kv"], e["mPageTable"])
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
         if self.persistent:
@@ -636,6 +674,13 @@ class FlashForwardSm100:
         if cutlass.const_expr(self.varlen):
             stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
         return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
+
+    def seqlen_k_of(self, mK, mPageTable):
+        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
+        a tile's own count is its sequence's (seqused_k, which a paged launch always has)."""
+        if cutlass.const_expr(mPageTable is not None):
+            return paged.seqlen_k(mPageTable, self.page_size)
+        return mK.shape[0]
 
     def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
         """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
@@ -883,10 +928,12 @@ class FlashForwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, m_block, head, batch, seq, visit, kv_state, q_phase):
+             sQ, sK, sV, pipe_q, pipe_kv, mPageTable, m_block, head, batch, seq, visit,
+             kv_state, q_phase):
         """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
         next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
-        advanced (Note [pipeline states across tiles])."""
+        advanced (Note [pipeline states across tiles]). With a paged cache a block's page is
+        read before its K slot is waited for, and its V copy reuses it."""
         n_blocks, _, order = visit
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
@@ -898,34 +945,25 @@ class FlashForwardSm100:
         no_mcast = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
-
-        def kv_views(offset_k):
-            """(tKsK, tKgK, tVsV, tVgV) of the sequence whose keys start at packed row
-            offset_k."""
-            gK = cute.local_tile(seqlen.at_offset(mK, offset_k, self.varlen)[None, None,
-                                                                              head_kv, b],
-                                 cute.select(self.mma_tiler_qk, [1, 2]), (None, 0))
-            gV = cute.local_tile(seqlen.at_offset(mV, offset_k, self.varlen, mode=1)[
-                None, None, head_kv, b], cute.select(self.mma_tiler_pv, [1, 2]), (0, None))
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
-                cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
-                cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
-            return tKsK, tKgK, tVsV, tVgV
-
-        tKsK, tKgK, tVsV, tVgV = kv_views(seq.offset_k)
+        # K/V: the sequence's rows (varlen: from its first key row), or the cache's pages.
+        views = partial(self.kv_partitions, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK,
+                        tma_atom_V, mV, sV, head_kv, b)
+        tKsK, tKgK, tVsV, tVgV = views(seq.offset_k)
+        # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
+        pages = partial(self.block_pages, mPageTable, batch, seq.seqlen_k)
         if cutlass.const_expr(self.ping_pong):
             # With varlen each K/V load rebuilds its view from the sequence's offset, read
             # again (Note [sm100 varlen ping-pong loads]).
-            views = None
-            if cutlass.const_expr(self.varlen):
-                views = lambda: kv_views(seq.reread_offset_k())  # noqa: E731
+            reload = None
+            if cutlass.const_expr(self.varlen and self.page_size is None):
+                reload = lambda: views(seq.reread_offset_k())  # noqa: E731
             self.load_ping_pong(tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V,
-                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, views)
+                                tVgV, tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages,
+                                reload)
         else:
             if n_blocks > 0:
+                n_first = scheduler.visit_block(0, *order)
+                page = pages(n_first)
                 for stage in cutlass.range_constexpr(self.q_stage):
                     q_state = _phase_state(self.q_stage, stage, q_phase)
                     self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
@@ -935,36 +973,32 @@ class FlashForwardSm100:
                     if cutlass.const_expr(stage == 0):
                         self.sites("load", "wait kv_empty; expect_tx kv_full",
                                    pipe_kv.producer_acquire, kv_state)
-                        cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
-                                  tKsK[None, kv_state.index],
-                                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page, kv_state, pipe_kv)
                         kv_state.advance()
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                            kv_state, **self.v_acquire)
-                cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(0, *order)],
-                          tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                self.copy_kv(tma_atom_V, tVgV, tVsV, n_first, page, kv_state, pipe_kv)
                 kv_state.advance()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = scheduler.visit_block(i + 1, *order)
+                    page = pages(n)
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    self.copy_kv(tma_atom_K, tKgK, tKsK, n, page, kv_state, pipe_kv)
                     kv_state.advance()
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state, **self.v_acquire)
-                    cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                    self.copy_kv(tma_atom_V, tVgV, tVsV, n, page, kv_state, pipe_kv)
                     kv_state.advance()
                 q_phase ^= 1
         return kv_state, q_phase
 
     @cute.jit
     def load_ping_pong(self, tma_atom_Q, tQgQ, tQsQ, tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV,
-                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, views=None):
+                       tVsV, pipe_q, pipe_kv, kv_state, m_block, visit, pages, views=None):
         """One Q tile: Q, K of step 0, then (K of step j + 1, V of step j) per step, then V of
-        the last (the order the MMA warp reads them in: Note [S ping-pong])."""
+        the last (the order the MMA warp reads them in: Note [S ping-pong]); `pages` (a block's
+        page, `block_pages`) is read once per block, its V reusing its K's."""
         n_blocks, _, order = visit
         if n_blocks > 0:
             q_state = _phase_state(1, 0, 1)
@@ -973,30 +1007,93 @@ class FlashForwardSm100:
             cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, 0],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             # (kv_state advances here, in the loop body: the tracer carries it as a local.)
-            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
-                         scheduler.visit_block(0, *order), False)
+            n_first = scheduler.visit_block(0, *order)
+            page_k = pages(n_first)
+            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_first, page_k, False)
             kv_state.advance()
             for i in cutlass.range(n_blocks - 1, unroll=1):
+                n_next = scheduler.visit_block(i + 1, *order)
+                page_v = page_k
+                page_k = pages(n_next)
                 if cutlass.const_expr(views is not None):
                     _, tKgK, _, tVgV = views()
-                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state,
-                             scheduler.visit_block(i + 1, *order), False)
+                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_next, page_k, False)
                 kv_state.advance()
                 self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                             scheduler.visit_block(i, *order), True)
+                             scheduler.visit_block(i, *order), page_v, True)
                 kv_state.advance()
             if cutlass.const_expr(views is not None):
                 _, tKgK, _, tVgV = views()
             self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                         scheduler.visit_block(n_blocks - 1, *order), True)
+                         scheduler.visit_block(n_blocks - 1, *order), page_k, True)
 
     @cute.jit
-    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, is_v: cutlass.Constexpr[bool]):
+    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, page: Int32,
+                is_v: cutlass.Constexpr[bool]):
         """TMA of K or V block n into kv_state's ring buffer."""
         self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                    kv_state, **(self.v_acquire if is_v else {}))
-        cute.copy(atom, gmem[None, n], smem[None, kv_state.index],
-                  tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        self.copy_kv(atom, gmem, smem, n, page, kv_state, pipe_kv)
+
+    def kv_partitions(self, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK, tma_atom_V, mV, sV,
+                      head_kv, b, offset_k):
+        """(tKsK, tKgK, tVsV, tVgV) of KV head head_kv: batch b of the views, from packed key
+        row offset_k with varlen; paged, the cache's pages, never offset (Note [paged key
+        blocks]): ((TMA), row block, page) coordinates, a gather's per piece."""
+        if self.gather:
+            return (*self.gather_partition(tma_atom_K, mK, sK, head_kv, self.head_dim, 0),
+                    *self.gather_partition(tma_atom_V, mV, sV, head_kv, self.head_dim_v, 1))
+        tiler_k = cute.select(self.mma_tiler_qk, [1, 2])
+        tiler_v = cute.select(self.mma_tiler_pv, [1, 2])
+        if self.page_size is not None:   # a page's key blocks are its row blocks
+            gK = cute.local_tile(mK[None, None, head_kv, None], tiler_k, (None, 0, None))
+            gV = cute.local_tile(mV[None, None, head_kv, None], tiler_v, (0, None, None))
+        else:   # V is (d, s, h, b): the sequence is its mode 1
+            gK = cute.local_tile(seqlen.at_offset(mK, offset_k, self.varlen)[None, None,
+                                                                              head_kv, b],
+                                 tiler_k, (None, 0))
+            gV = cute.local_tile(seqlen.at_offset(mV, offset_k, self.varlen, mode=1)[
+                None, None, head_kv, b], tiler_v, (0, None))
+        no_mcast = cute.make_layout(1)
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, no_mcast, cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        return tKsK, tKgK, tVsV, tVgV
+
+    def gather_partition(self, atom, mX, sX, head_kv, cols: int, keys_mode: int):
+        """(tXsX, tXgX) of a gather: SMEM ((TMA), piece, stage) over the plain view of the
+        MMA's operand stages, and the cache's ((TMA), row block, page)."""
+        n, k = (self.n_block, cols) if keys_mode == 0 else (cols, self.n_block)
+        sX_plain = cute.make_tensor(sX.iterator, paged.plain(sX.layout, n, k, self.kv_stage))
+        gX = paged.page_coords(mX, head_kv, self.n_block, cols, self.page_size, keys_mode)
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1),
+            paged.stage_pieces(sX_plain, self.n_block, cols, self.page_size, keys_mode),
+            cute.group_modes(gX, 0, 2))
+
+    @cute.jit
+    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32):
+        """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
+        if cutlass.const_expr(mPageTable is None):
+            return Int32(0)
+        return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
+                                self.n_block)
+
+    @cute.jit
+    def copy_kv(self, atom, gmem, smem, n, page: Int32, kv_state, pipe_kv):
+        """The TMA of K or V block n into kv_state's buffer, on its kv_full barrier: one box at
+        block n, or paged at (row block, page) (Note [paged key blocks])."""
+        barrier = pipe_kv.producer_get_barrier(kv_state)
+        if cutlass.const_expr(self.page_size is None):
+            cute.copy(atom, gmem[None, n], smem[None, kv_state.index], tma_bar_ptr=barrier)
+        elif cutlass.const_expr(self.gather):
+            paged.copy_block(atom, gmem, smem, n, page, kv_state.index, barrier, self.page_size,
+                             self.n_block)
+        else:
+            _, row_block, _ = paged.block_reads(n, self.page_size, self.n_block)[0]
+            cute.copy(atom, gmem[None, row_block, page], smem[None, kv_state.index],
+                      tma_bar_ptr=barrier)
 
     # ------------------------------------------------------------------ role: mma
     @cute.jit
@@ -1581,7 +1678,8 @@ class FlashForwardSm100:
 
 def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                     pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1):
+                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1,
+                    page_table=None):
     """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
 
     q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
@@ -1591,10 +1689,12 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
     kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
     heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
-    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) as in
-    `fa4lab.attention`. num_splits > 1: split-KV (`fa4lab.kernels.device.split`; compiled
-    and audited, not yet run on a B200); 1 (the default) no split; None chooses 1 here until
-    it has run (`fa4lab.kernels.launch.AUTO_SPLIT_ARCHS`).
+    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) and `page_table`
+    (a paged K/V cache, Note [paged key blocks]; pages of a multiple of the key block, or of
+    half of it, so far; compiled and audited only) as in `fa4lab.attention`. num_splits > 1:
+    split-KV (`fa4lab.kernels.device.split`; compiled and audited, not yet run on a B200); 1
+    (the default) no split; None chooses 1 here until it has run
+    (`fa4lab.kernels.launch.AUTO_SPLIT_ARCHS`).
     """
     from fa4lab.kernels.launch import attention_on
 
@@ -1602,4 +1702,4 @@ def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
                         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        num_splits=num_splits)
+                        num_splits=num_splits, page_table=page_table)

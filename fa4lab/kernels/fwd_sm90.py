@@ -38,6 +38,10 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
 * Epilogue: O / row_sum (with a sink in the sum: Note [sinks]) to SMEM (stmatrix; in Q's bytes
   when the plan aliases them), TMA store to global (out-of-range rows are clipped by TMA); LSE
   written directly from registers.
+* Paged K/V (`spec.page_size`, Note [paged key blocks] in fa4lab.kernels.device.paged): k, v
+  are a cache of pages and the producer reads each key block's pages from the page table: one
+  TMA box per block for pages of a multiple of n_block, a gather of one box per page for
+  smaller pages (16, 32, 64), all on the block's one full barrier.
 * pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges, the mask's row index and the LSE and sink addresses change.
@@ -75,7 +79,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import scheduler, seqlen, storage
+from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.mods import ModRows, tile_rows
 from fa4lab.kernels.device.opaque import opaque_zero
@@ -213,6 +217,10 @@ class FlashForwardSm90:
         # Which sides of a window the kernel has; their sizes are runtime arguments (Note
         # [runtime window]): causal is right = 0, a constant.
         self.window_size = spec.window_size
+        # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
+        self.page_size = spec.page_size
+        if self.page_size is not None:
+            paged.check_page_size(self.page_size, self.n_block)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
@@ -262,9 +270,10 @@ class FlashForwardSm90:
         mask_blocks: cute.Tensor | None,  # (cta tiles, 4) int32 with a mask_mod: Note [mask_mod
                                           # block table] in fa4lab.tiling; else None
         mCuSeqlensQ: cute.Tensor | None,  # (batch + 1,) int32, varlen only: Note [sm90 varlen]
-        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen only
+        mCuSeqlensK: cute.Tensor | None,  # (batch + 1,) int32, varlen without a page table
         mSeqUsedK: cute.Tensor | None,    # (batch,) int32 keys per sequence, or None
         mTileTable: cute.Tensor | None,   # (rows, 2) int32 (batch, m_block), varlen only
+        mPageTable: cute.Tensor | None,   # (batch, pages_per_seq) int32 with a paged cache
         num_splits: Int32,                # split-KV: splits per tile (1 and unused without)
         mOPartial: cute.Tensor | None,    # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -273,11 +282,16 @@ class FlashForwardSm90:
         if const_expr(self.has_mask_mod != (mask_blocks is not None)):
             raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
                              "does: see Note [mask_mod block table] in fa4lab.tiling")
+        if const_expr((self.page_size is not None) != (mPageTable is not None)
+                      or (self.page_size is not None and mSeqUsedK is None)):
+            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
+                             "and only it takes a page table: see Note [paged key blocks] in "
+                             "fa4lab.kernels.device.paged")
         if const_expr(self.varlen != (mTileTable is not None)
                       or self.varlen != (mCuSeqlensQ is not None)
-                      or self.varlen != (mCuSeqlensK is not None)):
-            raise ValueError("a varlen kernel takes cu_seqlens_q, cu_seqlens_k and its tile "
-                             "table, and only it does (Note [sm90 varlen])")
+                      or (self.varlen and self.page_size is None) != (mCuSeqlensK is not None)):
+            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
+                             "paged, cu_seqlens_k, and only it does (Note [sm90 varlen])")
         if const_expr(self.varlen and mask_blocks is not None):
             raise ValueError("a varlen kernel takes no mask_mod block table")
         if const_expr(self.split_kv != (mOPartial is not None)
@@ -286,10 +300,13 @@ class FlashForwardSm90:
                              "and only it does")
         dtype = self.dtype = mQ.element_type
         if const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
-            mQ, mK, mV, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mK, mV, mO)]
+            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
+            if const_expr(self.page_size is None):   # a paged cache stays pages
+                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
             if const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total_q)
                 mLSE = seqlen.as_batch_of_one(mLSE)
-        # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch).
+        # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch). A
+        # paged cache (pages, page_size, h, d) becomes (page_size, d, h, pages) the same way.
         mQ, mK, mV, mO = [
             cute.make_tensor(x.iterator, cute.select(x.layout, mode=[1, 3, 2, 0]))
             for x in (mQ, mK, mV, mO)
@@ -321,10 +338,16 @@ class FlashForwardSm90:
                 load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.m_block, self.head_dim))
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 store, mO, cute.select(sO_layout, mode=[0, 1]), (self.m_block, self.head_dim_v))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            load, mK, cute.select(sK_layout, mode=[0, 1]), (self.n_block, self.head_dim))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            load, mV, cute.select(sV_layout, mode=[0, 1]), (self.n_block, self.head_dim_v))
+        if const_expr(self.page_size is not None):   # Note [paged key blocks]
+            tma_atom_K, tma_K = paged.page_tma(load, mK, cute.select(sK_layout, mode=[0, 1]),
+                                               self.n_block, self.head_dim, self.page_size)
+            tma_atom_V, tma_V = paged.page_tma(load, mV, cute.select(sV_layout, mode=[0, 1]),
+                                               self.n_block, self.head_dim_v, self.page_size)
+        else:
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                load, mK, cute.select(sK_layout, mode=[0, 1]), (self.n_block, self.head_dim))
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                load, mV, cute.select(sV_layout, mode=[0, 1]), (self.n_block, self.head_dim_v))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)  # all consumers' tiles, one phase
         self.k_bytes = cute.size_in_bytes(dtype, cute.select(sK_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -350,8 +373,8 @@ class FlashForwardSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv,
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            mSink, scale_log2, pre_scale, window_left, window_right, aux, mask_blocks, num_splits,
-            mOPartial, mLSEPartial, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mSink, scale_log2, pre_scale, window_left, window_right, aux, mask_blocks, mPageTable,
+            num_splits, mOPartial, mLSEPartial, sQ_layout, sK_layout, sV_layout, sO_layout,
             (mO if const_expr(self.varlen) else None, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
              mTileTable),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -364,8 +387,9 @@ class FlashForwardSm90:
         tiled_mma_pv: cute.TiledMma,
         # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
         tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
-        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,   # (seqlen_k, d, heads_kv, batch)
-        tma_atom_V: cute.CopyAtom, mV: cute.Tensor,   # (seqlen_k, dv, heads_kv, batch)
+        # mK, mV: (seqlen_k, d, heads_kv, batch), or paged (page_size, d, heads_kv, num_pages)
+        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
         mSink: cute.Tensor | None,                    # (heads_q,)
@@ -375,6 +399,7 @@ class FlashForwardSm90:
         window_right: Int32,
         aux: tuple | None,
         mask_blocks: cute.Tensor | None,              # (cta tiles, 4) int32
+        mPageTable: cute.Tensor | None,               # (batch, pages_per_seq) int32
         num_splits: Int32,
         mOPartial: cute.Tensor | None,   # (num_splits, batch, seqlen_q, heads_q, dv) fp32
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
@@ -420,14 +445,14 @@ class FlashForwardSm90:
             if warp_idx == 0:
                 self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                           (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
-                          window_right, mask_blocks, varlen, num_splits)
+                          window_right, mask_blocks, varlen, mPageTable, num_splits)
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                          sO, (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
-                         cute.size(mK.shape[0]), scale_log2, pre_scale, aux, mask_blocks,
-                         varlen, num_splits, mOPartial, mLSEPartial,
+                         self.seqlen_k_of(mK, mPageTable), scale_log2, pre_scale, aux,
+                         mask_blocks, varlen, num_splits, mOPartial, mLSEPartial,
                          *self.window(window_left, window_right))
         self.sites.finish()
 
@@ -475,6 +500,13 @@ class FlashForwardSm90:
         if const_expr(self.pack_gqa):
             return cute.size(mQ.shape[0][1])
         return cute.size(mQ.shape[0])
+
+    def seqlen_k_of(self, mK, mPageTable):
+        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
+        a tile's own count is its `sequence`'s (seqused_k, which a paged launch always has)."""
+        if const_expr(mPageTable is not None):
+            return paged.seqlen_k(mPageTable, self.page_size)
+        return cute.size(mK.shape[0])
 
     def window(self, window_left, window_right):
         """(left, right) for the mask and the block ranges (`mask.window_sides`)."""
@@ -576,12 +608,13 @@ class FlashForwardSm90:
     @cute.jit
     def load(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars,
              pipeline_k, pipeline_v, window_left: Int32, window_right: Int32, mask_blocks,
-             varlen, num_splits: Int32):
+             varlen, mPageTable, num_splits: Int32):
         """Producer warp: for each work tile, Q once, then K and V block by block in the visit
         order (`visit_plan`); a persistent CTA waits for q_empty before each tile's Q."""
         args = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars[0], pipeline_k,
                 pipeline_v, *self.window(window_left, window_right), mask_blocks, varlen,
-                num_splits)
+                mPageTable, num_splits)
+        seqlen_k = self.seqlen_k_of(mK, mPageTable)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(1)   # q_empty starts released
@@ -590,43 +623,40 @@ class FlashForwardSm90:
                 self.sites("load", "wait q_empty", cute.arch.mbarrier_wait, mbars[1], q_phase,
                            stage=0)
                 q_phase = q_phase ^ 1
-                state = self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), varlen,
-                                                        num_splits, tile), state)
+                state = self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits,
+                                                        tile), state)
         else:
-            self.load_tile(*args, self.work(mQ, cute.size(mK.shape[0]), varlen, num_splits),
-                           state)
+            self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits), state)
 
     @cute.jit
     def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
-                  pipeline_k, pipeline_v, left, right, mask_blocks, varlen, num_splits, coords,
-                  state):
+                  pipeline_k, pipeline_v, left, right, mask_blocks, varlen, mPageTable,
+                  num_splits, coords, state):
         """One work tile's loads; returns the K/V ring's next slot.
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
         consumer issues the score wgmma of step s + 1 before the value wgmma of step s (see
-        `consume_tile`), so K runs one ahead.
+        `consume_tile`), so K runs one ahead. With a paged cache a block's page indices are
+        read before its K slot is waited for, and its V copy reuses them.
         """
         m_block, head, batch, split = coords
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        seq = self.sequence(batch, self.seqlen_q_of(mQ), cute.size(mK.shape[0]), varlen)
+        seq = self.sequence(batch, self.seqlen_q_of(mQ), self.seqlen_k_of(mK, mPageTable),
+                            varlen)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
-        mK = seqlen.at_offset(mK, seq.offset_k, self.varlen)
-        mV = seqlen.at_offset(mV, seq.offset_k, self.varlen)
         b = self.batch_index(batch)
         gQ = cute.local_tile(mQ[None, None, head, b], (self.m_block, self.head_dim), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, b], (self.n_block, self.head_dim),
-                             (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, b], (self.n_block, self.head_dim_v),
-                             (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = self.kv_partition(tma_atom_K, mK, sK, head_kv, b, seq.offset_k,
+                                       self.head_dim, mPageTable)
+        tVsV, tVgV = self.kv_partition(tma_atom_V, mV, sV, head_kv, b, seq.offset_k,
+                                       self.head_dim_v, mPageTable)
+        # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
+        pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
 
         with cute.arch.elect_one():
             self.sites("load", "expect_tx q_full", cute.arch.mbarrier_arrive_and_expect_tx,
@@ -637,25 +667,61 @@ class FlashForwardSm90:
 
         n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
                                              mask_blocks, split, num_splits)
+        n_first = scheduler.visit_block(0, *order)
+        page_k = pages(n_first)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
-        cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(0, *order)],
-                  tKsK[None, state.index], tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page_k, state, pipeline_k)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             prev = state.clone()
             state.advance()
+            n_next = scheduler.visit_block(i + 1, *order)
+            page_v = page_k
+            page_k = pages(n_next)
             self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire,
                        state)
-            cute.copy(tma_atom_K, tKgK[None, scheduler.visit_block(i + 1, *order)],
-                      tKsK[None, state.index], tma_bar_ptr=pipeline_k.producer_get_barrier(state))
+            self.copy_kv(tma_atom_K, tKgK, tKsK, n_next, page_k, state, pipeline_k)
             self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire,
                        prev)
-            cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(i, *order)],
-                      tVsV[None, prev.index], tma_bar_ptr=pipeline_v.producer_get_barrier(prev))
+            self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(i, *order), page_v,
+                         prev, pipeline_v)
         self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
-        cute.copy(tma_atom_V, tVgV[None, scheduler.visit_block(n_blocks - 1, *order)],
-                  tVsV[None, state.index], tma_bar_ptr=pipeline_v.producer_get_barrier(state))
+        self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(n_blocks - 1, *order),
+                     page_k, state, pipeline_v)
         state.advance()
         return state
+
+    def kv_partition(self, atom, mX, sX, head_kv, b, offset_k, cols: int, mPageTable):
+        """(tXsX, tXgX) of K or V: SMEM ((TMA), stage) and the block's coordinates ((TMA), n)
+        in batch b of the views, from packed row offset_k when varlen; paged, ((TMA), piece,
+        stage) and ((TMA), row block, page) (Note [paged key blocks]: never offset)."""
+        one = cute.make_layout(1)
+        if const_expr(mPageTable is not None):
+            gX = paged.page_coords(mX, head_kv, self.n_block, cols, self.page_size)
+            return cpasync.tma_partition(
+                atom, 0, one, paged.stage_pieces(sX, self.n_block, cols, self.page_size),
+                cute.group_modes(gX, 0, 2))
+        mX = seqlen.at_offset(mX, offset_k, self.varlen)
+        gX = cute.local_tile(mX[None, None, head_kv, b], (self.n_block, cols), (None, 0))
+        return cpasync.tma_partition(atom, 0, one, cute.group_modes(sX, 0, 2),
+                                     cute.group_modes(gX, 0, 2))
+
+    @cute.jit
+    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32):
+        """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
+        if const_expr(mPageTable is None):
+            return Int32(0)
+        return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
+                                self.n_block)
+
+    @cute.jit
+    def copy_kv(self, atom, tXgX, tXsX, n_block: Int32, page: Int32, state, pipe):
+        """TMA of key block n_block into the ring's slot `state`, on its full barrier."""
+        barrier = pipe.producer_get_barrier(state)
+        if const_expr(self.page_size is None):
+            cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=barrier)
+        else:
+            paged.copy_block(atom, tXgX, tXsX, n_block, page, state.index, barrier,
+                             self.page_size, self.n_block)
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
@@ -1062,7 +1128,7 @@ def port_table(spec) -> list[tuple[str, str, str]]:
 def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
                    score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
-                   num_splits=1):
+                   num_splits=1, page_table=None):
     """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
 
     `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
@@ -1071,7 +1137,9 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
     aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`. `persistent` None: the plan's choice
     for the shape (Note [sm90 persistent CTAs] in fa4lab.plan.sm90); True / False force it.
     num_splits: split-KV as in `fa4lab.attention`, but 1 (no split) by default: this runs the
-    kernel as asked; None chooses for the shape as `fa4lab.attention` does.
+    kernel as asked; None chooses for the shape as `fa4lab.attention` does. `page_table` makes
+    k, v a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged), as in
+    `fa4lab.attention`.
     """
     from fa4lab.kernels.launch import attention_on
 
@@ -1079,7 +1147,7 @@ def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fals
                         return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
                         window_size=window_size, learnable_sink=learnable_sink,
                         score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        persistent=persistent, num_splits=num_splits)
+                        persistent=persistent, num_splits=num_splits, page_table=page_table)
 
 
 def _role_registers(plan) -> tuple[int, int]:

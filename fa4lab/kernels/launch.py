@@ -9,10 +9,11 @@ checked once, by `fa4lab.spec.check_inputs`, before this is reached.
 On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
 compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
 kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
-pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes
--- and never on batch, sequence lengths, head counts, the softmax scale, the cap's value, the
-window's sizes or the sink's values, which are runtime values (Note [runtime scale] and Note
-[runtime window] in `fa4lab.kernels.compile`).
+pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes,
+the page size of a paged K/V cache -- and never on batch, sequence lengths, head counts, the
+softmax scale, the cap's value, the window's sizes, the sink's values or the page table, which
+are runtime values (Note [runtime scale] and Note [runtime window] in
+`fa4lab.kernels.compile`).
 
 With a score_mod / mask_mod (`fa4lab.mods`) the key also holds the mods' identity, and the
 kernel is compiled in this process, never read from or written to disk (Note [mods in the
@@ -70,15 +71,18 @@ def device_arch(index: int) -> str | None:
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
            softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-           persistent: bool | None = None, varlen: bool = False, split_kv: bool = False) -> tuple:
+           persistent: bool | None = None, varlen: bool = False, split_kv: bool = False,
+           page_table=None) -> tuple:
     """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
     on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
     the canonical spec of the key has no shape). causal and window_size in
     `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
     sizes (Note [runtime window]). `varlen`: q, k, v are packed (total, heads, d) tensors
     (`forward_varlen`), planned without pack-GQA. split_kv: the split-KV kernel
-    (`fa4lab.splitkv`), whose split count is a runtime value."""
+    (`fa4lab.splitkv`), whose split count is a runtime value. With a page_table, k and v are
+    the paged cache and the key ends with its page size (None without)."""
     g = q.shape[-2] // k.shape[-2]
+    page_size = None if page_table is None else k.shape[1]
     if varlen:
         packed = False
     else:
@@ -89,14 +93,23 @@ def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | 
         from fa4lab.plan.sm90 import persistent_default
 
         persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
-                                        k.shape[-3])
+                                        _seqlen_k(k, page_table))
     return (arch, q.shape[-1], v.shape[-1], q.dtype, causal, g, return_lse, bool(softcap), sides,
             learnable_sink is not None, persistent, packed, bool(varlen),
-            bool(split_kv))
+            bool(split_kv), page_size)
 
 
 # The launch key's fields read by name (`key_of`'s tuple).
-_PERSISTENT, _PACKED, _VARLEN, _SPLIT_KV = 10, 11, 12, 13
+_PERSISTENT, _PACKED, _VARLEN, _SPLIT_KV, _PAGE_SIZE = 10, 11, 12, 13, 14
+
+
+def _seqlen_k(k, page_table) -> int:
+    """Keys per sequence of a launch: k's, or a paged cache's (`fa4lab.varlen.paged_seqlen_k`)."""
+    if page_table is None:
+        return k.shape[-3]
+    from fa4lab.varlen import paged_seqlen_k
+
+    return paged_seqlen_k(k, page_table)
 
 
 def spec_of_key(key: tuple) -> AttentionSpec:
@@ -106,7 +119,8 @@ def spec_of_key(key: tuple) -> AttentionSpec:
     window = (0 if left else None, 1 if right else None)
     return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
                          return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
-                         learnable_sink=sink, varlen=key[_VARLEN], split_kv=key[_SPLIT_KV])
+                         learnable_sink=sink, varlen=key[_VARLEN], split_kv=key[_SPLIT_KV],
+                         page_size=key[_PAGE_SIZE])
 
 
 def plan_of_key(key: tuple):
@@ -236,7 +250,7 @@ def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | N
     lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
     unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     fn(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
-       *window_args(window_size, sq, k.shape[1]), None, None, None, None, None, None,
+       *window_args(window_size, sq, k.shape[1]), None, None, None, None, None, None, None,
        num_splits, out_p, lse_p)
     return out_p, lse_p
 
@@ -244,17 +258,23 @@ def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | N
 def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
             pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
             learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None,
-            num_splits: int | None = None):
+            num_splits: int | None = None, page_table=None, seqused_k=None):
     """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
     and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
     `fa4lab.mods.check_mods` (or None and ()). num_splits (`fa4lab.splitkv.check_num_splits`'s
     form) None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
-    (`fa4lab.splitkv.combine`, the learnable sink joining there)."""
+    (`fa4lab.splitkv.combine`, the learnable sink joining there). With `page_table`, k and v
+    are a paged cache, one launch without split-KV (`paged_launch_args`), seqused_k (int32
+    (batch,), or None: every page's keys) each sequence's key count."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                 learnable_sink, persistent)
-    splits = 1 if mods is not None else splits_for(key, q, k, num_splits)
+                 learnable_sink, persistent, page_table=page_table)
+    if page_table is not None:
+        check_paged_call(key, mods, num_splits)
+        splits = 1
+    else:
+        splits = 1 if mods is not None else splits_for(key, q, k, num_splits)
     if splits > 1:
         from fa4lab.splitkv import combine
 
@@ -268,9 +288,22 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
     score_mod = mods is not None and mods.score_mod is not None
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
-       *window_args(window_size, sq, k.shape[1]), aux or None,
-       mask_blocks_for(key, mods, aux, q, k), None, None, None, None, 1, None, None)
+       *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
+       mask_blocks_for(key, mods, aux, q, k),
+       *paged_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q))
     return out, lse
+
+
+def paged_launch_args(page_table, seqused_k, seqlen_k: int, q) -> tuple:
+    """The kernel's (cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
+    out_partial, lse_partial) of a padded launch: with a page table, seqused_k always (the
+    caller's, or seqlen_k for every sequence: Note [paged key blocks] in
+    fa4lab.kernels.device.paged); one split."""
+    import torch
+
+    if page_table is not None and seqused_k is None:
+        seqused_k = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
+    return None, None, seqused_k, None, page_table, 1, None, None
 
 
 def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch: str,
@@ -305,7 +338,7 @@ def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch
     table = torch.from_numpy(rows.table).to(q.device, non_blocking=True)
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
        *window_args(window_size, max_q, max_k), None, None, cu_seqlens_q, cu_seqlens_k,
-       seqused_k, table, 1, None, None)
+       seqused_k, table, None, 1, None, None)
     return out, lse
 
 
@@ -344,10 +377,29 @@ def compile_plan(plan, example):
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None, None, None, None, None, None, 1, None, None)
+           *window_args(window, sq, k.shape[1]), None, None,
+           *paged_launch_args(None, None, k.shape[1], q))
         return out
 
     return run, seconds
+
+
+def check_paged_call(key: tuple, mods, num_splits: int | None = None) -> None:
+    """Before a paged launch (key's page size not None): no mods (their block table and key
+    indices assume contiguous K/V), no split-KV (one launch) and a page size the kernel's key
+    blocks take (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes
+    that fit)."""
+    from fa4lab.errors import InputError
+    from fa4lab.kernels.device.paged import check_page_size
+
+    if mods:
+        raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
+                         "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
+                         "on contiguous tensors")
+    if num_splits not in (None, 1):
+        raise InputError(f"num_splits={num_splits}: a paged K/V cache runs as one launch "
+                         f"without split-KV for now; pass num_splits=None or 1 with a page_table")
+    check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1])
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",
@@ -359,10 +411,11 @@ OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                  pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
                  score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
-                 num_splits=None):
+                 num_splits=None, page_table=None):
     """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse).
     `persistent` None: the plan's choice for the shape; True / False force it (PlanError where
-    the plan cannot be persistent). num_splits as in `fa4lab.attention` (split-KV)."""
+    the plan cannot be persistent). num_splits as in `fa4lab.attention` (split-KV). With
+    `page_table`, k and v are a paged cache."""
     import torch
 
     from fa4lab.errors import InputError, UnsupportedArchError
@@ -383,7 +436,7 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink)
+                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     from fa4lab.mods import check_mods
     from fa4lab.splitkv import check_num_splits
 
@@ -394,5 +447,5 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
                          f"mask_mod yet; pass num_splits=None or 1 with mods")
     out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
                        float(softcap), window_size, learnable_sink, mods if mods else None, aux,
-                       persistent, num_splits)
+                       persistent, num_splits, page_table)
     return (out, lse) if return_lse else out

@@ -1,0 +1,200 @@
+"""Paged K/V caches in the forward kernels: which cache rows feed each key block (device code).
+
+Shared by the sm90 and sm100 kernels. The layout is `fa4lab.varlen`'s (upstream FA4's): the
+cache is (num_pages, page_size, heads_kv, d) and key t of sequence b is
+cache[page_table[b, t // page_size], t % page_size]. The kernels view the cache exactly as a
+dense (batch, seqlen, heads, d) tensor with seqlen -> page_size and batch -> page, so the TMA
+atoms and their (rows, d, head, batch) coordinates stay; only the coordinates of a key block
+change (Note [paged key blocks]).
+
+* `check_page_size`: the page sizes a kernel with key blocks of n_block rows takes (a
+  multiple of n_block, or a divisor of it that is a multiple of 16), a `PlanError` otherwise;
+* `block_reads`: the pieces of key block n, (slot, row block, rows) each: THE mapping, on
+  Python ints or DSL Int32 (tests check it against `fa4lab.varlen.key_block_pages`);
+* `seqlen_k`: a paged launch's key count per sequence before seqused_k caps it;
+* `page_tma`, `plain`, `stage_pieces`, `page_coords` (host side), `read_pages` and
+  `copy_block` (producer side): the TMA atom of one piece, the SMEM slices and cache
+  coordinates it copies between, the page indices of a block and its copies.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from fa4lab.errors import PlanError
+from fa4lab.kernels.device.opaque import opaque_zero
+
+# The swizzle atom of a 16-bit K-major SMEM tile is 8 rows (128-byte rows); a gathered page
+# fills whole 16-row slices of the block's stage (one wgmma / UMMA K-step of rows), so its
+# TMA box lines up with the swizzle pattern and the MMA reads the stage as one tile.
+MIN_GATHER_PAGE = 16
+
+# Note [paged key blocks]
+# Key block n of a sequence holds keys [n * n_block, (n + 1) * n_block). With the cache viewed
+# as (page_size, d, heads_kv, num_pages) -- a dense (seqlen, d, heads, batch) tensor whose
+# "sequences" are pages -- the block is read in one of two ways, chosen at compile time:
+# * page_size a multiple of n_block (128, 256, ... with n_block 128): one page holds
+#   page_size / n_block whole blocks, so the block is ONE TMA box of the usual (n_block, d)
+#   shape at (row block n % (page_size / n_block), 0, head, page_table[b, n // (page_size /
+#   n_block)]): the dense kernel's load with other coordinates.
+# * page_size < n_block dividing it (16, 32, 64): a gather. The block is n_block / page_size
+#   pages, slots n * (n_block / page_size) + j; a second TMA atom with a (page_size, d) box
+#   copies page j into rows [j * page_size, (j + 1) * page_size) of the block's SMEM stage.
+#   page_size is a multiple of 16 (MIN_GATHER_PAGE), so each slice starts on a swizzle atom
+#   and the stage is laid out exactly as one (n_block, d) box would have left it. All copies of
+#   a block arrive on the block's one full barrier, whose transaction bytes stay the block's.
+#   On sm100 the stages are the MMA operands' layouts, read here in their plain (keys, d) form
+#   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous); there a gather
+#   of more than two pages per block spills in the load role, so the kernel refuses it for now.
+# Sizes that neither divide n_block nor are a multiple of it are refused before launch
+# (`check_page_size`). The page indices are read from global memory by the producer: lane j
+# of the load warp reads slot j of the block (one transaction for the warp) and the copy of
+# piece j takes it by a shuffle, so a block costs one page-table latency however many pages it
+# gathers; the V copy of a block reuses the indices its K copy read. A slot past the
+# sequence's last page (the last block of a gather when pages_per_seq * page_size is not a
+# multiple of n_block) is clamped to the last page: its rows are keys >= seqlen_k, masked like
+# any tail, and a real page holds finite values (the rows of a page past seqlen_k are read as
+# they are, so a cache must not hold NaN or Inf there, as with upstream's TMA path).
+# A paged kernel always takes seqused_k ((batch,) int32; the launch passes pages_per_seq *
+# page_size for every sequence when the caller gives none): the launch-level seqlen_k is
+# pages_per_seq * page_size (`seqlen_k`), and each tile's key count is its sequence's
+# seqused_k (`fa4lab.kernels.device.seqlen.of_launch`), so keys may end inside a page and the
+# slots past a sequence's last used page are never read. The page-table row is the sequence's
+# index (never the packed view's batch 0 of a varlen launch), and a paged cache is neither
+# offset by cu_seqlens_k (a paged launch has none) nor viewed as a packed batch of one.
+
+
+def check_page_size(page_size: int, n_block: int) -> None:
+    """Raise `PlanError` unless a kernel with key blocks of `n_block` rows can read pages of
+    `page_size` tokens (Note [paged key blocks])."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise PlanError(f"page_size must be a positive int, got {page_size!r}")
+    if page_size % n_block == 0:
+        return
+    if n_block % page_size == 0 and page_size % MIN_GATHER_PAGE == 0:
+        return
+    divisors = [p for p in range(MIN_GATHER_PAGE, n_block, MIN_GATHER_PAGE) if n_block % p == 0]
+    raise PlanError(f"page_size={page_size} does not fit key blocks of {n_block} rows: the "
+                    f"kernel reads a multiple of {n_block} (one TMA box per block) or a "
+                    f"divisor of it that is a multiple of {MIN_GATHER_PAGE} ({divisors}: a "
+                    f"gather of pages per block); re-page the cache with one of those sizes")
+
+
+def pages_per_block(page_size: int, n_block: int) -> int:
+    """Pieces (pages) of one key block: n_block / page_size for a gather, else 1."""
+    return n_block // page_size if page_size < n_block else 1
+
+
+def blocks_per_page(page_size: int, n_block: int) -> int:
+    """Whole key blocks of one page: page_size / n_block, or 1 for a gather."""
+    return page_size // n_block if page_size >= n_block else 1
+
+
+def block_reads(n, page_size: int, n_block: int) -> list[tuple]:
+    """Key block n's pieces, in key order: (slot, row_block, rows) each, meaning rows
+    [row_block * rows, (row_block + 1) * rows) of the page in page-table slot `slot` fill the
+    next `rows` rows of the block (Note [paged key blocks]). `n` is an int or a DSL Int32;
+    page_size and n_block are compile-time ints. Slots are not clamped (`read_pages` does)."""
+    if page_size >= n_block:
+        per_page = blocks_per_page(page_size, n_block)
+        return [(n // per_page, n % per_page, n_block)]
+    per_block = pages_per_block(page_size, n_block)
+    return [(n * per_block + j, 0, page_size) for j in range(per_block)]
+
+
+def seqlen_k(mPageTable: cute.Tensor, page_size: int):
+    """The launch-level key count of a paged launch, pages_per_seq * page_size: what the
+    tile scheduler and `fa4lab.kernels.device.seqlen.of_launch` start from; each tile's own
+    count is its sequence's seqused_k (Note [paged key blocks])."""
+    # Plus an opaque zero (Note [opaque zero]): a key count the compiler knows to be a multiple
+    # of page_size let it version the sm100 MMA warp's block loop (two PTX loops for one loop
+    # of the protocol table), which a key count from memory, like dense mK's, does not.
+    return cute.size(mPageTable.shape[1]) * page_size + opaque_zero()
+
+
+# ---------------------------------------------------------------- host side (inside __call__)
+# A block's SMEM stage is (keys, cols) for K-like operands (keys_mode 0: keys are rows) and
+# (cols, keys) for V on sm100 (keys_mode 1: V^T, head_dim contiguous); `plain` turns an MMA
+# operand layout into that form.
+
+
+def plain(mma_layout, n: int, k: int, stages: int | None = None):
+    """An MMA B-operand SMEM layout ((N, K atom), 1, K blocks[, stages]) (sm100's
+    `make_smem_layout_b`) as the plain (N, K[, stages]) layout of the same bytes: the operand's
+    N is the fastest index of its domain, then K, then the stage."""
+    if stages is None:
+        return cute.composition(mma_layout, cute.make_layout((n, k), stride=(1, n)))
+    return cute.composition(mma_layout, cute.make_layout((n, k, stages), stride=(1, n, n * k)))
+
+
+def _piece_tile(rows: int, cols: int, page_size: int, keys_mode: int):
+    piece = min(page_size, rows)
+    return ((piece, cols), (1, rows)) if keys_mode == 0 else ((cols, piece), (1, cols))
+
+
+def page_tma(op, mX: cute.Tensor, smem_layout, rows: int, cols: int, page_size: int,
+             keys_mode: int = 0):
+    """(TMA atom, coordinates) of one piece of a key block for the cache view `mX`
+    ((page_size, cols, heads_kv, num_pages), or (cols, page_size, ...) with keys_mode 1): the
+    block's box when page_size >= rows (the block's `rows` keys), else a box of page_size keys
+    whose SMEM layout is the first page_size keys of the block's plain `smem_layout`, so
+    consecutive pieces fill consecutive key slices."""
+    tile, stride = _piece_tile(rows, cols, page_size, keys_mode)
+    if page_size >= rows:
+        return cpasync.make_tiled_tma_atom(op, mX, smem_layout, tile)
+    # The block's SMEM layout restricted to its first page_size keys, same strides.
+    piece = cute.composition(smem_layout, cute.make_layout(tile, stride=stride))
+    return cpasync.make_tiled_tma_atom(op, mX, piece, tile)
+
+
+def stage_pieces(sX: cute.Tensor, rows: int, cols: int, page_size: int,
+                 keys_mode: int = 0) -> cute.Tensor:
+    """Plain SMEM stages (keys, cols, stages) (or (cols, keys, stages)) -> ((piece), pieces,
+    stages): the key slices of each stage that the pieces of a block fill, in key order."""
+    tile, _ = _piece_tile(rows, cols, page_size, keys_mode)
+    tiles = cute.group_modes(cute.flat_divide(sX, tile), 0, 2)
+    return tiles[None, None, 0, None] if keys_mode == 0 else tiles[None, 0, None, None]
+
+
+def page_coords(mX: cute.Tensor, head_kv, rows: int, cols: int, page_size: int,
+                keys_mode: int = 0) -> cute.Tensor:
+    """The cache's TMA coordinates of KV head `head_kv` as ((piece), row block, page): row
+    block r of page p is its keys [r * piece, (r + 1) * piece)."""
+    tile, _ = _piece_tile(rows, cols, page_size, keys_mode)
+    where = (None, 0, None) if keys_mode == 0 else (0, None, None)
+    return cute.local_tile(mX[None, None, head_kv, None], tile, where)
+
+
+# ---------------------------------------------------------------- producer side
+
+
+@cute.jit
+def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.Constexpr[int],
+               n_block: cutlass.Constexpr[int]) -> Int32:
+    """This lane's page of key block n of sequence `batch` (its row of the page table), which
+    has seqlen_k keys: lane j reads the page of piece j (lanes past the block's pieces read the
+    last piece's), its slot clamped to the sequence's last page (Note [paged key blocks]). A
+    sequence with no key still loads block 0, fully masked: slot 0, read as page 0 if it holds
+    a pad (-1). Called by every lane of the load warp."""
+    per_block = pages_per_block(page_size, n_block)
+    slot, _, _ = block_reads(n, page_size, n_block)[0]
+    if const_expr(per_block > 1):
+        slot = slot + cutlass.min(cute.arch.lane_idx(), per_block - 1)
+    last = cutlass.max((seqlen_k + (page_size - 1)) // page_size - 1, 0)
+    return cutlass.max(mPageTable[batch, cutlass.min(slot, last)], 0)
+
+
+@cute.jit
+def copy_block(atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n, page: Int32,
+               stage, barrier, page_size: cutlass.Constexpr[int], n_block: cutlass.Constexpr[int]):
+    """TMA copies of key block n into SMEM stage `stage`, all on `barrier`: tXgX ((TMA),
+    row block, page) and tXsX ((TMA), piece, stage) from `page_coords` / `stage_pieces`;
+    `page` this lane's page (`read_pages`)."""
+    pieces = block_reads(n, page_size, n_block)
+    for j in cutlass.range_constexpr(len(pieces)):
+        _, row_block, _ = pieces[j]
+        page_j = page if const_expr(len(pieces) == 1) else cute.arch.shuffle_sync(page, j)
+        cute.copy(atom, tXgX[None, row_block, page_j], tXsX[None, j, stage], tma_bar_ptr=barrier)

@@ -1,0 +1,229 @@
+"""Paged K/V caches on the CPU: the kernels' block -> page mapping against
+`fa4lab.varlen.key_block_pages`, the page sizes a kernel takes, the checks and the reference
+path of `fa4lab.attention(q, k_cache, v_cache, page_table=...)`, the launch key, and the
+batch view of `fa4lab.attention_varlen`'s one paged decode launch.
+(The kernels themselves: tests/test_sm90_compile.py, tests/test_compile_sm100.py on the CPU,
+tests/test_paged_gpu.py and tests/test_paged_decode_gpu.py on an H200.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("cutlass")
+torch = pytest.importorskip("torch")
+
+from fa4lab.errors import InputError, InputTypeError, PlanError  # noqa: E402
+from fa4lab.kernels.device import paged  # noqa: E402
+from fa4lab.tiling import ceil_div  # noqa: E402
+from fa4lab.varlen import gather_paged, key_block_pages  # noqa: E402
+
+N_BLOCKS = [80, 96, 112, 128, 176]
+
+
+def _page_sizes(n_block):
+    return ([p for p in range(paged.MIN_GATHER_PAGE, n_block, paged.MIN_GATHER_PAGE)
+             if n_block % p == 0] + [n_block * m for m in (1, 2, 4)])
+
+
+@given(n_block=st.sampled_from(N_BLOCKS), data=st.data(), seqlen_k=st.integers(1, 5000))
+@settings(max_examples=300, deadline=None)
+def test_block_reads_are_key_block_pages(n_block, data, seqlen_k):
+    """Every piece the kernel copies is the piece key_block_pages names (same slot, same rows
+    of the page, in key order); a gather's pieces past the last key (the last block's slots
+    past the sequence's pages) are all keys >= seqlen_k, which the mask hides."""
+    page_size = data.draw(st.sampled_from(_page_sizes(n_block)))
+    paged.check_page_size(page_size, n_block)
+    want = key_block_pages(seqlen_k, page_size, n_block)
+    assert len(want) == ceil_div(seqlen_k, n_block)
+    for n, pieces in enumerate(want):
+        got = paged.block_reads(n, page_size, n_block)
+        assert len(got) == paged.pages_per_block(page_size, n_block)
+        assert sum(rows for _, _, rows in got) == n_block       # one whole SMEM stage
+        for i, (slot, row_block, rows) in enumerate(got):
+            first = row_block * rows
+            key = slot * page_size + first                       # the piece's first key
+            assert key == n * n_block + i * rows                 # in key order
+            if i < len(pieces):
+                p = pieces[i]
+                assert (slot, first) == (p.slot, p.first)
+                assert first + rows >= p.stop                    # covers it (tail masked)
+            else:
+                assert key >= seqlen_k
+
+
+def test_block_reads_on_dsl_style_ints():
+    """The same formulas serve the kernel's Int32 (// and % only)."""
+    assert paged.block_reads(5, 256, 128) == [(2, 1, 128)]
+    assert paged.block_reads(3, 16, 128) == [(24 + j, 0, 16) for j in range(8)]
+    assert paged.blocks_per_page(512, 128) == 4 and paged.pages_per_block(32, 128) == 4
+
+
+@pytest.mark.parametrize("page_size,n_block", [(16, 128), (64, 128), (128, 128), (256, 128),
+                                               (16, 80), (80, 80), (160, 80), (16, 112)])
+def test_page_sizes_that_fit(page_size, n_block):
+    paged.check_page_size(page_size, n_block)
+
+
+@pytest.mark.parametrize("page_size,n_block", [(8, 128), (48, 128), (100, 128), (192, 128),
+                                               (128, 80), (32, 80), (64, 112)])
+def test_page_sizes_that_do_not_fit(page_size, n_block):
+    with pytest.raises(PlanError, match=f"page_size={page_size} does not fit key blocks of "
+                                        f"{n_block} rows"):
+        paged.check_page_size(page_size, n_block)
+
+
+def _paged(batch=2, sq=5, pages=3, page_size=16, hq=4, hkv=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_pages = batch * pages + 2
+    q = torch.randn(batch, sq, hq, d, generator=g)
+    kc, vc = (torch.randn(num_pages, page_size, hkv, d, generator=g) for _ in range(2))
+    table = torch.randperm(num_pages, generator=g)[:batch * pages].view(batch, pages)
+    table[1, 0] = table[0, 2]                   # one page in two sequences
+    return q, kc, vc, table.to(torch.int32)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)),
+                                           (False, (7, 3))])
+def test_attention_on_a_paged_cache_is_the_reference_on_gathered_kv(causal, window):
+    import fa4lab
+    from fa4lab.api import SlowReferenceWarning
+    from fa4lab.reference import attention_reference
+
+    q, kc, vc, table = _paged(seed=3)
+    seqlens = [table.shape[1] * kc.shape[1]] * q.shape[0]
+    k, v = (torch.stack(gather_paged(c, table, seqlens)) for c in (kc, vc))
+    sink = torch.randn(q.shape[2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        out, lse = fa4lab.attention(q, kc, vc, page_table=table, causal=causal,
+                                    window_size=window, learnable_sink=sink, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window,
+                                       learnable_sink=sink, return_lse=True)
+    torch.testing.assert_close(out, ref.to(out.dtype))
+    torch.testing.assert_close(lse, ref_lse.float())
+
+
+def test_paged_inputs_are_checked_before_anything_runs():
+    import fa4lab
+
+    q, kc, vc, table = _paged()
+    with pytest.raises(InputTypeError, match="page_table has dtype torch.int64"):
+        fa4lab.attention(q, kc, vc, page_table=table.long())
+    bad = table.clone()
+    bad[1, 2] = kc.shape[0]
+    with pytest.raises(InputError, match=r"page_table\[1, 2\] = 8 is not a page of the cache"):
+        fa4lab.attention(q, kc, vc, page_table=bad)
+    with pytest.raises(InputError, match="page_table has 1 rows but q has 2 sequences"):
+        fa4lab.attention(q, kc, vc, page_table=table[:1])
+    with pytest.raises(InputError, match="expected .num_pages, page_size, heads_kv, head_dim."):
+        fa4lab.attention(q, kc[0], vc[0], page_table=table)
+    with pytest.raises(InputError, match="disagree on .num_pages, page_size, heads_kv."):
+        fa4lab.attention(q, kc, vc[:, :8], page_table=table)
+    with pytest.raises(InputError, match="q has shape"):
+        fa4lab.attention(q[0], kc, vc, page_table=table)
+
+
+def test_launch_key_and_kernel_name_carry_the_page_size():
+    from fa4lab.kernels import launch
+    from fa4lab.kernels.compile import config_name
+
+    q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                        for t in _paged(d=128))
+    key = launch.key_of(q, kc, vc, "sm90", True, False, None, page_table=table)
+    dense = launch.key_of(q, kc, vc, "sm90", True, False, None)
+    assert key[-1] == kc.shape[1] and dense[-1] is None and key[:-1] == dense[:-1]
+    spec = launch.spec_of_key(key)
+    assert spec.page_size == kc.shape[1]
+    assert config_name(spec, "sm90a").endswith("-page16")
+    with pytest.raises(PlanError, match="page_size=48"):
+        launch.check_paged_call(key[:-1] + (48,), None)
+
+
+@pytest.mark.parametrize("arch,page_size,fits", [("sm90", 16, True), ("sm90", 48, False),
+                                                  ("sm100", 64, True), ("sm100", 32, False),
+                                                  ("sm100", 16, False)])
+def test_kernels_refuse_page_sizes_they_do_not_build(arch, page_size, fits):
+    """Built from the plan, before any compile: a page size the kernel does not read is a
+    PlanError naming it (sm100 gathers at most two pages per key block so far)."""
+    from fa4lab.kernels.compile import kernel_class
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec
+
+    plan = plan_forward(AttentionSpec(2, 64, 1024, 8, 2, 128, page_size=page_size), arch)
+    make = kernel_class(arch + "a")
+    if fits:
+        assert make(plan).page_size == page_size
+    else:
+        with pytest.raises(PlanError, match=f"page_size={page_size}"):
+            make(plan)
+
+
+def test_the_op_takes_a_page_table():
+    """`torch.ops.fa4lab.attention_forward` (what torch.compile sees) with a page table: the
+    same answer as `fa4lab.attention`, and its fake implementation's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fa4lab
+    from fa4lab.api import SlowReferenceWarning
+
+    q, kc, vc, table = _paged(seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        out, lse = torch.ops.fa4lab.attention_forward(q, kc, vc, True, None, True, None, 0.0,
+                                                      None, None, None, None, table)
+        want, want_lse = fa4lab.attention(q, kc, vc, page_table=table, causal=True,
+                                          return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (q, kc, vc, table)]
+        out, lse = torch.ops.fa4lab.attention_forward(*fake[:3], False, None, True, None, 0.0,
+                                                      None, None, None, None, fake[3])
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
+    """attention_varlen's one paged launch for L queries per sequence (`_paged_same_length`):
+    packed q viewed as (batch, L, heads, d) and the launch's out / lse put back in varlen form
+    are the varlen reference, seqused_k reaching the launch. The launch is stood in for by the
+    float64 reference on each sequence's first seqused_k keys (the kernel's contract)."""
+    from fa4lab import api
+    from fa4lab.kernels import launch
+    from fa4lab.reference import attention_reference, attention_varlen_reference
+    from fa4lab.varlen import check_varlen
+
+    q4, kc, vc, table = _paged(batch=3, sq=L, pages=3, seed=9 + L)
+    q = q4.reshape(-1, *q4.shape[2:])
+    cu_q = (torch.arange(4) * L).to(torch.int32)
+    used = torch.tensor([40, 0, 17], dtype=torch.int32)
+
+    def forward(q_b, k_cache, v_cache, arch, causal, scale, return_lse, pack_gqa, softcap,
+                window_size, sink, page_table=None, seqused_k=None):
+        assert q_b.shape == q4.shape and page_table is table and seqused_k is used
+        outs, lses = [], []
+        for b, (k, v) in enumerate(zip(gather_paged(k_cache, page_table, used.tolist()),
+                                       gather_paged(v_cache, page_table, used.tolist()))):
+            if k.shape[0] == 0:     # no key: the kernel's 0 and -inf
+                outs.append(torch.zeros_like(q_b[b:b + 1], dtype=torch.float64))
+                lses.append(torch.full((1, q_b.shape[2], L), -float("inf"), dtype=torch.float64))
+                continue
+            o, lse = attention_reference(q_b[b:b + 1], k[None], v[None], causal=causal,
+                                         window_size=window_size, return_lse=True)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    lengths = check_varlen(q, kc, vc, cu_q, None, L, None, used, table)
+    options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
+                   learnable_sink=None)
+    out, lse = api._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
+                                                page_table=table, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
