@@ -93,7 +93,8 @@ def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | 
         from fa4lab.plan.sm90 import persistent_default
 
         persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
-                                        _seqlen_k(k, page_table))
+                                        _seqlen_k(k, page_table),
+                                        ragged=varlen or page_table is not None)
     return (arch, q.shape[-1], v.shape[-1], q.dtype, causal, g, return_lse, bool(softcap), sides,
             learnable_sink is not None, persistent, packed, bool(varlen),
             bool(split_kv), page_size)

@@ -109,21 +109,26 @@ TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 # length, and CTA c taking tiles c, c + 132, ... of the LPT order in turn balances them worse
 # than the hardware handing each next tile to the first SM that frees, which a grid of one
 # CTA per tile gets for free; a persistent causal kernel would need a dynamic scheduler (an
-# atomic tile counter), as FA3's Hopper kernel has. hd256 stages O in Q's bytes: one CTA per
-# tile (above).
+# atomic tile counter), as FA3's Hopper kernel has. A ragged batch (varlen, or a paged cache
+# whose sequences use different key counts) has unequal tiles for the same reason, so it too
+# runs one CTA per tile (`persistent_default(..., ragged=True)`). hd256 stages O in Q's bytes:
+# one CTA per tile (above).
 def persistent_able(tuning: Sm90Tuning) -> bool:
     """Whether a plan with this tuning can run persistent CTAs (Note [sm90 persistent CTAs])."""
     return not tuning.o_in_q
 
 
 def persistent_default(head_dim: int, head_dim_v: int, causal: bool, seqlen_q: int,
-                       seqlen_k: int) -> bool:
-    """Whether an sm90 plan of this shape is persistent when not told: where it can be and the
-    attention is not causal (measured: Note [sm90 persistent CTAs]); also what
-    `fa4lab.attention` compiles for a call of this shape. The sizes are not used (yet): the
-    measurement found no seqlen where the choice turns."""
+                       seqlen_k: int, ragged: bool = False) -> bool:
+    """Whether an sm90 plan of this shape is persistent when not told: where it can be and
+    every tile costs the same, that is the attention is not causal and the batch's sequences
+    are not ragged (varlen, or a paged cache with per-sequence key counts) (measured: Note
+    [sm90 persistent CTAs]: a static tile order balances unequal tiles worse than the hardware
+    handing each next CTA to the first free SM); also what `fa4lab.attention` compiles for a
+    call of this shape. The sizes are not used (yet): the measurement found no seqlen where the
+    choice turns."""
     tuning = SM90_TUNING.get((head_dim, head_dim_v))
-    return tuning is not None and persistent_able(tuning) and not causal
+    return tuning is not None and persistent_able(tuning) and not causal and not ragged
 
 
 def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
