@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fa4lab.errors import InputError, InputTypeError, check_same_device
-from fa4lab.tiling import CostModel, Workload, block_counts, ceil_div, num_m_blocks
+from fa4lab.tiling import CostModel, block_counts, ceil_div, num_m_blocks
 
 __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_varlen",
            "gather_paged", "key_block_pages", "pack", "pad", "paged_seqlen_k", "sequence_kv",

@@ -12,6 +12,7 @@ import pytest
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, DecodeResult, GqaShape, Provider
 from fa4lab.bench import cli as bench_cli
+from fa4lab.bench import decode as bench_decode
 from fa4lab.bench import providers as bench_providers
 from fa4lab.cli import main as fa4lab_main
 from fa4lab.environment import gpu
@@ -355,7 +356,7 @@ def test_decode_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
 
     _no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
-    monkeypatch.setattr(bench_cli, "copy_bandwidth",
+    monkeypatch.setattr(bench_decode, "copy_bandwidth",
                         lambda **kw: bench.CopyBandwidth(1 << 30, 0.5, 4294.967296))
     real_run = bench.run_decode
     monkeypatch.setattr(bench_cli, "run_decode",

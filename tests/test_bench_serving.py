@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, Provider, serving_cli
+from fa4lab.bench import decode as bench_decode
 from fa4lab.bench import providers as bench_providers
 from fa4lab.bench import serving as sv
 from fa4lab.bench.records import (
@@ -341,7 +342,7 @@ def test_serving_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
 
     _no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
-    monkeypatch.setattr(serving_cli, "copy_bandwidth",
+    monkeypatch.setattr(bench_decode, "copy_bandwidth",
                         lambda **kw: sv.CopyBandwidth(1 << 30, 0.5, 4294.967296))
     monkeypatch.setattr(serving_cli, "serving_cases", lambda **kw: SMALL)
     real_run = sv.run_serving

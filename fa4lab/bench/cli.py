@@ -27,7 +27,7 @@ from fa4lab.bench.decode import (
     HEADS_KV,
     HEADS_Q,
     PREFILL_SEQLEN,
-    copy_bandwidth,
+    announce_copy_bandwidth,
     decode_config,
     describe_decode_run,
     format_decode_table,
@@ -541,14 +541,7 @@ def decode_args(args) -> int:
     print(f"fa4lab bench --decode on {g.name}")
     print(describe_decode_run(shapes, providers))
     started = time.perf_counter()
-    copy = None
-    try:
-        copy = copy_bandwidth(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-        print(f"memory bandwidth (device-to-device copy_ of {copy.nbytes / 2**30:g} GiB, read + "
-              f"write): {copy.gbps:.0f} GB/s")
-    except Exception as err:
-        print(f"memory bandwidth not measured, no HBM floor: {type(err).__name__}: "
-              f"{short_error(err)}", file=sys.stderr)
+    copy = announce_copy_bandwidth(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     hbm_gbps = copy.gbps if copy else None
     results = run_decode(shapes, providers, hbm_gbps=hbm_gbps, warmup_ms=args.warmup_ms,
                          rep_ms=args.rep_ms)

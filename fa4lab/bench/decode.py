@@ -26,18 +26,18 @@ CPU; the command itself needs a CUDA GPU.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS, reference_slice
 from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs, run_with_progress
-from fa4lab.bench.providers import Provider
+from fa4lab.bench.providers import Provider, short_error
 from fa4lab.bench.records import (
     DECODE,
     OK,
     DecodeResult,
-    record_header,
-    validate_record,
+    make_floor_record,
 )
 from fa4lab.bench.sweep import (
     ONE_TILE,
@@ -233,6 +233,20 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, *, device: str = "cuda",
     return CopyBandwidth(nbytes, ms, 2 * nbytes / (ms * 1e-3) / 1e9)
 
 
+def announce_copy_bandwidth(*, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS):
+    """`copy_bandwidth` for a command line: prints it, or (on any failure) why there is no HBM
+    floor, and returns the CopyBandwidth or None."""
+    try:
+        copy = copy_bandwidth(warmup_ms=warmup_ms, rep_ms=rep_ms)
+    except Exception as err:
+        print(f"memory bandwidth not measured, no HBM floor: {type(err).__name__}: "
+              f"{short_error(err)}", file=sys.stderr)
+        return None
+    print(f"memory bandwidth (device-to-device copy_ of {copy.nbytes / 2**30:g} GiB, read + "
+          f"write): {copy.gbps:.0f} GB/s")
+    return copy
+
+
 # ---- measuring ---------------------------------------------------------------------------------
 def _result(provider: str, shape: GqaShape, hbm_gbps: float | None, **kw) -> DecodeResult:
     return DecodeResult(provider, shape.name, shape.batch, shape.seqlen_q, shape.seqlen_k,
@@ -317,13 +331,10 @@ def decode_config(shapes: Sequence[GqaShape], providers: Sequence[str], *,
 def make_decode_record(results: Sequence[DecodeResult], *, hbm_gbps: float | None,
                        gpu_name: str, arch: str | None, command: str, config: dict,
                        label: str | None = None, notes: str = "") -> dict:
-    """A validated "decode" record of `results`."""
-    record = record_header(DECODE, gpu_name=gpu_name, arch=arch, command=command,
-                           config=config, label=label or f"fa4lab GQA decode on {gpu_name}",
-                           notes=notes)
-    record["hbm_gbps"] = hbm_gbps
-    record["results"] = [asdict(r) for r in results]
-    return validate_record(record)
+    """A validated "decode" record of `results` (`records.make_floor_record`)."""
+    return make_floor_record(DECODE, results, hbm_gbps=hbm_gbps, gpu_name=gpu_name, arch=arch,
+                             command=command, config=config,
+                             label=label or f"fa4lab GQA decode on {gpu_name}", notes=notes)
 
 
 def _shape_label(r: DecodeResult) -> str:

@@ -285,6 +285,18 @@ _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
             SERVING: "serving_results_of"}
 
 
+def make_floor_record(kind: str, results, *, hbm_gbps: float | None, gpu_name: str,
+                      arch: str | None, command: str, config: dict, label: str,
+                      notes: str = "") -> dict:
+    """A validated record of `kind` ("decode", "serving": rows measured against an HBM floor)
+    holding `results` (dataclass rows) and the run's copy bandwidth `hbm_gbps`."""
+    record = record_header(kind, gpu_name=gpu_name, arch=arch, command=command, config=config,
+                           label=label, notes=notes)
+    record["hbm_gbps"] = hbm_gbps
+    record["results"] = [asdict(r) for r in results]
+    return validate_record(record)
+
+
 def validate_record(record: dict) -> dict:
     """Check a record's keys and values; return it. A bad record is a ValueError naming why."""
     if not isinstance(record, dict):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS, CheckSlice, reference_slice
 from fa4lab.bench.decode import (
@@ -56,7 +56,7 @@ from fa4lab.bench.providers import (
     resolve_providers,
     short_error,
 )
-from fa4lab.bench.records import OK, SERVING, ServingResult, record_header, validate_record
+from fa4lab.bench.records import OK, SERVING, ServingResult, make_floor_record
 from fa4lab.bench.sweep import OURS
 from fa4lab.bench.timing import REP_MS, SPIN_UP_S, WARMUP_MS, hbm_bytes, timer_name
 from fa4lab.spec import AttentionSpec, normalize_dtype
@@ -577,10 +577,7 @@ def serving_config(cases: Sequence[ServingCase], *, copy: CopyBandwidth | None,
 def make_serving_record(results: Sequence[ServingResult], *, hbm_gbps: float | None,
                         gpu_name: str, arch: str | None, command: str, config: dict,
                         label: str | None = None, notes: str = "") -> dict:
-    """A validated "serving" record of `results`."""
-    record = record_header(SERVING, gpu_name=gpu_name, arch=arch, command=command,
-                           config=config, label=label or f"fa4lab serving calls on {gpu_name}",
-                           notes=notes)
-    record["hbm_gbps"] = hbm_gbps
-    record["results"] = [asdict(r) for r in results]
-    return validate_record(record)
+    """A validated "serving" record of `results` (`records.make_floor_record`)."""
+    return make_floor_record(SERVING, results, hbm_gbps=hbm_gbps, gpu_name=gpu_name,
+                             arch=arch, command=command, config=config,
+                             label=label or f"fa4lab serving calls on {gpu_name}", notes=notes)

@@ -13,8 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from fa4lab.bench.decode import COPY_BYTES, _num, copy_bandwidth, floor_us
-from fa4lab.bench.providers import short_error
+from fa4lab.bench.decode import COPY_BYTES, _num, announce_copy_bandwidth, floor_us
 from fa4lab.bench.records import (
     ERROR,
     FAILED,
@@ -209,14 +208,7 @@ def serving_args(args) -> int:
     print(f"fa4lab bench --serving on {g.name}")
     print(describe_serving_run(cases, _missing(cases)))
     started = time.perf_counter()
-    copy = None
-    try:
-        copy = copy_bandwidth(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-        print(f"memory bandwidth (device-to-device copy_ of {copy.nbytes / 2**30:g} GiB, read + "
-              f"write): {copy.gbps:.0f} GB/s")
-    except Exception as err:
-        print(f"memory bandwidth not measured, no HBM floor: {type(err).__name__}: "
-              f"{short_error(err)}", file=sys.stderr)
+    copy = announce_copy_bandwidth(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     hbm_gbps = copy.gbps if copy else None
     results: list[ServingResult] = []
     # No budget unless asked for (a full run compiles many kernels); the step watchdog always.
