@@ -263,7 +263,8 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, page_table=None, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(None, None),
-                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False):
+                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False,
+                     check_indices: bool = True):
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
@@ -275,7 +276,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
     `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
-    grad mode is on, as in `attention`. On CPU tensors: the float64 reference
+    grad mode is on, as in `attention`. The check of the index tensors' values (cu_seqlens,
+    seqused_k, page_table) costs one device-to-host copy, a synchronisation; `check_indices=
+    False` skips it where the caller vouches for them (a serving loop), and a CUDA graph
+    capture skips it (Note [reading the lengths] in fa4lab.varlen). Nothing else of the kernel
+    path reads them: without the check the call never waits for the GPU and can be captured.
+    On CPU tensors: the float64 reference
     (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
     On a Hopper or B200 GPU without a page_table: the varlen kernel, one launch over the
     batch's real tiles (`fa4lab.kernels.launch.forward_varlen`; one compile per configuration,
@@ -293,7 +299,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
     lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           seqused_k, page_table)
+                           seqused_k, page_table, check_indices=check_indices)
     causal, window_size = normalize_mask(causal, window_size)
     arch = launch.device_arch(q.device.index) if q.is_cuda else None
     # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
@@ -310,11 +316,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out, lse = out.to(q.dtype), lse.to(torch.float32)
         return (out, lse) if return_lse else out
     if arch is not None and page_table is None:     # one launch over the batch's real tiles
-        out, lse = launch.forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k,
-                                         seqused_k, arch, causal, softmax_scale, return_lse,
-                                         float(softcap), window_size, learnable_sink)
+        out, lse = launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale,
+                                         return_lse, float(softcap), window_size,
+                                         learnable_sink)
         return (out, lse) if return_lse else out
-    if arch is not None and len(set(lengths.seqlens_q)) == 1 and lengths.seqlens_q[0] > 0:
+    if arch is not None and lengths.same_query_count(q.shape[0]):
         out, lse = _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch,
                                       return_lse, options)
         return (out, lse) if return_lse else out
@@ -342,8 +348,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,
                        return_lse: bool, options: dict):
     """(out, lse or None) in varlen form of a paged batch whose sequences all have L queries
-    (checked by `check_varlen`): q (batch * L, heads_q, d) is a (batch, L, heads_q, d) batch,
-    so ONE launch of the padded paged kernel serves it, each sequence's key count its
+    (`VarlenLengths.same_query_count`): q (batch * L, heads_q, d) is a (batch, L, heads_q,
+    d) batch, so ONE launch of the padded paged kernel serves it, each sequence's key count its
     seqused_k (all pages' keys without one: Note [paged key blocks] in
     fa4lab.kernels.device.paged)."""
     batch, heads_q = lengths.batch, q.shape[1]

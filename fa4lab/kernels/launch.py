@@ -307,39 +307,39 @@ def paged_launch_args(page_table, seqused_k, seqlen_k: int, q) -> tuple:
     return None, None, seqused_k, None, page_table, 1, None, None
 
 
-def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch: str,
-                   causal: bool, softmax_scale, return_lse: bool, softcap: float = 0.0,
-                   window_size=(None, None), learnable_sink=None):
+def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
+                   softcap: float = 0.0, window_size=(None, None), learnable_sink=None):
     """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
-    fa4lab.kernels.device.scheduler). The key counts always go to the kernel as seqused_k
-    (cu_seqlens_k's differences when the caller gives none)."""
+    fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
+    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.tile_rows`), sized
+    by `max_tile_rows`, and the key counts go to the kernel as seqused_k."""
     import torch
 
-    from fa4lab.varlen import varlen_tile_table
+    from fa4lab.varlen import launch_lengths, max_tile_rows, tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
                  None, varlen=True)
     fn = kernel_for(key)
     cta_m, n_block, _ = cta_tiles(key)
-    max_q, max_k = max(lengths.seqlens_q, default=0), max(lengths.seqlens_k, default=0)
-    rows = varlen_tile_table(lengths.seqlens_q, lengths.seqlens_k, m_block_size=cta_m,
-                             n_block_size=n_block, causal=causal, window_size=window_size)
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
            else None)
-    if len(rows.table) == 0:      # every sequence is empty: nothing to launch
+    if total_q == 0:      # every sequence is empty: nothing to launch
         return out, lse
-    if seqused_k is None:
-        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    cu_q, cu_k, keys = launch_lengths(lengths)
+    lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
+    table, _, _ = tile_rows(lens_q, lengths.keys.long(),
+                            max_tile_rows(total_q, lengths.batch, cta_m),
+                            m_block_size=cta_m, n_block_size=n_block, causal=causal,
+                            window_size=window_size)
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
-    table = torch.from_numpy(rows.table).to(q.device, non_blocking=True)
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
-       *window_args(window_size, max_q, max_k), None, None, cu_seqlens_q, cu_seqlens_k,
-       seqused_k, table, None, 1, None, None)
+       *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k), None, None,
+       cu_q, cu_k, keys, table, None, 1, None, None)
     return out, lse
 
 
