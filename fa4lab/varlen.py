@@ -26,8 +26,8 @@ What is here, in plain Python and torch (CPU or GPU tensors):
   k_cache, v_cache, page_table=...)`);
 - `unpack` / `pack` (packed <-> per sequence), `pad` (packed -> (batch, max_seqlen, ...)),
   `gather_paged` and `sequence_kv` (each sequence's contiguous K and V, by torch indexing);
-- `varlen_tiles`: the work tiles of a varlen launch (real tiles only, longest first) beside
-  what a padded (batch, max_seqlen_q) grid would launch;
+- `varlen_tiles`: the work tiles of a varlen launch (real tiles only, in LPT order by
+  sequence) beside what a padded (batch, max_seqlen_q) grid would launch;
 - `key_block_pages`: which pages each key block of a sequence reads.
 
     from fa4lab.varlen import check_varlen, varlen_tiles
@@ -447,22 +447,36 @@ def sequence_kv(lengths: VarlenLengths, k, v, page_table=None) -> list[tuple]:
 # A padded launch of a varlen batch runs a (batch, heads, ceil(max_seqlen_q / m_block)) grid:
 # short sequences leave tiles with no query row at all, which still start, find nothing to do
 # and exit. A varlen launch enumerates only real tiles, ceil(len_q[b] / m_block) per sequence
-# and head (with pack-GQA the M extent is len_q[b] * qhead_per_kvhead, `tiling.num_m_blocks`),
-# and orders them longest first (LPT) over the whole batch, not per sequence: the cost of a
-# tile is `tiling.CostModel`'s, from the key blocks `tiling`'s block-range functions give it
-# on its own sequence's (len_q, len_k) (Note [tile cost model]), so a long prefill's tiles
-# start before a batch of decodes' one-block tiles fill the gaps. A tile's cost does not depend
-# on its head, so the order is one of (batch, m_block) rows (`varlen_tile_table`, ties in
-# (batch, m_block) order) with the heads expanded innermost: the heads of one row run side by
-# side (they read the same sequence's K/V). The kernels launch from that table (Note [varlen
-# tile table] in fa4lab.kernels.device.scheduler); `varlen_tiles` lists the same tiles.
+# and head (with pack-GQA the M extent is len_q[b] * qhead_per_kvhead, `tiling.num_m_blocks`).
+# The cost of a tile is `tiling.CostModel`'s, from the key blocks `tiling`'s block-range
+# functions give it on its own sequence's (len_q, len_k) (Note [tile cost model]). A tile's
+# cost does not depend on its head, so the order is one of (batch, m_block) rows
+# (`varlen_tile_table`) with the heads expanded innermost: the heads of one row run side by
+# side (they read the same sequence's K/V). The rows are in LPT order by sequence: sequences
+# by their longest tile, longest first, and each sequence's tiles longest first (ties in
+# m_block order). A sequence is the varlen L2 section (Note [L2 swizzle]): the CTAs running
+# at once share its K/V in L2. One LPT order over the whole batch (every sequence's last tile,
+# then every sequence's next-to-last, ...) ran tiles of four or five sequences at once on the
+# H200, whose K/V did not fit in L2 together: on the serving bench's varlen prefill (32
+# sequences of 128..8192 tokens, hd128, GQA 4, causal) the sm90 kernel read 14.4 GB from DRAM
+# against 2.1 GB for FA4's (ncu), and end to end ran at 0.93x FA4. By sequence it reads
+# 2.14 GB and runs at 0.99x FA4 end to end, its kernel 1.04x (H200, one run beside FA4's:
+# triton do_bench medians 11.20 / 11.12 ms, kernel medians 10.87 / 11.33 ms). A long prefill's
+# tiles still start before a batch of decodes' one-block tiles, and the last tiles to start
+# are the shortest sequence's. In `tiling`'s model the order loses nothing with one CTA per
+# tile (list scheduling: 1.0002x the average load at 132 SMs on that batch, as one LPT order)
+# and little with static persistent CTAs (1.012x against 1.006x at 148). A sequence whose
+# K/V alone overflow the L2 budget is still one section (heads are innermost in a row, so the
+# table cannot cut a sequence by heads). The kernels launch from that table (Note [varlen tile
+# table] in fa4lab.kernels.device.scheduler); `varlen_tiles` lists the same tiles.
 
 
 @dataclass(frozen=True)
 class VarlenTileTable:
-    """The real tiles of a varlen launch as (batch, m_block) rows, LPT order (Note [varlen
-    tiles]): table (rows, 2) int32, the kernels' mTileTable; costs (rows,) each row's tile
-    cost (one head's), non-increasing; key_blocks (rows,) the key blocks each tile visits."""
+    """The real tiles of a varlen launch as (batch, m_block) rows, LPT order by sequence (Note
+    [varlen tiles]): table (rows, 2) int32, the kernels' mTileTable; costs (rows,) each row's
+    tile cost (one head's), non-increasing within a sequence; key_blocks (rows,) the key
+    blocks each tile visits."""
 
     table: np.ndarray
     costs: np.ndarray
@@ -472,9 +486,10 @@ class VarlenTileTable:
 def varlen_tile_table(seqlens_q, seqlens_k, *, m_block_size: int, n_block_size: int,
                       causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
                       cost: CostModel | None = None) -> VarlenTileTable:
-    """The (batch, m_block) rows of a varlen launch's real tiles, longest first (Note [varlen
-    tiles]); `m_block_size` is the rows of one work tile (a CTA's). On the host: the lengths
-    are ints (`tile_rows` is the same rule on tensors, as a launch builds it on the GPU)."""
+    """The (batch, m_block) rows of a varlen launch's real tiles in LPT order by sequence
+    (Note [varlen tiles]); `m_block_size` is the rows of one work tile (a CTA's). On the
+    host: the lengths are ints (`tile_rows` is the same rule on tensors, as a launch builds it
+    on the GPU)."""
     import torch
 
     if len(seqlens_q) != len(seqlens_k):
@@ -498,25 +513,26 @@ def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead:
 
 
 # Note [tile rows on the device]
-# A launch cannot count its real tiles without reading the lengths (Note [reading the
-# lengths]), so `tile_rows` fills a table of `max_tile_rows` rows on the lengths' device: row
-# r belongs to the sequence whose cumulative tile count first exceeds r (a searchsorted), and
-# rows past the real ones are PADDING rows (batch, 0): tile 0 of a phantom sequence `batch`,
-# one past the last, which the launch gives no query and no key (`launch_lengths` appends a
-# zero-length entry to cu_seqlens and seqused_k). The padding rows cost -1, so the stable
-# longest-first sort (ties in (batch, m_block) order, the rows' own order) puts them last; a
-# padding tile finds no row to store and no key block to visit, and ends. At most `batch` rows
-# are padding: fewer than one tile per sequence.
+# Note [tile rows on the device] A launch cannot count its real tiles without reading the lengths
+# (Note [reading the lengths]), so `tile_rows` fills a table of `max_tile_rows` rows on the
+# lengths' device: row r belongs to the sequence whose cumulative tile count first exceeds r (a
+# searchsorted), and rows past the real ones are PADDING rows (batch, 0): tile 0 of a phantom
+# sequence `batch`, one past the last, which the launch gives no query and no key
+# (`launch_lengths` appends a zero-length entry to cu_seqlens and seqused_k). The padding rows
+# cost -1, so the phantom sequence's longest tile is the shortest of all and the sort puts them
+# last; a padding tile finds no row to store and no key block to visit, and ends. At most `batch`
+# rows are padding: fewer than one tile per sequence.
 
 
 def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,
               causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
               cost: CostModel | None = None) -> tuple:
     """(table (rows, 2) int32 (batch, m_block), costs (rows,) float64, key_blocks (rows,)
-    int64) of a varlen launch in LPT order, from int64 tensors of each sequence's query and key
-    lengths on any device, without a device-to-host copy when `rows` is given (Note [tile rows
-    on the device]: rows past the real tiles are padding (batch, 0), cost -1, last); `rows`
-    None counts the real rows (one read) and returns exactly those."""
+    int64) of a varlen launch in LPT order by sequence (Note [varlen tiles]), from int64
+    tensors of each sequence's query and key lengths on any device, without a device-to-host
+    copy when `rows` is given (Note [tile rows on the device]: rows past the real tiles are
+    padding (batch, 0), cost -1, last); `rows` None counts the real rows (one read) and
+    returns exactly those."""
     import torch
 
     cost = cost or CostModel()
@@ -538,7 +554,12 @@ def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_si
     seen = real & (sk > 0)
     unmasked, masked = torch.where(seen, unmasked, 0), torch.where(seen, masked, 0)
     costs = torch.where(real, cost.tile_cost(unmasked.double(), masked.double()), -1.0)
-    order = torch.argsort(-costs, stable=True)
+    # Sequences by their longest tile, then each sequence's tiles longest first (Note [varlen
+    # tiles]): one sort on rank(sequence) * span - cost, span above every cost.
+    top = costs.new_full((batch + 1,), -1.0).scatter_reduce_(0, b, costs, "amax")
+    rank = torch.empty_like(top, dtype=torch.int64).scatter_(
+        0, torch.argsort(-top, stable=True), torch.arange(batch + 1, device=b.device))
+    order = torch.argsort(rank[b] * (costs.abs().sum() + 2.0) - costs, stable=True)
     table = torch.stack([b, m], dim=1)[order].to(torch.int32)
     return table, costs[order], (unmasked + masked)[order]
 
@@ -560,11 +581,12 @@ def launch_lengths(lengths: VarlenLengths) -> tuple:
 
 @dataclass(frozen=True)
 class VarlenTiles:
-    """The work tiles of a varlen launch, in LPT order (Note [varlen tiles]).
+    """The work tiles of a varlen launch, in LPT order by sequence (Note [varlen tiles]).
 
     tiles (num_tiles, 3) int64 rows (batch, head, m_block); costs (num_tiles,) their
-    `CostModel` cost, non-increasing; key_blocks (num_tiles,) the key blocks each visits;
-    padded_tiles the tiles a padded (batch, heads, max_seqlen_q) grid would launch."""
+    `CostModel` cost, non-increasing within a sequence; key_blocks (num_tiles,) the key
+    blocks each visits; padded_tiles the tiles a padded (batch, heads, max_seqlen_q) grid
+    would launch."""
 
     tiles: np.ndarray
     costs: np.ndarray
@@ -584,9 +606,9 @@ class VarlenTiles:
 def varlen_tiles(seqlens_q, seqlens_k, *, heads: int, m_block_size: int, n_block_size: int,
                  causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
                  max_seqlen_q: int | None = None, cost: CostModel | None = None) -> VarlenTiles:
-    """The real tiles of a varlen launch, longest first (Note [varlen tiles]): the rows of
-    `varlen_tile_table` with each row's `heads` tiles next to each other, as a kernel runs
-    them (linear tile t is row t // heads, head t % heads).
+    """The real tiles of a varlen launch, in LPT order by sequence (Note [varlen tiles]): the
+    rows of `varlen_tile_table` with each row's `heads` tiles next to each other, as a kernel
+    runs them (linear tile t is row t // heads, head t % heads).
 
     `heads` is the grid's head axis (heads_q, or heads_kv with pack-GQA and
     `qhead_per_kvhead` > 1 query heads folded into M). `max_seqlen_q` sizes the padded grid

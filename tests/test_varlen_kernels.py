@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_varlen import assert_lpt_by_sequence
 
 from fa4lab import tiling
 from fa4lab.errors import PlanError
@@ -31,7 +32,7 @@ def test_tile_table_is_every_real_tile_longest_first(lengths, cta_m, n_block, ca
     want = {(b, m) for b, lq in enumerate(lens_q) for m in range(tiling.ceil_div(lq, cta_m))}
     got = [tuple(r) for r in rows.table.tolist()]
     assert len(got) == len(set(got)) and set(got) == want, "a padding tile or a missing tile"
-    assert np.all(np.diff(rows.costs) <= 0), "not longest first"
+    assert_lpt_by_sequence(rows.table[:, 0], rows.costs)
     # Each row's key blocks: the brute-force count of blocks with a visible key.
     for (b, m), blocks in zip(got, rows.key_blocks.tolist()):
         lq, lk = lens_q[b], lens_k[b]
