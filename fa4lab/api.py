@@ -56,12 +56,14 @@ page_size, heads_kv, d), `fa4lab.varlen`'s layout: sequence b's keys are its pag
 page_table[b, 0], page_table[b, 1], ..., pages_per_seq * page_size of them; q stays dense. The
 kernels read the pages in place (Note [paged key blocks] in `fa4lab.kernels.device.paged`: the
 page size must be a multiple of the kernel's key block or divide it); a new page table costs no
-compile, a new page size does. The reference gathers the sequences' K/V first.
+compile, a new page size does. num_splits splits a paged cache's keys as it does contiguous
+ones (None chooses from the table's capacity). The reference gathers the sequences' K/V first.
 
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
 caches (`fa4lab.varlen`): one varlen kernel launch per batch; a paged cache whose sequences
-all have the same query count (decode) is one paged launch, other paged batches run `attention`
-once per sequence, for now.
+all have the same query count (decode) is one paged launch (split-KV and the combine when the
+shape asks, as `attention` chooses), other paged batches run `attention` once per sequence, for
+now.
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]).
@@ -213,7 +215,8 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     pages_per_seq)) makes k and v a paged cache (num_pages, page_size, heads_kv, d) whose
     sequence b is its pages page_table[b, 0], page_table[b, 1], ... (every sequence
     pages_per_seq * page_size keys; `fa4lab.varlen`'s layout, Note [paged key blocks] in
-    fa4lab.kernels.device.paged for the kernels' page sizes; one launch, no split-KV)."""
+    fa4lab.kernels.device.paged for the kernels' page sizes; num_splits as with contiguous K/V,
+    None choosing from the table's capacity)."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
@@ -263,7 +266,8 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, page_table=None, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(None, None),
-                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False):
+                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False,
+                     check_indices: bool = True):
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
@@ -275,15 +279,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
     `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
-    grad mode is on, as in `attention`. On CPU tensors: the float64 reference
+    grad mode is on, as in `attention`. The check of the index tensors' values (cu_seqlens,
+    seqused_k, page_table) costs one device-to-host copy, a synchronisation; `check_indices=
+    False` skips it where the caller vouches for them (a serving loop), and a CUDA graph
+    capture skips it (Note [reading the lengths] in fa4lab.varlen). Nothing else of the kernel
+    path reads them: without the check the call never waits for the GPU and can be captured.
+    On CPU tensors: the float64 reference
     (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
     On a Hopper or B200 GPU without a page_table: the varlen kernel, one launch over the
     batch's real tiles (`fa4lab.kernels.launch.forward_varlen`; one compile per configuration,
     whatever the lengths). With a page_table there, when every sequence has the same query
     count L (decode: L = 1): one paged launch over q viewed as (batch, L, heads_q, d), each
-    sequence's keys its seqused_k (`_paged_same_length`); a page_table with ragged query counts,
-    or another GPU: one `fa4lab.attention` call per sequence (a paged sequence's K/V gathered
-    into contiguous tensors first).
+    sequence's keys its seqused_k, split across CTAs when the shape asks (`_paged_same_length`);
+    a page_table with ragged query counts, or another GPU: one `fa4lab.attention` call per
+    sequence (a paged sequence's K/V gathered into contiguous tensors first).
     Not yet a torch custom op (torch.compile graph-breaks here).
     """
     from fa4lab.reference import attention_varlen_reference
@@ -293,7 +302,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
     lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           seqused_k, page_table)
+                           seqused_k, page_table, check_indices=check_indices)
     causal, window_size = normalize_mask(causal, window_size)
     arch = launch.device_arch(q.device.index) if q.is_cuda else None
     # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
@@ -310,11 +319,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out, lse = out.to(q.dtype), lse.to(torch.float32)
         return (out, lse) if return_lse else out
     if arch is not None and page_table is None:     # one launch over the batch's real tiles
-        out, lse = launch.forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k,
-                                         seqused_k, arch, causal, softmax_scale, return_lse,
-                                         float(softcap), window_size, learnable_sink)
+        out, lse = launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale,
+                                         return_lse, float(softcap), window_size,
+                                         learnable_sink)
         return (out, lse) if return_lse else out
-    if arch is not None and len(set(lengths.seqlens_q)) == 1 and lengths.seqlens_q[0] > 0:
+    if arch is not None and lengths.same_query_count(q.shape[0]):
         out, lse = _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch,
                                       return_lse, options)
         return (out, lse) if return_lse else out
@@ -342,10 +351,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,
                        return_lse: bool, options: dict):
     """(out, lse or None) in varlen form of a paged batch whose sequences all have L queries
-    (checked by `check_varlen`): q (batch * L, heads_q, d) is a (batch, L, heads_q, d) batch,
-    so ONE launch of the padded paged kernel serves it, each sequence's key count its
+    (`VarlenLengths.same_query_count`): q (batch * L, heads_q, d) is a (batch, L, heads_q,
+    d) batch, so ONE launch of the padded paged kernel serves it, each sequence's key count its
     seqused_k (all pages' keys without one: Note [paged key blocks] in
-    fa4lab.kernels.device.paged)."""
+    fa4lab.kernels.device.paged); a decode shape too small for the GPU runs the split-KV
+    kernel over the pages and the combine instead (`launch.forward`'s num_splits None: Note
+    [choosing num_splits] in fa4lab.splitkv)."""
     batch, heads_q = lengths.batch, q.shape[1]
     q4 = q.reshape(batch, q.shape[0] // batch, heads_q, q.shape[2])
     out, lse = launch.forward(q4, k_cache, v_cache, arch, options["causal"],

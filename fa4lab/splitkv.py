@@ -229,6 +229,11 @@ def _combine_kernel_takes(out_partial, lse_partial, out_dtype) -> bool:
 # n_blocks // MIN_BLOCKS_PER_SPLIT, so every split walks at least that many key blocks and its
 # fixed cost (Q load, partial store: a tile's overhead in Note [tile cost model]) stays small
 # beside its work. A short K (fewer than 2 * MIN_BLOCKS_PER_SPLIT blocks) is never split.
+# With a paged K/V cache seqlen_k is the page table's capacity, pages_per_seq * page_size: each
+# sequence's own count (seqused_k) is on the GPU, and reading it would stall the host on every
+# call. The kernel cuts each sequence's own key blocks into the splits, so a sequence shorter
+# than the capacity leaves its last splits empty (Note [empty splits] in
+# fa4lab.kernels.device.split): a CTA each that stores 0 and -inf, which the combine weighs 0.
 
 
 def wave_efficiency(ctas: int, num_splits: int, num_sms: int) -> float:

@@ -414,20 +414,66 @@ def block_counts(m_blocks, seqlen_q, seqlen_k, *, m_block_size: int, n_block_siz
     """(unmasked, masked) key-block counts of tiles `m_blocks` (an int64 array) on sequences of
     `seqlen_q` / `seqlen_k` query / key positions (ints, or int64 arrays one per tile: a varlen
     batch's tiles at once), as int64 arrays: the three runs of `n_block_left_masked_range` and
-    `n_block_masked_range` (`block_range` and `mask_split` on numpy arrays), the masked count
-    holding both edges of a window. A tile whose rows see no key counts 0 and 0."""
-    m = np.asarray(m_blocks, dtype=np.int64)
-    sq = np.broadcast_to(np.asarray(seqlen_q, dtype=np.int64), m.shape)
-    sk = np.broadcast_to(np.asarray(seqlen_k, dtype=np.int64), m.shape)
+    `n_block_masked_range` (`block_range` and `mask_split` on whole arrays), the masked count
+    holding both edges of a window. A tile whose rows see no key counts 0 and 0. numpy arrays,
+    or torch tensors (on any device, the lengths then tensors too: `fa4lab.varlen.tile_rows`
+    builds a launch's tile table on the GPU with it)."""
+    if _is_torch(m_blocks):
+        m, sq, sk = (x.to(m_blocks.device, _torch_int64()) for x in _torch_broadcast(
+            m_blocks, seqlen_q, seqlen_k))
+        imin, imax = _torch_min, _torch_max
+    else:
+        m = np.asarray(m_blocks, dtype=np.int64)
+        sq = np.broadcast_to(np.asarray(seqlen_q, dtype=np.int64), m.shape)
+        sk = np.broadcast_to(np.asarray(seqlen_k, dtype=np.int64), m.shape)
+        imin, imax = np.minimum, np.maximum
     left, right = effective_window(causal, window_size)
     pos_lo, pos_hi = tile_positions(m, m_block_size, qhead_per_kvhead)
     n_min, n_max = block_range(pos_lo, pos_hi, sq, sk, n_block_size, left, right,
-                               imin=np.minimum, imax=np.maximum)
+                               imin=imin, imax=imax)
     left_end, mask_min = mask_split(pos_lo, pos_hi, n_min, n_max, sq, sk, n_block_size, left,
-                                    right, imin=np.minimum, imax=np.maximum)
-    unmasked = (mask_min - left_end).astype(np.int64)
-    masked = ((n_max - mask_min) + (left_end - n_min)).astype(np.int64)
+                                    right, imin=imin, imax=imax)
+    unmasked = mask_min - left_end
+    masked = (n_max - mask_min) + (left_end - n_min)
     return unmasked, masked
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _torch_int64():
+    import torch
+
+    return torch.int64
+
+
+def _torch_broadcast(*xs):
+    import torch
+
+    device = xs[0].device
+    return torch.broadcast_tensors(*(torch.as_tensor(x, device=device) for x in xs))
+
+
+def _torch_min(a, b):
+    """min of torch tensors and Python ints, elementwise (`block_range`'s imin)."""
+    import torch
+
+    if not isinstance(a, torch.Tensor):
+        a, b = b, a
+    if not isinstance(a, torch.Tensor):
+        return min(a, b)
+    return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
+
+
+def _torch_max(a, b):
+    import torch
+
+    if not isinstance(a, torch.Tensor):
+        a, b = b, a
+    if not isinstance(a, torch.Tensor):
+        return max(a, b)
+    return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)
 
 
 # --------------------------------------------------------------------------- tile kinds

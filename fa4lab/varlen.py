@@ -38,7 +38,9 @@ What is here, in plain Python and torch (CPU or GPU tensors):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -47,37 +49,78 @@ from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import CostModel, block_counts, ceil_div, num_m_blocks
 
 __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_varlen",
-           "gather_paged", "key_block_pages", "pack", "pad", "paged_seqlen_k", "sequence_kv",
-           "unpack", "varlen_tiles"]
+           "gather_paged", "key_block_pages", "launch_lengths", "max_tile_rows", "pack", "pad",
+           "paged_seqlen_k", "reads_values", "sequence_kv", "tile_rows", "unpack",
+           "varlen_tile_table", "varlen_tiles"]
+
+
+# Note [reading the lengths]
+# The lengths of a varlen call live in the index tensors, on the GPU in any real use. Reading
+# them to the host synchronises: the host waits for every kernel queued before, then launches,
+# so the GPU idles while the host builds the launch, and a CUDA graph cannot be captured at
+# all. So nothing of the launch path reads them: the kernels take the tensors themselves, the
+# tile table is built on the device (`tile_rows`), and the host sizes only what the shapes give
+# (the batch, the packed totals, the caller's max_seqlen). The check's value rules (cu_seqlens
+# start at 0, never decrease and end at the total; seqused_k within its sequence's keys; every
+# page a sequence reads inside the cache; max_seqlen above every length) are evaluated on the
+# device as masks of broken entries, and ONE device-to-host copy of a flag per rule decides
+# whether to raise; only then are the first broken rule's values read, for its message. That
+# one copy is the price of an error before launch. `check_indices=False` skips it (the caller
+# vouches for the values, as upstream's varlen functions assume without checking: a bad index
+# there is a wrong answer or a fault), and so does a CUDA graph capture, whose replays run on
+# values the capture never sees. The host views of `VarlenLengths` read the values when asked
+# (the float64 reference and the per-sequence paths, which are slow anyway).
 
 
 @dataclass(frozen=True)
 class VarlenLengths:
-    """The lengths `check_varlen` read: per sequence, its query rows and the keys it attends to
-    (seqused_k applied), where its queries (and packed keys) start, and the page size (None
-    without a page table)."""
+    """What `check_varlen` knows of a call without reading the device (Note [reading the
+    lengths]): the index tensors on q's device and the sizes the shapes give.
 
-    cu_seqlens_q: tuple[int, ...]
-    seqlens_k: tuple[int, ...]
-    k_starts: tuple[int, ...] | None      # packed keys only; None with a page table
+    cu_q is the caller's cu_seqlens_q; keys (batch,) int32 the keys each sequence attends to
+    (seqused_k applied); cu_k the packed keys' offsets (None with a page table); page_size None
+    without one; max_seqlen_q / max_seqlen_k bound every length (the caller's max_seqlen, else
+    the packed total or the page table's capacity). The host views `cu_seqlens_q`,
+    `seqlens_q`, `seqlens_k` and `k_starts` read the values the first time they are asked."""
+
+    cu_q: object
+    keys: object
+    cu_k: object
     page_size: int | None
+    max_seqlen_q: int
+    max_seqlen_k: int
 
     @property
     def batch(self) -> int:
-        return len(self.cu_seqlens_q) - 1
+        return int(self.cu_q.shape[0]) - 1
+
+    @cached_property
+    def cu_seqlens_q(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.cu_q.tolist())
 
     @property
     def seqlens_q(self) -> tuple[int, ...]:
         cu = self.cu_seqlens_q
         return tuple(cu[b + 1] - cu[b] for b in range(self.batch))
 
+    @cached_property
+    def seqlens_k(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.keys.tolist())
+
+    @cached_property
+    def k_starts(self) -> tuple[int, ...] | None:
+        return None if self.cu_k is None else tuple(int(x) for x in self.cu_k[:-1].tolist())
+
+    def same_query_count(self, total_q: int) -> bool:
+        """Every sequence has the same number L >= 1 of queries (a decode batch): L times the
+        batch is the packed total and no sequence exceeds max_seqlen_q = L, read from the
+        shapes alone when the caller gave max_seqlen_q."""
+        if total_q == 0:
+            return False
+        return self.max_seqlen_q * self.batch == total_q or len(set(self.seqlens_q)) == 1
+
 
 # --------------------------------------------------------------------------- the check
-
-
-def _index_tensor(name: str, t, q, ndim: int, shape_hint: str) -> list:
-    """An int32 index tensor on q's device with `ndim` dims, as a (nested) Python list."""
-    return _checked_index(name, t, q, ndim, shape_hint).tolist()
 
 
 def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
@@ -97,35 +140,100 @@ def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
     return t
 
 
-def _check_cu_seqlens(name: str, cu: list, total: int, what: str) -> None:
-    if len(cu) < 2:
-        raise InputError(f"{name} has {len(cu)} entries: it needs batch + 1 >= 2 (0, then the "
-                         f"end of each sequence's {what})")
-    if cu[0] != 0:
-        raise InputError(f"{name} must start at 0, got {name}[0] = {cu[0]}; it is the "
-                         f"cumulative sum of the lengths with a leading 0, e.g. "
-                         f"torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise InputError(f"{name} decreases at index {i} ({name}[{i - 1}] = {cu[i - 1]}, "
-                             f"{name}[{i}] = {cu[i]}): it must be non-decreasing (sequence "
-                             f"{i - 1} cannot have a negative length)")
-    if cu[-1] != total:
-        raise InputError(f"{name}'s last entry is {cu[-1]} but the packed {what} have {total} "
-                         f"tokens: the last entry must equal the total ({what}.shape[0])")
+class _Rule(NamedTuple):
+    """A value rule of the check: `bad` a bool tensor, True where the rule is broken, and
+    `message` the error for its first broken entry (the flat index), which may read values."""
+
+    bad: object
+    message: Callable[[int], str]
 
 
-def _check_max(name: str, value, lengths, which: str) -> None:
-    if value is None:
+def _raise_first_broken(rules: list[_Rule]) -> None:
+    """Raise the first broken rule's InputError: one device-to-host copy of a flag per rule,
+    then (on the error path only) the broken entry and its values (Note [reading the
+    lengths])."""
+    import torch
+
+    if not rules:
         return
+    broken = torch.stack([r.bad.any() for r in rules]).tolist()
+    for rule, is_broken in zip(rules, broken):
+        if is_broken:
+            raise InputError(rule.message(int(rule.bad.flatten().nonzero()[0, 0])))
+
+
+def reads_values(q, check_indices: bool) -> bool:
+    """Whether the value rules run: asked for, and not inside a CUDA graph capture (Note
+    [reading the lengths])."""
+    import torch
+
+    return bool(check_indices) and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _cu_rules(name: str, cu, total: int, what: str) -> list[_Rule]:
+    """cu_seqlens start at 0, never decrease, and end at the packed total."""
+    if cu.shape[0] < 2:
+        raise InputError(f"{name} has {cu.shape[0]} entries: it needs batch + 1 >= 2 (0, then "
+                         f"the end of each sequence's {what})")
+
+    def at(i):
+        return int(cu[i])
+
+    return [
+        _Rule(cu[:1] != 0, lambda i: (
+            f"{name} must start at 0, got {name}[0] = {at(0)}; it is the cumulative sum of the "
+            f"lengths with a leading 0, e.g. torch.nn.functional.pad(lengths.cumsum(0), "
+            f"(1, 0)).to(torch.int32)")),
+        _Rule(cu[1:] < cu[:-1], lambda i: (
+            f"{name} decreases at index {i + 1} ({name}[{i}] = {at(i)}, {name}[{i + 1}] = "
+            f"{at(i + 1)}): it must be non-decreasing (sequence {i} cannot have a negative "
+            f"length)")),
+        _Rule(cu[-1:] != total, lambda i: (
+            f"{name}'s last entry is {at(-1)} but the packed {what} have {total} tokens: the "
+            f"last entry must equal the total ({what}.shape[0])")),
+    ]
+
+
+def _max_bound(name: str, value, total: int) -> int:
+    """The caller's max_seqlen (an int), or `total` (a bound on every length) for None."""
+    if value is None:
+        return total
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise InputTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    longest = max(lengths, default=0)
-    if int(value) < longest:
-        b = list(lengths).index(longest)
-        raise InputError(f"{name}={int(value)} is smaller than sequence {b}'s {which} length "
-                         f"{longest}: pass at least the longest length (max_seqlen sizes the "
-                         f"launch grid)")
+    return int(value)
+
+
+def _max_rule(name: str, value, lengths, which: str) -> list[_Rule]:
+    """max_seqlen (when given) is at least every sequence's length."""
+    if value is None:
+        return []
+
+    def message(_):
+        b = int(lengths.argmax())
+        return (f"{name}={int(value)} is smaller than sequence {b}'s {which} length "
+                f"{int(lengths[b])}: pass at least the longest length (max_seqlen sizes the "
+                f"launch grid)")
+
+    return [_Rule(lengths > int(value), message)]
+
+
+def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
+    """Every slot a sequence reads (its first ceil(keys[b] / page_size)) holds a page of the
+    cache; later slots are never read and may hold anything (serving stacks pad with -1)."""
+    import torch
+
+    needed = (keys.to(torch.int64) + page_size - 1) // page_size
+    read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
+    bad = read & ((table < 0) | (table >= num_pages))
+
+    def message(i):
+        b, slot = divmod(i, int(table.shape[1]))
+        n = int(keys[b])
+        return (f"page_table[{b}, {slot}] = {int(table[b, slot])} is not a page of the cache "
+                f"(num_pages = {num_pages}): sequence {b} reads {n} keys, so its slots "
+                f"0..{ceil_div(n, page_size) - 1} must hold page indices in [0, {num_pages})")
+
+    return _Rule(bad, message)
 
 
 def _check_tensors(q, k, v, paged: bool) -> None:
@@ -170,27 +278,30 @@ def _check_tensors(q, k, v, paged: bool) -> None:
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 seqused_k=None, page_table=None) -> VarlenLengths:
+                 seqused_k=None, page_table=None, *, check_indices: bool = True
+                 ) -> VarlenLengths:
     """The one check of a varlen call (layout: the module docstring); returns its lengths.
 
     Raises `InputTypeError` (a TypeError) for a wrong kind or dtype (int64 indices: convert
     with .to(torch.int32)) and `InputError` (a ValueError) for a tensor on another device than
     q, a bad shape (k/v not the packed keys or the paged cache, heads or head dims that
-    disagree), cu_seqlens that do not start at 0, decrease (naming the first index where they
-    do), do not end at the packed total or whose lengths disagree (batch + 1 entries for q and
-    k alike), a max_seqlen below a real length (None skips that check), seqused_k above its
-    sequence's keys, and a page table entry that a sequence reads but that is not a page of
-    the cache (naming batch, slot and value; slots past the sequence's last page are never
-    read and may hold anything, as serving stacks pad with -1).
-
-    It reads the index tensors' values: one device-to-host copy each on CUDA.
+    disagree, cu_seqlens of different lengths); and, reading the values (Note [reading the
+    lengths]: one device-to-host copy; skipped with check_indices=False and inside a CUDA
+    graph capture), for cu_seqlens that do not start at 0, decrease (naming the first index
+    where they do) or do not end at the packed total, a max_seqlen below a real length (None
+    skips that rule), seqused_k above its sequence's keys, and a page table entry that a
+    sequence reads but that is not a page of the cache (naming batch, slot and value; slots
+    past the sequence's last page are never read and may hold anything, as serving stacks pad
+    with -1).
     """
+    import torch
+
     paged = page_table is not None
     _check_tensors(q, k, v, paged)
-    cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, q, 1, "(batch + 1,)")
-    _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], "q")
-    batch = len(cu_q) - 1
-    page_size, k_starts = None, None
+    cu_q = _checked_index("cu_seqlens_q", cu_seqlens_q, q, 1, "(batch + 1,)")
+    rules = _cu_rules("cu_seqlens_q", cu_q, int(q.shape[0]), "q")
+    batch = int(cu_q.shape[0]) - 1
+    page_size, cu_k = None, None
     if paged:
         if cu_seqlens_k is not None:
             raise InputError("cu_seqlens_k must be None with a page_table: the keys live in the "
@@ -198,36 +309,41 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              "count as seqused_k (int32 (batch,))")
         table = _page_table(page_table, q, batch, "cu_seqlens_q describes")
         page_size = int(k.shape[1])
-        seqlens_k = [paged_seqlen_k(k, table)] * batch
+        capacity = paged_seqlen_k(k, table)
+        have = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        where = f"its {table.shape[1]} pages of {page_size} hold"
     else:
         if cu_seqlens_k is None:
             raise InputError("cu_seqlens_k is None without a page_table: pass int32 "
                              "(batch + 1,) offsets of each sequence's packed keys")
-        cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, q, 1, "(batch + 1,)")
-        if len(cu_k) != len(cu_q):
-            raise InputError(f"cu_seqlens_k has {len(cu_k)} entries but cu_seqlens_q has "
-                             f"{len(cu_q)}: both have batch + 1 entries, one sequence of "
+        cu_k = _checked_index("cu_seqlens_k", cu_seqlens_k, q, 1, "(batch + 1,)")
+        if cu_k.shape[0] != cu_q.shape[0]:
+            raise InputError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
+                             f"{cu_q.shape[0]}: both have batch + 1 entries, one sequence of "
                              f"queries per sequence of keys")
-        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], "k")
-        seqlens_k = [cu_k[b + 1] - cu_k[b] for b in range(batch)]
-        k_starts = tuple(cu_k[:-1])
+        rules += _cu_rules("cu_seqlens_k", cu_k, int(k.shape[0]), "k")
+        capacity = int(k.shape[0])
+        have = cu_k[1:] - cu_k[:-1]
+        where = "cu_seqlens_k gives it"
+    keys = have
     if seqused_k is not None:
-        used = _index_tensor("seqused_k", seqused_k, q, 1, "(batch,)")
-        if len(used) != batch:
-            raise InputError(f"seqused_k has {len(used)} entries for {batch} sequences: one "
+        used = _checked_index("seqused_k", seqused_k, q, 1, "(batch,)")
+        if used.shape[0] != batch:
+            raise InputError(f"seqused_k has {used.shape[0]} entries for {batch} sequences: one "
                              f"key count per sequence")
-        for b, (n, have) in enumerate(zip(used, seqlens_k)):
-            if not 0 <= n <= have:
-                where = (f"its {table.shape[1]} pages of {page_size} hold" if paged
-                         else "cu_seqlens_k gives it")
-                raise InputError(f"seqused_k[{b}] = {n} but {where} {have} keys: seqused_k "
-                                 f"counts the keys a sequence uses, 0 <= seqused_k[b] <= {have}")
-        seqlens_k = used
+        rules.append(_Rule((used < 0) | (used > have), lambda b: (
+            f"seqused_k[{b}] = {int(used[b])} but {where} {int(have[b])} keys: seqused_k counts "
+            f"the keys a sequence uses, 0 <= seqused_k[b] <= {int(have[b])}")))
+        keys = used
     if paged:
-        _check_pages(table, seqlens_k, page_size, int(k.shape[0]))
-    lengths = VarlenLengths(tuple(cu_q), tuple(int(n) for n in seqlens_k), k_starts, page_size)
-    _check_max("max_seqlen_q", max_seqlen_q, lengths.seqlens_q, "query")
-    _check_max("max_seqlen_k", max_seqlen_k, lengths.seqlens_k, "key")
+        rules.append(_page_rule(table, keys, page_size, int(k.shape[0])))
+    rules += _max_rule("max_seqlen_q", max_seqlen_q, cu_q[1:] - cu_q[:-1], "query")
+    rules += _max_rule("max_seqlen_k", max_seqlen_k, keys, "key")
+    lengths = VarlenLengths(cu_q, keys, cu_k, page_size,
+                            _max_bound("max_seqlen_q", max_seqlen_q, int(q.shape[0])),
+                            _max_bound("max_seqlen_k", max_seqlen_k, capacity))
+    if reads_values(q, check_indices):
+        _raise_first_broken(rules)
     return lengths
 
 
@@ -240,25 +356,6 @@ def _page_table(page_table, q, batch: int, who: str):
     return table
 
 
-def _check_pages(table, seqlens_k, page_size: int, num_pages: int) -> None:
-    """Every slot a sequence reads (its first ceil(seqlens_k[b] / page_size)) holds a page of
-    the cache; later slots are never read and may hold anything (serving stacks pad with -1).
-    One vectorised test (a single device-to-host copy on CUDA)."""
-    import torch
-
-    needed = torch.tensor([ceil_div(int(n), page_size) for n in seqlens_k],
-                          device=table.device)
-    read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
-    bad = read & ((table < 0) | (table >= num_pages))
-    if bool(bad.any()):
-        b, slot = (int(x) for x in bad.nonzero()[0])
-        n = int(seqlens_k[b])
-        raise InputError(f"page_table[{b}, {slot}] = {int(table[b, slot])} is not a page of the "
-                         f"cache (num_pages = {num_pages}): sequence {b} reads {n} keys, so "
-                         f"its slots 0..{ceil_div(n, page_size) - 1} must hold page indices in "
-                         f"[0, {num_pages})")
-
-
 def paged_seqlen_k(k_cache, page_table) -> int:
     """Keys of each sequence of a paged cache without seqused_k: pages_per_seq * page_size."""
     return int(page_table.shape[1]) * int(k_cache.shape[1])
@@ -268,7 +365,8 @@ def check_paged(q, k, v, page_table) -> int:
     """The one check of a call with dense q (batch, seqlen_q, heads_q, head_dim) and a paged
     cache k, v (num_pages, page_size, heads_kv, head_dim[_v]) with an int32 (batch,
     pages_per_seq) page table (every sequence has pages_per_seq * page_size keys); returns
-    that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table)."""
+    that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table;
+    its one read of the table's values is skipped inside a CUDA graph capture)."""
     import torch
 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -283,7 +381,9 @@ def check_paged(q, k, v, page_table) -> int:
     if seqlen_k < 1:
         raise InputError(f"page_table has shape {tuple(table.shape)}: each sequence needs at "
                          f"least one page")
-    _check_pages(table, [seqlen_k] * int(q.shape[0]), int(k.shape[1]), int(k.shape[0]))
+    if reads_values(q, True):
+        keys = torch.full((table.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
+        _raise_first_broken([_page_rule(table, keys, int(k.shape[1]), int(k.shape[0]))])
     return seqlen_k
 
 
@@ -373,30 +473,89 @@ def varlen_tile_table(seqlens_q, seqlens_k, *, m_block_size: int, n_block_size: 
                       causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
                       cost: CostModel | None = None) -> VarlenTileTable:
     """The (batch, m_block) rows of a varlen launch's real tiles, longest first (Note [varlen
-    tiles]); `m_block_size` is the rows of one work tile (a CTA's)."""
+    tiles]); `m_block_size` is the rows of one work tile (a CTA's). On the host: the lengths
+    are ints (`tile_rows` is the same rule on tensors, as a launch builds it on the GPU)."""
+    import torch
+
     if len(seqlens_q) != len(seqlens_k):
         raise InputError(f"{len(seqlens_q)} query lengths but {len(seqlens_k)} key lengths: "
                          f"one of each per sequence")
+    lq = torch.tensor([int(n) for n in seqlens_q], dtype=torch.int64)
+    lk = torch.tensor([int(n) for n in seqlens_k], dtype=torch.int64)
+    table, costs, blocks = tile_rows(lq, lk, None, m_block_size=m_block_size,
+                                     n_block_size=n_block_size, causal=causal,
+                                     window_size=window_size, qhead_per_kvhead=qhead_per_kvhead,
+                                     cost=cost)
+    return VarlenTileTable(table.numpy(), costs.numpy(), blocks.numpy())
+
+
+def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead: int = 1) -> int:
+    """A bound on the real (batch, m_block) rows of any batch of `batch` sequences holding
+    `total_q` queries: the sum of ceil(len_b * g / m) is at most (total_q * g + batch * (m -
+    1)) / m. What a launch sizes its tile table and grid by without reading the lengths (Note
+    [tile rows on the device])."""
+    return (total_q * qhead_per_kvhead + batch * (m_block_size - 1)) // m_block_size
+
+
+# Note [tile rows on the device]
+# A launch cannot count its real tiles without reading the lengths (Note [reading the
+# lengths]), so `tile_rows` fills a table of `max_tile_rows` rows on the lengths' device: row
+# r belongs to the sequence whose cumulative tile count first exceeds r (a searchsorted), and
+# rows past the real ones are PADDING rows (batch, 0): tile 0 of a phantom sequence `batch`,
+# one past the last, which the launch gives no query and no key (`launch_lengths` appends a
+# zero-length entry to cu_seqlens and seqused_k). The padding rows cost -1, so the stable
+# longest-first sort (ties in (batch, m_block) order, the rows' own order) puts them last; a
+# padding tile finds no row to store and no key block to visit, and ends. At most `batch` rows
+# are padding: fewer than one tile per sequence.
+
+
+def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,
+              causal: bool = False, window_size=(None, None), qhead_per_kvhead: int = 1,
+              cost: CostModel | None = None) -> tuple:
+    """(table (rows, 2) int32 (batch, m_block), costs (rows,) float64, key_blocks (rows,)
+    int64) of a varlen launch in LPT order, from int64 tensors of each sequence's query and key
+    lengths on any device, without a device-to-host copy when `rows` is given (Note [tile rows
+    on the device]: rows past the real tiles are padding (batch, 0), cost -1, last); `rows`
+    None counts the real rows (one read) and returns exactly those."""
+    import torch
+
     cost = cost or CostModel()
-    lq = np.asarray([int(n) for n in seqlens_q], dtype=np.int64)
-    lk = np.asarray([int(n) for n in seqlens_k], dtype=np.int64)
-    per_seq = -(-lq * qhead_per_kvhead // m_block_size)        # num_m_blocks, vectorised
-    if not per_seq.sum():
-        empty = np.zeros(0, dtype=np.int64)
-        return VarlenTileTable(np.zeros((0, 2), dtype=np.int32), empty.astype(np.float64), empty)
-    bs = np.repeat(np.arange(len(lq), dtype=np.int64), per_seq)
-    ms = np.arange(len(bs), dtype=np.int64) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
-    # All the batch's tiles at once (`fa4lab.tiling.block_counts`); a sequence with no key
-    # visits no block: its tiles only write O = 0 and their LSE.
-    unmasked, masked = block_counts(ms, lq[bs], lk[bs], m_block_size=m_block_size,
+    batch = int(lens_q.shape[0])
+    per_seq = (lens_q * qhead_per_kvhead + m_block_size - 1) // m_block_size
+    ends = per_seq.cumsum(0)
+    if rows is None:
+        rows = int(ends[-1]) if batch else 0
+    r = torch.arange(rows, dtype=torch.int64, device=lens_q.device)
+    b = torch.searchsorted(ends, r, right=True)
+    real = b < batch
+    seq = b.clamp(max=max(batch - 1, 0))
+    m = torch.where(real, r - (ends - per_seq)[seq], 0)
+    sk = lens_k[seq]
+    unmasked, masked = block_counts(m, lens_q[seq], sk, m_block_size=m_block_size,
                                     n_block_size=n_block_size, causal=causal,
                                     qhead_per_kvhead=qhead_per_kvhead, window_size=window_size)
-    no_key = lk[bs] == 0
-    unmasked, masked = np.where(no_key, 0, unmasked), np.where(no_key, 0, masked)
-    costs = np.asarray(cost.tile_cost(unmasked, masked), dtype=np.float64)
-    order = np.lexsort((ms, bs, -costs))
-    table = np.stack([bs[order], ms[order]], axis=1).astype(np.int32)
-    return VarlenTileTable(table, costs[order], (unmasked + masked)[order])
+    # A sequence with no key visits no block: its tiles only write O = 0 and their LSE.
+    seen = real & (sk > 0)
+    unmasked, masked = torch.where(seen, unmasked, 0), torch.where(seen, masked, 0)
+    costs = torch.where(real, cost.tile_cost(unmasked.double(), masked.double()), -1.0)
+    order = torch.argsort(-costs, stable=True)
+    table = torch.stack([b, m], dim=1)[order].to(torch.int32)
+    return table, costs[order], (unmasked + masked)[order]
+
+
+def launch_lengths(lengths: VarlenLengths) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k or None, seqused_k) as a varlen launch passes them: the
+    caller's, each with one more, zero-length sequence appended (the phantom sequence the
+    padding rows of the tile table name: Note [tile rows on the device]); seqused_k is
+    `lengths.keys`, the key counts with seqused_k applied. No device-to-host copy."""
+    import torch
+
+    def one_more(t):
+        return torch.cat([t, t[-1:]])
+
+    cu_k = None if lengths.cu_k is None else one_more(lengths.cu_k)
+    keys = torch.cat([lengths.keys, lengths.keys.new_zeros(1)])
+    return one_more(lengths.cu_q), cu_k, keys
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,57 @@ def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softca
     err = (out.double() - ref)[seen_rows].abs().max().item()
     pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
     assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
+
+
+def replays_in_a_cuda_graph(call, buffers, settings, *, synchronises: bool = False) -> None:
+    """`call()` reads its index tensors from `buffers`; for each entry of `settings` (new
+    values for the buffers, same shapes) it must (1) run without a device-to-host
+    synchronisation (`torch.cuda.set_sync_debug_mode("error")` raises on one), or, with
+    `synchronises`, synchronise; and (2) replay from ONE CUDA graph captured on the first
+    setting, bit for bit as an eager call on the same values: nothing of the launch was
+    decided on the host from the values."""
+
+    def load(values):
+        for buf, val in zip(buffers, values):
+            buf.copy_(val)
+
+    def outputs():
+        got = call()
+        return tuple(t.clone() for t in (got if isinstance(got, tuple) else (got,)))
+
+    load(settings[0])
+    outputs()                                   # compiles outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for values in settings:
+            load(values)
+            try:
+                call()
+            except RuntimeError as e:
+                if not (synchronises and "synchroniz" in str(e)):
+                    raise
+            else:
+                assert not synchronises, "the call was expected to synchronise"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    eager = []
+    for values in settings:
+        load(values)
+        eager.append(outputs())
+    load(settings[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):               # warm-up on a side stream, torch's recipe
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = call()
+    static = static if isinstance(static, tuple) else (static,)
+    for i, (values, want) in enumerate(zip(settings, eager)):
+        load(values)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(static, want):
+            assert torch.equal(got, ref), f"setting {i}: the graph's replay differs from eager"

@@ -119,15 +119,24 @@ def test_one_q_tile_plan_compiles_and_passes_audit(tmp_path_factory):
     assert result.row("spill instructions (STL/LDL)").found == 0
 
 
+# The decode shape's split kernels: contiguous K/V, and a paged cache (Note [paged key blocks])
+# read as a gather of two pages per key block (causal: LPT order, the MMA warp's tightest
+# registers) and as one TMA box per block.
+SPLIT_DECODE = [(None, False), (64, True), (128, False)]
+
+
 @pytest.mark.slow
 @pytest.mark.compile
-def test_split_kv_pack_gqa_compiles_and_passes_audit(tmp_path_factory):
-    """The decode shape's kernel: split-KV with pack-GQA 8 (non-causal, persistent), the same
-    audit; the correction warps store the float32 partials in 16-byte vectors and the epilogue
-    warp issues no TMA store."""
+@pytest.mark.parametrize("page_size,causal", SPLIT_DECODE, ids=[
+    f"{'page' + str(p) if p else 'contiguous'}-{'causal' if c else 'full'}"
+    for p, c in SPLIT_DECODE])
+def test_split_kv_pack_gqa_compiles_and_passes_audit(page_size, causal, tmp_path_factory):
+    """The decode shape's kernel: split-KV with pack-GQA 8 (persistent), the same audit; the
+    correction warps store the float32 partials in 16-byte vectors and the epilogue warp
+    issues no TMA store."""
     from fa4lab.kernels import compile_forward
 
-    spec = _spec(128, False, 8, False, "bf16", (("split_kv", True),))
+    spec = _spec(128, causal, 8, False, "bf16", (("split_kv", True), ("page_size", page_size)))
     cf = compile_forward(plan_forward(spec, arch="sm100", pack_gqa=True), arch="sm100a",
                          keep_dir=tmp_path_factory.mktemp("sm100split"))
     result = audit_mod.audit_compiled(cf)

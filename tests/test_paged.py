@@ -227,3 +227,91 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
                                                 page_table=table, causal=True, return_lse=True)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse)
+
+
+def test_split_kernel_key_carries_the_page_size():
+    """A paged call's split kernel is one key: split_kv and the page size, one compiled kernel
+    (`-page16-splitkv`)."""
+    from fa4lab.kernels import launch
+    from fa4lab.kernels.compile import config_name
+
+    q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                        for t in _paged(d=128))
+    key = launch.key_of(q, kc, vc, "sm90", False, False, None, split_kv=True, page_table=table)
+    spec = launch.spec_of_key(key)
+    assert spec.split_kv and spec.page_size == kc.shape[1]
+    assert config_name(spec, "sm90a").endswith("-page16-splitkv")
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_a_paged_call_splits_over_the_table_capacity(arch, monkeypatch):
+    """num_splits with a page table: a given count is capped at the key blocks of
+    pages_per_seq * page_size keys; None asks `choose_num_splits` about that capacity (seqused_k
+    is on the GPU: Note [choosing num_splits]) where the arch chooses, and gives 1 elsewhere."""
+    from fa4lab.kernels import launch
+    from fa4lab.splitkv import choose_num_splits
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                        for t in _paged(batch=2, sq=1, pages=64, hq=16, hkv=2, d=128))
+    key = launch.key_of(q, kc, vc, arch, False, False, None, page_table=table)
+    cta_m, n_block, pack = launch.cta_tiles(key)
+    blocks = -(-64 * 16 // n_block)
+    assert [launch.splits_for(key, q, kc, n, table) for n in (1, 3, blocks + 5)] == [
+        1, 3, blocks]
+    want = (choose_num_splits(2, 2 if pack > 1 else 16, pack, 64 * 16, n_block, 132,
+                              m_block=cta_m) if arch in launch.AUTO_SPLIT_ARCHS else 1)
+    assert launch.splits_for(key, q, kc, None, table) == want
+    assert want > 1 or arch not in launch.AUTO_SPLIT_ARCHS
+
+
+def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
+    """attention_varlen's paged decode (`_paged_same_length`) on a shape too small for the GPU:
+    `launch.forward` chooses splits over the table's capacity and runs the split kernel -- given
+    the page table, the caller's seqused_k, the split count and float32 partials to fill -- then
+    the combine; the result is the varlen reference. The split kernel is stood in for by the
+    float64 partials of each sequence's first seqused_k keys (its contract: every split cuts its
+    sequence's own key blocks; a sequence with no key, or one key, leaves splits empty)."""
+    from fa4lab import api
+    from fa4lab.kernels import launch
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.splitkv import partial_attention_reference
+    from fa4lab.varlen import check_varlen
+
+    q4, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
+                         for t in _paged(batch=3, sq=1, pages=64, hq=16, hkv=2, d=64, seed=4))
+    q = q4.reshape(-1, *q4.shape[2:])
+    cu_q = torch.arange(4, dtype=torch.int32)
+    used = torch.tensor([0, 1, 700], dtype=torch.int32)
+    n_block = launch.cta_tiles(launch.key_of(q4, kc, vc, "sm90", True, False, None,
+                                             split_kv=True, page_table=table))[1]
+    seen = []
+
+    def split_kernel(q_, k_, v_, out, lse, sink, scale_log2, pre_scale, left, right, aux,
+                     mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table,
+                     num_splits, out_partial, lse_partial):
+        assert page_table is table and seqused_k is used and k_ is kc and v_ is vc
+        assert out_partial.shape == (num_splits, *q4.shape[:3], vc.shape[-1])
+        assert lse_partial.shape == (num_splits, *q4.shape[:3]) and lse is None
+        seen.append(num_splits)
+        for b, (k, v) in enumerate(zip(gather_paged(kc, table, used.tolist()),
+                                       gather_paged(vc, table, used.tolist()))):
+            if k.shape[0] == 0:
+                out_partial[:, b], lse_partial[:, b] = 0.0, -float("inf")
+                continue
+            o_p, lse_p = partial_attention_reference(q_[b:b + 1], k[None], v[None],
+                                                     num_splits=num_splits,
+                                                     n_block_size=n_block, causal=True)
+            out_partial[:, b], lse_partial[:, b] = o_p[:, 0], lse_p[:, 0]
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    monkeypatch.setattr(launch, "kernel_for", lambda key, mods=None: split_kernel)
+    lengths = check_varlen(q, kc, vc, cu_q, None, 1, None, used, table)
+    options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
+                   learnable_sink=None)
+    out, lse = api._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    assert len(seen) == 1 and seen[0] > 1
+    want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
+                                                page_table=table, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want.to(out.dtype))
+    torch.testing.assert_close(lse, want_lse.float())

@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernel_checks import ATOL, torch_same_dtype  # noqa: E402
+from kernel_checks import ATOL, replays_in_a_cuda_graph, torch_same_dtype  # noqa: E402
 
 pytestmark = pytest.mark.sm90
 
@@ -142,3 +142,28 @@ def test_ragged_query_counts_run_per_sequence():
     # Per sequence: `fa4lab.attention` on the gathered K/V (no paged launch); the keyless
     # sequence's rows come from the reference.
     _check(q, k_cache, v_cache, table, cu_q, used, causal=True, launches=0)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_decode_never_waits_for_the_gpu_and_replays_in_a_cuda_graph(page_size):
+    """A decode step reads no index value on the host with check_indices=False (Note [reading
+    the lengths] in fa4lab.varlen): it never synchronises, and one captured CUDA graph
+    replays new key counts and a new page table, as eager calls compute them."""
+    from fa4lab import attention_varlen
+
+    pages = 1024 // page_size
+    used = ragged(16, pages, page_size, seed=90 + page_size)
+    q, k_cache, v_cache, table, cu_q, seqused = decode_inputs(used, 1, pages, page_size, 32,
+                                                              4, 128, seed=91 + page_size)
+    used2 = torch.tensor(ragged(16, pages, page_size, seed=92 + page_size)[::-1],
+                         dtype=torch.int32, device="cuda")
+    table2 = table.flip(0).contiguous()
+    _check(q, k_cache, v_cache, table2, cu_q, used2, causal=True)     # eager vs reference
+    buf_used, buf_table = seqused.clone(), table.clone()
+
+    def call():
+        return attention_varlen(q, k_cache, v_cache, cu_q, None, 1, pages * page_size,
+                                seqused_k=buf_used, page_table=buf_table, causal=True,
+                                return_lse=True, check_indices=False)
+
+    replays_in_a_cuda_graph(call, (buf_used, buf_table), [(seqused, table), (used2, table2)])

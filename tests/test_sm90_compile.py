@@ -254,3 +254,36 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
     # K and V, last V), each a block's pieces times its halves.
     pieces = max(1, plan.tiles.n_block // page_size)
     assert loads == plan.tiles.q_stage * 2 + 4 * pieces * 2
+
+
+# Split-KV over a paged cache (Note [empty splits] in fa4lab.kernels.device.split): the decode
+# shape (seqlen_q 1, GQA 8 packed) one CTA per tile, as paged launches run (ragged key counts:
+# `persistent_default`), a gather of 8 and 2 pages per key block and one TMA box per block;
+# causal is LPT order, the producer's tightest registers.
+PAGED_SPLIT = [(16, True), (64, False), (128, True)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,causal", PAGED_SPLIT, ids=[
+    f"page{p}-{'causal' if c else 'full'}" for p, c in PAGED_SPLIT])
+def test_paged_split_kv_compiles_for_sm90a(page_size, causal, tmp_path):
+    """The split kernel over a paged cache: the same audit (no spills, the protocol table
+    unchanged), its pages read as the one-launch paged kernel reads them and its partials
+    stored as the split kernel stores them."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+    from fa4lab.plan.sm90 import persistent_default
+
+    spec = AttentionSpec(64, 1, 8192, 64, 8, 128, causal=causal, page_size=page_size,
+                         split_kv=True)
+    persistent = persistent_default(128, 128, causal, 1, 8192, ragged=True)
+    plan = plan_forward(spec, "sm90", pack_gqa=True, persistent=persistent)
+    cf = compile_and_audit(plan, "sm90a", tmp_path)
+    assert cf.keep_dir.name.endswith(f"-page{page_size}-splitkv-packgqa")
+    ptx = cf.ptx_path.read_text()
+    pieces = max(1, plan.tiles.n_block // page_size)
+    assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == (
+        plan.tiles.q_stage * 2 + 4 * pieces * 2)
+    assert "st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared" not in ptx

@@ -502,3 +502,20 @@ def test_attention_varlen_on_cuda_meets_the_kernel_rule(paged, opts):
             return o[rows][None], lse_[:, rows][None]
 
         check_kernel(one_sequence, q[rows][None], k_b[None], v_b[None], **opts)
+
+
+# The rules of BAD that read index values (Note [reading the lengths]); the rest read shapes.
+VALUE_RULES = {"decreasing", "not_zero", "last", "max_q", "max_k", "seqused", "page_range",
+               "page_negative", "seqused_pages"}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_check_indices_false_skips_exactly_the_value_rules(name):
+    changes, paged, error, words = BAD[name]
+    args = {**_good()[paged], **changes}
+    if name in VALUE_RULES:
+        lengths = check_varlen(**args, check_indices=False)     # no value read, no error
+        assert lengths.batch == args["cu_seqlens_q"].shape[0] - 1
+    else:
+        with pytest.raises(error, match=words):
+            check_varlen(**args, check_indices=False)

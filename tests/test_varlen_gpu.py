@@ -15,13 +15,19 @@ ones; GQA 4; seqused_k below cu_seqlens_k's lengths (0 included); logits of 1e4.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernel_checks import ATOL, output_ulp_atol, torch_same_dtype  # noqa: E402
+from kernel_checks import (  # noqa: E402
+    ATOL,
+    output_ulp_atol,
+    replays_in_a_cuda_graph,
+    torch_same_dtype,
+)
 
 pytestmark = pytest.mark.sm90
 
@@ -173,3 +179,24 @@ def test_varlen_without_keys_and_one_compile():
     misses = launch.stats()["misses"]
     attention_varlen(*_batch(BATCHES[1], 8, 2, 128, seed=9602), 2000, 2500)
     assert launch.stats()["misses"] == misses, "new lengths compiled a new kernel"
+
+
+def test_varlen_never_waits_for_the_gpu_and_replays_in_a_cuda_graph():
+    """The launch reads no length on the host (Note [reading the lengths] in fa4lab.varlen):
+    with check_indices=False the call never synchronises, and a CUDA graph captured once (the
+    check skips itself in a capture) replays other lengths with the same totals, an empty
+    sequence and the padding rows of the tile table included, as eager calls compute them."""
+    from fa4lab import attention_varlen
+
+    first = BATCHES[1]
+    second = [(0, 996), (2000, 2000), (64, 0), (130, 0), (5, 0), (1, 0)]
+    q, k, v, cu_q, cu_k = _batch(first, 8, 2, 128, seed=9700)
+    _, _, _, cu_q2, cu_k2 = _batch(second, 8, 2, 128, seed=9701)
+    assert (cu_q2[-1], cu_k2[-1]) == (cu_q[-1], cu_k[-1])
+    _check(q, k, v, cu_q2, cu_k2, causal=True)          # eager, against the reference
+    buf_q, buf_k = cu_q.clone(), cu_k.clone()
+    settings = [(cu_q, cu_k), (cu_q2, cu_k2)]
+    for check in (False, True):     # the checked call reads the values once: it synchronises
+        call = functools.partial(attention_varlen, q, k, v, buf_q, buf_k, 2000, 2500,
+                                 causal=True, return_lse=True, check_indices=check)
+        replays_in_a_cuda_graph(call, (buf_q, buf_k), settings, synchronises=check)

@@ -142,3 +142,30 @@ def test_paged_varlen_compiles(arch, page_size, tmp_path):
                          page_size=page_size)
     cf = compile_and_audit(plan_forward(spec, arch), arch + "a", tmp_path)
     assert cf.keep_dir.name.endswith(f"-varlen-page{page_size}")
+
+
+@settings(max_examples=100, deadline=None)
+@given(_LENGTHS, st.sampled_from([64, 128, 192]), st.sampled_from([64, 128]), st.booleans(),
+       st.sampled_from([(None, None), (50, None)]), st.integers(0, 3))
+def test_device_tile_rows_are_the_table_then_padding(lengths, cta_m, n_block, causal, window,
+                                                     extra_rows):
+    """A launch's table (`tile_rows` sized by `max_tile_rows`, no read of the lengths) is the
+    host table's rows, then padding rows (batch, 0) of the phantom sequence, cost -1."""
+    import torch
+
+    from fa4lab.varlen import max_tile_rows, tile_rows
+
+    lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
+    opts = dict(m_block_size=cta_m, n_block_size=n_block, causal=causal, window_size=window)
+    host = varlen_tile_table(lens_q, lens_k, **opts)
+    bound = max_tile_rows(sum(lens_q), len(lens_q), cta_m)
+    assert len(host.table) <= bound, "the bound undercounts"
+    table, costs, blocks = tile_rows(torch.tensor(lens_q), torch.tensor(lens_k),
+                                     bound + extra_rows, **opts)
+    real = len(host.table)
+    assert table.shape == (bound + extra_rows, 2) and table.dtype == torch.int32
+    assert np.array_equal(table[:real].numpy(), host.table)
+    assert np.array_equal(costs[:real].numpy(), host.costs)
+    assert np.array_equal(blocks[:real].numpy(), host.key_blocks)
+    assert (table[real:, 0] == len(lens_q)).all() and (table[real:, 1] == 0).all()
+    assert (costs[real:] == -1).all() and (blocks[real:] == 0).all()

@@ -33,6 +33,7 @@ CPU; the command itself needs a CUDA GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -80,15 +81,20 @@ QUICK_SIZES = {
 }
 
 NOSPLIT, FA4_NOSPLIT = "fa4lab-nosplit", "fa4-nosplit"
+CHECKED = "fa4lab-checked"
 SDPA_NESTED, SDPA_PADDED = "sdpa-nested", "sdpa-padded"
 SCENARIO_PROVIDERS = {
-    VARLEN: (OURS, "fa4", SDPA_NESTED),
-    PAGED: (OURS, "fa4", SDPA_PADDED),
+    VARLEN: (OURS, CHECKED, "fa4", SDPA_NESTED),
+    PAGED: (OURS, CHECKED, "fa4", SDPA_PADDED),
     SPLITKV: (OURS, NOSPLIT, "fa4", FA4_NOSPLIT, "sdpa-flash", "sdpa-cudnn"),
 }
 SERVING_LABELS = {
     f"{VARLEN}/{OURS}": "fa4lab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "
-                        "max_seqlen_q, max_seqlen_k, causal=True), packed (total, heads, d)",
+                        "max_seqlen_q, max_seqlen_k, causal=True, check_indices=False), packed "
+                        "(total, heads, d): the index values are not read back (upstream "
+                        "does not check them either)",
+    f"{VARLEN}/{CHECKED}": "the same with check_indices=True (the default): the index values "
+                           "are checked before launch, one device-to-host read",
     f"{VARLEN}/fa4": "upstream FA4 flash_attn_varlen_func, the same arguments",
     f"{VARLEN}/{SDPA_NESTED}": "PyTorch SDPA over nested jagged tensors (torch.nested, "
                                "layout=torch.jagged; its backend choice), is_causal=True, "
@@ -96,7 +102,9 @@ SERVING_LABELS = {
                                "that is refused (the row's note says which)",
     f"{PAGED}/{OURS}": "fa4lab.attention_varlen(q (batch, heads, d), k_cache, v_cache, "
                        "cu_seqlens_q = arange(batch + 1), None, 1, max_seqlen_k, seqused_k, "
-                       "page_table)",
+                       "page_table, check_indices=False)",
+    f"{PAGED}/{CHECKED}": "the same with check_indices=True (the default): the index values "
+                          "are checked before launch, one device-to-host read",
     f"{PAGED}/fa4": "upstream FA4 flash_attn_varlen_func, the same arguments",
     f"{PAGED}/{SDPA_PADDED}": "PyTorch SDPA (cuDNN / efficient / flash, its choice) on K/V "
                               "gathered from the pages into a padded dense (batch, heads, "
@@ -446,10 +454,11 @@ def _provider(name: str, case: ServingCase, args: VarlenArgs, how: dict) -> Prov
         if name in (OURS, NOSPLIT):
             return Provider(name, fa4lab_runner(num_splits=None if name == OURS else 1))
         return Provider(name, fa4_runner(num_splits=1 if name == FA4_NOSPLIT else 0))
-    if name == OURS:
+    if name in (OURS, CHECKED):
         from fa4lab.api import attention_varlen
 
-        return Provider(name, _varlen_runner(attention_varlen, args, refuse_reference=True))
+        function = functools.partial(attention_varlen, check_indices=name == CHECKED)
+        return Provider(name, _varlen_runner(function, args, refuse_reference=True))
     if name == "fa4":
         fa4_function()                # says why upstream FA4 does not import, if it does not
         from flash_attn.cute.interface import flash_attn_varlen_func

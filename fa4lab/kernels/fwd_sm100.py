@@ -10,7 +10,7 @@ in fa4lab.tiling gives the order every role walks the others in).
 
 Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
 head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
-contiguous. No split-KV. Variable-length batches (spec.varlen): Note [sm100 varlen].
+contiguous. Variable-length batches (spec.varlen): Note [sm100 varlen].
 Paged K/V (`spec.page_size`, Note [paged key blocks] in fa4lab.kernels.device.paged): one TMA
 box per key block for pages of a multiple of n_block, a gather of one box per page for smaller
 pages (16, 32, 64), all on the block's one kv_full barrier.
@@ -29,10 +29,11 @@ the grid, the block ranges, the causal row index and the LSE address change. Com
 audited for sm_100a on CPU; not yet run on a B200.
 
 split-KV (`spec.split_kv`, `fa4lab.kernels.device.split`): num_splits (a runtime Int32) CTAs per
-tile, folded into the grid's head axis; each visits its split's blocks of the tile's range
-(none: an empty split, written as a CTA with no key) and the correction warps store its float32
-partial O and LSE from TMEM (`correction_store_partial`); the epilogue warp keeps its hand-off
-and stores nothing. Compiled and audited for sm_100a on CPU; not yet run on a B200.
+tile, folded into the grid's head axis; each visits its split's blocks of the tile's range (of
+its sequence's own keys with seqused_k, as over a paged cache; none: an empty split, written as
+a CTA with no key) and the correction warps store its float32 partial O and LSE from TMEM
+(`correction_store_partial`); the epilogue warp keeps its hand-off and stores nothing. Compiled
+and audited for sm_100a on CPU; not yet run on a B200.
 
 How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
   * one CTA owns cta_m = q_stage * m_block query rows as two Q tiles ("stages"), or with
@@ -635,6 +636,13 @@ class FlashForwardSm100:
     def mma_role(self, e):
         self.set_registers("mma")
         e = self._tile(e)
+        # The MMAs' negate fields as the constants they are, not as the tiled MMAs' fields read
+        # from the kernel's parameters: the instruction descriptors fold to constants and no
+        # predicate register carries the flags through the role (a paged, causal split kernel
+        # spilled 3-10 instructions in this warp's registers, measured).
+        for name in ("tiled_mma_qk", "tiled_mma_pv"):
+            e[name].set(tcgen05.Field.NEGATE_A, False)
+            e[name].set(tcgen05.Field.NEGATE_B, False)
         tmem = e["tmem"]
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")

@@ -41,14 +41,15 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
 * Paged K/V (`spec.page_size`, Note [paged key blocks] in fa4lab.kernels.device.paged): k, v
   are a cache of pages and the producer reads each key block's pages from the page table: one
   TMA box per block for pages of a multiple of n_block, a gather of one box per page for
-  smaller pages (16, 32, 64), all on the block's one full barrier.
+  smaller pages (16, 32, 64), all on the block's one full barrier; split-KV too (below).
 * pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges, the mask's row index and the LSE and sink addresses change.
 * split-KV (`spec.split_kv`, `fa4lab.kernels.device.split`): num_splits (a runtime Int32) CTAs
   per tile, the split folded into the grid's head axis; each visits its split's blocks of the
-  tile's range and stores its float32 partial O (normalised over its keys) and LSE straight
-  from registers (`epilogue_split`) for the combine kernel; no sink (the combine adds it).
+  tile's range (of its sequence's own keys with seqused_k, as over a paged cache) and stores
+  its float32 partial O (normalised over its keys) and LSE straight from registers
+  (`epilogue_split`) for the combine kernel; no sink (the combine adds it).
 
 Variable-length batches (spec.varlen, `fa4lab.attention_varlen`): packed q/k/v, one launch over
 the batch's real tiles in LPT order from a tile table, O and LSE stored row by row: Note [sm90
@@ -624,15 +625,16 @@ class FlashForwardSm90:
                            stage=0)
                 q_phase = q_phase ^ 1
                 state = self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits,
-                                                        tile), state)
+                                                        tile), tile, state)
         else:
-            self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits), state)
+            self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits), None, state)
 
     @cute.jit
     def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
                   pipeline_k, pipeline_v, left, right, mask_blocks, varlen, mPageTable,
-                  num_splits, coords, state):
-        """One work tile's loads; returns the K/V ring's next slot.
+                  num_splits, coords, tile, state):
+        """One work tile's loads (`coords` those of linear tile `tile`, None: the CTA's one
+        tile); returns the K/V ring's next slot.
 
         Order K of step 0, then (K of step s + 1, V of step s) pairs, then V of the last step: a
         consumer issues the score wgmma of step s + 1 before the value wgmma of step s (see
@@ -671,6 +673,13 @@ class FlashForwardSm90:
         page_k = pages(n_first)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
         self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page_k, state, pipeline_k)
+        if const_expr(self.split_kv and mPageTable is not None):
+            # The page table's row is read again for the block loop rather than kept live from
+            # the tile's coordinates: in the producer's registers a split kernel's LPT
+            # coordinates (causal) spilled it (page 16: one STL and one LDL, measured).
+            _, _, batch, _ = self.work(mQ, self.seqlen_k_of(mK, mPageTable), varlen,
+                                       num_splits, tile)
+            pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             prev = state.clone()
             state.advance()

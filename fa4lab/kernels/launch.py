@@ -22,7 +22,9 @@ Note [block table cache] in `fa4lab.mods_blocks`).
 
 Split-KV (`fa4lab.splitkv`): with num_splits > 1 (or None and `splits_for`'s choice) `forward`
 runs the split kernel of the key with split_kv set (`partials`: float32 partial outputs and
-LSEs, the split count a runtime argument) and merges them with `fa4lab.splitkv.combine`.
+LSEs, the split count a runtime argument) and merges them with `fa4lab.splitkv.combine`; over
+contiguous K/V or a paged cache alike (each split cuts its sequence's own key count:
+Note [empty splits] in fa4lab.kernels.device.split).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
 notebook 07's widget asks) and returns a runner for the bench.
@@ -219,40 +221,47 @@ def _chosen_splits(key: tuple, batch: int, heads: int, rows: int, seqlen_k: int,
 AUTO_SPLIT_ARCHS = ("sm90",)
 
 
-def splits_for(key: tuple, q, k, num_splits: int | None) -> int:
+def splits_for(key: tuple, q, k, num_splits: int | None, page_table=None) -> int:
     """The call's split count: num_splits, or with None `fa4lab.splitkv.choose_num_splits` for
     the shape and the kernel of `key` (its tiles, its pack-GQA rows and grid heads) on q's GPU
     (Note [choosing num_splits]): decode shapes split, prefill does not; 1 on an arch not in
-    AUTO_SPLIT_ARCHS. A given num_splits is capped at the key blocks."""
+    AUTO_SPLIT_ARCHS. A given num_splits is capped at the key blocks. With a `page_table` the
+    key count is the table's capacity, pages_per_seq * page_size (`_seqlen_k`; Note [choosing
+    num_splits] says why not seqused_k)."""
+    seqlen_k = _seqlen_k(k, page_table)
     if num_splits is not None:   # more splits than key blocks would only add empty ones
-        return min(num_splits, num_n_blocks(k.shape[1], cta_tiles(key)[1]))
+        return min(num_splits, num_n_blocks(seqlen_k, cta_tiles(key)[1]))
     if key[0] not in AUTO_SPLIT_ARCHS:
         return 1
     _, _, pack = cta_tiles(key)
     heads = k.shape[2] if pack > 1 else q.shape[2]
-    return _chosen_splits(key, q.shape[0], heads, q.shape[1] * pack, k.shape[1],
+    return _chosen_splits(key, q.shape[0], heads, q.shape[1] * pack, seqlen_k,
                           num_sms(q.device.index))
 
 
 def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | None,
-             softcap: float, window_size, num_splits: int, persistent: bool | None = None):
+             softcap: float, window_size, num_splits: int, persistent: bool | None = None,
+             page_table=None, seqused_k=None):
     """(out_partial, lse_partial) of the `arch` split-KV kernel on checked CUDA tensors: float32
     (num_splits, batch, seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q,
     heads_q), as `fa4lab.splitkv.partial_attention_reference` gives them (no sink: the combine
-    adds it). num_splits is a runtime value of one compiled kernel."""
+    adds it). num_splits is a runtime value of one compiled kernel. With `page_table`, k and v
+    are a paged cache and seqused_k (or every page's keys) each sequence's key count, which its
+    splits cut (`padded_launch_args`)."""
     import torch
 
     key = key_of(q, k, v, arch, causal, False, pack_gqa, softcap, window_size, None,
-                 persistent, split_kv=True)
+                 persistent, split_kv=True, page_table=page_table)
     fn = kernel_for(key)
     b, sq, hq, d = q.shape
     dv = v.shape[3]
+    seqlen_k = _seqlen_k(k, page_table)
     out_p = torch.empty((num_splits, b, sq, hq, dv), dtype=torch.float32, device=q.device)
     lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
     unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     fn(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
-       *window_args(window_size, sq, k.shape[1]), None, None, None, None, None, None, None,
-       num_splits, out_p, lse_p)
+       *window_args(window_size, sq, seqlen_k), None, None,
+       *padded_launch_args(page_table, seqused_k, seqlen_k, q, num_splits, out_p, lse_p))
     return out_p, lse_p
 
 
@@ -265,22 +274,20 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     `fa4lab.mods.check_mods` (or None and ()). num_splits (`fa4lab.splitkv.check_num_splits`'s
     form) None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
     (`fa4lab.splitkv.combine`, the learnable sink joining there). With `page_table`, k and v
-    are a paged cache, one launch without split-KV (`paged_launch_args`), seqused_k (int32
-    (batch,), or None: every page's keys) each sequence's key count."""
+    are a paged cache (`padded_launch_args`), seqused_k (int32 (batch,), or None: every page's
+    keys) each sequence's key count, split or not."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
                  learnable_sink, persistent, page_table=page_table)
     if page_table is not None:
-        check_paged_call(key, mods, num_splits)
-        splits = 1
-    else:
-        splits = 1 if mods is not None else splits_for(key, q, k, num_splits)
+        check_paged_call(key, mods)
+    splits = 1 if mods is not None else splits_for(key, q, k, num_splits, page_table)
     if splits > 1:
         from fa4lab.splitkv import combine
 
         out_p, lse_p = partials(q, k, v, arch, causal, softmax_scale, pack_gqa, softcap,
-                                window_size, splits, persistent)
+                                window_size, splits, persistent, page_table, seqused_k)
         out, lse = combine(out_p, lse_p, learnable_sink=learnable_sink, out_dtype=q.dtype)
         return out, (lse.transpose(1, 2).contiguous() if return_lse else None)
     fn = kernel_for(key, mods)
@@ -291,55 +298,57 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
        *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
        mask_blocks_for(key, mods, aux, q, k),
-       *paged_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q))
+       *padded_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q))
     return out, lse
 
 
-def paged_launch_args(page_table, seqused_k, seqlen_k: int, q) -> tuple:
+def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int = 1,
+                       out_partial=None, lse_partial=None) -> tuple:
     """The kernel's (cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
     out_partial, lse_partial) of a padded launch: with a page table, seqused_k always (the
     caller's, or seqlen_k for every sequence: Note [paged key blocks] in
-    fa4lab.kernels.device.paged); one split."""
+    fa4lab.kernels.device.paged); the split count and the partials of a split-KV kernel (one
+    split and None without)."""
     import torch
 
     if page_table is not None and seqused_k is None:
         seqused_k = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
-    return None, None, seqused_k, None, page_table, 1, None, None
+    return None, None, seqused_k, None, page_table, num_splits, out_partial, lse_partial
 
 
-def forward_varlen(q, k, v, lengths, cu_seqlens_q, cu_seqlens_k, seqused_k, arch: str,
-                   causal: bool, softmax_scale, return_lse: bool, softcap: float = 0.0,
-                   window_size=(None, None), learnable_sink=None):
+def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
+                   softcap: float = 0.0, window_size=(None, None), learnable_sink=None):
     """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
-    fa4lab.kernels.device.scheduler). The key counts always go to the kernel as seqused_k
-    (cu_seqlens_k's differences when the caller gives none)."""
+    fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
+    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.tile_rows`), sized
+    by `max_tile_rows`, and the key counts go to the kernel as seqused_k."""
     import torch
 
-    from fa4lab.varlen import varlen_tile_table
+    from fa4lab.varlen import launch_lengths, max_tile_rows, tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
                  None, varlen=True)
     fn = kernel_for(key)
     cta_m, n_block, _ = cta_tiles(key)
-    max_q, max_k = max(lengths.seqlens_q, default=0), max(lengths.seqlens_k, default=0)
-    rows = varlen_tile_table(lengths.seqlens_q, lengths.seqlens_k, m_block_size=cta_m,
-                             n_block_size=n_block, causal=causal, window_size=window_size)
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
            else None)
-    if len(rows.table) == 0:      # every sequence is empty: nothing to launch
+    if total_q == 0:      # every sequence is empty: nothing to launch
         return out, lse
-    if seqused_k is None:
-        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    cu_q, cu_k, keys = launch_lengths(lengths)
+    lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
+    table, _, _ = tile_rows(lens_q, lengths.keys.long(),
+                            max_tile_rows(total_q, lengths.batch, cta_m),
+                            m_block_size=cta_m, n_block_size=n_block, causal=causal,
+                            window_size=window_size)
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
-    table = torch.from_numpy(rows.table).to(q.device, non_blocking=True)
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
-       *window_args(window_size, max_q, max_k), None, None, cu_seqlens_q, cu_seqlens_k,
-       seqused_k, table, None, 1, None, None)
+       *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k), None, None,
+       cu_q, cu_k, keys, table, None, 1, None, None)
     return out, lse
 
 
@@ -379,17 +388,16 @@ def compile_plan(plan, example):
                if spec.return_lse else None)
         fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
            *window_args(window, sq, k.shape[1]), None, None,
-           *paged_launch_args(None, None, k.shape[1], q))
+           *padded_launch_args(None, None, k.shape[1], q))
         return out
 
     return run, seconds
 
 
-def check_paged_call(key: tuple, mods, num_splits: int | None = None) -> None:
+def check_paged_call(key: tuple, mods) -> None:
     """Before a paged launch (key's page size not None): no mods (their block table and key
-    indices assume contiguous K/V), no split-KV (one launch) and a page size the kernel's key
-    blocks take (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes
-    that fit)."""
+    indices assume contiguous K/V) and a page size the kernel's key blocks take
+    (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
     from fa4lab.errors import InputError
     from fa4lab.kernels.device.paged import check_page_size
 
@@ -397,9 +405,6 @@ def check_paged_call(key: tuple, mods, num_splits: int | None = None) -> None:
         raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
                          "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
                          "on contiguous tensors")
-    if num_splits not in (None, 1):
-        raise InputError(f"num_splits={num_splits}: a paged K/V cache runs as one launch "
-                         f"without split-KV for now; pass num_splits=None or 1 with a page_table")
     check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1])
 
 

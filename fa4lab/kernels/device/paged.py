@@ -80,6 +80,9 @@ GATHER_UNROLL = 2
 # slots past a sequence's last used page are never read. The page-table row is the sequence's
 # index (never the packed view's batch 0 of a varlen launch), and a paged cache is neither
 # offset by cu_seqlens_k (a paged launch has none) nor viewed as a packed batch of one.
+# Split-KV reads pages the same way: a split kernel's CTA walks its split's blocks of its
+# sequence's seqused_k keys (Note [empty splits] in fa4lab.kernels.device.split), so a block's
+# pages do not depend on the split that reads them.
 
 
 def check_page_size(page_size: int, n_block: int) -> None:

@@ -8,17 +8,21 @@ same arithmetic `split_blocks` and `partial_attention_reference` use), and write
 partial output normalised over those keys and their LSE (`store_partial`) into the combine's
 layout: out_partial (num_splits, batch, seqlen_q, heads_q, head_dim_v), lse_partial
 (num_splits, batch, seqlen_q, heads_q). A learnable sink is the combine's business.
+seqlen_k is the tile's sequence's own key count: with seqused_k (a paged K/V cache always has
+it: Note [paged key blocks] in fa4lab.kernels.device.paged) each sequence is cut into the
+splits by its own blocks, as `partial_attention_reference` cuts that sequence's keys alone.
 
 Note [empty splits]
-A split that keeps no block of its tile's range (more splits than blocks, or a causal / window
-range that misses the split's cut) takes the path of a CTA none of whose rows sees a key, so
-the softmax's finalize gives out 0 and LSE -inf (Note [empty rows]), which weigh exactly 0 in
-the combine, and no key of another split enters:
+A split that keeps no block of its tile's range (more splits than blocks -- a short sequence of
+a ragged batch among them --, or a causal / window range that misses the split's cut) takes the
+path of a CTA none of whose rows sees a key, so the softmax's finalize gives out 0 and LSE -inf
+(Note [empty rows]), which weigh exactly 0 in the combine, and no key of another split enters:
 - sm100 visits no block (`narrow` gives lo == hi; every role skips a tile of 0 blocks);
 - sm90 always visits at least one block (Note [fully masked CTAs] in fa4lab.kernels.fwd_sm90):
-  one inside its TILE's range (never a block past seqlen_k), masked whole because its rows'
-  limits are computed with no key at all (`keys_seen` gives seqlen_k 0: every key is at or
-  past the end).
+  one inside its TILE's range (never a block past seqlen_k; block 0 of a sequence with no key,
+  whose first page slot a paged cache's producer reads), masked whole because its rows' limits
+  are computed with no key at all (`keys_seen` gives seqlen_k 0: every key is at or past the
+  end).
 """
 
 from __future__ import annotations
