@@ -54,16 +54,16 @@ GATHER_UNROLL = 2
 #   The copies are a run-time loop over the pieces (`copy_block`), GATHER_UNROLL of them per
 #   iteration, piece j's SMEM slice, row block and page (a shuffle from lane j) computed from
 #   j inside it. Fully unrolled, ptxas issued a block's pieces together, every piece's page
-#   index and TMA operands live at once: with 4 and 8 pieces that spilled a kernel-wide value
-#   (the SMEM base, then reloaded in every role) on sm100, whose load warp runs at 48
-#   registers (setmaxnreg, fa4lab.plan.sm100): 62-72 spill instructions at hd128 with pages of
-#   16, 10 with 32 (causal); and on sm90 18 with pages of 16 (hd128, non-causal). Two pieces
-#   per iteration spill nowhere, on either kernel, and leave a 2-page gather (pages of 64 with
-#   128-key blocks) fully unrolled, its code as before; four per iteration spill again.
+#   index and TMA operands live at once, and spilled (hd128, STL/LDL instructions): on sm100,
+#   whose load warp runs at 48 registers (setmaxnreg, fa4lab.plan.sm100), 62 (68 causal) with
+#   pages of 16 and 6 with pages of 32 causal; on sm90 18 with pages of 16 and 2 with pages of
+#   32 (non-causal). The loop spills nowhere, on either kernel, and leaves a 2-page gather
+#   (pages of 64 with 128-key blocks) fully unrolled, its code as before.
 #   What a gather costs, then, is producer instructions, not registers. The load warp's SASS
-#   per key block (its K and V; hd128, sm100 / sm90): one box 66 / 83 instructions, pages of
-#   64 98 / 124, of 32 ~200 / ~240, of 16 ~340 / ~430 (the spilling unrolled copies: 353 /
-#   340), issued by one elected lane while the block's MMAs take thousands of cycles.
+#   per key block (its K and V; hd128, sm100 / sm90): one box 66 / 79 instructions, pages of
+#   64 96-98 / 121, of 32 198 / 241, of 16 338 / 433-451 (fully unrolled: 32 152 / 220, 16
+#   341-353 / 340-405), issued by one elected lane while the block's MMAs take thousands of
+#   cycles; four pieces per iteration cost about the same (sm90, 16: 438).
 # Sizes that neither divide n_block nor are a multiple of it are refused before launch
 # (`check_page_size`). The page indices are read from global memory by the producer: lane j
 # of the load warp reads slot j of the block (one transaction for the warp) and the copy of
