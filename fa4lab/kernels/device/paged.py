@@ -61,7 +61,7 @@ GATHER_UNROLL = 2
 #   (pages of 64 with 128-key blocks) fully unrolled, its code as before.
 #   What a gather costs, then, is producer instructions, not registers. The load warp's SASS
 #   per key block (its K and V; hd128, sm100 / sm90): one box 66 / 79 instructions, pages of
-#   64 96-98 / 121, of 32 198 / 241, of 16 338 / 433-451 (fully unrolled: 32 152 / 220, 16
+#   64 96-98 / 121, of 32 198 / 241-247, of 16 338 / 433-451 (fully unrolled: 32 152 / 220, 16
 #   341-353 / 340-405), issued by one elected lane while the block's MMAs take thousands of
 #   cycles; four pieces per iteration cost about the same (sm90, 16: 438).
 # Sizes that neither divide n_block nor are a multiple of it are refused before launch
