@@ -49,10 +49,14 @@ OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
            (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
            # A paged K/V cache (Note [paged key blocks]): one TMA box per key block (pages of
-           # 128, 256) and a gather of two pages per block (64).
+           # 128, 256) and a gather of 2, 4 and 8 pages per block (64, 32, 16: the load warp's
+           # run-time loop over the pieces, no spills).
            (128, True, 4, True, "bf16", (("page_size", 128),)),
            (64, False, 1, False, "fp16", (("page_size", 256),)),
            (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None)))),
+           (128, True, 1, False, "fp16", (("page_size", 32),)),
+           (128, True, 4, True, "bf16", (("page_size", 16),)),
+           (64, False, 4, False, "bf16", (("page_size", 16),)),
            # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
            (128, False, 8, False, "bf16", (("split_kv", True),)),
            (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True))),
@@ -120,9 +124,9 @@ def test_one_q_tile_plan_compiles_and_passes_audit(tmp_path_factory):
 
 
 # The decode shape's split kernels: contiguous K/V, and a paged cache (Note [paged key blocks])
-# read as a gather of two pages per key block (causal: LPT order, the MMA warp's tightest
+# read as a gather of 2 and 8 pages per key block (causal: LPT order, the MMA warp's tightest
 # registers) and as one TMA box per block.
-SPLIT_DECODE = [(None, False), (64, True), (128, False)]
+SPLIT_DECODE = [(None, False), (64, True), (16, True), (128, False)]
 
 
 @pytest.mark.slow

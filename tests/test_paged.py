@@ -144,11 +144,12 @@ def test_launch_key_and_kernel_name_carry_the_page_size():
 
 
 @pytest.mark.parametrize("arch,page_size,fits", [("sm90", 16, True), ("sm90", 48, False),
-                                                  ("sm100", 64, True), ("sm100", 32, False),
-                                                  ("sm100", 16, False)])
+                                                  ("sm100", 64, True), ("sm100", 32, True),
+                                                  ("sm100", 16, True), ("sm100", 48, False),
+                                                  ("sm100", 8, False)])
 def test_kernels_refuse_page_sizes_they_do_not_build(arch, page_size, fits):
     """Built from the plan, before any compile: a page size the kernel does not read is a
-    PlanError naming it (sm100 gathers at most two pages per key block so far)."""
+    PlanError naming it; both kernels gather pages of 16, 32 and 64 (Note [paged key blocks])."""
     from fa4lab.kernels.compile import kernel_class
     from fa4lab.plan import plan_forward
     from fa4lab.spec import AttentionSpec

@@ -333,3 +333,54 @@ def test_nested_loops_name_the_innermost():
     assert at("tile loop header") == at("tile loop latch") == "$L__BB1_1"
     assert at("block loop body") == "$L__BB1_3"
     assert at("mov.u32") is None and at("ret;") is None
+
+
+# A paged gather's copies as a run-time loop (Note [paged key blocks] in
+# fa4lab.kernels.device.paged): the piece's SMEM offset strength-reduced to a register stepped
+# through the stage, and the loop's latch a conditional branch with the code after the loop
+# falling through it.
+GATHER_PTX = """
+.extern .shared .align 1024 .b8 __dynamic_shmem__0[];
+	mov.b32 	%r1, __dynamic_shmem__0;
+	ld.param.u32 	%r11, [param_0];
+	add.s32 	%r12, %r1, %r11;
+	mov.b32 	%r13, 4096;
+	add.s32 	%r13, %r13, -1024;
+	add.s32 	%r14, %r1, %r13;
+	mov.b32 	%r5, 8192;
+$L__BB2_1:
+	// gather loop body
+	add.s32 	%r6, %r1, %r5;
+	st.shared.u32 	[%r6], %r7;
+	add.s32 	%r5, %r5, 2048;
+	setp.lt.s32 	%p1, %r5, 24576;
+	@%p1 bra 	$L__BB2_1;
+	// after the gather loop
+	mbarrier.arrive.shared.b64 	%rd1, [%r1+1032];
+	ret;
+"""
+
+
+def test_a_loop_offset_is_bounded_below_by_its_start():
+    """An offset set from an immediate and stepped by non-negative immediates is at least its
+    start; any other definition (a load, a negative step) leaves the dynamic part's 0."""
+    addr = binary.SmemAddresses(GATHER_PTX)
+    assert addr.floor("%r5") == 8192
+    assert addr.operand("[%r6]") == (8192, True)
+    assert addr.operand("[%r6+512]") == (8704, True)
+    assert addr.floor("%r11") == 0 and addr.operand("[%r12]") == (0, True)
+    assert addr.floor("%r13") == 0 and addr.operand("[%r14]") == (0, True)
+
+
+def test_a_conditional_latch_ends_its_loop():
+    """The code after a loop whose latch is a conditional branch falls through it and is not
+    part of the loop (nor before it in program order)."""
+    lines = GATHER_PTX.splitlines()
+    loops = binary.ptx_loops(GATHER_PTX)
+    body = next(i for i, ln in enumerate(lines) if "gather loop body" in ln)
+    latch = next(i for i, ln in enumerate(lines) if "bra" in ln)
+    after = next(i for i, ln in enumerate(lines) if "mbarrier.arrive" in ln)
+    assert loops[body] == loops[latch] == "$L__BB2_1"
+    assert loops[after] is None
+    order = binary.program_order(GATHER_PTX)
+    assert order.index(body) < order.index(latch) < order.index(after)

@@ -227,10 +227,18 @@ def test_audit_against_plan(q_stage):
 
 
 # Paged K/V caches (Note [paged key blocks] in fa4lab.kernels.device.paged): a gather of pages
-# per key block (16, 64) and one TMA box per block (128, 256); the decode shape (seqlen_q 1,
+# per key block (16, 32, 64) and one TMA box per block (128, 256); the decode shape (seqlen_q 1,
 # GQA 8 packed) on one of each.
-PAGED = [(16, True, False), (64, False, False), (128, True, True), (256, False, False),
-         (16, True, True)]
+PAGED = [(16, True, False), (32, False, False), (64, False, False), (128, True, True),
+         (256, False, False), (16, True, True)]
+
+
+def _pieces_per_iteration(plan, page_size):
+    """The TMA copies of one key block's pieces in the PTX: a gather's run-time loop issues
+    GATHER_UNROLL per iteration (Note [paged key blocks])."""
+    from fa4lab.kernels.device.paged import GATHER_UNROLL, pages_per_block
+
+    return min(pages_per_block(page_size, plan.tiles.n_block), GATHER_UNROLL)
 
 
 @pytest.mark.compile
@@ -251,9 +259,8 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
     ptx = cf.ptx_path.read_text()
     loads = ptx.count("cp.async.bulk.tensor.4d.shared::cta.global")
     # Q: one copy per consumer and 64-column half; K and V at four sites (first K, the loop's
-    # K and V, last V), each a block's pieces times its halves.
-    pieces = max(1, plan.tiles.n_block // page_size)
-    assert loads == plan.tiles.q_stage * 2 + 4 * pieces * 2
+    # K and V, last V), each the pieces of one iteration of the gather's loop times the halves.
+    assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
 
 
 # Split-KV over a paged cache (Note [empty splits] in fa4lab.kernels.device.split): the decode
@@ -282,8 +289,7 @@ def test_paged_split_kv_compiles_for_sm90a(page_size, causal, tmp_path):
     cf = compile_and_audit(plan, "sm90a", tmp_path)
     assert cf.keep_dir.name.endswith(f"-page{page_size}-splitkv-packgqa")
     ptx = cf.ptx_path.read_text()
-    pieces = max(1, plan.tiles.n_block // page_size)
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == (
-        plan.tiles.q_stage * 2 + 4 * pieces * 2)
+        plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2)
     assert "st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx
     assert "cp.async.bulk.tensor.4d.global.shared" not in ptx

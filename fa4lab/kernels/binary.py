@@ -316,10 +316,25 @@ class SmemAddresses:
                 return None if a is None else (a[0] + int(parts[1]), a[1])
             b = self.resolve(parts[1], depth + 1) if parts[1].startswith("%") else None
             if a is not None and b is None:
-                return (a[0], True)
+                return (a[0] + self.floor(parts[1]), True)
             if b is not None and a is None:
-                return (b[0], True)
+                return (b[0] + self.floor(parts[0]), True)
         return None
+
+    def floor(self, reg: str) -> int:
+        """A lower bound of the integer `reg` added to an address (0, the dynamic part's,
+        unless its definitions say more): a loop's offset set by mov from an immediate and
+        stepped by adds of non-negative immediates (a strength-reduced slice of a stage, as a
+        paged gather's pieces are) is at least its start."""
+        starts = []
+        for op, args in self.defs.get(reg, []):
+            parts = [a.strip() for a in args.split(",")]
+            if op.startswith("mov") and len(parts) == 1 and parts[0].isdigit():
+                starts.append(int(parts[0]))
+            elif not (op.startswith("add") and len(parts) == 2 and parts[0] == reg
+                      and parts[1].isdigit()):
+                return 0
+        return min(starts, default=0)
 
     def operand(self, text: str):
         """An address operand "[%r8+231432]" / "[%r9]" -> (offset, dynamic) or None."""
@@ -596,7 +611,9 @@ def _block_order(nodes, edges, preds, pos) -> list[str]:
 
 
 def _basic_blocks(lines):
-    """{label: (start line, end line, successor labels)} and the labels in text order."""
+    """{label: (start line, end line, successor labels)} and the labels in text order. A
+    conditional branch ends its block too: the code after it (a loop's exit, falling through
+    its latch) is a block of its own, named after the branch's line."""
     blocks, order = {}, []
     cur, start, succ, falls, in_asm = "entry", 0, [], True, False
 
@@ -624,6 +641,10 @@ def _basic_blocks(lines):
             succ.append(m.group(2))
             if not m.group(1):
                 falls = False
+            else:
+                after = f"line {i + 1}"
+                close(i + 1, after)
+                cur, start, succ, falls = after, i + 1, [], True
         elif s.startswith(("ret;", "exit;")):
             falls = False
     close(len(lines), None)

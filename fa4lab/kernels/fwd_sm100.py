@@ -11,6 +11,9 @@ in fa4lab.tiling gives the order every role walks the others in).
 Constraints: (head_dim, head_dim_v) one of `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]` (for
 head_dim_v < head_dim see Note [sm100 head_dim_v < head_dim]); bf16 or fp16; last dim
 contiguous. Variable-length batches (spec.varlen): Note [sm100 varlen].
+Paged K/V (`spec.page_size`, Note [paged key blocks] in fa4lab.kernels.device.paged): one TMA
+box per key block for pages of a multiple of n_block, a gather of one box per page for smaller
+pages (16, 32, 64), all on the block's one kv_full barrier.
 
 Scheduling (`plan.tiles.order`, fa4lab.kernels.device.scheduler): with two Q tiles and O staged
 in its own SMEM (head_dim 64, 96, 128) the CTAs are persistent (Note [persistent CTAs] in
@@ -83,7 +86,6 @@ from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4lab.errors import PlanError
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import softmax as softmax_mod
@@ -98,7 +100,6 @@ from fa4lab.online_softmax import emulated_pairs
 from fa4lab.plan.sm100 import p_split
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-_MAX_GATHER_PIECES = 2     # pages per key block of a paged gather (Note [paged key blocks])
 # The DSL pipelines over the protocol table's barriers: (full side, empty side).
 _PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
               "s": ("s_full", "p_ready"), "o": ("o_final", "o_rescaled"),
@@ -269,16 +270,8 @@ class FlashForwardSm100:
         self.page_size = spec.page_size
         if self.page_size is not None:
             paged.check_page_size(self.page_size, self.n_block)
-        # Pages smaller than a key block: a gather of TMA boxes per block. More than
-        # _MAX_GATHER_PIECES pieces per block spill at the load role's registers (kernel-wide
-        # values of every role go to the stack: 4 instructions at 4 pieces, 62 at 8, hd128).
+        # Pages smaller than a key block: a gather of TMA boxes per block (16, 32, 64).
         self.gather = self.page_size is not None and self.page_size < self.n_block
-        if self.gather and paged.pages_per_block(self.page_size, self.n_block) > \
-                _MAX_GATHER_PIECES:
-            raise PlanError(f"page_size={self.page_size}: the sm100 kernel gathers at most "
-                            f"{_MAX_GATHER_PIECES} pages per {self.n_block}-key block so far; "
-                            f"use pages of {self.n_block // _MAX_GATHER_PIECES} tokens or more "
-                            f"(the sm90 kernel takes {paged.MIN_GATHER_PAGE})")
         # Note [split P hand-off] in fa4lab.plan.sm100: keys of P handed over first (0: one
         # hand-off), with the table's p_part barrier.
         self.p_split = p_split(tiles)

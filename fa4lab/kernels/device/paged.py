@@ -9,8 +9,9 @@ change (Note [paged key blocks]).
 
 * `check_page_size`: the page sizes a kernel with key blocks of n_block rows takes (a
   multiple of n_block, or a divisor of it that is a multiple of 16), a `PlanError` otherwise;
-* `block_reads`: the pieces of key block n, (slot, row block, rows) each: THE mapping, on
-  Python ints or DSL Int32 (tests check it against `fa4lab.varlen.key_block_pages`);
+* `block_read` / `block_reads`: piece j of key block n, or all its pieces, (slot, row block,
+  rows) each: THE mapping, on Python ints or DSL Int32 (tests check it against
+  `fa4lab.varlen.key_block_pages`);
 * `seqlen_k`: a paged launch's key count per sequence before seqused_k caps it;
 * `page_tma`, `plain`, `stage_pieces`, `page_coords` (host side), `read_pages` and
   `copy_block` (producer side): the TMA atom of one piece, the SMEM slices and cache
@@ -31,6 +32,8 @@ from fa4lab.kernels.device.opaque import opaque_zero
 # fills whole 16-row slices of the block's stage (one wgmma / UMMA K-step of rows), so its
 # TMA box lines up with the swizzle pattern and the MMA reads the stage as one tile.
 MIN_GATHER_PAGE = 16
+# Pieces of a gather issued per iteration of its run-time loop (Note [paged key blocks]).
+GATHER_UNROLL = 2
 
 # Note [paged key blocks]
 # Key block n of a sequence holds keys [n * n_block, (n + 1) * n_block). With the cache viewed
@@ -47,8 +50,20 @@ MIN_GATHER_PAGE = 16
 #   and the stage is laid out exactly as one (n_block, d) box would have left it. All copies of
 #   a block arrive on the block's one full barrier, whose transaction bytes stay the block's.
 #   On sm100 the stages are the MMA operands' layouts, read here in their plain (keys, d) form
-#   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous); there a gather
-#   of more than two pages per block spills in the load role, so the kernel refuses it for now.
+#   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous).
+#   The copies are a run-time loop over the pieces (`copy_block`), GATHER_UNROLL of them per
+#   iteration, piece j's SMEM slice, row block and page (a shuffle from lane j) computed from
+#   j inside it. Fully unrolled, ptxas issued a block's pieces together, every piece's page
+#   index and TMA operands live at once, and spilled (hd128, STL/LDL instructions): on sm100,
+#   whose load warp runs at 48 registers (setmaxnreg, fa4lab.plan.sm100), 62 (68 causal) with
+#   pages of 16 and 6 with pages of 32 causal; on sm90 18 with pages of 16 and 2 with pages of
+#   32 (non-causal). The loop spills nowhere, on either kernel, and leaves a 2-page gather
+#   (pages of 64 with 128-key blocks) fully unrolled, its code as before.
+#   What a gather costs, then, is producer instructions, not registers. The load warp's SASS
+#   per key block (its K and V; hd128, sm100 / sm90): one box 66 / 79 instructions, pages of
+#   64 96-98 / 121, of 32 198 / 241-247, of 16 338 / 433-451 (fully unrolled: 32 152 / 220, 16
+#   341-353 / 340-405), issued by one elected lane while the block's MMAs take thousands of
+#   cycles; four pieces per iteration cost about the same (sm90, 16: 438).
 # Sizes that neither divide n_block nor are a multiple of it are refused before launch
 # (`check_page_size`). The page indices are read from global memory by the producer: lane j
 # of the load warp reads slot j of the block (one transaction for the warp) and the copy of
@@ -96,16 +111,22 @@ def blocks_per_page(page_size: int, n_block: int) -> int:
     return page_size // n_block if page_size >= n_block else 1
 
 
-def block_reads(n, page_size: int, n_block: int) -> list[tuple]:
-    """Key block n's pieces, in key order: (slot, row_block, rows) each, meaning rows
-    [row_block * rows, (row_block + 1) * rows) of the page in page-table slot `slot` fill the
-    next `rows` rows of the block (Note [paged key blocks]). `n` is an int or a DSL Int32;
-    page_size and n_block are compile-time ints. Slots are not clamped (`read_pages` does)."""
+def block_read(n, j, page_size: int, n_block: int) -> tuple:
+    """Piece j of key block n: (slot, row_block, rows), meaning rows [row_block * rows,
+    (row_block + 1) * rows) of the page in page-table slot `slot` fill rows [j * rows,
+    (j + 1) * rows) of the block (Note [paged key blocks]). `n` and `j` are ints or DSL Int32
+    (j < `pages_per_block`); page_size and n_block are compile-time ints. Slots are not clamped
+    (`read_pages` does)."""
     if page_size >= n_block:
         per_page = blocks_per_page(page_size, n_block)
-        return [(n // per_page, n % per_page, n_block)]
-    per_block = pages_per_block(page_size, n_block)
-    return [(n * per_block + j, 0, page_size) for j in range(per_block)]
+        return (n // per_page, n % per_page, n_block)
+    return (n * pages_per_block(page_size, n_block) + j, 0, page_size)
+
+
+def block_reads(n, page_size: int, n_block: int) -> list[tuple]:
+    """Key block n's pieces in key order, `block_read` of each."""
+    return [block_read(n, j, page_size, n_block)
+            for j in range(pages_per_block(page_size, n_block))]
 
 
 def seqlen_k(mPageTable: cute.Tensor, page_size: int):
@@ -183,9 +204,10 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
     sequence with no key still loads block 0, fully masked: slot 0, read as page 0 if it holds
     a pad (-1). Called by every lane of the load warp."""
     per_block = pages_per_block(page_size, n_block)
-    slot, _, _ = block_reads(n, page_size, n_block)[0]
+    piece = 0
     if const_expr(per_block > 1):
-        slot = slot + cutlass.min(cute.arch.lane_idx(), per_block - 1)
+        piece = cutlass.min(cute.arch.lane_idx(), per_block - 1)
+    slot, _, _ = block_read(n, piece, page_size, n_block)
     last = cutlass.max((seqlen_k + (page_size - 1)) // page_size - 1, 0)
     return cutlass.max(mPageTable[batch, cutlass.min(slot, last)], 0)
 
@@ -195,9 +217,10 @@ def copy_block(atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n, pag
                stage, barrier, page_size: cutlass.Constexpr[int], n_block: cutlass.Constexpr[int]):
     """TMA copies of key block n into SMEM stage `stage`, all on `barrier`: tXgX ((TMA),
     row block, page) and tXsX ((TMA), piece, stage) from `page_coords` / `stage_pieces`;
-    `page` this lane's page (`read_pages`)."""
-    pieces = block_reads(n, page_size, n_block)
-    for j in cutlass.range_constexpr(len(pieces)):
-        _, row_block, _ = pieces[j]
-        page_j = page if const_expr(len(pieces) == 1) else cute.arch.shuffle_sync(page, j)
+    `page` this lane's page (`read_pages`). A gather's pieces are a run-time loop, piece j
+    taking lane j's page by a shuffle (Note [paged key blocks]: what it costs)."""
+    per_block = pages_per_block(page_size, n_block)
+    for j in cutlass.range(per_block, unroll=GATHER_UNROLL):
+        _, row_block, _ = block_read(n, j, page_size, n_block)
+        page_j = page if const_expr(per_block == 1) else cute.arch.shuffle_sync(page, j)
         cute.copy(atom, tXgX[None, row_block, page_j], tXsX[None, j, stage], tma_bar_ptr=barrier)
