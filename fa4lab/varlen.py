@@ -67,8 +67,9 @@ __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_var
 # whether to raise; only then are the first broken rule's values read, for its message. That
 # one copy is the price of an error before launch. `check_indices=False` skips it (the caller
 # vouches for the values, as upstream's varlen functions assume without checking: a bad index
-# there is a wrong answer or a fault), and so does a CUDA graph capture, whose replays run on
-# values the capture never sees. The host views of `VarlenLengths` read the values when asked
+# there is a wrong answer or a fault; the masks are then never made, so the check launches
+# nothing), and so does a CUDA graph capture, whose replays run on values the capture never
+# sees. The host views of `VarlenLengths` read the values when asked
 # (the float64 reference and the per-sequence paths, which are slow anyway).
 
 
@@ -141,10 +142,11 @@ def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
 
 
 class _Rule(NamedTuple):
-    """A value rule of the check: `bad` a bool tensor, True where the rule is broken, and
+    """A value rule of the check: `bad()` makes a bool tensor, True where the rule is broken
+    (only when the values are read: a call that skips them launches nothing for its rules), and
     `message` the error for its first broken entry (the flat index), which may read values."""
 
-    bad: object
+    bad: Callable[[], object]
     message: Callable[[int], str]
 
 
@@ -156,10 +158,11 @@ def _raise_first_broken(rules: list[_Rule]) -> None:
 
     if not rules:
         return
-    broken = torch.stack([r.bad.any() for r in rules]).tolist()
-    for rule, is_broken in zip(rules, broken):
+    bads = [r.bad() for r in rules]
+    broken = torch.stack([bad.any() for bad in bads]).tolist()
+    for rule, bad, is_broken in zip(rules, bads, broken):
         if is_broken:
-            raise InputError(rule.message(int(rule.bad.flatten().nonzero()[0, 0])))
+            raise InputError(rule.message(int(bad.flatten().nonzero()[0, 0])))
 
 
 def reads_values(q, check_indices: bool) -> bool:
@@ -180,15 +183,15 @@ def _cu_rules(name: str, cu, total: int, what: str) -> list[_Rule]:
         return int(cu[i])
 
     return [
-        _Rule(cu[:1] != 0, lambda i: (
+        _Rule(lambda: cu[:1] != 0, lambda i: (
             f"{name} must start at 0, got {name}[0] = {at(0)}; it is the cumulative sum of the "
             f"lengths with a leading 0, e.g. torch.nn.functional.pad(lengths.cumsum(0), "
             f"(1, 0)).to(torch.int32)")),
-        _Rule(cu[1:] < cu[:-1], lambda i: (
+        _Rule(lambda: cu[1:] < cu[:-1], lambda i: (
             f"{name} decreases at index {i + 1} ({name}[{i}] = {at(i)}, {name}[{i + 1}] = "
             f"{at(i + 1)}): it must be non-decreasing (sequence {i} cannot have a negative "
             f"length)")),
-        _Rule(cu[-1:] != total, lambda i: (
+        _Rule(lambda: cu[-1:] != total, lambda i: (
             f"{name}'s last entry is {at(-1)} but the packed {what} have {total} tokens: the "
             f"last entry must equal the total ({what}.shape[0])")),
     ]
@@ -203,18 +206,18 @@ def _max_bound(name: str, value, total: int) -> int:
     return int(value)
 
 
-def _max_rule(name: str, value, lengths, which: str) -> list[_Rule]:
-    """max_seqlen (when given) is at least every sequence's length."""
+def _max_rule(name: str, value, lengths: Callable[[], object], which: str) -> list[_Rule]:
+    """max_seqlen (when given) is at least every sequence's length (`lengths()`)."""
     if value is None:
         return []
 
     def message(_):
-        b = int(lengths.argmax())
+        b = int(lengths().argmax())
         return (f"{name}={int(value)} is smaller than sequence {b}'s {which} length "
-                f"{int(lengths[b])}: pass at least the longest length (max_seqlen sizes the "
+                f"{int(lengths()[b])}: pass at least the longest length (max_seqlen sizes the "
                 f"launch grid)")
 
-    return [_Rule(lengths > int(value), message)]
+    return [_Rule(lambda: lengths() > int(value), message)]
 
 
 def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
@@ -222,9 +225,10 @@ def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
     cache; later slots are never read and may hold anything (serving stacks pad with -1)."""
     import torch
 
-    needed = (keys.to(torch.int64) + page_size - 1) // page_size
-    read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
-    bad = read & ((table < 0) | (table >= num_pages))
+    def bad():
+        needed = (keys.to(torch.int64) + page_size - 1) // page_size
+        read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
+        return read & ((table < 0) | (table >= num_pages))
 
     def message(i):
         b, slot = divmod(i, int(table.shape[1]))
@@ -331,14 +335,14 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if used.shape[0] != batch:
             raise InputError(f"seqused_k has {used.shape[0]} entries for {batch} sequences: one "
                              f"key count per sequence")
-        rules.append(_Rule((used < 0) | (used > have), lambda b: (
+        rules.append(_Rule(lambda: (used < 0) | (used > have), lambda b: (
             f"seqused_k[{b}] = {int(used[b])} but {where} {int(have[b])} keys: seqused_k counts "
             f"the keys a sequence uses, 0 <= seqused_k[b] <= {int(have[b])}")))
         keys = used
     if paged:
         rules.append(_page_rule(table, keys, page_size, int(k.shape[0])))
-    rules += _max_rule("max_seqlen_q", max_seqlen_q, cu_q[1:] - cu_q[:-1], "query")
-    rules += _max_rule("max_seqlen_k", max_seqlen_k, keys, "key")
+    rules += _max_rule("max_seqlen_q", max_seqlen_q, lambda: cu_q[1:] - cu_q[:-1], "query")
+    rules += _max_rule("max_seqlen_k", max_seqlen_k, lambda: keys, "key")
     lengths = VarlenLengths(cu_q, keys, cu_k, page_size,
                             _max_bound("max_seqlen_q", max_seqlen_q, int(q.shape[0])),
                             _max_bound("max_seqlen_k", max_seqlen_k, capacity))
