@@ -66,7 +66,8 @@ shape asks, as `attention` chooses), other paged batches run `attention` once pe
 now.
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
-`torch.ops.fa4lab.attention_forward` (Note [the attention op]).
+`torch.ops.fa4lab.attention_forward` (Note [the attention op]), `attention_varlen` by
+`torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]).
 """
 
 from __future__ import annotations
@@ -293,14 +294,37 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequence's keys its seqused_k, split across CTAs when the shape asks (`_paged_same_length`);
     a page_table with ragged query counts, or another GPU: one `fa4lab.attention` call per
     sequence (a paged sequence's K/V gathered into contiguous tensors first).
-    Not yet a torch custom op (torch.compile graph-breaks here).
-    """
-    from fa4lab.reference import attention_varlen_reference
-    from fa4lab.varlen import check_varlen, sequence_kv, unpack
 
+    torch.compile and CUDA graphs: backed by the custom op
+    `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]).
+    """
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
+    causal, return_lse = bool(causal), bool(return_lse)
+    if _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                    learnable_sink):
+        scale = None if softmax_scale is None else float(softmax_scale)
+        causal, (left, right) = normalize_mask(causal, window_size)
+        out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, seqused_k, page_table, causal, scale,
+                                            left, right, float(softcap), learnable_sink,
+                                            return_lse, bool(check_indices))
+    else:
+        out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
+                                   window_size, softcap, learnable_sink, return_lse,
+                                   check_indices)
+    return (out, lse) if return_lse else out
+
+
+def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                    page_table, causal: bool, softmax_scale, window_size, softcap: float,
+                    learnable_sink, return_lse: bool, check_indices: bool):
+    """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference."""
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import check_varlen, sequence_kv, unpack
+
     lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k, page_table, check_indices=check_indices)
     causal, window_size = normalize_mask(causal, window_size)
@@ -311,22 +335,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                  softcap=softcap, learnable_sink=learnable_sink)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
+    lse_or_none = (lambda lse: lse) if return_lse else (lambda lse: None)
     if not q.is_cuda:
-        _warn_slow(q, "fa4lab.attention_varlen", stacklevel=3)
+        _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
         out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k=seqused_k, page_table=page_table,
                                               return_lse=True, **options)
-        out, lse = out.to(q.dtype), lse.to(torch.float32)
-        return (out, lse) if return_lse else out
+        return out.to(q.dtype), lse_or_none(lse.to(torch.float32))
     if arch is not None and page_table is None:     # one launch over the batch's real tiles
-        out, lse = launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale,
-                                         return_lse, float(softcap), window_size,
-                                         learnable_sink)
-        return (out, lse) if return_lse else out
+        return launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale, return_lse,
+                                     float(softcap), window_size, learnable_sink)
     if arch is not None and lengths.same_query_count(q.shape[0]):
-        out, lse = _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch,
-                                      return_lse, options)
-        return (out, lse) if return_lse else out
+        return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
+                                  options)
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))
     lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)
@@ -345,7 +366,57 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             continue
         o_b, lse_b = attention(q_b[None], k_b[None], v_b[None], return_lse=True, **options)
         out[rows], lse[:, rows] = o_b[0], lse_b[0]
-    return (out, lse) if return_lse else out
+    return out, lse_or_none(lse)
+
+
+# Note [the varlen op]
+# `fa4lab::attention_varlen_forward` is `attention_varlen` as a torch custom op, as Note [the
+# attention op] says of `attention`: eager calls skip the dispatcher, traced or intercepted
+# calls go through the op. Its fake implementation checks what the shapes show
+# (`fa4lab.varlen.check_varlen_shapes`) and gives out (total_q, heads_q, head_dim_v) and lse
+# (heads_q, total_q) from the shapes alone: it never reads a length, so under
+# torch.compile(dynamic=True) a new packed total or batch is a new size, not a new graph. The
+# value check runs in the real implementation, when the graph runs (one device-to-host copy
+# unless check_indices=False, none inside a CUDA graph capture: Note [reading the lengths] in
+# fa4lab.varlen).
+
+
+@torch.library.custom_op("fa4lab::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
+                             max_seqlen_q: int | None, max_seqlen_k: int | None,
+                             seqused_k: torch.Tensor | None, page_table: torch.Tensor | None,
+                             causal: bool, softmax_scale: float | None,
+                             window_left: int | None, window_right: int | None,
+                             softcap: float, learnable_sink: torch.Tensor | None,
+                             return_lse: bool, check_indices: bool,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
+    out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               seqused_k, page_table, causal, softmax_scale,
+                               (window_left, window_right), softcap, learnable_sink, return_lse,
+                               check_indices)
+    if lse is None:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@attention_varlen_forward.register_fake
+def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
+                                   window_left, window_right, softcap, learnable_sink,
+                                   return_lse, check_indices):
+    from fa4lab.varlen import check_varlen_shapes
+
+    check_varlen_shapes(q, k, v, page_table is not None)
+    normalize_mask(causal, (window_left, window_right))
+    total_q, heads_q = q.shape[0], q.shape[1]
+    return (q.new_empty((total_q, heads_q, v.shape[-1])),
+            q.new_empty((heads_q, total_q) if return_lse else (0,), dtype=torch.float32))
+
+
+attention_varlen_forward.register_autograd(_no_backward,
+                                           setup_context=lambda ctx, inputs, output: None)
 
 
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,

@@ -49,9 +49,9 @@ from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import CostModel, block_counts, ceil_div, num_m_blocks
 
 __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_varlen",
-           "gather_paged", "key_block_pages", "launch_lengths", "max_tile_rows", "pack", "pad",
-           "paged_seqlen_k", "reads_values", "sequence_kv", "tile_rows", "unpack",
-           "varlen_tile_table", "varlen_tiles"]
+           "check_varlen_shapes", "gather_paged", "key_block_pages", "launch_lengths",
+           "max_tile_rows", "pack", "pad", "paged_seqlen_k", "reads_values", "sequence_kv",
+           "tile_rows", "unpack", "varlen_tile_table", "varlen_tiles"]
 
 
 # Note [reading the lengths]
@@ -240,8 +240,10 @@ def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
     return _Rule(bad, message)
 
 
-def _check_tensors(q, k, v, paged: bool) -> None:
-    """Kinds, dims, dtypes, devices and the shapes q, k, v must share."""
+def check_varlen_shapes(q, k, v, paged: bool) -> None:
+    """Kinds, dims, dtypes, devices and the shapes q, k, v must share: the part of
+    `check_varlen` that reads no index tensor (and no size that varies from call to call), so
+    a fake tensor or a traced size passes through it (Note [the varlen op] in fa4lab.api)."""
     import torch
 
     kv_dims = ("(num_pages, page_size, heads_kv, head_dim)" if paged
@@ -301,7 +303,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     import torch
 
     paged = page_table is not None
-    _check_tensors(q, k, v, paged)
+    check_varlen_shapes(q, k, v, paged)
     cu_q = _checked_index("cu_seqlens_q", cu_seqlens_q, q, 1, "(batch + 1,)")
     rules = _cu_rules("cu_seqlens_q", cu_q, int(q.shape[0]), "q")
     batch = int(cu_q.shape[0]) - 1
@@ -379,7 +381,7 @@ def check_paged(q, k, v, page_table) -> int:
                          f"sequences go to fa4lab.attention_varlen)")
     if min(q.shape) < 1:
         raise InputError(f"empty dimension in q {tuple(q.shape)}")
-    _check_tensors(q[0], k, v, paged=True)
+    check_varlen_shapes(q[0], k, v, paged=True)
     table = _page_table(page_table, q, int(q.shape[0]), "q has")
     seqlen_k = paged_seqlen_k(k, table)
     if seqlen_k < 1:

@@ -1,5 +1,6 @@
-"""`fa4lab.attention` in model code on a GPU with a kernel (marker `gpu`): torch.compile with
-fullgraph and CUDA graphs, opcheck on CUDA tensors, and the disk cache across processes."""
+"""`fa4lab.attention` and `fa4lab.attention_varlen` in model code on a GPU with a kernel (marker
+`gpu`): torch.compile with fullgraph and CUDA graphs, opcheck on CUDA tensors, and the disk
+cache across processes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_attention_op import LlamaBlock, _sdpa_causal  # noqa: E402
+from test_attention_varlen_op import PackedBlock, _cu, _reference_block  # noqa: E402
 
 import fa4lab  # noqa: E402
 from fa4lab.environment import gpu  # noqa: E402
@@ -96,3 +98,62 @@ def test_a_second_process_loads_the_kernel_from_disk():
     assert not second["dsl_imported"], "loading a cached kernel should not need the CuTe DSL"
     assert second["checksum"] == first["checksum"]     # the same kernel on the same inputs
     print(format_first_calls([first, second]))
+
+
+def _packed_cuda(lengths, heads_q=8, heads_kv=2, d=128, seed=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    return r(total, heads_q, d), r(total, heads_kv, d), r(total, heads_kv, d), \
+        _cu(lengths).cuda()
+
+
+def test_varlen_compile_fullgraph_matches_eager_and_the_reference():
+    torch.manual_seed(4)
+    block = PackedBlock(hidden=256, heads=8, kv_heads=2, head_dim=64).cuda().eval()
+    block = block.to(torch.bfloat16)
+    lengths = [300, 1, 0, 129, 640]
+    x = torch.randn(sum(lengths), 256, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(lengths).cuda()
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        eager = block(x, cu, max(lengths))
+        out = compiled(x, cu, max(lengths))
+        ref = _reference_block(block, x, cu)
+    torch.testing.assert_close(out, eager, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(eager.double(), ref, atol=3e-2, rtol=2e-2)
+
+
+def test_varlen_cuda_graph_capture_and_replay():
+    """The capture skips the value check (Note [reading the lengths]); replays on new data
+    give the eager answer bit for bit."""
+    lengths = [500, 0, 1, 257]
+    q, k, v, cu = _packed_cuda(lengths)
+
+    def call():
+        return fa4lab.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
+                                       causal=True)
+
+    call()                           # compile (or load) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call())
+
+
+def test_varlen_opcheck_on_cuda():
+    lengths = [70, 0, 1, 33]
+    q, k, v, cu = _packed_cuda(lengths, heads_q=4, d=64)
+    op = torch.ops.fa4lab.attention_varlen_forward.default
+    torch.library.opcheck(op, (q, k, v, cu, cu, None, None, None, None, True, None, None, None,
+                               0.0, None, True, True))
+    torch.library.opcheck(op, (q, k, v, cu, cu, 70, 70, None, None, False, 0.2, 16, 4, 3.0,
+                               torch.randn(4, device="cuda"), False, False))
