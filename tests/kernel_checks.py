@@ -120,6 +120,48 @@ def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softca
     assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
 
 
+def check_sequences(out, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts, *, atol=ATOL,
+                    what: str = "") -> None:
+    """The rule above, sequence by sequence, for a varlen result: out (total_q, heads, dv) and
+    lse (heads, total_q) against the float64 `ref` / `ref_lse` of
+    `fa4lab.reference.attention_varlen_reference`; cu_q the host cu_seqlens_q, lens_k each
+    sequence's key count, kv_of(b) its contiguous (k_b, v_b) (seqlen_k, heads_kv, d) for the
+    16-bit yardstick (`torch_same_dtype` with `opts`: causal, window_size, softcap,
+    learnable_sink), `what` a note for the failure messages."""
+    from fa4lab.reference import visible_mask
+
+    causal, window_size = opts.get("causal", False), opts.get("window_size", (None, None))
+    assert out.shape == (*q.shape[:2], out.shape[-1]) and out.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    for b, lk in enumerate(lens_k):
+        lq = cu_q[b + 1] - cu_q[b]
+        if lq == 0:
+            continue
+        rows = slice(cu_q[b], cu_q[b + 1])
+        o_b, r_b, lse_b, rlse_b = out[rows], ref[rows], lse[:, rows], ref_lse[:, rows]
+        where = f"sequence {b} (len_q {lq}, len_k {lk}{what})"
+        sees = torch.zeros(lq, dtype=torch.bool, device=q.device)
+        if lk:
+            sees = torch.as_tensor(visible_mask(lq, lk, causal, window_size=window_size)
+                                   .any(axis=1), device=q.device)
+        assert (o_b[~sees] == 0).all(), f"{where}: a row that sees no key must be exactly 0"
+        finite = torch.isfinite(rlse_b)
+        assert (lse_b[~finite] == -math.inf).all(), f"{where}: LSE of an empty row not -inf"
+        if finite.any():
+            lse_err = (lse_b.double() - rlse_b)[finite].abs()
+            assert (lse_err <= 1e-3 + 1e-5 * rlse_b[finite].abs()).all(), \
+                f"{where}: LSE error up to {lse_err.max().item():.3g}"
+        if not sees.any():
+            continue
+        k_b, v_b = kv_of(b)
+        pt = torch_same_dtype(q[rows][None], k_b[None], v_b[None], **opts)[0]
+        err = (o_b.double() - r_b)[sees].abs().max().item()
+        pt_err = (pt.double() - r_b)[sees].abs().max().item()
+        assert err <= 2 * pt_err + atol, \
+            f"{where}: error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + {atol:.3g}"
+
+
 def replays_in_a_cuda_graph(call, buffers, settings, *, synchronises: bool = False) -> None:
     """`call()` reads its index tensors from `buffers`; for each entry of `settings` (new
     values for the buffers, same shapes) it must (1) run without a device-to-host

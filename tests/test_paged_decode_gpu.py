@@ -16,13 +16,11 @@ shape the benchmark measures, pack-GQA) and L = 4.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kernel_checks import ATOL, replays_in_a_cuda_graph, torch_same_dtype  # noqa: E402
+from kernel_checks import check_sequences, replays_in_a_cuda_graph  # noqa: E402
 
 pytestmark = pytest.mark.sm90
 
@@ -58,7 +56,7 @@ def _check(q, k_cache, v_cache, table, cu_q, seqused_k, *, causal=False,
            window_size=(None, None), learnable_sink=None, launches=1):
     from fa4lab import attention_varlen
     from fa4lab.kernels import launch
-    from fa4lab.reference import attention_varlen_reference, visible_mask
+    from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import gather_paged
 
     cq, used = cu_q.tolist(), seqused_k.tolist()
@@ -80,35 +78,12 @@ def _check(q, k_cache, v_cache, table, cu_q, seqused_k, *, causal=False,
         launch.forward = forward
     assert calls.count(True) == launches and (launches == 0 or len(calls) == 1), \
         f"expected {launches} paged launch(es) and nothing else, got {calls}"
-    assert out.shape == (*q.shape[:2], v_cache.shape[-1]) and out.dtype == q.dtype
-    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     ref, ref_lse = attention_varlen_reference(q, k_cache, v_cache, cu_q, None,
                                               seqused_k=seqused_k, page_table=table,
                                               return_lse=True, **opts)
     ks, vs = (gather_paged(c, table, used) for c in (k_cache, v_cache))
-    for b, (L, lk) in enumerate(zip(lens_q, used)):
-        rows = slice(cq[b], cq[b + 1])
-        o_b, r_b, lse_b, rlse_b = out[rows], ref[rows], lse[:, rows], ref_lse[:, rows]
-        where = f"sequence {b} (L {L}, seqused_k {lk}, page {k_cache.shape[1]})"
-        sees = torch.zeros(L, dtype=torch.bool, device="cuda")
-        if lk:
-            sees = torch.as_tensor(visible_mask(L, lk, causal, window_size=window_size)
-                                   .any(axis=1), device="cuda")
-        assert (o_b[~sees] == 0).all(), f"{where}: a row that sees no key must be exactly 0"
-        finite = torch.isfinite(rlse_b)
-        assert (lse_b[~finite] == -math.inf).all(), f"{where}: LSE of an empty row not -inf"
-        if finite.any():
-            lse_err = (lse_b.double() - rlse_b)[finite].abs()
-            assert (lse_err <= 1e-3 + 1e-5 * rlse_b[finite].abs()).all(), \
-                f"{where}: LSE error up to {lse_err.max().item():.3g}"
-        if not sees.any():
-            continue
-        pt = torch_same_dtype(q[rows][None], ks[b][None], vs[b][None], **opts)[0]
-        err = (o_b.double() - r_b)[sees].abs().max().item()
-        pt_err = (pt.double() - r_b)[sees].abs().max().item()
-        assert err <= 2 * pt_err + ATOL, \
-            f"{where}: error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + {ATOL:.3g}"
+    check_sequences(out, lse, ref, ref_lse, q, cq, used, lambda b: (ks[b], vs[b]), opts,
+                    what=f", page {k_cache.shape[1]}")
 
 
 @pytest.mark.parametrize("page_size", [16, 128])
