@@ -62,8 +62,9 @@ ones (None chooses from the table's capacity). The reference gathers the sequenc
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
 caches (`fa4lab.varlen`): one varlen kernel launch per batch; a paged cache whose sequences
 all have the same query count (decode) is one paged launch (split-KV and the combine when the
-shape asks, as `attention` chooses), other paged batches run `attention` once per sequence, for
-now.
+shape asks, as `attention` chooses); other paged batches (chunked prefill) run `attention` once
+per sequence until their one varlen launch over the pages has run on the GPU
+(`fa4lab.kernels.launch.PAGED_VARLEN_ARCHS`).
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]), `attention_varlen` by
@@ -292,8 +293,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     whatever the lengths). With a page_table there, when every sequence has the same query
     count L (decode: L = 1): one paged launch over q viewed as (batch, L, heads_q, d), each
     sequence's keys its seqused_k, split across CTAs when the shape asks (`_paged_same_length`);
-    a page_table with ragged query counts, or another GPU: one `fa4lab.attention` call per
-    sequence (a paged sequence's K/V gathered into contiguous tensors first).
+    a page_table with ragged query counts (chunked prefill): one varlen launch over the pages
+    on the archs of `fa4lab.kernels.launch.PAGED_VARLEN_ARCHS` (none yet: the kernels are
+    compiled and audited, not yet run), elsewhere, or on another GPU, one `fa4lab.attention`
+    call per sequence (a paged sequence's K/V gathered into contiguous tensors first).
 
     torch.compile and CUDA graphs: backed by the custom op
     `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]).
@@ -342,12 +345,13 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                               seqused_k=seqused_k, page_table=page_table,
                                               return_lse=True, **options)
         return out.to(q.dtype), lse_or_none(lse.to(torch.float32))
-    if arch is not None and page_table is None:     # one launch over the batch's real tiles
-        return launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale, return_lse,
-                                     float(softcap), window_size, learnable_sink)
-    if arch is not None and lengths.same_query_count(q.shape[0]):
+    if arch is not None and page_table is not None and lengths.same_query_count(q.shape[0]):
         return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
                                   options)
+    if arch is not None and (page_table is None or arch in launch.PAGED_VARLEN_ARCHS):
+        # one launch over the batch's real tiles, over packed K/V or the pages in place
+        return launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale, return_lse,
+                                     float(softcap), window_size, learnable_sink, page_table)
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))
     lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)

@@ -316,3 +316,52 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
                                                 page_table=table, causal=True, return_lse=True)
     torch.testing.assert_close(out, want.to(out.dtype))
     torch.testing.assert_close(lse, want_lse.float())
+
+
+def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatch):
+    """`launch.forward_varlen` with a page table (chunked prefill, ragged query counts) hands
+    the kernel the cache itself, the page table, no cu_seqlens_k, each sequence's key count
+    (the phantom sequence's 0 appended) and a tile table naming every real (sequence, m_block)
+    once: a stand-in kernel that computes exactly the tiles it is given, from the arguments it
+    is given, reproduces the float64 reference on every row."""
+    from fa4lab.kernels import launch
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import check_varlen
+
+    _, kc, vc, table = _paged(batch=4, pages=6, page_size=16, hq=4, hkv=2, d=64, seed=8)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    lens_q, used = [0, 1, 200, 7], torch.tensor([50, 0, 96, 3], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 64, generator=torch.Generator().manual_seed(9))
+    q = q.to(torch.bfloat16)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    key = launch.key_of(q, kc, vc, "sm90", True, True, False, varlen=True, page_table=table)
+    cta_m = launch.cta_tiles(key)[0]
+    tiles = []
+
+    def varlen_kernel(q_, k_, v_, out, lse, sink, scale_log2, pre_scale, left, right, aux,
+                      mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table,
+                      page_table, num_splits, out_partial, lse_partial):
+        assert k_ is kc and v_ is vc and page_table is table and cu_seqlens_k is None
+        assert num_splits == 1 and out_partial is None and lse_partial is None
+        assert seqused_k.tolist() == [*used.tolist(), 0] and cu_seqlens_q[-1] == cu_q[-1]
+        o_ref, lse_ref = attention_varlen_reference(
+            q_, k_, v_, cu_seqlens_q[:-1], None, seqused_k=seqused_k[:-1],
+            page_table=page_table, causal=True, return_lse=True)
+        for b, m in tile_table.tolist():
+            if b == len(lens_q):        # a padding row: the phantom sequence, nothing to do
+                continue
+            tiles.append((b, m))
+            rows = slice(int(cu_seqlens_q[b]) + m * cta_m,
+                         min(int(cu_seqlens_q[b + 1]), int(cu_seqlens_q[b]) + (m + 1) * cta_m))
+            out[rows], lse[:, rows] = o_ref[rows].to(out.dtype), lse_ref[:, rows].float()
+
+    monkeypatch.setattr(launch, "kernel_for", lambda key, mods=None: varlen_kernel)
+    lengths = check_varlen(q, kc, vc, cu_q, None, None, None, used, table)
+    out, lse = launch.forward_varlen(q, kc, vc, lengths, "sm90", True, None, True,
+                                     page_table=table)
+    want = [(b, m) for b, n in enumerate(lens_q) for m in range(ceil_div(n, cta_m))]
+    assert sorted(tiles) == want
+    ref, ref_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
+                                              page_table=table, causal=True, return_lse=True)
+    torch.testing.assert_close(out, ref.to(out.dtype), atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=0, rtol=0)

@@ -129,8 +129,8 @@ def test_seqused_k_without_varlen_compiles(arch, tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("arch,page_size", [("sm90", 16), ("sm90", 128), ("sm100", 64),
-                                            ("sm100", 128)])
+@pytest.mark.parametrize("arch,page_size", [("sm90", 16), ("sm90", 128), ("sm100", 16),
+                                            ("sm100", 64), ("sm100", 128)])
 def test_paged_varlen_compiles(arch, page_size, tmp_path):
     """Packed q beside a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged:
     the cache is neither offset nor viewed as a batch of one, and a paged varlen launch has no

@@ -316,20 +316,33 @@ def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int 
     return None, None, seqused_k, None, page_table, num_splits, out_partial, lse_partial
 
 
+# The archs on which `fa4lab.attention_varlen` runs a paged batch with ragged query counts
+# (chunked prefill over a paged cache) as ONE varlen launch over the pages: the ones it has run
+# on. The paged varlen kernels of both archs compile and pass the audit (tests/
+# test_varlen_kernels.py) and tests/test_paged_varlen_gpu.py holds them to the float64
+# reference, but neither has run yet: elsewhere such a batch runs once per sequence.
+PAGED_VARLEN_ARCHS: tuple[str, ...] = ()
+
+
 def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
-                   softcap: float = 0.0, window_size=(None, None), learnable_sink=None):
+                   softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
+                   page_table=None):
     """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
     fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
     in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.tile_rows`), sized
-    by `max_tile_rows`, and the key counts go to the kernel as seqused_k."""
+    by `max_tile_rows`, and the key counts go to the kernel as seqused_k. With `page_table`,
+    k and v are a paged cache read in place (Note [paged key blocks] in
+    fa4lab.kernels.device.paged: no cu_seqlens_k, each sequence's keys its lengths.keys)."""
     import torch
 
     from fa4lab.varlen import launch_lengths, max_tile_rows, tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
-                 None, varlen=True)
+                 None, varlen=True, page_table=page_table)
+    if page_table is not None:
+        check_paged_call(key, None)
     fn = kernel_for(key)
     cta_m, n_block, _ = cta_tiles(key)
     total_q, hq = q.shape[0], q.shape[1]
@@ -348,7 +361,7 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
        *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k), None, None,
-       cu_q, cu_k, keys, table, None, 1, None, None)
+       cu_q, cu_k, keys, table, page_table, 1, None, None)
     return out, lse
 
 

@@ -497,8 +497,9 @@ def add_cli(subparsers) -> None:
 # rule for the plan, notebook 02 and the gather): a page size that is a multiple of n_block
 # serves whole blocks, each one contiguous box (what a TMA load of the block needs); a smaller
 # page makes each block a gather of n_block / page_size pages; a size that does not divide
-# n_block leaves some blocks straddling a page edge. The kernels do not read pages yet:
-# `fa4lab.attention_varlen` gathers the pages before it calls them.
+# n_block leaves some blocks straddling a page edge, a size the kernels refuse before launch.
+# The kernels read the pages in place, one box per block or one per page of a gather (Note
+# [paged key blocks] in fa4lab.kernels.device.paged).
 def paged_section(plan, page_size: int, show: int = 4) -> dict:
     """The plan's K/V blocks over pages of `page_size` tokens, in page-table slots (a table in
     order: slot s is page s). Note [paged blocks in the plan]."""
@@ -524,8 +525,9 @@ def paged_section(plan, page_size: int, show: int = 4) -> dict:
 def render_paged(sec: dict) -> str:
     lines = ["", f"## Paged K/V (pages of {sec['page_size']} tokens)", "",
              f"- {sec['blocks']} K/V blocks of {sec['n_block']} keys; {sec['path']}.",
-             "- Planned, not yet in the kernels: `fa4lab.attention_varlen` gathers the pages "
-             "before it calls them (Note [paged blocks in the plan]).", "",
+             "- The kernels read the pages in place: one TMA box per block, or one per page "
+             "of a gather; sizes that straddle are refused before launch (Note [paged blocks "
+             "in the plan]).", "",
              "| K/V block | pieces (page-table slot: tokens [first, stop)) |", "|---|---|"]
     for j, pieces in enumerate(sec["first_blocks"]):
         lines.append(f"| {j} | " + ", ".join(f"slot {s}: [{a}, {b})" for s, _, a, b in pieces)

@@ -202,14 +202,17 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
     has seqlen_k keys: lane j reads the page of piece j (lanes past the block's pieces read the
     last piece's), its slot clamped to the sequence's last page (Note [paged key blocks]). A
     sequence with no key still loads block 0, fully masked: slot 0, read as page 0 if it holds
-    a pad (-1). Called by every lane of the load warp."""
+    a pad (-1). The row is clamped to the table's last: a varlen launch's padding tiles belong
+    to a phantom sequence one past the last (Note [tile rows on the device] in fa4lab.varlen),
+    which has no key and no row of its own. Called by every lane of the load warp."""
     per_block = pages_per_block(page_size, n_block)
     piece = 0
     if const_expr(per_block > 1):
         piece = cutlass.min(cute.arch.lane_idx(), per_block - 1)
     slot, _, _ = block_read(n, piece, page_size, n_block)
     last = cutlass.max((seqlen_k + (page_size - 1)) // page_size - 1, 0)
-    return cutlass.max(mPageTable[batch, cutlass.min(slot, last)], 0)
+    row = cutlass.min(batch, cute.size(mPageTable, mode=[0]) - 1)
+    return cutlass.max(mPageTable[row, cutlass.min(slot, last)], 0)
 
 
 @cute.jit
