@@ -52,12 +52,15 @@ test-fast: install
 	FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)" tests/
 
 # On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
-# Fails (not passes vacuously) when no GPU is visible.
+# Fails (not passes vacuously) when no GPU is visible. The tests run as GPU_JOBS processes side
+# by side (tests/shards.py: their compiles overlap, kernels shared through the disk cache).
+GPU_JOBS ?= 4
 test-gpu:
 	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
 	print('GPU:', torch.cuda.get_device_name(0) if ok else 'none'); \
 	sys.exit(0 if ok else 'make test-gpu needs a CUDA GPU and none is visible; use make test on a CPU machine')"
-	FA4LAB_SIZE=full FA4LAB_REQUIRE_GPU=1 $(PY) -m pytest -q -m "gpu or sm90 or sm100" tests/
+	FA4LAB_SIZE=full FA4LAB_REQUIRE_GPU=1 $(PY) tests/shards.py --jobs $(GPU_JOBS) -- \
+	  -q -m "gpu or sm90 or sm100" tests/
 	FA4LAB_SIZE=full $(PY) -m pytest -q --nbmake --nbmake-timeout=1200 notebooks/
 
 # On a Hopper GPU with compute-sanitizer: the sm90 kernel's barriers under synccheck and its

@@ -12,6 +12,10 @@ generators are seeded with it before each test. Under CI=true Hypothesis runs de
 FA4LAB_FORBID_COMPILE=1 (set by `make test-fast`) makes `cutlass.cute.compile` raise: a test that
 compiles a kernel without the `compile` marker fails there, naming the marker, instead of
 making the fast tier slow.
+
+`--shard K/N` keeps every N-th collected test from the K-th (0 <= K < N) and deselects the rest:
+N processes with K = 0..N-1 run each test once (tests/shards.py runs them side by side, as
+`make test-gpu` does, sharing compiled kernels through the disk cache).
 """
 
 from __future__ import annotations
@@ -49,7 +53,35 @@ def _hardware_skip_reason(item) -> str | None:
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run every N-th collected test from the K-th (0 <= K < N)")
+
+
+def shard_of(value: str) -> tuple[int, int]:
+    """(K, N) of a `--shard K/N` value, or a UsageError saying what a shard is."""
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"--shard {value!r}: expected K/N with 0 <= K < N, e.g. 0/4")
+    return k, n
+
+
+def _keep_shard(config, items) -> None:
+    value = config.getoption("--shard")
+    if value is None:
+        return
+    k, n = shard_of(value)
+    kept = [item for i, item in enumerate(items) if i % n == k]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = kept
+
+
+@pytest.hookimpl(trylast=True)      # after -m / -k deselect: shards of what will run
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     require_gpu = os.environ.get("FA4LAB_REQUIRE_GPU") == "1"
     for item in items:
         reason = _hardware_skip_reason(item)

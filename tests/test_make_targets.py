@@ -90,3 +90,20 @@ def test_the_version_is_said_once():
     assert 'dynamic = ["version"]' in project and 'attr = "fa4lab.__version__"' in text, text
     assert not re.search(r"^version\s*=", project, re.M), "a second version in [project]"
     assert version("fa4lab") == fa4lab.__version__
+
+
+def test_shards_run_each_test_once():
+    """`--shard K/N` (tests/conftest.py) partitions what a selection collects: the N shards'
+    tests are disjoint and together the whole selection; a bad shard is a usage error."""
+    def collected(*extra):
+        result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                 "-p", "no:logging", "tests/test_online_softmax.py", *extra],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return result, [line for line in result.stdout.splitlines() if "::" in line]
+
+    _, everything = collected()
+    shards = [collected(f"--shard={k}/3")[1] for k in range(3)]
+    assert sorted(sum(shards, [])) == sorted(everything) and len(everything) > 3
+    assert all(shards) and len(set(sum(shards, []))) == len(everything)
+    bad, _ = collected("--shard=3/3")
+    assert bad.returncode != 0 and "0 <= K < N" in bad.stderr + bad.stdout

@@ -1,0 +1,86 @@
+"""Run one pytest selection as N processes side by side (`--shard K/N`, tests/conftest.py).
+
+    python tests/shards.py --jobs 4 -- -q -m "gpu or sm90 or sm100" tests/
+
+What a GPU run spends most of its time on is compiling kernels, on the CPU, one at a time per
+process; N processes compile N at a time while the GPU runs the others' tests, and a kernel
+one shard compiled reaches the others through the disk cache (`fa4lab.kernels.cache`: a second
+process that needs it waits on its lock, then loads it). Each shard's output goes to
+`<out>/shard-K.log`; every `--every` seconds one line gives each shard's progress (pytest's
+`[ NN%]`), and at the end each shard's summary line and the failures of any that failed. The
+exit status is the first non-zero shard's, 0 when every shard passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROGRESS = re.compile(r"\[\s*(\d+)%\]")
+SUMMARY = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped|xfailed|deselected).*?)\s*=*$")
+
+
+def _progress(log: Path) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = PROGRESS.findall(text)
+    return f"{found[-1]}%" if found else "collecting"
+
+
+def _summary(text: str) -> str:
+    lines = [m.group(1) for m in map(SUMMARY.match, text.splitlines()) if m]
+    return lines[-1] if lines else "(no summary: see the log)"
+
+
+def _failures(text: str) -> str:
+    """The log from pytest's FAILURES / ERRORS section on, or its last 60 lines."""
+    for header in ("= FAILURES =", "= ERRORS ="):
+        at = text.find(header)
+        if at >= 0:
+            return text[text.rfind("\n", 0, at) + 1:]
+    return "\n".join(text.splitlines()[-60:])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=4, help="processes (default 4)")
+    parser.add_argument("--out", default="test-output/shards", help="where the logs go")
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between progress")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                        help="after --: the arguments of one pytest run")
+    args = parser.parse_args(argv)
+    pytest_args = [a for a in args.pytest_args if a != "--"]
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: need at least 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = [out / f"shard-{k}.log" for k in range(args.jobs)]
+    procs = []
+    for k, log in enumerate(logs):
+        cmd = [sys.executable, "-m", "pytest", *pytest_args, f"--shard={k}/{args.jobs}"]
+        procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    start = time.monotonic()
+    while any(p.poll() is None for p in procs):
+        time.sleep(min(args.every, 2.0) if time.monotonic() - start < 5 else args.every)
+        states = ", ".join(f"{k}: {'done' if p.poll() is not None else _progress(log)}"
+                           for k, (p, log) in enumerate(zip(procs, logs)))
+        print(f"[{time.monotonic() - start:6.0f} s] shards {states}", flush=True)
+    status = 0
+    for k, (p, log) in enumerate(zip(procs, logs)):
+        text = log.read_text(errors="replace")
+        print(f"shard {k}/{args.jobs} (exit {p.returncode}): {_summary(text)}  [{log}]")
+        if p.returncode and not status:
+            status = p.returncode
+    for k, (p, log) in enumerate(zip(procs, logs)):
+        if p.returncode:
+            print(f"\n---- shard {k} ----\n{_failures(log.read_text(errors='replace'))}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
