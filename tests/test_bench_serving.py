@@ -34,7 +34,9 @@ needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path
 VARLEN_SMALL = sv.ServingCase(sv.VARLEN, (1, 40, 17), (1, 40, 17), 4, 2, 64, causal=True)
 PAGED_SMALL = sv.ServingCase(sv.PAGED, (1, 1, 1), (5, 33, 16), 4, 2, 64, page_size=16)
 SPLIT_SMALL = sv.ServingCase(sv.SPLITKV, (1, 1), (64, 64), 8, 2, 64)
-SMALL = [VARLEN_SMALL, PAGED_SMALL, SPLIT_SMALL]
+CHUNK_SMALL = sv.ServingCase(sv.PAGED_PREFILL, (3, 1, 40), (35, 1, 60), 4, 2, 64, causal=True,
+                             page_size=16)
+SMALL = [VARLEN_SMALL, PAGED_SMALL, SPLIT_SMALL, CHUNK_SMALL]
 
 
 def run_bench(argv: list[str]) -> int:
@@ -49,7 +51,7 @@ def _no_upstream_fa4(monkeypatch):
 # ---- the cases ---------------------------------------------------------------------------------
 def test_default_cases_are_the_issues():
     cases = sv.serving_cases()
-    varlen, p16, p128, *split = cases
+    varlen, p16, p128, *split, c16, c128 = cases
     assert (varlen.scenario, varlen.batch, varlen.heads_q, varlen.heads_kv, varlen.head_dim,
             varlen.causal, varlen.dtype) == (sv.VARLEN, 32, 32, 8, 128, True, "bf16")
     assert varlen.seqlens_q == varlen.seqlens_k
@@ -62,9 +64,17 @@ def test_default_cases_are_the_issues():
     assert p16.seqlens_k == p128.seqlens_k            # one batch, two page sizes
     assert [(c.batch, c.seqlens_k[0], c.heads_q, c.heads_kv) for c in split] == [
         (b, 131072, 64, 8) for b in (1, 2, 4)]
+    for case, size in ((c16, 16), (c128, 128)):
+        assert (case.scenario, case.batch, case.page_size, case.heads_q, case.heads_kv,
+                case.causal) == (sv.PAGED_PREFILL, 16, size, 32, 8, True)
+        assert all(128 <= n <= 2048 for n in case.seqlens_q)
+        assert all(1024 + q <= k <= 16384 + q for q, k in zip(case.seqlens_q, case.seqlens_k))
+        assert len(set(case.seqlens_q)) > 8
+    assert (c16.seqlens_q, c16.seqlens_k) == (c128.seqlens_q, c128.seqlens_k)
     assert [c.name for c in cases] == ["varlen-prefill", "paged-decode p16",
                                        "paged-decode p128", "splitkv-decode b1",
-                                       "splitkv-decode b2", "splitkv-decode b4"]
+                                       "splitkv-decode b2", "splitkv-decode b4",
+                                       "paged-prefill p16", "paged-prefill p128"]
     # seeded: the same lengths every time, others with another seed
     assert sv.serving_cases() == cases
     assert sv.serving_cases(seed=1)[0].seqlens_k != varlen.seqlens_k
@@ -161,14 +171,16 @@ def _fakes(case, args, how):
     fakes = [Provider("reference", _reference_runner(args)),
              Provider("last-row", _reference_runner(args, flip_last_row=True)),
              Provider("raises", raises)]
-    if case.scenario == sv.PAGED:
+    if case.page_size is not None:
         fakes.append(Provider("wrong-page", _reference_runner(args, swap_pages_of_last=True)))
+    if case.scenario == sv.PAGED:
         padded = sv.sdpa_padded_provider(args, how)          # torch's CPU SDPA runs it
         fakes.append(Provider("padded-on-cpu", padded.runner, prepare=padded.prepare))
     return fakes + sv.serving_providers(case, args, how)
 
 
-@pytest.mark.parametrize("case", [VARLEN_SMALL, PAGED_SMALL], ids=lambda c: c.scenario)
+@pytest.mark.parametrize("case", [VARLEN_SMALL, PAGED_SMALL, CHUNK_SMALL],
+                         ids=lambda c: c.scenario)
 def test_check_then_time_every_sequence_on_cpu(monkeypatch, case):
     _no_upstream_fa4(monkeypatch)
     res = {r.provider: r for r in sv.measure_case(case, _fakes, hbm_gbps=100.0, device="cpu",
@@ -184,8 +196,9 @@ def test_check_then_time_every_sequence_on_cpu(monkeypatch, case):
     # only the last sequence is wrong: the check covers every sequence
     assert res["last-row"].status == FAILED and res["last-row"].us is None
     assert res["raises"].status == ERROR and "unexpected keyword argument" in res["raises"].note
-    if case.scenario == sv.PAGED:
+    if case.page_size is not None:
         assert res["wrong-page"].status == FAILED
+    if case.scenario == sv.PAGED:
         padded = res["padded-on-cpu"]
         assert padded.status == OK and padded.max_err <= padded.tol
     # the real providers: fa4lab never times its float64 fallback, FA4 is not installed here
@@ -259,7 +272,7 @@ def test_serving_record_round_trip(tmp_path):
     assert rec["kind"] == "serving" and rec["hbm_gbps"] == 1.0 and "gemm_tflops" not in rec
     cases = rec["config"]["cases"]
     assert [c["name"] for c in cases] == ["varlen-prefill", "paged-decode p16",
-                                          "splitkv-decode b2"]
+                                          "splitkv-decode b2", "paged-prefill p16"]
     assert cases[1]["seqlens_k"] == [5, 33, 16] and cases[1]["page_size"] == 16
     assert cases[1]["hbm_bytes"] == 30720
     assert cases[1]["floor_us"] == pytest.approx(30.72)
@@ -316,12 +329,19 @@ def test_serving_table_and_bars():
 def test_serving_on_cpu_says_it_needs_a_gpu_and_exits_0(tmp_path, capsys):
     assert run_bench(["--serving", "--records", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "no CUDA GPU visible" in out and "6 serving cases" in out
+    assert "no CUDA GPU visible" in out and "8 serving cases" in out
+    assert "paged-prefill p16 b16 sq" in out and "paged-prefill p128 b16 sq" in out
     assert "paged-decode p128 b64 sq1" in out and "splitkv-decode b4 sq1 sk131072" in out
     assert "splitkv-decode/fa4-nosplit" in out and "gather is NOT timed" in out
     assert "no recorded serving results" in out
     assert run_bench(["--serving", "--quick", "--records", str(tmp_path)]) == 0
-    assert "4 serving cases" in capsys.readouterr().out
+    assert "6 serving cases" in capsys.readouterr().out
+    assert run_bench(["--serving", "--scenario", "paged-prefill", "splitkv-decode",
+                      "--records", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "5 serving cases" in out and "varlen-prefill b32" not in out
+    assert run_bench(["--scenario", "paged-prefill"]) == 2
+    assert "--scenario applies to --serving only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -378,6 +398,8 @@ def test_serving_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
     sv.ServingCase(sv.PAGED, (1,) * 4, (5, 300, 128, 1000), 32, 4, page_size=16),
     sv.ServingCase(sv.PAGED, (1,) * 4, (5, 300, 128, 1000), 32, 4, page_size=128),
     sv.ServingCase(sv.SPLITKV, (1, 1), (4096, 4096), 64, 8),
+    sv.ServingCase(sv.PAGED_PREFILL, (1, 300, 129), (700, 300, 1500), 32, 8, causal=True,
+                   page_size=16),
 ], ids=lambda c: c.name)
 def test_real_providers_on_a_gpu(case):
     """Every real provider of a small case on the GPU: each row is ok or says why; the PyTorch
@@ -392,7 +414,7 @@ def test_real_providers_on_a_gpu(case):
         if r.status == OK:
             assert r.max_err <= r.tol and r.us > 0 and r.x_floor > 0
     torch_forms = {sv.VARLEN: [sv.SDPA_NESTED], sv.PAGED: [sv.SDPA_PADDED],
-                   sv.SPLITKV: ["sdpa-flash"]}[case.scenario]
+                   sv.SPLITKV: ["sdpa-flash"], sv.PAGED_PREFILL: []}[case.scenario]
     for name in torch_forms:
         assert res[name].status == OK, f"{name}: {res[name].note}"
     if case.scenario != sv.SPLITKV:

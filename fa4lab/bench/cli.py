@@ -201,13 +201,18 @@ def add_cli(subparsers) -> None:
                     help="time the neighbouring plans of one shape instead of the sweep")
     serve = p.add_argument_group(
         "serving", "a varlen prefill (32 sequences of 128..8192 tokens), a paged decode (batch "
-                   "64, K/V lengths 4096..32768, page sizes 16 and 128) and a split-KV decode "
-                   "(batch 1/2/4, seqlen_k 131072) for fa4lab, upstream FA4 and PyTorch, "
-                   "against FA4 and the HBM floor (fa4lab.bench.serving); --quick (smaller "
-                   "sizes), --dtype, --json/--out, the timing options, --time-budget (none by "
-                   "default) and --step-timeout apply")
+                   "64, K/V lengths 4096..32768, page sizes 16 and 128), a split-KV decode "
+                   "(batch 1/2/4, seqlen_k 131072) and a chunked prefill over pages (16 "
+                   "chunks of 128..2048 over contexts of 1024..16384) for fa4lab, upstream FA4 "
+                   "and PyTorch, against FA4 and the HBM floor (fa4lab.bench.serving); --quick "
+                   "(smaller sizes), --scenario, --dtype, --json/--out, the timing options, "
+                   "--time-budget (none by default) and --step-timeout apply")
     serve.add_argument("--serving", action="store_true",
                        help="measure the serving calls instead of the sweep")
+    from fa4lab.bench.serving import SCENARIOS
+
+    serve.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=None,
+                       help="with --serving: only these scenarios (default: all)")
     p.set_defaults(func=main_args)
 
 
@@ -309,6 +314,9 @@ def main_args(args) -> int:
     if len(modes) > 1:
         print(f"fa4lab bench: {' and '.join(modes)} are separate modes: choose one",
               file=sys.stderr)
+        return 2
+    if getattr(args, "scenario", None) and not getattr(args, "serving", False):
+        print("fa4lab bench: --scenario applies to --serving only", file=sys.stderr)
         return 2
     if args.features:
         wrong = _changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)

@@ -151,7 +151,7 @@ class ServingResult:
     record's config."""
 
     provider: str
-    scenario: str           # "varlen-prefill", "paged-decode" or "splitkv-decode"
+    scenario: str           # "varlen-prefill", "paged-decode", "splitkv-decode", "paged-prefill"
     case: str               # e.g. "paged-decode p16", "splitkv-decode b2"
     batch: int              # sequences
     heads_q: int

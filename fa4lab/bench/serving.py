@@ -2,8 +2,8 @@
 
 A server does not run square batches: it prefills a batch of prompts of different lengths, and
 decodes against a paged K/V cache, one new token per sequence, sometimes for a few sequences
-with very long contexts. This mode measures three scenarios (bf16, head_dim 128), in one
-process:
+with very long contexts, or prefills a prompt's next chunk against the pages its earlier chunks
+left (chunked prefill). This mode measures four scenarios (bf16, head_dim 128), in one process:
 
     varlen-prefill   32 sequences of random length 128..8192, heads 32 / 8, causal per
                      sequence, packed (total, heads, d) with int32 cu_seqlens
@@ -12,6 +12,10 @@ process:
                      16 and 128 (two cases)
     splitkv-decode   batch 1, 2 and 4, one query each, seqlen_k 131072, heads 64 / 8 (three
                      cases): a grid too small for the GPU unless K/V is split
+    paged-prefill    16 sequences, a chunk of random length 128..2048 queries each over a
+                     cached context of random length 1024..16384 (its keys: the context and
+                     the chunk), through a page table as in paged-decode, heads 32 / 8,
+                     causal, pages of 16 and 128 (two cases); no PyTorch peer
 
 (`--quick`: smaller sizes, QUICK_SIZES). The lengths are drawn from a seeded generator and kept
 in the record. Providers (SCENARIO_PROVIDERS, SERVING_LABELS): fa4lab (`attention_varlen`, or
@@ -63,7 +67,9 @@ from fa4lab.bench.timing import REP_MS, SPIN_UP_S, WARMUP_MS, hbm_bytes, timer_n
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
 VARLEN, PAGED, SPLITKV = "varlen-prefill", "paged-decode", "splitkv-decode"
-SCENARIOS = (VARLEN, PAGED, SPLITKV)
+PAGED_PREFILL = "paged-prefill"
+SCENARIOS = (VARLEN, PAGED, SPLITKV, PAGED_PREFILL)
+PAGED_SCENARIOS = (PAGED, PAGED_PREFILL)
 SEED = 0
 
 # ---- the sizes ---------------------------------------------------------------------------------
@@ -73,11 +79,15 @@ SIZES = {
     VARLEN: {"batch": 32, "lengths": (128, 8192), "heads": (32, 8)},
     PAGED: {"batch": 64, "lengths": (4096, 32768), "heads": (32, 4), "page_sizes": (16, 128)},
     SPLITKV: {"batches": (1, 2, 4), "seqlen_k": 131072, "heads": (64, 8)},
+    PAGED_PREFILL: {"batch": 16, "chunks": (128, 2048), "contexts": (1024, 16384),
+                    "heads": (32, 8), "page_sizes": (16, 128)},
 }
 QUICK_SIZES = {
     VARLEN: {"batch": 8, "lengths": (128, 2048), "heads": (32, 8)},
     PAGED: {"batch": 16, "lengths": (1024, 8192), "heads": (32, 4), "page_sizes": (16, 128)},
     SPLITKV: {"batches": (1,), "seqlen_k": 32768, "heads": (64, 8)},
+    PAGED_PREFILL: {"batch": 4, "chunks": (128, 512), "contexts": (256, 2048),
+                    "heads": (32, 8), "page_sizes": (16, 128)},
 }
 
 NOSPLIT, FA4_NOSPLIT = "fa4lab-nosplit", "fa4-nosplit"
@@ -87,6 +97,7 @@ SCENARIO_PROVIDERS = {
     VARLEN: (OURS, CHECKED, "fa4", SDPA_NESTED),
     PAGED: (OURS, CHECKED, "fa4", SDPA_PADDED),
     SPLITKV: (OURS, NOSPLIT, "fa4", FA4_NOSPLIT, "sdpa-flash", "sdpa-cudnn"),
+    PAGED_PREFILL: (OURS, CHECKED, "fa4"),
 }
 SERVING_LABELS = {
     f"{VARLEN}/{OURS}": "fa4lab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, "
@@ -118,13 +129,22 @@ SERVING_LABELS = {
                                 "(its default)",
     f"{SPLITKV}/sdpa-flash": "PyTorch SDPA (flash), enable_gqa=True, (b, h, s, d) inputs",
     f"{SPLITKV}/sdpa-cudnn": "PyTorch SDPA (cuDNN), enable_gqa=True, (b, h, s, d) inputs",
+    f"{PAGED_PREFILL}/{OURS}": "fa4lab.attention_varlen(q (total_q, heads, d), k_cache, "
+                               "v_cache, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, "
+                               "seqused_k, page_table, causal=True, check_indices=False) "
+                               "(one launch where launch.PAGED_VARLEN_ARCHS has the GPU's "
+                               "arch, else one call per sequence)",
+    f"{PAGED_PREFILL}/{CHECKED}": "the same with check_indices=True (the default)",
+    f"{PAGED_PREFILL}/fa4": "upstream FA4 flash_attn_varlen_func, the same arguments",
 }
 # The bars each scenario is read against: fa4lab's speed over a peer's (the peer's time /
 # fa4lab's) at least `min_speed`, and fa4lab's time at most `max_x_floor` times the HBM floor.
-# Split-KV has no bar: its speed over unsplit FA4 (the issue's peer) is shown, not judged.
+# Split-KV and the paged prefill have no bar: their speed over a peer (unsplit FA4, FA4) is
+# shown, not judged.
 BARS = {VARLEN: {"peer": "fa4", "min_speed": 0.95},
         PAGED: {"peer": "fa4", "min_speed": 0.95, "max_x_floor": 1.15},
-        SPLITKV: {"peer": FA4_NOSPLIT}}
+        SPLITKV: {"peer": FA4_NOSPLIT},
+        PAGED_PREFILL: {"peer": "fa4"}}
 
 
 def random_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
@@ -152,7 +172,8 @@ def random_lengths(n: int, lo: int, hi: int, seed: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class ServingCase:
     """One case of the serving mode: `seqlens_q[b]` queries of sequence b attend to its
-    `seqlens_k[b]` keys (causal: bottom-right, per sequence). `page_size` for paged-decode."""
+    `seqlens_k[b]` keys (causal: bottom-right, per sequence). `page_size` for the paged
+    scenarios (PAGED_SCENARIOS)."""
 
     scenario: str
     seqlens_q: tuple[int, ...]
@@ -172,8 +193,9 @@ class ServingCase:
             raise ValueError("seqlens_q and seqlens_k need one length per sequence each")
         if self.scenario == SPLITKV and len(set(self.seqlens_k)) != 1:
             raise ValueError("a split-KV case is dense: every sequence has the same seqlen_k")
-        if (self.page_size is not None) != (self.scenario == PAGED):
-            raise ValueError("page_size is given for paged-decode cases, and only for them")
+        if (self.page_size is not None) != (self.scenario in PAGED_SCENARIOS):
+            raise ValueError(f"page_size is given for {' and '.join(PAGED_SCENARIOS)} cases, "
+                             f"and only for them")
 
     @property
     def batch(self) -> int:
@@ -181,8 +203,8 @@ class ServingCase:
 
     @property
     def name(self) -> str:
-        if self.scenario == PAGED:
-            return f"{PAGED} p{self.page_size}"
+        if self.scenario in PAGED_SCENARIOS:
+            return f"{self.scenario} p{self.page_size}"
         return f"{SPLITKV} b{self.batch}" if self.scenario == SPLITKV else VARLEN
 
     @property
@@ -223,9 +245,10 @@ class ServingCase:
 def serving_cases(*, quick: bool = False, dtype: str = "bf16",
                   seed: int = SEED) -> list[ServingCase]:
     """The mode's cases (SIZES, or QUICK_SIZES with quick): varlen-prefill, paged-decode per
-    page size (the same lengths), splitkv-decode per batch."""
+    page size (the same lengths), splitkv-decode per batch, paged-prefill per page size (the
+    same chunks and contexts)."""
     sizes, dtype = (QUICK_SIZES if quick else SIZES), normalize_dtype(dtype)
-    v, p, s = sizes[VARLEN], sizes[PAGED], sizes[SPLITKV]
+    v, p, s, c = sizes[VARLEN], sizes[PAGED], sizes[SPLITKV], sizes[PAGED_PREFILL]
     lengths = random_lengths(v["batch"], *v["lengths"], seed)
     cases = [ServingCase(VARLEN, lengths, lengths, *v["heads"], causal=True, seed=seed,
                          dtype=dtype)]
@@ -234,6 +257,11 @@ def serving_cases(*, quick: bool = False, dtype: str = "bf16",
                           seed=seed, dtype=dtype) for size in p["page_sizes"]]
     cases += [ServingCase(SPLITKV, (1,) * b, (s["seqlen_k"],) * b, *s["heads"], seed=seed,
                           dtype=dtype) for b in s["batches"]]
+    chunks = random_lengths(c["batch"], *c["chunks"], seed + 2)
+    contexts = random_lengths(c["batch"], *c["contexts"], seed + 3)
+    keys = tuple(n + m for n, m in zip(chunks, contexts))
+    cases += [ServingCase(PAGED_PREFILL, chunks, keys, *c["heads"], causal=True, page_size=size,
+                          seed=seed, dtype=dtype) for size in c["page_sizes"]]
     return cases
 
 
@@ -259,7 +287,8 @@ def serving_inputs(case: ServingCase, device: str, args: VarlenArgs) -> tuple:
     (total_q, heads_q, d), k / v (total_k, heads_kv, d) packed. paged: q (batch, heads_q, d),
     k / v caches (num_pages, page_size, heads_kv, d), sequence b's pages taken in order from a
     seeded random permutation of all pages, so neighbours in a sequence are scattered in the
-    cache. splitkv: the dense (batch, seqlen, heads, d) tensors of `make_inputs`."""
+    cache (paged-prefill: q packed (total_q, heads_q, d) beside such a cache). splitkv: the
+    dense (batch, seqlen, heads, d) tensors of `make_inputs`."""
     import torch
 
     if case.scenario == SPLITKV:

@@ -169,7 +169,8 @@ def serving_args(args) -> int:
     wrong = _changed(args, _NOT_SERVING)
     if wrong:
         print(f"fa4lab bench --serving: {', '.join(wrong)} do not apply to --serving (its "
-              f"options: --quick, --dtype, --json/--out, --label, --no-save, --warmup-ms, "
+              f"options: --quick, --scenario, --dtype, --json/--out, --label, --no-save, "
+              f"--warmup-ms, "
               f"--rep-ms, --time-budget, --step-timeout, --strict, --arch, --records)",
               file=sys.stderr)
         return 2
@@ -179,7 +180,8 @@ def serving_args(args) -> int:
             print(f"fa4lab bench --serving: {name} must be > 0 seconds, got {value}",
                   file=sys.stderr)
             return 2
-    cases = serving_cases(quick=args.quick, dtype=args.dtype)
+    cases = [c for c in serving_cases(quick=args.quick, dtype=args.dtype)
+             if not args.scenario or c.scenario in args.scenario]
     from fa4lab.environment import gpu
     from fa4lab.hardware import H200
 
