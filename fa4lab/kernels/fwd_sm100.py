@@ -86,8 +86,8 @@ from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
+from fa4lab.kernels.device import arguments, paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import softmax as softmax_mod
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
@@ -278,10 +278,7 @@ class FlashForwardSm100:
         if bool(self.p_split) != ("p_part" in self.arrivals):
             raise ValueError("the plan's p_split and its p_part barrier disagree")
         self.varlen = spec.varlen   # Note [sm100 varlen]
-        if self.varlen and self.pack_gqa:
-            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
-        if self.varlen and self.split_kv:
-            raise ValueError("split-KV does not compose with varlen yet: one or the other")
+        arguments.check_variant(self.varlen, self.split_kv, self.pack_gqa, "Note [sm100 varlen]")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -310,32 +307,11 @@ class FlashForwardSm100:
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(self.has_mask_mod != (mask_blocks is not None)):
-            raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
-                             "does: see Note [mask_mod block table] in fa4lab.tiling")
-        if cutlass.const_expr((self.page_size is not None) != (mPageTable is not None)
-                              or (self.page_size is not None and mSeqUsedK is None)):
-            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
-                             "and only it takes a page table: see Note [paged key blocks] in "
-                             "fa4lab.kernels.device.paged")
-        if cutlass.const_expr(self.split_kv != (mOPartial is not None)
-                              or self.split_kv != (mLSEPartial is not None)):
-            raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
-                             "and only it does")
-        if cutlass.const_expr(self.varlen != (mTileTable is not None)
-                              or self.varlen != (mCuSeqlensQ is not None)
-                              or (self.varlen and self.page_size is None)
-                              != (mCuSeqlensK is not None)):
-            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
-                             "paged, cu_seqlens_k, and only it does (Note [sm100 varlen])")
-        if cutlass.const_expr(self.varlen and mask_blocks is not None):
-            raise ValueError("a varlen kernel takes no mask_mod block table")
-        if cutlass.const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
-            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
-            if cutlass.const_expr(self.page_size is None):   # a paged cache stays pages
-                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
-            if cutlass.const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total)
-                mLSE = seqlen.as_batch_of_one(mLSE)
+        arguments.check_call(self, "Note [sm100 varlen]", mask_blocks, mCuSeqlensQ,
+                             mCuSeqlensK, mSeqUsedK, mTileTable, mPageTable, mOPartial,
+                             mLSEPartial)
+        mQ, mK, mV, mO, mLSE = arguments.packed_views(self.varlen, self.page_size is not None,
+                                                      mQ, mK, mV, mO, mLSE)
         # (s, d, h, b) views for TMA: sequence is the M/N mode, head_dim the K mode.
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                       for t in (mQ, mK, mO)]

@@ -79,8 +79,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from fa4lab.kernels.device import arguments, paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import mask as mask_mod
-from fa4lab.kernels.device import paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.mods import ModRows, tile_rows
 from fa4lab.kernels.device.opaque import opaque_zero
@@ -248,10 +248,7 @@ class FlashForwardSm90:
         self.sites = Sites(plan, mutation)
         # A variable-length batch (Note [sm90 varlen]): packed q/k/v, the tile table's tiles.
         self.varlen = spec.varlen
-        if self.varlen and self.split_kv:
-            raise ValueError("split-KV does not compose with varlen yet: one or the other")
-        if self.varlen and self.pack_gqa:
-            raise ValueError("a varlen kernel runs without pack-GQA: plan it with pack_gqa=False")
+        arguments.check_variant(self.varlen, self.split_kv, self.pack_gqa, "Note [sm90 varlen]")
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -280,32 +277,12 @@ class FlashForwardSm90:
         mLSEPartial: cute.Tensor | None,  # (num_splits, batch, seqlen_q, heads_q) fp32
         stream: cuda.CUstream,
     ):
-        if const_expr(self.has_mask_mod != (mask_blocks is not None)):
-            raise ValueError("a mask_mod kernel takes its block table (mask_blocks) and only it "
-                             "does: see Note [mask_mod block table] in fa4lab.tiling")
-        if const_expr((self.page_size is not None) != (mPageTable is not None)
-                      or (self.page_size is not None and mSeqUsedK is None)):
-            raise ValueError("a paged kernel (spec.page_size) takes a page table and seqused_k, "
-                             "and only it takes a page table: see Note [paged key blocks] in "
-                             "fa4lab.kernels.device.paged")
-        if const_expr(self.varlen != (mTileTable is not None)
-                      or self.varlen != (mCuSeqlensQ is not None)
-                      or (self.varlen and self.page_size is None) != (mCuSeqlensK is not None)):
-            raise ValueError("a varlen kernel takes cu_seqlens_q, its tile table and, unless "
-                             "paged, cu_seqlens_k, and only it does (Note [sm90 varlen])")
-        if const_expr(self.varlen and mask_blocks is not None):
-            raise ValueError("a varlen kernel takes no mask_mod block table")
-        if const_expr(self.split_kv != (mOPartial is not None)
-                      or self.split_kv != (mLSEPartial is not None)):
-            raise ValueError("a split-KV kernel (spec.split_kv) takes mOPartial and mLSEPartial, "
-                             "and only it does")
+        arguments.check_call(self, "Note [sm90 varlen]", mask_blocks, mCuSeqlensQ,
+                             mCuSeqlensK, mSeqUsedK, mTileTable, mPageTable, mOPartial,
+                             mLSEPartial)
         dtype = self.dtype = mQ.element_type
-        if const_expr(self.varlen):  # (total, h, d) -> (1, total, h, d): one packed batch
-            mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
-            if const_expr(self.page_size is None):   # a paged cache stays pages
-                mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
-            if const_expr(mLSE is not None):  # (heads_q, total_q) -> (1, heads_q, total_q)
-                mLSE = seqlen.as_batch_of_one(mLSE)
+        mQ, mK, mV, mO, mLSE = arguments.packed_views(self.varlen, self.page_size is not None,
+                                                      mQ, mK, mV, mO, mLSE)
         # (b, s, h, d) -> (s, d, h, b): TMA boxes are (rows, head_dim) of one (head, batch). A
         # paged cache (pages, page_size, h, d) becomes (page_size, d, h, pages) the same way.
         mQ, mK, mV, mO = [
