@@ -442,13 +442,13 @@ class FlashForwardSm100:
         seqlen_q = mQ.shape[0]
         if cutlass.const_expr(self.pack_gqa):
             seqlen_q = mQ.shape[0][1]
-        seqlen_k = self.seqlen_k_of(mK, mPageTable)
+        seqlen_k = paged.launch_seqlen_k(self.page_size, mK, mPageTable)
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
         # Persistent: each role's tile loop (`tiles`); varlen: each role's `_tile` (Note
         # [sm100 varlen]).
         m_block = head = batch = split = None
         if cutlass.const_expr(not self.persistent and not self.varlen):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits)
+            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -642,36 +642,6 @@ class FlashForwardSm100:
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
 
-    # ---- the persistent tile loops (Note [pipeline states across tiles]) ----
-    def tiles(self, mQ, varlen, num_splits):
-        """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
-        (cutlass.range's arguments)."""
-        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
-        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
-        if cutlass.const_expr(self.varlen):
-            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
-        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
-
-    def seqlen_k_of(self, mK, mPageTable):
-        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
-        a tile's own count is its sequence's (seqused_k, which a paged launch always has)."""
-        if cutlass.const_expr(mPageTable is not None):
-            return paged.seqlen_k(mPageTable, self.page_size)
-        return mK.shape[0]
-
-    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
-        """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
-        tile table's with varlen; None: this CTA's one tile); split is None without split-KV
-        (`fa4lab.kernels.device.split`)."""
-        splits = num_splits if cutlass.const_expr(self.split_kv) else 1
-        m_block, head, batch = scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                                     self.bytes_per_key, tile, splits,
-                                                     varlen[4])
-        if cutlass.const_expr(not self.split_kv):
-            return m_block, head, batch, None
-        head, split = split_mod.split_of(head, num_splits)
-        return m_block, head, batch, split
-
     # Note [sm100 varlen]
     # The sm90 kernel's scheme (Note [sm90 varlen] in fwd_sm90.py) in the warp-specialised
     # kernel: every role looks its tile up (the tile table: Note [varlen tile table]) and reads
@@ -706,18 +676,15 @@ class FlashForwardSm100:
         """The sequence of this CTA's one tile (`seqlen.of_launch`)."""
         return seqlen.of_launch(e["batch"], e["seqlen_q"], e["seqlen_k"], e["varlen"])
 
-    def batch_index(self, batch):
-        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
-        return 0 if cutlass.const_expr(self.varlen) else batch
-
     @cute.jit
     def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
                    num_splits,
                    kv_state):
         q_phase = Int32(1)   # q_empty starts released
-        first, stop, step = self.tiles(mQ, varlen, num_splits)
+        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
+                                                         tile)
             seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             visit = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
                                     mask_blocks, split, num_splits)
@@ -729,9 +696,9 @@ class FlashForwardSm100:
                   varlen, kv_state, num_splits):
         tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
         q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ, varlen, num_splits)
+        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, _, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            m_block, _, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits, tile)
             seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
                                        mask_blocks, split, num_splits)[0]
@@ -752,9 +719,10 @@ class FlashForwardSm100:
     def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
                       aux, mask_blocks, varlen, left, right, num_splits):
         s_phase, stats_phase = Int32(0), Int32(1)
-        first, stop, step = self.tiles(mQ, varlen, num_splits)
+        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
+                                                         tile)
             seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             s_phase, stats_phase = self.softmax(
                 stage, *args, m_block, seq.seqlen_q, seq.seqlen_k, *rest, head, batch, aux,
@@ -764,9 +732,10 @@ class FlashForwardSm100:
     def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
                          scale_log2: Float32, stats_state, num_splits):
         o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
-        first, stop, step = self.tiles(mQ, varlen, num_splits)
+        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
+                                                         tile)
             seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
                                        mask_blocks, split, num_splits)[0]
@@ -777,9 +746,9 @@ class FlashForwardSm100:
     @cute.jit
     def epilogue_tiles(self, args, mQ, seqlen_q, seqlen_k, varlen, num_splits):
         epi_phase = Int32(0)
-        first, stop, step = self.tiles(mQ, varlen, num_splits)
+        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
         for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, _ = self.work(mQ, seqlen_k, varlen, num_splits, tile)
+            m_block, head, batch, _ = scheduler.work(self, mQ, seqlen_k, varlen, num_splits, tile)
             seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
             epi_phase = self.epilogue(*args, m_block, head, batch, seq, epi_phase)
 
@@ -916,7 +885,7 @@ class FlashForwardSm100:
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         # Note [sm100 varlen]: the sequence's own rows (V is (d, s, h, b): its mode 1).
         mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
-        b = self.batch_index(batch)
+        b = seqlen.view_batch(self.varlen, batch)
         gQ = cute.local_tile(mQ[None, None, head, b], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
         no_mcast = cute.make_layout(1)
@@ -1502,8 +1471,8 @@ class FlashForwardSm100:
             if cutlass.const_expr(self.return_lse and not self.split_kv):
                 seq = seqlen.of_launch(batch, *lengths)
                 softmax_mod.store_lse(seqlen.at_offset(mLSE, seq.offset_q, self.varlen), row,
-                                      lse, head, self.batch_index(batch), seq.seqlen_q,
-                                      self.pack)
+                                      lse, head, seqlen.view_batch(self.varlen, batch),
+                                      seq.seqlen_q, self.pack)
         if n_blocks > 0:
             o_phase ^= 1
         return stats_state, o_phase, epi_phase ^ 1

@@ -429,7 +429,8 @@ class FlashForwardSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consume(tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV,
                          sO, (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, self.seqlen_q_of(mQ),
-                         self.seqlen_k_of(mK, mPageTable), scale_log2, pre_scale, aux,
+                         paged.launch_seqlen_k(self.page_size, mK, mPageTable), scale_log2,
+                         pre_scale, aux,
                          mask_blocks, varlen, num_splits, mOPartial, mLSEPartial,
                          *self.window(window_left, window_right))
         self.sites.finish()
@@ -479,13 +480,6 @@ class FlashForwardSm90:
             return cute.size(mQ.shape[0][1])
         return cute.size(mQ.shape[0])
 
-    def seqlen_k_of(self, mK, mPageTable):
-        """The launch's keys per sequence: mK's rows, or a paged launch's (`paged.seqlen_k`);
-        a tile's own count is its `sequence`'s (seqused_k, which a paged launch always has)."""
-        if const_expr(mPageTable is not None):
-            return paged.seqlen_k(mPageTable, self.page_size)
-        return cute.size(mK.shape[0])
-
     def window(self, window_left, window_right):
         """(left, right) for the mask and the block ranges (`mask.window_sides`)."""
         return mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
@@ -526,21 +520,6 @@ class FlashForwardSm90:
         n_masked = (n_max - mask_min) + (left_end - n_min)
         return n_max - n_min, n_masked, (n_max, mask_min, left_run)
 
-    # ---- the tile loops: Note [sm90 persistent CTAs] in fa4lab.plan.sm90 ----
-    def tiles(self, mQ, varlen, num_splits):
-        """(start, stop, step) of this CTA's linear work tiles: `fa4lab.tiling.persistent_tiles`
-        (cutlass.range's arguments)."""
-        splits = num_splits if const_expr(self.split_kv) else 1
-        stop = scheduler.num_tiles(mQ, self.cta_m, splits)
-        if const_expr(self.varlen):
-            stop = scheduler.varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
-        return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
-
-    def coords(self, mQ, seqlen_k, varlen, tile=None):
-        """(m_block, head, batch) of linear tile `tile`, or of this CTA's one tile (None)."""
-        return scheduler.tile_coords(self.tile_order, mQ, seqlen_k, self.cta_m,
-                                     self.bytes_per_key, tile, tile_table=varlen[4])
-
     # Note [sm90 varlen]
     # A variable-length batch (spec.varlen) comes packed: q, out (total_q, heads, d), k, v
     # (total_k, heads_kv, d), LSE (heads_q, total_q). The kernel views each as a batch of one
@@ -556,22 +535,6 @@ class FlashForwardSm90:
         """Sequence `batch`'s offsets and lengths (`seqlen.sequence`): the fixed sizes when
         the launch has neither cu_seqlens nor seqused_k."""
         return seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-
-    def batch_index(self, batch):
-        """The batch index of the kernel's views: 0 for a packed (varlen) batch of one."""
-        return 0 if const_expr(self.varlen) else batch
-
-    def work(self, mQ, seqlen_k, varlen, num_splits, tile=None):
-        """(m_block, head, batch, split) of linear tile `tile` (None: this CTA's one tile);
-        split is None without split-KV (`fa4lab.kernels.device.split.split_of`)."""
-        if const_expr(not self.split_kv):
-            m_block, head, batch = self.coords(mQ, seqlen_k, varlen, tile)
-            return m_block, head, batch, None
-        m_block, head_split, batch = scheduler.tile_coords(
-            self.tile_order, mQ, seqlen_k, self.cta_m, self.bytes_per_key, tile, num_splits,
-            varlen[4])
-        head, split = split_mod.split_of(head_split, num_splits)
-        return m_block, head, batch, split
 
     def split_keys(self, m_block, seqlen_q, seqlen_k, left, right, split, num_splits):
         """The key length the CTA's row limits use: seqlen_k, or 0 for a split that keeps no
@@ -592,19 +555,20 @@ class FlashForwardSm90:
         args = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbars[0], pipeline_k,
                 pipeline_v, *self.window(window_left, window_right), mask_blocks, varlen,
                 mPageTable, num_splits)
-        seqlen_k = self.seqlen_k_of(mK, mPageTable)
+        seqlen_k = paged.launch_seqlen_k(self.page_size, mK, mPageTable)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(1)   # q_empty starts released
-            first, stop, step = self.tiles(mQ, varlen, num_splits)
+            first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 self.sites("load", "wait q_empty", cute.arch.mbarrier_wait, mbars[1], q_phase,
                            stage=0)
                 q_phase = q_phase ^ 1
-                state = self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits,
-                                                        tile), tile, state)
+                work = scheduler.work(self, mQ, seqlen_k, varlen, num_splits, tile)
+                state = self.load_tile(*args, work, tile, state)
         else:
-            self.load_tile(*args, self.work(mQ, seqlen_k, varlen, num_splits), None, state)
+            self.load_tile(*args, scheduler.work(self, mQ, seqlen_k, varlen, num_splits), None,
+                           state)
 
     @cute.jit
     def load_tile(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_q,
@@ -621,11 +585,11 @@ class FlashForwardSm90:
         m_block, head, batch, split = coords
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
-        seq = self.sequence(batch, self.seqlen_q_of(mQ), self.seqlen_k_of(mK, mPageTable),
-                            varlen)
+        launch_k = paged.launch_seqlen_k(self.page_size, mK, mPageTable)
+        seq = self.sequence(batch, self.seqlen_q_of(mQ), launch_k, varlen)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
-        b = self.batch_index(batch)
+        b = seqlen.view_batch(self.varlen, batch)
         gQ = cute.local_tile(mQ[None, None, head, b], (self.m_block, self.head_dim), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2),
@@ -654,8 +618,9 @@ class FlashForwardSm90:
             # The page table's row is read again for the block loop rather than kept live from
             # the tile's coordinates: in the producer's registers a split kernel's LPT
             # coordinates (causal) spilled it (page 16: one STL and one LDL, measured).
-            _, _, batch, _ = self.work(mQ, self.seqlen_k_of(mK, mPageTable), varlen,
-                                       num_splits, tile)
+            _, _, batch, _ = scheduler.work(
+                self, mQ, paged.launch_seqlen_k(self.page_size, mK, mPageTable), varlen,
+                num_splits, tile)
             pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
         for i in cutlass.range(n_blocks - 1, unroll=1):
             prev = state.clone()
@@ -726,7 +691,7 @@ class FlashForwardSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stage)
         if const_expr(self.persistent):
             q_phase = Int32(0)
-            first, stop, step = self.tiles(mO, varlen, num_splits)
+            first, stop, step = scheduler.work_tiles(self, mO, varlen, num_splits)
             for tile in cutlass.range(first, stop, step, unroll=1):
                 state = self.consume_tile(*args, tile, state, q_phase)
                 q_phase = q_phase ^ 1
@@ -755,7 +720,7 @@ class FlashForwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
-        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
+        m_block, head, batch, split = scheduler.work(self, mO, seqlen_k, varlen, num_splits, tile)
         seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_offset = (m_block * self.q_stage + wg) * self.m_block
@@ -827,7 +792,7 @@ class FlashForwardSm90:
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
         # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch, split = self.work(mO, seqlen_k, varlen, num_splits, tile)
+        m_block, head, batch, split = scheduler.work(self, mO, seqlen_k, varlen, num_splits, tile)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         sinks = None
@@ -848,8 +813,8 @@ class FlashForwardSm90:
                 if const_expr(mLSE is not None):
                     mLSE = seqlen.at_offset(mLSE, seq.offset_q, True)
             self.epilogue(tiled_mma_pv, tma_atom_O, mO, mLSE, sO, acc_O, lse, tScS_mn, wg,
-                          tidx % _WG, m_block, head, self.batch_index(batch), m_offset,
-                          seq.seqlen_q)
+                          tidx % _WG, m_block, head, seqlen.view_batch(self.varlen, batch),
+                          m_offset, seq.seqlen_q)
         state.advance()
         return state
 

@@ -129,6 +129,15 @@ def block_reads(n, page_size: int, n_block: int) -> list[tuple]:
             for j in range(pages_per_block(page_size, n_block))]
 
 
+def launch_seqlen_k(page_size, mK: cute.Tensor, mPageTable):
+    """The launch's keys per sequence: the rows of mK (as the kernel views it, keys first), or
+    a paged launch's (`seqlen_k`); a tile's own count is its sequence's (seqused_k, which a
+    paged launch always has)."""
+    if const_expr(mPageTable is not None):
+        return seqlen_k(mPageTable, page_size)
+    return cute.size(mK.shape[0])
+
+
 def seqlen_k(mPageTable: cute.Tensor, page_size: int):
     """The launch-level key count of a paged launch, pages_per_seq * page_size: what the
     tile scheduler and `fa4lab.kernels.device.seqlen.of_launch` start from; each tile's own

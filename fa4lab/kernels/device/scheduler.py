@@ -24,7 +24,8 @@ Scheduling: one CTA per (m_block, head, batch) tile, or persistent CTAs that loo
 tiles (sm100, Note [persistent CTAs] in fa4lab.plan.sm100), in the order the plan names
 (`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]); linear
 index -> tile is `fa4lab.tiling.tile_at`. A varlen launch instead reads its tiles from a table
-(`varlen_coords`, Note [varlen tile table]).
+(`varlen_coords`, Note [varlen tile table]). `work_tiles` and `work` are each kernel's one way
+to ask: its persistent loop's range and a linear tile's (m_block, head, batch, split).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 
 from fa4lab import tiling
+from fa4lab.kernels.device import split as split_mod
 from fa4lab.tiling import L2_KV_BUDGET_BYTES
 
 _DSL_MIN_MAX = {"imin": cutlass.min, "imax": cutlass.max}
@@ -203,3 +205,29 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
         swizzle = l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
                   cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)
+
+
+# ---- a kernel's work tiles (both kernels: their split_kv, varlen, tile_order, cta_m and
+# bytes_per_key) ----
+def work_tiles(kernel, mQ: cute.Tensor, varlen: tuple, num_splits):
+    """(start, stop, step) of this CTA's linear work tiles (cutlass.range's arguments):
+    `fa4lab.tiling.persistent_tiles` over the grid's tiles, or the varlen tile table's rows
+    times the heads; mQ (or mO) as the kernel views it, `varlen` its varlen tuple."""
+    splits = num_splits if cutlass.const_expr(kernel.split_kv) else 1
+    stop = num_tiles(mQ, kernel.cta_m, splits)
+    if cutlass.const_expr(kernel.varlen):
+        stop = varlen_num_tiles(varlen[4], cute.size(mQ.shape[2]) * splits)
+    return cute.arch.block_idx()[0], stop, cute.arch.grid_dim()[0]
+
+
+def work(kernel, mQ: cute.Tensor, seqlen_k, varlen: tuple, num_splits, tile=None):
+    """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
+    tile table's with varlen; None: this CTA's one tile); split is None without split-KV
+    (`fa4lab.kernels.device.split.split_of` unfolds it from the grid's head axis)."""
+    splits = num_splits if cutlass.const_expr(kernel.split_kv) else 1
+    m_block, head, batch = tile_coords(kernel.tile_order, mQ, seqlen_k, kernel.cta_m,
+                                       kernel.bytes_per_key, tile, splits, varlen[4])
+    if cutlass.const_expr(not kernel.split_kv):
+        return m_block, head, batch, None
+    head, split = split_mod.split_of(head, num_splits)
+    return m_block, head, batch, split

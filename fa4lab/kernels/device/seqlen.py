@@ -82,6 +82,12 @@ def at_offset(mX, offset, packed: bool, mode: int = 0):
                               mX)
 
 
+def view_batch(packed: bool, batch):
+    """The batch index of a kernel's views: 0 for a packed (varlen) batch of one
+    (`as_batch_of_one`), `batch` otherwise."""
+    return 0 if packed else batch
+
+
 def as_batch_of_one(x):
     """A packed tensor (total, ...) viewed as (1, total, ...): the batch mode the kernels'
     (batch, seqlen, heads, d) views expect, of extent 1 (each tile then offsets its rows to its
