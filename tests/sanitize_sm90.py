@@ -10,7 +10,9 @@ masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) w
 tiles per CTA, two and three consumers; split-KV (a packed GQA decode in three splits and
 their combine) and a variable-length batch (the tile table, the row-by-row O store; an empty
 and a length-1 sequence), and a paged decode (one launch, the page table read per key block,
-seqused_k ending inside a page, 0 included). Each output is also checked against the float64
+seqused_k ending inside a page, 0 included), and a chunked prefill over pages (the one varlen
+launch over a paged cache, `fa4lab.kernels.launch.forward_varlen(page_table=)`: its padding
+tiles' phantom sequence past the table's last row). Each output is also checked against the float64
 reference, so a run that the tool passes but that computes garbage still fails. Small sizes:
 under the tool every launch is slow.
 """
@@ -86,7 +88,9 @@ def main() -> int:
     for name, err in (("split-KV decode, 3 splits", split_case()),
                       ("varlen batch", varlen_case()),
                       ("paged decode, pages of 16", paged_decode_case(16)),
-                      ("paged decode, pages of 128", paged_decode_case(128))):
+                      ("paged decode, pages of 128", paged_decode_case(128)),
+                      ("chunked prefill over pages of 16", paged_prefill_case(16)),
+                      ("chunked prefill over pages of 128", paged_prefill_case(128))):
         print(f"{name}: max|out - ref| {err:.2e}", flush=True)
         worst = max(worst, err)
     return 0 if worst < 2e-2 else 1
@@ -139,6 +143,32 @@ def paged_decode_case(page_size: int) -> float:
     torch.cuda.synchronize()
     ref = attention_varlen_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, None,
                                      seqused_k=used, page_table=table)
+    return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
+
+
+def paged_prefill_case(page_size: int) -> float:
+    """Ragged query counts over a paged cache in one varlen launch: an empty chunk, a length-1
+    chunk, a chunk longer than its keys, a sequence with no key, pages in random order."""
+    from fa4lab.kernels import launch
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import check_varlen
+
+    lens_q, used = [0, 1, 200, 3, 130], [40, 300, 129, 0, 384]
+    pages = 384 // page_size
+    batch = len(lens_q)
+    q = torch.randn(sum(lens_q), 16, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(batch * pages + 1, page_size, 2, 128, device="cuda",
+                                    dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(batch * pages + 1)[:batch * pages].view(batch, pages).to(torch.int32)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    used = torch.tensor(used, dtype=torch.int32)
+    lengths = check_varlen(q, k_cache, v_cache, cu_q.cuda(), None, None, None, used.cuda(),
+                           table.cuda())
+    out, _ = launch.forward_varlen(q, k_cache, v_cache, lengths, "sm90", True, None, False,
+                                   page_table=table.cuda())
+    torch.cuda.synchronize()
+    ref = attention_varlen_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, None,
+                                     seqused_k=used, page_table=table, causal=True)
     return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
 
 
