@@ -303,6 +303,29 @@ def _changed(args, names) -> list[str]:
             if getattr(args, n, defaults[n]) != defaults[n]]
 
 
+def no_gpu_here(command: str, description: str, summary: str, *, why: str = "",
+                would: str = "run", floors: bool = False) -> int:
+    """What a mode prints where no CUDA GPU is visible: that nothing is measured (and `why`),
+    what it would do on a GPU, and the summary of its latest record; the exit status, 0.
+    `floors`: the description's HBM floors use the H200 datasheet's bandwidth."""
+    print(f"{command}: no CUDA GPU visible, so nothing is measured here{why}.")
+    print(f"On a GPU this command would {would}:")
+    print(description)
+    if floors:
+        print("(the floors above use the H200 datasheet's bandwidth; the run measures its own)")
+    print()
+    print(summary)
+    return 0
+
+
+def first_calls_line(wall_s: float, results, label) -> str:
+    """The line after a run: its wall time and each result's first call, `label(result)`
+    naming its case."""
+    return (f"measured in {wall_s:.0f} s; first calls (compiles included): "
+            + ", ".join(f"{r.provider} {label(r)} {r.first_call_s:.1f} s" for r in results
+                        if r.first_call_s is not None))
+
+
 def _modes(args) -> list[str]:
     return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
                                                   "neighbours", "serving")
@@ -363,12 +386,8 @@ def main_args(args) -> int:
     g = gpu()
     if g is None:
         providers = resolve_providers(names[1:], include_ours=True, arch=None)
-        print("fa4lab bench: no CUDA GPU visible, so nothing is measured here.")
-        print("On a GPU this command would run:")
-        print(describe_run(shapes, providers))
-        print()
-        print(recorded_summary(args.records))
-        return 0
+        return no_gpu_here("fa4lab bench", describe_run(shapes, providers),
+                           recorded_summary(args.records))
 
     arch, no_kernel = _arch(args, g, "fa4lab bench")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
@@ -465,13 +484,11 @@ def host_overhead_args(args) -> int:
 
     g = gpu()
     if g is None:
-        print("fa4lab bench --host-overhead: no CUDA GPU visible, so nothing is measured here "
-              "(the host time of a call includes its GPU launch, so it needs a GPU).")
-        print("On a GPU this command would measure:")
-        print(describe_host_run(args.calls, args.repeats))
-        print()
-        print(recorded_host_summary(args.records))
-        return 0
+        return no_gpu_here("fa4lab bench --host-overhead",
+                           describe_host_run(args.calls, args.repeats),
+                           recorded_host_summary(args.records), would="measure",
+                           why=" (the host time of a call includes its GPU launch, so it needs "
+                               "a GPU)")
     print(f"fa4lab bench --host-overhead on {g.name}")
     print(describe_host_run(args.calls, args.repeats))
     ready, not_run = host_calls("cuda")
@@ -533,13 +550,10 @@ def decode_args(args) -> int:
     g = gpu()
     if g is None:
         providers = resolve_providers(names[1:], include_ours=True, arch=None)
-        print("fa4lab bench --decode: no CUDA GPU visible, so nothing is measured here.")
-        print("On a GPU this command would run:")
-        print(describe_decode_run(shapes, providers, hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9))
-        print("(the floors above use the H200 datasheet's bandwidth; the run measures its own)")
-        print()
-        print(recorded_decode_summary(args.records))
-        return 0
+        return no_gpu_here("fa4lab bench --decode",
+                           describe_decode_run(shapes, providers,
+                                               hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9),
+                           recorded_decode_summary(args.records), floors=True)
 
     arch, no_kernel = _arch(args, g, "fa4lab bench --decode")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
@@ -555,9 +569,7 @@ def decode_args(args) -> int:
                          rep_ms=args.rep_ms)
     wall_s = time.perf_counter() - started
     print()
-    print(f"measured in {wall_s:.0f} s; first calls (compiles included): "
-          + ", ".join(f"{r.provider} {r.shape} {r.first_call_s:.1f} s" for r in results
-                      if r.first_call_s is not None))
+    print(first_calls_line(wall_s, results, lambda r: r.shape))
     print(format_decode_table(results, hbm_gbps=hbm_gbps))
     config = decode_config(shapes, [p.name for p in providers], copy=copy,
                            warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, wall_s=wall_s)

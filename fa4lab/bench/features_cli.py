@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fa4lab.bench.cli import _arch, _save, command_line
+from fa4lab.bench.cli import _arch, _save, command_line, no_gpu_here
 from fa4lab.bench.features import (
     FEATURE_HEAD_DIM,
     FEATURE_PEERS,
@@ -90,13 +90,11 @@ def features_args(args) -> int:
     g = gpu()
     if g is None:
         flops = {c.feature.name: feature_flops(c) for c in cases}
-        print("fa4lab bench --features: no CUDA GPU visible, so nothing is measured here.")
-        print("On a GPU this command would run:")
-        print(describe_features_run(cases, names, missing=available(names, has_gpu=False),
-                                    flops=flops))
-        print()
-        print(recorded_features_summary(args.records))
-        return 0
+        return no_gpu_here("fa4lab bench --features",
+                           describe_features_run(cases, names,
+                                                 missing=available(names, has_gpu=False),
+                                                 flops=flops),
+                           recorded_features_summary(args.records))
     arch, no_kernel = _arch(args, g, "fa4lab bench --features")
     missing = available(names, has_gpu=True)
     if no_kernel:

@@ -163,7 +163,14 @@ def _missing(cases: Sequence[ServingCase]) -> dict[str, str]:
 
 
 def serving_args(args) -> int:
-    from fa4lab.bench.cli import _arch, _changed, _save, command_line
+    from fa4lab.bench.cli import (
+        _arch,
+        _changed,
+        _save,
+        command_line,
+        first_calls_line,
+        no_gpu_here,
+    )
     from fa4lab.bench.measure import RunGuard
 
     wrong = _changed(args, _NOT_SERVING)
@@ -187,14 +194,10 @@ def serving_args(args) -> int:
 
     g = gpu()
     if g is None:
-        print("fa4lab bench --serving: no CUDA GPU visible, so nothing is measured here.")
-        print("On a GPU this command would run:")
-        print(describe_serving_run(cases, _missing(cases),
-                                   hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9))
-        print("(the floors above use the H200 datasheet's bandwidth; the run measures its own)")
-        print()
-        print(recorded_serving_summary(args.records))
-        return 0
+        return no_gpu_here("fa4lab bench --serving",
+                           describe_serving_run(cases, _missing(cases),
+                                                hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9),
+                           recorded_serving_summary(args.records), floors=True)
 
     arch, no_kernel = _arch(args, g, "fa4lab bench --serving")
 
@@ -234,9 +237,7 @@ def serving_args(args) -> int:
                 rep_ms=args.rep_ms, guard=guard, on_result=results.append)
     wall_s = time.perf_counter() - started
     print()
-    print(f"measured in {wall_s:.0f} s; first calls (compiles included): "
-          + ", ".join(f"{r.provider} {r.case} {r.first_call_s:.1f} s" for r in results
-                      if r.first_call_s is not None))
+    print(first_calls_line(wall_s, results, lambda r: r.case))
     print(format_serving_table(results, hbm_gbps=hbm_gbps))
     _save(record(wall_s), args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
