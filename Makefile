@@ -53,7 +53,8 @@ test-fast: install
 
 # On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
 # Fails (not passes vacuously) when no GPU is visible. The tests run as GPU_JOBS processes side
-# by side (tests/shards.py: their compiles overlap, kernels shared through the disk cache).
+# by side (tests/shards.py: whole test modules per process, their compiles overlapping, kernels
+# shared through the disk cache); GPU_JOBS=1 runs them in one process.
 GPU_JOBS ?= 4
 test-gpu:
 	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); \

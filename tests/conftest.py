@@ -13,9 +13,11 @@ FA4LAB_FORBID_COMPILE=1 (set by `make test-fast`) makes `cutlass.cute.compile` r
 compiles a kernel without the `compile` marker fails there, naming the marker, instead of
 making the fast tier slow.
 
-`--shard K/N` keeps every N-th collected test from the K-th (0 <= K < N) and deselects the rest:
-N processes with K = 0..N-1 run each test once (tests/shards.py runs them side by side, as
-`make test-gpu` does, sharing compiled kernels through the disk cache).
+`--shard K/N` keeps the K-th of N shares of the selected tests (0 <= K < N) and deselects the
+rest: N processes with K = 0..N-1 run each test once (tests/shards.py runs them side by side,
+as `make test-gpu` does, sharing compiled kernels through the disk cache). A share is whole
+test modules, so a module's tests keep their order and their process; the modules go to the
+share with the fewest tests so far, largest module first.
 """
 
 from __future__ import annotations
@@ -69,13 +71,29 @@ def shard_of(value: str) -> tuple[int, int]:
     return k, n
 
 
+def shares(modules: dict[str, int], n: int) -> list[set[str]]:
+    """n sets of module names: each module to the share with the fewest tests so far, the
+    largest module first (ties by name, so every process computes the same shares)."""
+    out, sizes = [set() for _ in range(n)], [0] * n
+    for name, count in sorted(modules.items(), key=lambda m: (-m[1], m[0])):
+        k = sizes.index(min(sizes))
+        out[k].add(name)
+        sizes[k] += count
+    return out
+
+
 def _keep_shard(config, items) -> None:
     value = config.getoption("--shard")
     if value is None:
         return
     k, n = shard_of(value)
-    kept = [item for i, item in enumerate(items) if i % n == k]
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    modules: dict[str, int] = {}
+    for item in items:
+        modules[item.nodeid.split("::")[0]] = modules.get(item.nodeid.split("::")[0], 0) + 1
+    mine = shares(modules, n)[k]
+    kept = [item for item in items if item.nodeid.split("::")[0] in mine]
+    config.hook.pytest_deselected(items=[item for item in items
+                                         if item.nodeid.split("::")[0] not in mine])
     items[:] = kept
 
 

@@ -93,17 +93,22 @@ def test_the_version_is_said_once():
 
 
 def test_shards_run_each_test_once():
-    """`--shard K/N` (tests/conftest.py) partitions what a selection collects: the N shards'
-    tests are disjoint and together the whole selection; a bad shard is a usage error."""
+    """`--shard K/N` (tests/conftest.py) partitions what a selection collects by whole
+    modules: the N shards' tests are disjoint and together the whole selection; a bad shard is
+    a usage error."""
+    files = ["tests/test_online_softmax.py", "tests/test_spec.py", "tests/test_tiling.py"]
+
     def collected(*extra):
         result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                                 "-p", "no:logging", "tests/test_online_softmax.py", *extra],
+                                 "-p", "no:logging", *files, *extra],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         return result, [line for line in result.stdout.splitlines() if "::" in line]
 
     _, everything = collected()
-    shards = [collected(f"--shard={k}/3")[1] for k in range(3)]
+    shards = [collected(f"--shard={k}/2")[1] for k in range(2)]
     assert sorted(sum(shards, [])) == sorted(everything) and len(everything) > 3
     assert all(shards) and len(set(sum(shards, []))) == len(everything)
-    bad, _ = collected("--shard=3/3")
+    modules = [{test.split("::")[0] for test in shard} for shard in shards]
+    assert not modules[0] & modules[1]          # a module's tests stay in one process
+    bad, _ = collected("--shard=2/2")
     assert bad.returncode != 0 and "0 <= K < N" in bad.stderr + bad.stdout
