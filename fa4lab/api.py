@@ -338,13 +338,12 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                  softcap=softcap, learnable_sink=learnable_sink)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
-    lse_or_none = (lambda lse: lse) if return_lse else (lambda lse: None)
     if not q.is_cuda:
         _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
         out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k=seqused_k, page_table=page_table,
                                               return_lse=True, **options)
-        return out.to(q.dtype), lse_or_none(lse.to(torch.float32))
+        return out.to(q.dtype), (lse.to(torch.float32) if return_lse else None)
     if arch is not None and page_table is not None and lengths.same_query_count(q.shape[0]):
         return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
                                   options)
@@ -370,7 +369,7 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             continue
         o_b, lse_b = attention(q_b[None], k_b[None], v_b[None], return_lse=True, **options)
         out[rows], lse[:, rows] = o_b[0], lse_b[0]
-    return out, lse_or_none(lse)
+    return out, (lse if return_lse else None)
 
 
 # Note [the varlen op]
