@@ -86,7 +86,8 @@ def main() -> int:
             return 1
         worst = max(worst, err, lse_err)
     for name, err in (("split-KV decode, 3 splits", split_case()),
-                      ("varlen batch", varlen_case()),
+                      ("varlen batch", varlen_case(64)),
+                      ("varlen batch, head_dim 96", varlen_case(96)),
                       ("paged decode, pages of 16", paged_decode_case(16)),
                       ("paged decode, pages of 128", paged_decode_case(128)),
                       ("chunked prefill over pages of 16", paged_prefill_case(16)),
@@ -107,17 +108,18 @@ def split_case() -> float:
     return (out.double().cpu() - torch.as_tensor(ref)).abs().max().item()
 
 
-def varlen_case() -> float:
-    """A causal varlen batch with an empty and a length-1 sequence (Note [sm90 varlen])."""
+def varlen_case(d: int) -> float:
+    """A causal varlen batch with an empty and a length-1 sequence (Note [sm90 varlen]); head
+    dim 96 stores rows of 12 chunks with 96 of a consumer's 128 threads (`store_rows_threads`)."""
     import fa4lab
     from fa4lab.reference import attention_varlen_reference
 
     lengths_q, lengths_k = [130, 0, 1, 257], [200, 64, 1, 140]
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu_q[-1]), 8, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(int(cu_q[-1]), 8, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(int(cu_k[-1]), 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(int(cu_k[-1]), 2, d, device="cuda", dtype=torch.bfloat16)
     out = fa4lab.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), max(lengths_q),
                                   max(lengths_k), causal=True)
     torch.cuda.synchronize()

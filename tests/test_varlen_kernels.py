@@ -92,7 +92,29 @@ SM90_VARLEN = {
     "hd64-causal-left-sink": dict(head_dim=64, causal=True, window_size=(100, 0),
                                   learnable_sink=True),
     "hd256-full-right": dict(head_dim=256, window_size=(None, 40)),
+    "hd96-causal": dict(head_dim=96, causal=True),
+    "hd192-128-full": dict(head_dim=192, head_dim_v=128),
 }
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_varlen_row_stores_tile_every_head_dim(arch):
+    """The varlen epilogue's row store (`seqlen.store_rows`) at every head_dim_v the kernel
+    builds: whole rows per pass, a power of two of them (so a pass divides the 64- or 128-row
+    staging tile and its 8-row swizzle atom), no more threads than the role has. Head dim 96
+    (12 chunks of 16 bytes per row) once took 10 rows per pass with 120 of 128 threads: a
+    tiling of the 64-row swizzled tile that no pass divides, which wrote NaN and other rows'
+    values into O on every call."""
+    from fa4lab.kernels.device.seqlen import store_rows_threads
+    from fa4lab.limits import Q_TILE_ROWS, head_dims_for
+
+    threads = {"sm90": 128, "sm100": 32}[arch]   # a consumer warpgroup; the epilogue warp
+    for _, dv in head_dims_for(arch):
+        cols = dv * 2 // 16
+        rows, active = store_rows_threads(cols, threads)
+        assert rows & (rows - 1) == 0 and Q_TILE_ROWS[arch] % rows == 0, (dv, rows)
+        assert active == rows * cols <= threads, (dv, active)
+        assert 2 * rows * cols > threads, f"dv {dv}: {rows} rows per pass leave half idle"
 
 
 @pytest.mark.compile

@@ -95,29 +95,45 @@ def as_batch_of_one(x):
     return cute.make_tensor(x.iterator, cute.prepend(x.layout, cute.make_layout(1)))
 
 
+def store_rows_threads(cols: int, num_threads: int) -> tuple[int, int]:
+    """(rows per pass, threads that copy) of `store_rows` for a tile of `cols` 16-byte
+    chunks per row and `num_threads` threads: a whole row per group of `cols` threads, and a
+    power of two of such groups, so that a pass's rows divide the tile's rows and the rows of
+    its SMEM swizzle atom (8). Head dim 96 has 12 chunks per row: 128 threads copy 8 rows at a
+    time with 96 of them (not 10 rows with 120, which no 64-row swizzled tile divides: Note
+    [varlen rows past a sequence]); the other threads idle."""
+    if cols < 1 or cols > num_threads:
+        raise ValueError(f"a row of {cols} 16-byte chunks needs more than {num_threads} threads")
+    rows = 1 << ((num_threads // cols).bit_length() - 1)
+    return rows, rows * cols
+
+
 @cute.jit
 def store_rows(sX: cute.Tensor, gX: cute.Tensor, rows, tid,
                num_threads: cutlass.Constexpr[int], unroll: cutlass.Constexpr[bool] = True
                ) -> None:
     """gX[r, :] = sX[r, :] for the rows r < `rows` of a (tile rows, cols) tile staged in SMEM,
     by `num_threads` threads (thread `tid`), 16 bytes per copy: the predicated store of Note
-    [varlen rows past a sequence]. Every thread of the group must have written its part of sX
-    and synchronised before. `unroll` False keeps the row loop a loop (few registers)."""
+    [varlen rows past a sequence], `store_rows_threads`' threads copying. Every thread of the
+    group must have written its part of sX and synchronised before. `unroll` False keeps the
+    row loop a loop (few registers)."""
     dtype = sX.element_type
     vec = 128 // dtype.width
     cols = cute.size(sX.shape[1]) // vec
+    per_pass, active = store_rows_threads(cols, num_threads)
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    threads = cute.make_ordered_layout((num_threads // cols, cols), order=(1, 0))
+    threads = cute.make_ordered_layout((per_pass, cols), order=(1, 0))
     copy = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
-    thr = copy.get_slice(tid)
+    thr = copy.get_slice(tid % active)
     tXsX, tXgX = thr.partition_S(sX), thr.partition_D(gX)
     tXcX = thr.partition_S(cute.make_identity_tensor((cute.size(sX.shape[0]),
                                                       cute.size(sX.shape[1]))))
-    if cutlass.const_expr(unroll):
-        for m in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
-            if tXcX[0, m, 0][0] < rows:
-                cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])
-    else:
-        for m in cutlass.range(cute.size(tXgX, mode=[1]), unroll=1):
-            if tXcX[0, m, 0][0] < rows:
-                cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])
+    if tid < active:
+        if cutlass.const_expr(unroll):
+            for m in cutlass.range_constexpr(cute.size(tXgX, mode=[1])):
+                if tXcX[0, m, 0][0] < rows:
+                    cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])
+        else:
+            for m in cutlass.range(cute.size(tXgX, mode=[1]), unroll=1):
+                if tXcX[0, m, 0][0] < rows:
+                    cute.copy(atom, tXsX[None, m, None], tXgX[None, m, None])
