@@ -127,17 +127,19 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
 
     With spec.varlen (Note [sm90 varlen] in fa4lab.kernels.fwd_sm90): q, out (total_q, heads,
     d), k, v (total_k, heads_kv, d), lse (heads_q, total_q), int32 cu_seqlens_q / cu_seqlens_k
-    (batch + 1,) and seqused_k (batch,) (the launch always passes the key counts: the user's
-    seqused_k or cu_seqlens_k's differences) and the (rows, 2) int32 tile table (contiguous:
-    Note [varlen tile table] in fa4lab.kernels.device.scheduler); else all four None.
+    (batch + 1,) and seqused_k (batch + 1,) (the launch always passes the key counts: the
+    user's seqused_k or cu_seqlens_k's differences, and the phantom sequence's 0) and the
+    (rows, 2) int32 tile table (contiguous: Note [varlen tile table] in
+    fa4lab.kernels.device.scheduler); else all four None.
     `seqused_k` True gives a seqused_k without varlen (a ragged key count on the padded
     layout); None means spec.varlen or a paged spec.
 
     With `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
     num_pages (never varlen's packed layout), page_table an int32 (batch, pages_per_seq) tensor
-    (rows of any stride) and seqused_k always present (each sequence's key count: Note [paged
-    key blocks] in fa4lab.kernels.device.paged), cu_seqlens_k None even with varlen (q and out
-    packed, the cache not); else page_table None.
+    (rows of any stride; with varlen its row count is its own, not seqused_k's) and seqused_k
+    always present (each sequence's key count: Note [paged key blocks] in
+    fa4lab.kernels.device.paged), cu_seqlens_k None even with varlen (q and out packed, the
+    cache not); else page_table None.
     """
     import cutlass
     import cutlass.cute as cute
@@ -168,8 +170,12 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
                                  (*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
                                  assumed_align=16)
                 for d in (spec.head_dim, spec.head_dim_v))
-        page_table = make_fake_tensor(cutlass.Int32, (b, cute.sym_int()), (cute.sym_int64(), 1),
-                                      assumed_align=4)
+        # A varlen launch's seqused_k has one more entry than the table has rows (the
+        # padding tiles' phantom sequence: `fa4lab.varlen.launch_lengths`), so the rows are
+        # their own size there.
+        rows = cute.sym_int() if spec.varlen else b
+        page_table = make_fake_tensor(cutlass.Int32, (rows, cute.sym_int()),
+                                      (cute.sym_int64(), 1), assumed_align=4)
     lse = None
     if spec.return_lse and spec.varlen:
         lse = make_fake_tensor(cutlass.Float32, (hq, sq), (cute.sym_int64(), 1), assumed_align=4)
@@ -205,6 +211,56 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
             cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
             *varlen, page_table, cutlass.Int32(1), out_partial, lse_partial,
             make_fake_stream(use_tvm_ffi_env_stream=True)]
+
+
+# The names of `fake_args`' slots, in order (the stream last): what `contract_mismatches` says.
+ARG_NAMES = ("q", "k", "v", "out", "lse", "sink", "scale_log2", "pre_scale", "window_left",
+             "window_right", "aux", "mask_blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+             "tile_table", "page_table", "num_splits", "out_partial", "lse_partial", "stream")
+
+
+def contract_mismatches(fake: list, real: list) -> list[str]:
+    """Where launch arguments `real` (torch tensors, scalars, None) break the kernel's contract
+    `fake` (`fake_args`' list): a tensor where the contract has None or the reverse, another
+    rank, a static size or stride that differs, one symbolic size bound to two values (shared
+    symbols are the contract's "these dims are equal"), a stride off its divisibility, data off
+    its alignment. The compiled function checks the same at launch, on the GPU; this runs
+    anywhere, so a CPU test can hold every launch path to the contract. Empty when it holds."""
+    import torch
+
+    bound: dict[int, tuple[int, str]] = {}
+    problems = []
+    for name, f, r in zip(ARG_NAMES, fake, real):
+        if not hasattr(f, "shape") or f is None:
+            if f is None and r is not None:
+                problems.append(f"{name}: the kernel takes None, the launch passes "
+                                f"{type(r).__name__}")
+            continue
+        if not isinstance(r, torch.Tensor):
+            problems.append(f"{name}: the kernel takes a tensor, the launch passes {r!r}")
+            continue
+        if len(f.shape) != r.dim():
+            problems.append(f"{name}: rank {len(f.shape)} expected, shape {tuple(r.shape)}")
+            continue
+        for i, (fs, rs, fd, rd) in enumerate(zip(f.shape, r.shape, f.stride, r.stride())):
+            if isinstance(fs, int):
+                if fs != rs:
+                    problems.append(f"{name}.shape[{i}] is {rs}, the kernel has {fs}")
+            else:
+                first = bound.setdefault(id(fs), (rs, f"{name}.shape[{i}]"))
+                if first[0] != rs:
+                    problems.append(f"{name}.shape[{i}] = {rs} but {first[1]} = {first[0]}: the "
+                                    f"kernel declares them one size")
+            if isinstance(fd, int):
+                if fd != rd and rs != 1:
+                    problems.append(f"{name}.stride[{i}] is {rd}, the kernel has {fd}")
+            elif rd % fd.divisibility:
+                problems.append(f"{name}.stride[{i}] = {rd} is not a multiple of "
+                                f"{fd.divisibility}")
+        align = f._assumed_align
+        if align and r.data_ptr() % align:
+            problems.append(f"{name}: data not {align}-byte aligned")
+    return problems
 
 
 def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
