@@ -62,9 +62,9 @@ ones (None chooses from the table's capacity). The reference gathers the sequenc
 `attention_varlen` takes variable-length batches (packed tokens + cu_seqlens) and paged K/V
 caches (`fa4lab.varlen`): one varlen kernel launch per batch; a paged cache whose sequences
 all have the same query count (decode) is one paged launch (split-KV and the combine when the
-shape asks, as `attention` chooses); other paged batches (chunked prefill) run `attention` once
-per sequence until their one varlen launch over the pages has run on the GPU
-(`fa4lab.kernels.launch.PAGED_VARLEN_ARCHS`).
+shape asks, as `attention` chooses); other paged batches (chunked prefill) are one varlen launch
+over the pages on the archs where it has run (`fa4lab.kernels.launch.PAGED_VARLEN_ARCHS`: the
+H100/H200), `attention` once per sequence elsewhere.
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
 `torch.ops.fa4lab.attention_forward` (Note [the attention op]), `attention_varlen` by
@@ -77,9 +77,9 @@ import warnings
 
 import torch
 
-from fa4lab.errors import InputError, UnsupportedArchError
+from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
-from fa4lab.spec import check_inputs, check_qkv_shapes, normalize_mask
+from fa4lab.spec import check_inputs, check_kernel_layout, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
 
 
@@ -220,7 +220,7 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     fa4lab.kernels.device.paged for the kernels' page sizes; num_splits as with contiguous K/V,
     None choosing from the table's capacity)."""
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise TypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
+        raise InputTypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
@@ -294,9 +294,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     count L (decode: L = 1): one paged launch over q viewed as (batch, L, heads_q, d), each
     sequence's keys its seqused_k, split across CTAs when the shape asks (`_paged_same_length`);
     a page_table with ragged query counts (chunked prefill): one varlen launch over the pages
-    on the archs of `fa4lab.kernels.launch.PAGED_VARLEN_ARCHS` (none yet: the kernels are
-    compiled and audited, not yet run), elsewhere, or on another GPU, one `fa4lab.attention`
-    call per sequence (a paged sequence's K/V gathered into contiguous tensors first).
+    on the archs of `fa4lab.kernels.launch.PAGED_VARLEN_ARCHS` (sm90; the sm100 kernel is
+    compiled and audited, not yet run), elsewhere one `fa4lab.attention` call per sequence
+    (a paged sequence's K/V gathered into contiguous tensors first).
 
     torch.compile and CUDA graphs: backed by the custom op
     `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]).
@@ -336,6 +336,8 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     check_inputs(*(t.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v)),
                  softmax_scale=softmax_scale, arch=arch, window_size=window_size,
                  softcap=softcap, learnable_sink=learnable_sink)
+    if arch is not None:   # the stand-ins are contiguous; the kernel reads q, k, v themselves
+        check_kernel_layout(q=q, k=k, v=v)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
     if not q.is_cuda:

@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fa4lab.errors import Fa4labError, check_same_device
+from fa4lab.errors import Fa4labError, InputError, InputTypeError, check_same_device
 
 __all__ = ["BoundMod", "KernelMods", "ModCompileError", "abs", "alibi", "check_mods",
            "describe", "document_mask", "exp2", "kernel_mods", "log2", "maximum", "minimum",
@@ -278,21 +278,21 @@ def _takes_aux(fn, name: str, n_args: int) -> bool:
     """Whether `fn` takes the optional aux argument after its n_args required ones; raises when
     it is not a callable of n_args or n_args + 1 positional arguments."""
     if not callable(fn):
-        raise TypeError(f"{name} must be a callable {_SIGNATURES[name]}, got "
-                        f"{type(fn).__name__} {fn!r}")
+        raise InputTypeError(f"{name} must be a callable {_SIGNATURES[name]}, got "
+                             f"{type(fn).__name__} {fn!r}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} {describe(fn)}: its signature cannot be read; pass a Python "
-                        f"function {_SIGNATURES[name]}") from None
+        raise InputTypeError(f"{name} {describe(fn)}: its signature cannot be read; pass a Python "
+                             f"function {_SIGNATURES[name]}") from None
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
     varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
     kw_required = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
     if len(required) > n_args + 1 or (len(positional) < n_args and not varargs) or kw_required:
-        raise TypeError(f"{name} {describe(fn)} takes ({', '.join(p.name for p in params)}): "
-                        f"it must be {_SIGNATURES[name]}, with aux optional")
+        raise InputTypeError(f"{name} {describe(fn)} takes ({', '.join(p.name for p in params)}): "
+                             f"it must be {_SIGNATURES[name]}, with aux optional")
     return varargs or len(positional) > n_args
 
 
@@ -313,19 +313,19 @@ def _check_aux(aux_tensors, device) -> tuple:
         return ()
     device = torch.device(device)
     if isinstance(aux_tensors, torch.Tensor) or not isinstance(aux_tensors, Sequence):
-        raise TypeError(f"aux_tensors must be a tuple or list of torch tensors, got "
-                        f"{type(aux_tensors).__name__}; wrap one tensor as (t,)")
+        raise InputTypeError(f"aux_tensors must be a tuple or list of torch tensors, got "
+                             f"{type(aux_tensors).__name__}; wrap one tensor as (t,)")
     aux = tuple(aux_tensors)
     for i, t in enumerate(aux):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"aux_tensors[{i}] is a {type(t).__name__}, not a torch tensor; "
-                            f"convert it with torch.as_tensor(x, device=q.device)")
+            raise InputTypeError(f"aux_tensors[{i}] is a {type(t).__name__}, not a torch tensor; "
+                                 f"convert it with torch.as_tensor(x, device=q.device)")
         if str(t.dtype).removeprefix("torch.") not in AUX_DTYPES:
-            raise TypeError(f"aux_tensors[{i}] has dtype {t.dtype}: the kernels read float32 or "
-                            f"int32 aux tensors; cast with .float() or .int()")
+            raise InputTypeError(f"aux_tensors[{i}] has dtype {t.dtype}: the kernels read "
+                                 f"float32 or int32 aux tensors; cast with .float() or .int()")
         check_same_device(f"aux_tensors[{i}]", t.device, "q", device)
         if t.dim() < 1:
-            raise ValueError(f"aux_tensors[{i}] is 0-dimensional: give it shape (1,) and read "
+            raise InputError(f"aux_tensors[{i}] is 0-dimensional: give it shape (1,) and read "
                              f"aux[{i}][0]")
     return aux
 
@@ -390,19 +390,20 @@ def _probe(mods: KernelMods, aux: tuple) -> None:
                 f"body, two worlds] in fa4lab.mods (no `if` on values, use fa4lab.mods.where; "
                 f"no torch functions or tensor methods)") from err
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{name} {describe(fn)} returned {type(out).__name__}, not a tensor: "
-                            f"it must compute {want} from its arguments")
+            raise InputTypeError(f"{name} {describe(fn)} returned {type(out).__name__}, not a "
+                                 f"tensor: it must compute {want} from its arguments")
         ok = out.is_floating_point() if name == "score_mod" else out.dtype == torch.bool
         if not ok:
-            raise TypeError(f"{name} {describe(fn)} returned dtype {out.dtype}; it must return "
-                            f"{want}" + (" (compare, e.g. q_idx >= kv_idx)" if name == "mask_mod"
-                                         else " (e.g. score + 1.0 * bias)"))
+            raise InputTypeError(f"{name} {describe(fn)} returned dtype {out.dtype}; it must "
+                                 f"return {want}"
+                                 + (" (compare, e.g. q_idx >= kv_idx)" if name == "mask_mod"
+                                   else " (e.g. score + 1.0 * bias)"))
         try:
             shape = torch.broadcast_shapes(out.shape, score.shape)
         except RuntimeError:
             shape = None
         if shape != score.shape:
-            raise ValueError(f"{name} {describe(fn)} returned shape {tuple(out.shape)} for a "
+            raise InputError(f"{name} {describe(fn)} returned shape {tuple(out.shape)} for a "
                              f"(2, 2, 2, 2) grid of (b, h, q_idx, kv_idx): it must broadcast to "
                              f"the grid (index multi-dim aux tensors with all coordinates, "
                              f"aux[i][b, q_idx])")
@@ -427,7 +428,7 @@ def check_mods(score_mod, mask_mod, aux_tensors, device) -> tuple[KernelMods, tu
     arity, aux_tensors a sequence of float32 / int32 tensors on `device` (q's), each mod tried
     once on meta tensors (`_probe`). Returns (KernelMods, aux tuple)."""
     if aux_tensors is not None and score_mod is None and mask_mod is None:
-        raise ValueError("aux_tensors were given without a score_mod or mask_mod to read them")
+        raise InputError("aux_tensors were given without a score_mod or mask_mod to read them")
     aux = _check_aux(aux_tensors, device)
     mods = kernel_mods(score_mod, mask_mod, aux)
     if mods:
@@ -449,10 +450,10 @@ def _tensor(x, name: str, dtype: str):
     import torch
 
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
+        raise InputTypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
     if str(x.dtype).removeprefix("torch.") != dtype:
-        raise TypeError(f"{name} has dtype {x.dtype}; pass a {dtype} tensor "
-                        f"(.{'float' if dtype == 'float32' else 'int'}())")
+        raise InputTypeError(f"{name} has dtype {x.dtype}; pass a {dtype} tensor "
+                             f"(.{'float' if dtype == 'float32' else 'int'}())")
     return x
 
 
@@ -462,7 +463,7 @@ def alibi(slopes, *, aux_index: int = 0) -> BoundMod:
     slopes: float32 (heads_q,) on q's device, e.g. 2 ** (-8 * (h + 1) / heads_q)."""
     slopes = _tensor(slopes, "slopes", "float32")
     if slopes.dim() != 1:
-        raise ValueError(f"slopes has shape {tuple(slopes.shape)}: expected (heads_q,)")
+        raise InputError(f"slopes has shape {tuple(slopes.shape)}: expected (heads_q,)")
     i = aux_index
 
     def alibi_mod(score, b, h, q_idx, kv_idx, aux):
@@ -478,7 +479,7 @@ def relative_bias(table, *, aux_index: int = 0) -> BoundMod:
     beyond +-R reuse the edge entries (as T5's buckets saturate)."""
     table = _tensor(table, "table", "float32")
     if table.dim() not in (1, 2) or table.shape[-1] % 2 != 1:
-        raise ValueError(f"table has shape {tuple(table.shape)}: expected (2R + 1,) or "
+        raise InputError(f"table has shape {tuple(table.shape)}: expected (2R + 1,) or "
                          f"(heads_q, 2R + 1), an odd number of offsets -R..R")
     radius, i = (table.shape[-1] - 1) // 2, aux_index
 
@@ -503,7 +504,7 @@ def document_mask(doc_ids, *, aux_index: int = 0) -> BoundMod:
     seqlen_q and seqlen_k -- or (batch, seqlen) per batch row."""
     doc_ids = _tensor(doc_ids, "doc_ids", "int32")
     if doc_ids.dim() not in (1, 2):
-        raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}: expected (seqlen,) or "
+        raise InputError(f"doc_ids has shape {tuple(doc_ids.shape)}: expected (seqlen,) or "
                          f"(batch, seqlen)")
     i = aux_index
     if doc_ids.dim() == 1:
@@ -524,7 +525,7 @@ def prefix_lm(prefix_len, *, aux_index: int = 0) -> BoundMod:
     (batch,) tensor of per-row prefix lengths (read at run time)."""
     if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
         if prefix_len < 0:
-            raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+            raise InputError(f"prefix_len must be >= 0, got {prefix_len}")
         n = prefix_len
 
         def prefix_lm_mod(b, h, q_idx, kv_idx):
@@ -533,7 +534,7 @@ def prefix_lm(prefix_len, *, aux_index: int = 0) -> BoundMod:
         return BoundMod(prefix_lm_mod, ())
     lengths = _tensor(prefix_len, "prefix_len", "int32")
     if lengths.dim() != 1:
-        raise ValueError(f"prefix_len has shape {tuple(lengths.shape)}: expected (batch,)")
+        raise InputError(f"prefix_len has shape {tuple(lengths.shape)}: expected (batch,)")
     i = aux_index
 
     def prefix_lm_batch_mod(b, h, q_idx, kv_idx, aux):

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from fa4lab.errors import check_same_device
+from fa4lab.errors import InputError, InputTypeError, check_same_device
 
 LOG2E = math.log2(math.e)  # the kernels work in base 2: Note [exp2 and scale_log2]
 LN2 = math.log(2.0)        # and turn base-2 log-sum-exps back into natural logs
@@ -45,9 +45,9 @@ def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
     try:
         scale = float(softmax_scale)
     except (TypeError, ValueError):
-        raise TypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+        raise InputTypeError(f"softmax_scale must be a number, got {softmax_scale!r}") from None
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {scale}")
+        raise InputError(f"softmax_scale must be a positive finite number, got {scale}")
     return scale
 
 _DTYPE_ALIASES = {
@@ -60,19 +60,19 @@ def normalize_dtype(dtype: Any) -> str:
     """'bf16' or 'fp16' from a string or a torch dtype; anything else is a clear TypeError."""
     key = str(dtype).lower()
     if key not in _DTYPE_ALIASES:
-        raise TypeError(
-            f"dtype {dtype!r} is not supported: the kernels take bf16 or fp16 "
-            f"(cast with .to(torch.bfloat16) or .half())"
-        )
+        raise InputTypeError(
+                 f"dtype {dtype!r} is not supported: the kernels take bf16 or fp16 "
+                 f"(cast with .to(torch.bfloat16) or .half())"
+             )
     return _DTYPE_ALIASES[key]
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise InputError(f"{name} must be >= 1, got {value}")
     return value
 
 
@@ -99,19 +99,19 @@ def check_window_size(window_size: Any) -> tuple[int | None, int | None]:
     See Note [window and causal]."""
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(
             window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints >= 0 or None, got "
-                        f"{window_size!r}; e.g. window_size=(256, 0) for a causal sliding "
-                        f"window of 256 keys to the left, (None, None) for no window")
+        raise InputTypeError(f"window_size must be a pair (left, right) of ints >= 0 or None, got "
+                             f"{window_size!r}; e.g. window_size=(256, 0) for a causal sliding "
+                             f"window of 256 keys to the left, (None, None) for no window")
     sides = []
     for name, value in zip(("left", "right"), window_size):
         if value is None:
             sides.append(None)
             continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"window_size={tuple(window_size)!r}: {name} must be an int >= 0 "
-                            f"or None (unbounded), got {type(value).__name__} {value!r}")
+            raise InputTypeError(f"window_size={tuple(window_size)!r}: {name} must be an int >= 0 "
+                                 f"or None (unbounded), got {type(value).__name__} {value!r}")
         if value < 0:
-            raise ValueError(f"window_size={tuple(window_size)!r}: {name}={int(value)} is "
+            raise InputError(f"window_size={tuple(window_size)!r}: {name}={int(value)} is "
                              f"negative; each side is an int >= 0 (0 means only the diagonal "
                              f"on that side) or None for an unbounded side (not -1)")
         sides.append(int(value))
@@ -126,7 +126,7 @@ def normalize_mask(causal: Any, window_size: Any = (None, None)
     left, right = check_window_size(window_size)
     causal = bool(causal)
     if causal and right is not None and right > 0:
-        raise ValueError(f"causal=True with window_size=({left}, {right}): causal means "
+        raise InputError(f"causal=True with window_size=({left}, {right}): causal means "
                          f"right = 0, so the two disagree; pass causal=False to let queries "
                          f"see {right} keys past the diagonal, or window_size=({left}, 0)")
     if right == 0:
@@ -159,13 +159,13 @@ def check_softcap(softcap: Any) -> float:
     """softcap as a float: 0.0 (off) or a positive finite number; TypeError/ValueError else."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer,
                                                                            np.floating)):
-        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__} "
-                        f"{softcap!r}")
+        raise InputTypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__} "
+                             f"{softcap!r}")
     value = float(softcap)
     if value == 0.0:
         return 0.0
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"softcap must be 0.0 (off) or a positive finite number, got {value}; "
+        raise InputError(f"softcap must be 0.0 (off) or a positive finite number, got {value}; "
                          f"scores become softcap * tanh(score / softcap), e.g. softcap=50.0 "
                          f"as in Gemma 2")
     return value
@@ -222,24 +222,24 @@ class AttentionSpec:
         object.__setattr__(self, "window_size", window)
         object.__setattr__(self, "softcap", check_softcap(self.softcap))
         if not isinstance(self.learnable_sink, (bool, np.bool_)):
-            raise TypeError(f"learnable_sink is a flag in AttentionSpec, got "
-                            f"{type(self.learnable_sink).__name__}: pass True when a "
-                            f"(heads_q,) float32 sink tensor comes with the call (the tensor "
-                            f"itself goes to the call, or to AttentionSpec.from_tensors)")
+            raise InputTypeError(f"learnable_sink is a flag in AttentionSpec, got "
+                                 f"{type(self.learnable_sink).__name__}: pass True when a "
+                                 f"(heads_q,) float32 sink tensor comes with the call (the tensor "
+                                 f"itself goes to the call, or to AttentionSpec.from_tensors)")
         object.__setattr__(self, "learnable_sink", bool(self.learnable_sink))
         if not isinstance(self.split_kv, (bool, np.bool_)):
-            raise TypeError(f"split_kv is a flag in AttentionSpec, got "
-                            f"{type(self.split_kv).__name__}: True for the split-KV kernel "
-                            f"(the split count is a call's num_splits)")
+            raise InputTypeError(f"split_kv is a flag in AttentionSpec, got "
+                                 f"{type(self.split_kv).__name__}: True for the split-KV kernel "
+                                 f"(the split count is a call's num_splits)")
         object.__setattr__(self, "split_kv", bool(self.split_kv))
         object.__setattr__(self, "return_lse", bool(self.return_lse))
         if self.page_size is not None:
             object.__setattr__(self, "page_size", _positive_int("page_size", self.page_size))
         if not isinstance(self.varlen, (bool, np.bool_)):
-            raise TypeError(f"varlen is a flag in AttentionSpec, got {self.varlen!r}")
+            raise InputTypeError(f"varlen is a flag in AttentionSpec, got {self.varlen!r}")
         object.__setattr__(self, "varlen", bool(self.varlen))
         if self.heads_q % self.heads_kv:
-            raise ValueError(
+            raise InputError(
                 f"heads_q={self.heads_q} is not a multiple of heads_kv={self.heads_kv}: with GQA "
                 f"each KV head serves heads_q // heads_kv query heads; choose heads_kv among "
                 f"{[d for d in range(1, self.heads_q + 1) if self.heads_q % d == 0]}"
@@ -338,9 +338,10 @@ def check_qkv_shapes(q, k, v) -> None:
     """Shape checks shared by every entry point; raises ValueError naming the problem."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not hasattr(t, "shape"):
-            raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(t).__name__}")
+            raise InputTypeError(f"{name} must be a numpy array or torch tensor, got "
+                                 f"{type(t).__name__}")
         if len(t.shape) != 4:
-            raise ValueError(
+            raise InputError(
                 f"{name} has shape {tuple(t.shape)}: expected 4 dims "
                 f"(batch, seqlen, heads, head_dim); add a batch dim with {name}[None] if needed"
             )
@@ -348,19 +349,19 @@ def check_qkv_shapes(q, k, v) -> None:
     bk, sk, hkv, dk = k.shape
     bv, sv, hv, dv = v.shape
     if not (b == bk == bv):
-        raise ValueError(f"batch differs: q {b}, k {bk}, v {bv}")
+        raise InputError(f"batch differs: q {b}, k {bk}, v {bv}")
     if sk != sv:
-        raise ValueError(f"k and v must have the same seqlen_k: k {sk}, v {sv}")
+        raise InputError(f"k and v must have the same seqlen_k: k {sk}, v {sv}")
     if hkv != hv:
-        raise ValueError(f"k and v must have the same number of heads: k {hkv}, v {hv}")
+        raise InputError(f"k and v must have the same number of heads: k {hkv}, v {hv}")
     if d != dk:
-        raise ValueError(f"q and k must have the same head_dim: q {d}, k {dk}")
+        raise InputError(f"q and k must have the same head_dim: q {d}, k {dk}")
     if min(b, sq, hq, d, sk, hkv, dv) < 1:
-        raise ValueError(
+        raise InputError(
             f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if hq % hkv:
-        raise ValueError(
+        raise InputError(
             f"heads_q={hq} is not a multiple of heads_kv={hkv}: with GQA query head h reads kv "
             f"head h // (heads_q // heads_kv), so heads_kv must divide heads_q"
         )
@@ -369,12 +370,29 @@ def check_qkv_shapes(q, k, v) -> None:
 def check_sink_shape(learnable_sink, heads_q: int) -> None:
     """learnable_sink must be a numpy array or torch tensor of shape (heads_q,)."""
     if not hasattr(learnable_sink, "shape"):
-        raise TypeError(f"learnable_sink must be a tensor of shape (heads_q,) = ({heads_q},), "
-                        f"got {type(learnable_sink).__name__}; build it with torch.zeros("
-                        f"{heads_q}, dtype=torch.float32, device=q.device)")
+        raise InputTypeError(f"learnable_sink must be a tensor of shape (heads_q,) = ({heads_q},), "
+                             f"got {type(learnable_sink).__name__}; build it with torch.zeros("
+                             f"{heads_q}, dtype=torch.float32, device=q.device)")
     if tuple(int(x) for x in learnable_sink.shape) != (heads_q,):
-        raise ValueError(f"learnable_sink has shape {tuple(learnable_sink.shape)}: expected "
+        raise InputError(f"learnable_sink has shape {tuple(learnable_sink.shape)}: expected "
                          f"(heads_q,) = ({heads_q},), one sink logit per query head")
+
+
+def check_kernel_layout(**tensors) -> None:
+    """What TMA needs of each 16-bit tensor given by name, of any rank (dense, packed varlen,
+    a paged cache): the last dim contiguous, and 16-byte aligned data and strides (8
+    elements). The kernels' argument contract declares the same (`fa4lab.kernels.compile.
+    fake_args`); checked here so that a misaligned view fails before launch, naming the tensor
+    and the fix, not inside the launch's argument check."""
+    for name, t in tensors.items():
+        stride = t.stride()
+        if stride[-1] != 1:
+            raise InputError(f"{name} has strides {tuple(stride)}: the last dim must be "
+                             f"contiguous (stride 1); pass {name}.contiguous()")
+        if t.data_ptr() % 16 or any(s % 8 for s in stride[:-1]):
+            raise InputError(f"{name} is not 16-byte aligned (data_ptr or strides {stride}): "
+                             f"TMA needs 16-byte aligned rows; pass {name}.contiguous() (or "
+                             f"clone it)")
 
 
 def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
@@ -394,8 +412,8 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap numpy "
-                            f"arrays with torch.from_numpy({name})")
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap "
+                                 f"numpy arrays with torch.from_numpy({name})")
     if page_table is None:
         check_qkv_shapes(q, k, v)
     else:
@@ -403,49 +421,41 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
 
         check_paged(q, k, v, page_table)
     if not q.is_floating_point():
-        raise TypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
-                        f"with q.to(torch.bfloat16)")
+        raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
+                             f"with q.to(torch.bfloat16)")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-                        f"cast them, e.g. k.to(q.dtype)")
+        raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+                             f"cast them, e.g. k.to(q.dtype)")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, "
+        raise InputError(f"q, k, v are on different devices ({q.device}, {k.device}, "
                          f"{v.device}); move them to one device with .to(q.device)")
     if softmax_scale is not None:
         s = float(softmax_scale)
         if not s > 0 or s == math.inf:
-            raise ValueError(f"softmax_scale must be a positive finite number, got {s}")
+            raise InputError(f"softmax_scale must be a positive finite number, got {s}")
     check_window_size(window_size)
     check_softcap(softcap)
     if learnable_sink is not None:
         if not isinstance(learnable_sink, torch.Tensor):
-            raise TypeError(f"learnable_sink must be a torch.Tensor of shape (heads_q,) or "
-                            f"None, got {type(learnable_sink).__name__}; wrap it with "
-                            f"torch.as_tensor(sink, dtype=torch.float32, device=q.device)")
+            raise InputTypeError(f"learnable_sink must be a torch.Tensor of shape (heads_q,) or "
+                                 f"None, got {type(learnable_sink).__name__}; wrap it with "
+                                 f"torch.as_tensor(sink, dtype=torch.float32, device=q.device)")
         check_sink_shape(learnable_sink, q.shape[2])
         if learnable_sink.dtype != torch.float32:
-            raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink logits "
-                            f"are float32; cast with learnable_sink.float()")
+            raise InputTypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink "
+                                 f"logits are float32; cast with learnable_sink.float()")
         check_same_device("learnable_sink", learnable_sink.device, "q", q.device)
     if arch is None:
         return
     from fa4lab.limits import kernel_builds, unsupported_head_dims
 
     if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
-                        f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
+        raise InputTypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
+                             f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
     d, dv = q.shape[3], v.shape[3]
     if not kernel_builds(arch, d, dv):
-        raise ValueError(unsupported_head_dims(arch, d, dv))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        stride = t.stride()
-        if stride[3] != 1:
-            raise ValueError(f"{name} has strides {tuple(stride)}: the last dim must be "
-                             f"contiguous (stride 1); pass {name}.contiguous()")
-        if t.data_ptr() % 16 or stride[0] % 8 or stride[1] % 8 or stride[2] % 8:
-            raise ValueError(f"{name} is not 16-byte aligned (data_ptr or strides {stride}): "
-                             f"TMA needs 16-byte aligned rows; pass {name}.contiguous() (or "
-                             f"clone it)")
+        raise InputError(unsupported_head_dims(arch, d, dv))
+    check_kernel_layout(q=q, k=k, v=v)
     if not q.is_cuda:
-        raise ValueError(f"q is on {q.device}: the {arch} kernel needs CUDA tensors; move them "
+        raise InputError(f"q is on {q.device}: the {arch} kernel needs CUDA tensors; move them "
                          f"with .cuda()")

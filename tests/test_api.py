@@ -120,6 +120,26 @@ def test_kernel_input_checks(rng):
     check_inputs(q, k, v)  # the math alone is fine on CPU
 
 
+def test_kernel_layout_is_checked_at_every_rank():
+    """`check_kernel_layout`, the rule `check_inputs` and `attention_varlen` share, on packed
+    (total, heads, d) and paged (pages, page_size, heads, d) tensors as on dense ones: an
+    InputError naming the tensor, before anything runs."""
+    from fa4lab.errors import InputError
+    from fa4lab.spec import check_kernel_layout
+
+    for shape in ((50, 4, 96), (6, 16, 2, 64), (2, 30, 4, 128)):
+        t = torch.zeros(shape, dtype=torch.bfloat16)
+        check_kernel_layout(q=t, k=t[1:], v=t[..., :shape[-1]])
+        with pytest.raises(InputError, match="k has strides .* last dim must be contiguous"):
+            check_kernel_layout(q=t, k=t.transpose(-1, -2).contiguous().transpose(-1, -2))
+        flat = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        with pytest.raises(InputError, match=r"v is not 16-byte aligned.*v\.contiguous\(\)"):
+            check_kernel_layout(q=t, v=flat[1:].view(shape))
+        wide = torch.zeros(*shape[:-1], shape[-1] + 4, dtype=t.dtype)[..., :shape[-1]]
+        with pytest.raises(InputError, match="q is not 16-byte aligned"):
+            check_kernel_layout(q=wide)
+
+
 def test_error_vs_reference_on_cpu(rng):
     """The notebook's measurement: on CPU the fallback is the reference itself (error ~0)."""
     from fa4lab.api import error_vs_reference

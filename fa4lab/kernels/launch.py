@@ -40,6 +40,7 @@ from functools import cache
 # and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
 import tvm_ffi  # noqa: F401
 
+from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels.compile import scale_args, window_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
 from fa4lab.spec import AttentionSpec, normalize_dtype, normalize_mask
@@ -318,10 +319,10 @@ def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int 
 
 # The archs on which `fa4lab.attention_varlen` runs a paged batch with ragged query counts
 # (chunked prefill over a paged cache) as ONE varlen launch over the pages: the ones it has run
-# on. The paged varlen kernels of both archs compile and pass the audit (tests/
-# test_varlen_kernels.py) and tests/test_paged_varlen_gpu.py holds them to the float64
-# reference, but neither has run yet: elsewhere such a batch runs once per sequence.
-PAGED_VARLEN_ARCHS: tuple[str, ...] = ()
+# on, where tests/test_paged_varlen_gpu.py holds it to the float64 reference. The sm100 paged
+# varlen kernel compiles and passes the audit (tests/test_varlen_kernels.py) but has not run on
+# a B200: there such a batch runs once per sequence.
+PAGED_VARLEN_ARCHS: tuple[str, ...] = ("sm90",)
 
 
 def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
@@ -386,12 +387,12 @@ def compile_plan(plan, example):
     def run(q, k, v, causal, softmax_scale, window_size=None, learnable_sink=None):
         window = spec.window_size if window_size is None else window_size
         if normalize_mask(causal, window)[0] != spec.causal:
-            raise ValueError(f"this kernel was compiled for causal={spec.causal}; got "
+            raise InputError(f"this kernel was compiled for causal={spec.causal}; got "
                              f"causal={causal} with window_size={window}")
         window = normalize_mask(causal, window)[1]
         if ([side is None for side in window] != [side is None for side in spec.window_size]
                 or (learnable_sink is None) == spec.learnable_sink):
-            raise ValueError(f"this kernel was compiled for window_size={spec.window_size} "
+            raise InputError(f"this kernel was compiled for window_size={spec.window_size} "
                              f"(its sides; their sizes may change) and learnable_sink="
                              f"{spec.learnable_sink}; got window_size={window_size}, "
                              f"learnable_sink {'None' if learnable_sink is None else 'given'}")
@@ -411,7 +412,6 @@ def check_paged_call(key: tuple, mods) -> None:
     """Before a paged launch (key's page size not None): no mods (their block table and key
     indices assume contiguous K/V) and a page size the kernel's key blocks take
     (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
-    from fa4lab.errors import InputError
     from fa4lab.kernels.device.paged import check_page_size
 
     if mods:
@@ -437,12 +437,11 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
     `page_table`, k and v are a paged cache."""
     import torch
 
-    from fa4lab.errors import InputError, UnsupportedArchError
     from fa4lab.spec import check_inputs
 
     for name, value in (("pack_gqa", pack_gqa), ("persistent", persistent)):
         if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name} must be None (choose), True or False, got {value!r}")
+            raise InputTypeError(f"{name} must be None (choose), True or False, got {value!r}")
     on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
     have = device_arch(q.device.index) if on_gpu else None
     if have != arch:
