@@ -121,6 +121,17 @@ def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
 # FA4's threshold for conditional rescaling, in log2 units: the stale max is kept until the
 # true max exceeds it by more than 2**8 = 256x (see notebook 01 and Note [conditional rescale]).
 RESCALE_THRESHOLD = 8.0
+# Each kernel's threshold.
+# Note [rescale threshold by arch]: a stale max costs precision, since
+# the row's largest P is then 2**x, x in (0, 8], rounded to 16 bits before P V, where a fresh
+# max makes it exactly 1. The B200 pays it to keep the correction warpgroup's TMEM round trips
+# off most blocks (as upstream FA4's sm100 kernel does). On Hopper O lives in the consumer's
+# registers and a rescale is dv / 2 FMULs per thread (skipped for a warp whose rows all kept
+# their max), so the sm90 kernel rescales whenever the max grows, as upstream's sm90 kernel
+# does: at 8, its max error over 72 bf16 shapes on the H200 averaged 1.14-1.27x SDPA's (up to
+# 2.2x), FA4's 1.00x (benchmarks/2026-12-02_nvidia-h200_precision.txt: the run, both
+# thresholds and the speed of each).
+RESCALE_THRESHOLDS = {"sm100": RESCALE_THRESHOLD, "sm90": 0.0}
 
 
 # ---- software exp2 --------------------------------------------------------------------------

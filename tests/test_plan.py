@@ -166,7 +166,7 @@ def test_supported_defaults_fit(arch, dims, causal):
 
 def test_the_plans_read_the_shared_limits():
     """Head dims, threshold and element sizes come from fa4lab.limits, not from copies."""
-    from fa4lab.limits import ELEMENT_BYTES, RESCALE_THRESHOLD, head_dims_text
+    from fa4lab.limits import ELEMENT_BYTES, RESCALE_THRESHOLDS, head_dims_text
     from fa4lab.plan.sm90 import SM90_TUNING
     from fa4lab.plan.sm100 import SM100_TUNING
 
@@ -176,7 +176,7 @@ def test_the_plans_read_the_shared_limits():
     for arch, pairs in KERNEL_HEAD_DIMS.items():
         for d, dv in pairs:
             p = plan_forward(spec(d, hd_v=dv), arch)
-            assert p.rescale_threshold == RESCALE_THRESHOLD
+            assert p.rescale_threshold == RESCALE_THRESHOLDS[arch]
             assert p.spec.element_bytes == ELEMENT_BYTES[p.spec.dtype] == 2
             rows = p.tiles.m_block if arch == "sm100" else p.tiles.cta_m   # one Q load's rows
             assert p.barriers.barrier("q_full").tx_bytes == rows * d * p.spec.element_bytes

@@ -1063,8 +1063,8 @@ def port_table(spec) -> list[tuple[str, str, str]]:
          f"{', '.join(x.name for x in h.barriers.barriers if x.kind == 'named')}"),
         ("softmax", role(b, "softmax0") + " + " + role(b, "softmax1"), cons_names),
         ("rescale O (correction)", role(b, "correction") + ": O in TMEM, when the max grew > "
-         f"{b.rescale_threshold:g}", "the consumer itself, O in registers, same threshold "
-         f"{h.rescale_threshold:g}"),
+         f"{b.rescale_threshold:g}", "the consumer itself, O in registers, when the max grew "
+         f"> {h.rescale_threshold:g} (Note [rescale threshold by arch] in fa4lab.limits)"),
         ("exp2", f"MUFU + polynomial on FMA (fraction {b.exp2_emulation_fraction:g})",
          "MUFU only"),
         ("loads (TMA)", role(b, "load"), role(h, "load") + ": warp 0 issues, the rest idle"),

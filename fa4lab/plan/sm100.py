@@ -27,7 +27,7 @@ from fa4lab.limits import (
     ELEMENT_BYTES,
     KERNEL_HEAD_DIMS,
     Q_TILE_ROWS,
-    RESCALE_THRESHOLD,
+    RESCALE_THRESHOLDS,
     SM100_EXP2_FRACTION_MAX,
     head_dims_text,
     unsupported_head_dims,
@@ -429,7 +429,7 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
         f"(limits.SM100_EXP2_FRACTION_MAX: the softmax's registers).",
     ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
-                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLD,
+                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLDS["sm100"],
                 min(balanced_exp2_fraction(hw), SM100_EXP2_FRACTION_MAX), notes)
 
 

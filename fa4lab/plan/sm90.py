@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
-from fa4lab.limits import Q_TILE_ROWS, RESCALE_THRESHOLD, kernel_builds, unsupported_head_dims
+from fa4lab.limits import Q_TILE_ROWS, RESCALE_THRESHOLDS, kernel_builds, unsupported_head_dims
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
 from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, TileLoop, Unroll, expand
@@ -265,7 +265,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
     ) + pack_gqa_notes(spec, tiles)
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles,
-                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLD, 0.0, notes)
+                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLDS["sm90"], 0.0,
+                notes)
 
 
 # ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm90, op by op ----
