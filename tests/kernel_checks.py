@@ -1,15 +1,13 @@
-"""The acceptance check both GPU kernels share (tests/test_sm90.py, tests/test_sm100.py).
+"""The acceptance check both GPU kernels share (tests/test_sm90.py, tests/test_sm100.py, the
+varlen, paged and matrix GPU tests).
 
-FA4's rule: the kernel's max error against the float64 reference is at most twice PyTorch's own
-same-dtype attention error (`fa4lab.api.sdpa_same_dtype`) plus ATOL = 1e-3. The atol is a floor
-for cases where SDPA happens to be exact (seqlen_k = 1, or one-hot rows at extreme logits): it
-is below half a bf16 ulp at magnitude 0.5 (2**-9 ~ 2e-3), so it absorbs fp32 summation-order
-noise but not one output rounded the wrong way. Rows that see no key must give exactly 0 and
-LSE -inf (with a learnable sink: the sink's logit, to the LSE tolerance; -inf for a -inf sink);
-nothing may be NaN; LSE must match the reference to 1e-3 + 1e-5 * |lse| (fp32 accumulation of
-16-bit products); two runs on the same inputs must agree bit for bit. With a softcap or a
-learnable sink the yardstick is `torch_same_dtype` (SDPA can do neither); a window is a mask,
-which SDPA takes.
+The rule itself, its tolerances and its 16-bit yardsticks live once in `fa4lab.acceptance`
+(the fuzzer, `fa4lab.fuzz`, holds every case to the same): the kernel's max error against the
+float64 reference at most twice PyTorch's own same-dtype error plus ATOL (one output ulp with
+extreme logits: Note [extreme logits] there); rows that see no key exactly 0 with LSE -inf (the
+sink's logit with a sink); no NaN; LSE to `lse_tolerance`; two runs bit for bit. Here: the
+inputs, and the rule applied to whole outputs (`check_kernel`) and sequence by sequence
+(`check_sequences`).
 """
 
 from __future__ import annotations
@@ -18,7 +16,14 @@ import math
 
 import torch
 
-ATOL = 1e-3
+from fa4lab.acceptance import (  # noqa: F401 -- ATOL, output_ulp_atol: the GPU tests' floor
+    ATOL,
+    lse_tolerance,
+    output_tolerance,
+    output_ulp_atol,
+    torch_same_dtype,
+)
+
 SEQLENS = [(1, 1), (17, 1000), (1000, 17), (1000, 4097)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,47 +35,6 @@ def make_inputs(batch, sq, sk, hq, hkv, d, dtype, seed, q_scale=1.0, dv=None):
     k = torch.randn(batch, sk, hkv, d, device="cuda", generator=g)
     v = torch.randn(batch, sk, hkv, d if dv is None else dv, device="cuda", generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def output_ulp_atol(v, dtype: str) -> float:
-    """One ulp of `dtype` at the output's magnitude (at least ATOL). See Note [extreme logits].
-
-    Note [extreme logits]: with logits ~1e4 rows are nearly one-hot and SDPA's largest P is
-    exactly 1, so it returns v exactly. With FA4's conditional rescale the kept (stale) max may
-    sit up to 8 log2 units below the row max, so the largest P is up to 2**8 and is itself
-    rounded to 16 bits before P V: the output can land one rounding step away. A wrong max, a
-    lost rescale or an overflow would be off by O(|v|), far beyond this.
-    """
-    mantissa = {"bf16": 7, "fp16": 10}[dtype]
-    top = v.abs().max().item()
-    return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - mantissa))
-
-
-def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0,
-                     window_size=(None, None), learnable_sink=None):
-    """Attention in eager PyTorch in the inputs' 16-bit dtype, for the options SDPA lacks (a
-    softcap, a learnable sink): scores, cap, softmax and P V each rounded to q.dtype, as a
-    straightforward PyTorch implementation would; bottom-right causal and windows
-    (`fa4lab.reference.visible_mask`); the sink as one more logit per head, dropped after the
-    softmax. Rows that see no key come out NaN (0 with a sink)."""
-    from fa4lab.reference import visible_mask
-
-    sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    g = q.shape[2] // k.shape[2]
-    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2) for x in (k, v))
-    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
-                           device=q.device)
-    s = s.masked_fill(~mask, float("-inf"))
-    if learnable_sink is not None:
-        sink = learnable_sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :sk]
-    else:
-        p = torch.softmax(s, dim=-1)
-    return (p @ vv).transpose(1, 2)
 
 
 def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softcap=0.0,
@@ -106,7 +70,7 @@ def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softca
     assert (lse[~finite] == -math.inf).all(), "a row that sees no key must have LSE -inf"
     if finite.any():
         lse_err = (lse.double() - ref_lse)[finite].abs()
-        lse_tol = 1e-3 + 1e-5 * ref_lse[finite].abs()
+        lse_tol = lse_tolerance(ref_lse[finite])
         assert (lse_err <= lse_tol).all(), f"LSE error up to {lse_err.max().item():.3g}"
     if not sees.any():
         return
@@ -117,7 +81,8 @@ def check_kernel(attn, q, k, v, *, causal, softmax_scale=None, atol=ATOL, softca
                              window_size=window_size)
     err = (out.double() - ref)[seen_rows].abs().max().item()
     pt_err = (pt.double() - ref)[seen_rows].abs().max().item()
-    assert err <= 2 * pt_err + atol, f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
+    assert err <= output_tolerance(pt_err, atol), \
+        f"kernel error {err:.3g} > 2 x SDPA error {pt_err:.3g} + atol"
 
 
 def check_sequences(out, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts, *, atol=ATOL,
@@ -150,7 +115,7 @@ def check_sequences(out, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts, *, ato
         assert (lse_b[~finite] == -math.inf).all(), f"{where}: LSE of an empty row not -inf"
         if finite.any():
             lse_err = (lse_b.double() - rlse_b)[finite].abs()
-            assert (lse_err <= 1e-3 + 1e-5 * rlse_b[finite].abs()).all(), \
+            assert (lse_err <= lse_tolerance(rlse_b[finite])).all(), \
                 f"{where}: LSE error up to {lse_err.max().item():.3g}"
         if not sees.any():
             continue
@@ -158,7 +123,7 @@ def check_sequences(out, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts, *, ato
         pt = torch_same_dtype(q[rows][None], k_b[None], v_b[None], **opts)[0]
         err = (o_b.double() - r_b)[sees].abs().max().item()
         pt_err = (pt.double() - r_b)[sees].abs().max().item()
-        assert err <= 2 * pt_err + atol, \
+        assert err <= output_tolerance(pt_err, atol), \
             f"{where}: error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + {atol:.3g}"
 
 

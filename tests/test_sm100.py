@@ -80,7 +80,7 @@ def test_fp16(head_dim, causal):
 def test_extreme_logits(dtype, causal):
     """Scores of magnitude ~1e4: one-hot rows, maxima that jump by far more than the threshold."""
     q, k, v = _inputs(1, 300, 700, 4, 4, 128, DTYPES[dtype], seed=7, q_scale=1e3)
-    # atol one output ulp: see Note [extreme logits] in tests/kernel_checks.py
+    # atol one output ulp: see Note [extreme logits] in fa4lab.acceptance
     _check(q, k, v, causal=causal, atol=output_ulp_atol(v, dtype))
 
 

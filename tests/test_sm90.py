@@ -91,7 +91,7 @@ def test_fp16(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_extreme_logits(dtype, causal):
     """q scaled so the scaled logits reach ~1e4: the max subtraction must keep exp2 finite;
-    atol one output ulp (see Note [extreme logits] in tests/kernel_checks.py)."""
+    atol one output ulp (see Note [extreme logits] in fa4lab.acceptance)."""
     q, k, v = _inputs(1, 300, 555, 4, 4, 128, DTYPES[dtype], seed=5, q_scale=1e4)
     _check(q, k, v, causal=causal, atol=output_ulp_atol(v, dtype))
 

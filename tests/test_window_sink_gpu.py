@@ -98,7 +98,7 @@ def test_sinks_pack_gqa(causal):
 
 def test_extreme_logits_with_a_window_and_a_sink():
     """Logits ~1e4 (q scaled): the max subtraction and the sink's basis must keep every exp2
-    finite; atol one output ulp (Note [extreme logits] in tests/kernel_checks.py). bf16 only:
+    finite; atol one output ulp (Note [extreme logits] in fa4lab.acceptance). bf16 only:
     the yardstick's fp16 scores would overflow."""
     q, k, v = _inputs(1, 300, 555, 4, 4, 128, torch.bfloat16, seed=17, q_scale=1e4)
     sink = torch.tensor([0.0, 5e3, -math.inf, 2e4], device="cuda")

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from fa4lab.acceptance import same_dtype_attention
+
 # Note [the check before timing]
 # Each provider runs once on the full input (that first call also compiles, where the provider
 # compiles) and its output for batch element 0, heads 0..1, all rows, is compared with the
@@ -25,57 +27,12 @@ from typing import Any
 # flash kernel also does), plus ATOL for the final rounding of the output. With options, that
 # plain attention applies them as a bf16 PyTorch program would: softcap and sink in fp32, the
 # score_mod's result held in the input dtype (as a materialized bias passed to SDPA is), the
-# masks exact. A provider whose error is above that, or whose output has a NaN or the wrong
-# shape, is "failed" and not timed.
+# masks exact (`fa4lab.acceptance.same_dtype_attention`). A provider whose error is above that,
+# or whose output has a NaN or the wrong shape, is "failed" and not timed.
 CHECK_HEADS = 2
 ATOL = {"bf16": 2.0**-9, "fp16": 2.0**-12}
 # The attention options the check passes on to the reference (`fa4lab.reference`'s names).
 OPTIONS = ("window_size", "softcap", "learnable_sink", "score_mod", "mask_mod", "aux_tensors")
-
-
-def _same_dtype_attention(q, k, v, causal: bool, scale: float, options: dict | None = None):
-    """(b, s, h, d) -> (b, s, h, d) in q.dtype, one head at a time; the baseline of the rule,
-    with the options of Note [the check before timing]. Query head h reads KV head
-    h // (heads_q // heads_kv) (GQA). A row that sees nothing gives 0, as in the reference."""
-    import torch
-
-    from fa4lab.mods import check_mods
-    from fa4lab.reference import visible_mask
-
-    opts = options or {}
-    softcap, sink = opts.get("softcap", 0.0), opts.get("learnable_sink")
-    mods, aux = check_mods(opts.get("score_mod"), opts.get("mask_mod"),
-                           opts.get("aux_tensors"), q.device)
-    sq, sk = q.shape[1], k.shape[1]
-    visible = torch.as_tensor(visible_mask(sq, sk, causal,
-                                           window_size=opts.get("window_size", (None, None))),
-                              device=q.device)
-    idx = (torch.arange(q.shape[0], device=q.device)[:, None, None],
-           torch.arange(sq, device=q.device)[None, :, None],
-           torch.arange(sk, device=q.device)[None, None, :])
-    outs = []
-    group = q.shape[2] // k.shape[2]
-    for h in range(q.shape[2]):
-        qh, kh, vh = q[:, :, h], k[:, :, h // group], v[:, :, h // group]
-        s = torch.matmul(qh, kh.transpose(-1, -2)).float() * scale     # (b, sq, sk)
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        seen = visible
-        if mods:
-            b_idx, q_idx, kv_idx = idx
-            h_idx = torch.full((1, 1, 1), h, dtype=torch.int64, device=q.device)
-            if mods.score_mod is not None:
-                s = mods.score(s, b_idx, h_idx, q_idx, kv_idx, aux).to(q.dtype).float()
-            if mods.mask_mod is not None:
-                seen = seen & mods.mask(b_idx, h_idx, q_idx, kv_idx, aux)
-        s = s.masked_fill(~seen, -math.inf)
-        if sink is not None:
-            column = sink[h].float().expand(*s.shape[:-1], 1)
-            p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
-        else:
-            p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p.nan_to_num(0.0).to(q.dtype), vh))
-    return torch.stack(outs, dim=2)
 
 
 @dataclass
@@ -113,7 +70,7 @@ def reference_slice(q, k, v, shape, *, batches: tuple[int, ...] = (0,),
         opts["learnable_sink"] = opts["learnable_sink"][:n_q]
     scale = spec.scale
     ref = attention_reference(qs, ks, vs, causal=spec.causal, softmax_scale=scale, **opts)
-    base = _same_dtype_attention(qs, ks, vs, spec.causal, scale, opts).double()
+    base = same_dtype_attention(qs, ks, vs, spec.causal, scale, opts).double()
     baseline_err = float((base - ref).abs().max())
     return CheckSlice(ref, 2.0 * baseline_err + ATOL[shape.dtype], baseline_err, tuple(bs))
 
