@@ -14,7 +14,7 @@ LAB_ARGS ?=
 # What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
 FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
 
-.PHONY: install lab test test-fast test-gpu sanitize-gpu browser-deps lint clean course
+.PHONY: install lab test test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,19 @@ test-gpu:
 	FA4LAB_SIZE=full FA4LAB_REQUIRE_GPU=1 $(PY) tests/shards.py --jobs $(GPU_JOBS) -- \
 	  -q -m "gpu or sm90 or sm100" tests/
 	FA4LAB_SIZE=full $(PY) -m pytest -q --nbmake --nbmake-timeout=1200 notebooks/
+
+# On a CUDA machine: random configurations crossed over every option, against float64
+# (fa4lab.fuzz: every entry point, head-dim pair, dtype, mask, mod, split, page size and layout).
+# Fails when no GPU is visible. Each failure is printed with its replay command and saved
+# under fuzz-failures/; a CUDA fault stops the run at the case that caused it. The first run of
+# a seed spends most of its time compiling (the kernels then sit in the disk cache).
+FUZZ_SECONDS ?= 200
+FUZZ_SEED ?= 0
+fuzz-gpu:
+	@$(PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
+	print('GPU:', torch.cuda.get_device_name(0) if ok else 'none'); \
+	sys.exit(0 if ok else 'make fuzz-gpu needs a CUDA GPU and none is visible; python -m fa4lab.fuzz --device cpu is a CPU smoke run')"
+	$(PY) -m fa4lab.fuzz --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --out fuzz-failures
 
 # On a Hopper GPU with compute-sanitizer: the sm90 kernel's barriers under synccheck and its
 # shared memory under racecheck (run it after touching the kernel's synchronization).

@@ -77,7 +77,7 @@ import warnings
 
 import torch
 
-from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
+from fa4lab.errors import Fa4labError, InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_layout, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
@@ -87,7 +87,7 @@ class SlowReferenceWarning(UserWarning):
     """No fa4lab kernel runs on these tensors; the float64 reference computed the answer."""
 
 
-class GradientNotSupportedError(RuntimeError):
+class GradientNotSupportedError(Fa4labError, RuntimeError):
     """fa4lab has a forward pass only: an input that needs a gradient would silently lose it."""
 
 

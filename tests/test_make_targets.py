@@ -1,7 +1,8 @@
 """The Makefile targets the README shows behave as documented on a CPU machine.
 
-`make test-gpu` must fail, loudly and at once, where no GPU is visible: a GPU run that passes
-vacuously would be worse than none. `make test` installs what the browser test needs.
+`make test-gpu` and `make fuzz-gpu` must fail, loudly and at once, where no GPU is visible: a
+GPU run that passes vacuously would be worse than none. `make test` installs what the browser
+test needs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ def test_make_test_gpu_fails_without_a_gpu():
     assert "needs a CUDA GPU" in output and "none is visible" in output, output
     # It stopped before pytest: nothing ran, so nothing can have "passed".
     assert "passed" not in output and "nbmake" not in output, output
+
+
+def test_make_fuzz_gpu_fails_without_a_gpu():
+    if gpu() is not None:
+        pytest.skip("a GPU is visible here: `make fuzz-gpu` would fuzz the kernels")
+    result = _make("fuzz-gpu", f"PY={sys.executable}")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, f"make fuzz-gpu passed without a GPU:\n{output}"
+    assert "GPU: none" in output and "needs a CUDA GPU" in output, output
+    assert "fa4lab.fuzz: seed" not in output, output      # it stopped before fuzzing
+    steps = _make("-n", "fuzz-gpu", "FUZZ_SECONDS=7", "FUZZ_SEED=3").stdout
+    assert "-m fa4lab.fuzz --seconds 7 --seed 3 --out fuzz-failures" in steps, steps
 
 
 def test_make_test_lints_installs_the_browser_and_runs_tests_and_notebooks():

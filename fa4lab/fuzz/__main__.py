@@ -1,0 +1,5 @@
+import sys
+
+from fa4lab.fuzz.cli import main
+
+sys.exit(main())
