@@ -23,26 +23,21 @@ def _make(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_make_test_gpu_fails_without_a_gpu():
+# Each GPU target, and what its output would hold had it started its work without a GPU.
+GPU_TARGETS = {"test-gpu": ("passed", "nbmake"), "fuzz-gpu": ("fa4lab.fuzz: seed",)}
+
+
+@pytest.mark.parametrize("target", list(GPU_TARGETS))
+def test_gpu_targets_fail_without_a_gpu(target):
     if gpu() is not None:
-        pytest.skip("a GPU is visible here: `make test-gpu` would run the whole GPU suite")
-    result = _make("test-gpu", f"PY={sys.executable}")
+        pytest.skip(f"a GPU is visible here: `make {target}` would run on it")
+    result = _make(target, f"PY={sys.executable}")
     output = result.stdout + result.stderr
-    assert result.returncode != 0, f"make test-gpu passed without a GPU:\n{output}"
+    assert result.returncode != 0, f"make {target} passed without a GPU:\n{output}"
     assert "GPU: none" in output, output
     assert "needs a CUDA GPU" in output and "none is visible" in output, output
-    # It stopped before pytest: nothing ran, so nothing can have "passed".
-    assert "passed" not in output and "nbmake" not in output, output
-
-
-def test_make_fuzz_gpu_fails_without_a_gpu():
-    if gpu() is not None:
-        pytest.skip("a GPU is visible here: `make fuzz-gpu` would fuzz the kernels")
-    result = _make("fuzz-gpu", f"PY={sys.executable}")
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, f"make fuzz-gpu passed without a GPU:\n{output}"
-    assert "GPU: none" in output and "needs a CUDA GPU" in output, output
-    assert "fa4lab.fuzz: seed" not in output, output      # it stopped before fuzzing
+    # It stopped before its work: nothing ran, so nothing can have passed or fuzzed.
+    assert not any(word in output for word in GPU_TARGETS[target]), output
     steps = _make("-n", "fuzz-gpu", "FUZZ_SECONDS=7", "FUZZ_SEED=3").stdout
     assert "-m fa4lab.fuzz --seconds 7 --seed 3 --out fuzz-failures" in steps, steps
 
