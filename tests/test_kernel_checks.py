@@ -69,3 +69,32 @@ def test_a_kernel_that_ignores_the_window_or_the_sink_fails(drop):
     with pytest.raises(AssertionError, match="kernel error|LSE|exactly 0"):
         check_kernel(windowed_reference, q, k, v, causal=True, window_size=(4, 0),
                      learnable_sink=_sink(), drop=(drop,))
+
+
+def test_the_sequence_check_passes_the_reference_and_fails_a_wrong_row():
+    """`check_sequences`, the varlen form of the rule: the rounded reference passes, an empty
+    sequence and a fully masked row included; one row moved fails, naming its sequence."""
+    from kernel_checks import check_sequences
+
+    from fa4lab.reference import attention_varlen_reference
+
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [5, 0, 9], [7, 3, 4]
+    q = torch.randn(sum(lens_q), 4, 32, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    cu_q = [0, 5, 5, 14]
+    cu_k = [0, 7, 10, 14]
+    ref, ref_lse = attention_varlen_reference(q, k, v, *(torch.tensor(c, dtype=torch.int32)
+                                                         for c in (cu_q, cu_k)),
+                                              causal=True, return_lse=True)
+    opts = dict(causal=True, window_size=(None, None), softcap=0.0, learnable_sink=None)
+
+    def kv_of(b):
+        return k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+
+    out, lse = ref.to(q.dtype), ref_lse.float()
+    check_sequences(out, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts)
+    wrong = out.clone()
+    wrong[12] += 0.1
+    with pytest.raises(AssertionError, match=r"sequence 2 .*error"):
+        check_sequences(wrong, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts)
