@@ -19,6 +19,7 @@ def __getattr__(name):
         "plan_forward": ("fa4lab.plan", "plan_forward"),
         "attention": ("fa4lab.api", "attention"),
         "attention_varlen": ("fa4lab.api", "attention_varlen"),
+        "check_errors": ("fa4lab.indexcheck", "check_errors"),
         "ring_attention": ("fa4lab.distributed", "ring_attention"),
     }
     if name in lazy:

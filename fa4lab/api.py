@@ -269,7 +269,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      seqused_k=None, page_table=None, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(None, None),
                      softcap: float = 0.0, learnable_sink=None, return_lse: bool = False,
-                     check_indices: bool = True):
+                     check_indices: bool | str = "device"):
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
@@ -281,11 +281,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
     `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
-    grad mode is on, as in `attention`. The check of the index tensors' values (cu_seqlens,
-    seqused_k, page_table) costs one device-to-host copy, a synchronisation; `check_indices=
-    False` skips it where the caller vouches for them (a serving loop), and a CUDA graph
-    capture skips it (Note [reading the lengths] in fa4lab.varlen). Nothing else of the kernel
-    path reads them: without the check the call never waits for the GPU and can be captured.
+    grad mode is on, as in `attention`. The index tensors' values (cu_seqlens, seqused_k,
+    page_table, against the max_seqlens) are checked as `check_indices` says (Note [reading the
+    lengths] in fa4lab.varlen): "device" (the default) by one small kernel on the GPU, with no
+    wait: a bad value raises its InputError (naming the tensor and its first bad index) at the
+    next varlen or paged call after the check has run, or at `fa4lab.check_errors()`, which
+    waits for it; the bad call itself has run by then, its outputs not meaningful (the kernels
+    clamp every index, so it never faults or writes outside out). True checks before the launch
+    (one device-to-host copy: a synchronisation, for debugging); False skips the check where
+    the caller vouches for the values. On CPU tensors "device" is True. A CUDA graph capture
+    skips the check. Nothing else of the kernel path reads the values: the call never waits for
+    the GPU and can be captured.
     On CPU tensors: the float64 reference
     (`fa4lab.reference.attention_varlen_reference`) cast back, with a `SlowReferenceWarning`.
     On a Hopper or B200 GPU without a page_table: the varlen kernel, one launch over the
@@ -307,12 +313,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     causal, return_lse = bool(causal), bool(return_lse)
     if _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                     learnable_sink):
+        from fa4lab.varlen import check_mode
+
         scale = None if softmax_scale is None else float(softmax_scale)
         causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             max_seqlen_k, seqused_k, page_table, causal, scale,
                                             left, right, float(softcap), learnable_sink,
-                                            return_lse, bool(check_indices))
+                                            return_lse, check_mode(check_indices))
     else:
         out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
@@ -323,7 +331,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                     page_table, causal: bool, softmax_scale, window_size, softcap: float,
-                    learnable_sink, return_lse: bool, check_indices: bool):
+                    learnable_sink, return_lse: bool, check_indices):
     """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference."""
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import check_varlen, sequence_kv, unpack
@@ -381,9 +389,10 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 # (`fa4lab.varlen.check_varlen_shapes`) and gives out (total_q, heads_q, head_dim_v) and lse
 # (heads_q, total_q) from the shapes alone: it never reads a length, so under
 # torch.compile(dynamic=True) a new packed total or batch is a new size, not a new graph. The
-# value check runs in the real implementation, when the graph runs (one device-to-host copy
-# unless check_indices=False, none inside a CUDA graph capture: Note [reading the lengths] in
-# fa4lab.varlen).
+# value check runs in the real implementation, when the graph runs (check_indices as a str of
+# `fa4lab.varlen.CHECK_MODES`: "device" queues the device check, "sync" makes one
+# device-to-host copy, "off" nothing; none inside a CUDA graph capture: Note [reading the
+# lengths] in fa4lab.varlen).
 
 
 @torch.library.custom_op("fa4lab::attention_varlen_forward", mutates_args=())
@@ -394,7 +403,7 @@ def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              causal: bool, softmax_scale: float | None,
                              window_left: int | None, window_right: int | None,
                              softcap: float, learnable_sink: torch.Tensor | None,
-                             return_lse: bool, check_indices: bool,
+                             return_lse: bool, check_indices: str,
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
     out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

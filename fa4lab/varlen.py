@@ -23,7 +23,8 @@ What is here, in plain Python and torch (CPU or GPU tensors):
   `fa4lab.reference.attention_varlen_reference`), raising `fa4lab.errors.InputError` /
   `InputTypeError` with what is wrong and what to do; it returns the batch's lengths;
   `check_paged` the same checks of a paged cache beside a dense q (`fa4lab.attention(q,
-  k_cache, v_cache, page_table=...)`);
+  k_cache, v_cache, page_table=...)`); the index values checked now, on the device or not at
+  all (`check_mode`, Note [reading the lengths]);
 - `unpack` / `pack` (packed <-> per sequence), `pad` (packed -> (batch, max_seqlen, ...)),
   `gather_paged` and `sequence_kv` (each sequence's contiguous K and V, by torch indexing);
 - `varlen_tiles`: the work tiles of a varlen launch (real tiles only, in LPT order by
@@ -46,12 +47,14 @@ from typing import NamedTuple
 import numpy as np
 
 from fa4lab.errors import InputError, InputTypeError, check_same_device
+from fa4lab.indexcheck import CheckContext, Rule, Verdict, message, poll
 from fa4lab.tiling import CostModel, block_counts, ceil_div, num_m_blocks
 
-__all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_varlen",
-           "check_varlen_shapes", "gather_paged", "key_block_pages", "launch_lengths",
-           "max_tile_rows", "pack", "pad", "paged_seqlen_k", "reads_values", "sequence_kv",
-           "tile_rows", "unpack", "varlen_tile_table", "varlen_tiles"]
+__all__ = ["CHECK_MODES", "PageRead", "VarlenLengths", "VarlenTiles", "check_mode",
+           "check_paged", "check_varlen", "check_varlen_shapes", "gather_paged",
+           "key_block_pages", "launch_lengths", "max_tile_rows", "pack", "pad", "paged_seqlen_k",
+           "reads_values", "sequence_kv", "tile_rows", "unpack", "varlen_tile_table",
+           "varlen_tiles"]
 
 
 # Note [reading the lengths]
@@ -62,15 +65,25 @@ __all__ = ["PageRead", "VarlenLengths", "VarlenTiles", "check_paged", "check_var
 # tile table is built on the device (`tile_rows`), and the host sizes only what the shapes give
 # (the batch, the packed totals, the caller's max_seqlen). The check's value rules (cu_seqlens
 # start at 0, never decrease and end at the total; seqused_k within its sequence's keys; every
-# page a sequence reads inside the cache; max_seqlen above every length) are evaluated on the
-# device as masks of broken entries, and ONE device-to-host copy of a flag per rule decides
-# whether to raise; only then are the first broken rule's values read, for its message. That
-# one copy is the price of an error before launch. `check_indices=False` skips it (the caller
-# vouches for the values, as upstream's varlen functions assume without checking: a bad index
-# there is a wrong answer or a fault; the masks are then never made, so the check launches
-# nothing), and so does a CUDA graph capture, whose replays run on values the capture never
-# sees. The host views of `VarlenLengths` read the values when asked
-# (the float64 reference and the per-sequence paths, which are slow anyway).
+# page a sequence reads inside the cache; max_seqlen above every length: `fa4lab.indexcheck.
+# Rule`) run in one of three ways, `check_indices`' values (`check_mode`):
+# * "device" (the default of `fa4lab.attention_varlen`, and what `fa4lab.attention` with a page
+#   table does): one check kernel queued before the launch writes a verdict that reaches the
+#   host without a wait (Note [index check on the device] in fa4lab.indexcheck). A bad index
+#   raises its InputError at the first varlen or paged call after the check has run on the GPU
+#   (usually the very next call), or at `fa4lab.check_errors()`, which waits for it; the call
+#   whose indices were bad has run by then, and its outputs are not meaningful (the kernels
+#   clamp every index into the tensors: no fault, no write outside them). On CPU tensors, and on
+#   a GPU without the check kernel, this is the synchronous check below.
+# * True: synchronous, before anything launches: the rules as device masks of broken entries,
+#   ONE device-to-host copy of a flag per rule deciding whether to raise, and only then the
+#   first broken rule's values read for its message (for debugging: it stalls every call).
+# * False: no check (the caller vouches for the values, as upstream's varlen functions assume
+#   without checking: a bad index is then a wrong answer, never a fault; nothing launches).
+# Both checks name the first broken rule in `Rule` order at its first broken index, in the same
+# words (`fa4lab.indexcheck.message`). A CUDA graph capture skips the check and the poll: its
+# replays run on values the capture never sees. The host views of `VarlenLengths` read the
+# values when asked (the float64 reference and the per-sequence paths, which are slow anyway).
 
 
 @dataclass(frozen=True)
@@ -123,6 +136,22 @@ class VarlenLengths:
 
 # --------------------------------------------------------------------------- the check
 
+CHECK_MODES = ("device", "sync", "off")
+
+
+def check_mode(check_indices) -> str:
+    """`check_indices` as one of CHECK_MODES (Note [reading the lengths]): "device", True or
+    "sync", False or "off"."""
+    if check_indices is True or check_indices == "sync":
+        return "sync"
+    if check_indices is False or check_indices == "off":
+        return "off"
+    if check_indices == "device":
+        return "device"
+    raise InputTypeError(f"check_indices must be \"device\" (check on the GPU, raise at the next "
+                         f"call or at fa4lab.check_errors()), True (check now, synchronising) or "
+                         f"False (no check), got {check_indices!r}")
+
 
 def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
     """`t`, checked to be an int32 index tensor on q's device with `ndim` dims."""
@@ -142,15 +171,17 @@ def _checked_index(name: str, t, q, ndim: int, shape_hint: str):
 
 
 class _Rule(NamedTuple):
-    """A value rule of the check: `bad()` makes a bool tensor, True where the rule is broken
-    (only when the values are read: a call that skips them launches nothing for its rules), and
-    `message` the error for its first broken entry (the flat index), which may read values."""
+    """A value rule of the synchronous check: `bad()` makes a bool tensor, True where `rule` is
+    broken (only when the values are read: a call that skips them launches nothing for its
+    rules), and `values(i)` reads the two values its message names at its first broken entry
+    (the flat index i)."""
 
+    rule: Rule
     bad: Callable[[], object]
-    message: Callable[[int], str]
+    values: Callable[[int], tuple]
 
 
-def _raise_first_broken(rules: list[_Rule]) -> None:
+def _raise_first_broken(rules: list[_Rule], context: CheckContext) -> None:
     """Raise the first broken rule's InputError: one device-to-host copy of a flag per rule,
     then (on the error path only) the broken entry and its values (Note [reading the
     lengths])."""
@@ -162,39 +193,54 @@ def _raise_first_broken(rules: list[_Rule]) -> None:
     broken = torch.stack([bad.any() for bad in bads]).tolist()
     for rule, bad, is_broken in zip(rules, bads, broken):
         if is_broken:
-            raise InputError(rule.message(int(bad.flatten().nonzero()[0, 0])))
+            i = int(bad.flatten().nonzero()[0, 0])
+            raise InputError(message(Verdict(rule.rule, i, *rule.values(i)), context))
 
 
-def reads_values(q, check_indices: bool) -> bool:
-    """Whether the value rules run: asked for, and not inside a CUDA graph capture (Note
-    [reading the lengths])."""
+def _capturing(q) -> bool:
     import torch
 
-    return bool(check_indices) and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _cu_rules(name: str, cu, total: int, what: str) -> list[_Rule]:
+def reads_values(q, check_indices) -> bool:
+    """Whether the value rules run: asked for (`check_mode` not "off"), and not inside a CUDA
+    graph capture (Note [reading the lengths])."""
+    return check_mode(check_indices) != "off" and not _capturing(q)
+
+
+def _run_check(q, mode: str, context: CheckContext, rules: Callable[[], list[_Rule]],
+               cu_q=None, cu_k=None, used=None, table=None) -> None:
+    """The value check of a call in `mode` (Note [reading the lengths]): first the verdicts of
+    earlier device checks that have finished (`fa4lab.indexcheck.poll`, on CUDA tensors), then
+    this call's rules on the device, synchronously (`rules()` builds them) or not at all."""
+    if _capturing(q):
+        return
+    if q.is_cuda:
+        poll()
+        if mode == "device":
+            from fa4lab.kernels.index_check import check_async
+
+            if check_async(context, cu_q, cu_k, used, table):
+                return
+    if mode != "off":
+        _raise_first_broken(rules(), context)
+
+
+def _cu_rules(name: str, cu, total: int) -> list[_Rule]:
     """cu_seqlens start at 0, never decrease, and end at the packed total."""
+    first = Rule.CU_Q_START if name == "cu_seqlens_q" else Rule.CU_K_START
+    return [
+        _Rule(first, lambda: cu[:1] != 0, lambda i: (int(cu[0]), 0)),
+        _Rule(Rule(first + 1), lambda: cu[1:] < cu[:-1], lambda i: (int(cu[i]), int(cu[i + 1]))),
+        _Rule(Rule(first + 2), lambda: cu[-1:] != total, lambda i: (int(cu[-1]), 0)),
+    ]
+
+
+def _cu_size(name: str, cu, what: str) -> None:
     if cu.shape[0] < 2:
         raise InputError(f"{name} has {cu.shape[0]} entries: it needs batch + 1 >= 2 (0, then "
                          f"the end of each sequence's {what})")
-
-    def at(i):
-        return int(cu[i])
-
-    return [
-        _Rule(lambda: cu[:1] != 0, lambda i: (
-            f"{name} must start at 0, got {name}[0] = {at(0)}; it is the cumulative sum of the "
-            f"lengths with a leading 0, e.g. torch.nn.functional.pad(lengths.cumsum(0), "
-            f"(1, 0)).to(torch.int32)")),
-        _Rule(lambda: cu[1:] < cu[:-1], lambda i: (
-            f"{name} decreases at index {i + 1} ({name}[{i}] = {at(i)}, {name}[{i + 1}] = "
-            f"{at(i + 1)}): it must be non-decreasing (sequence {i} cannot have a negative "
-            f"length)")),
-        _Rule(lambda: cu[-1:] != total, lambda i: (
-            f"{name}'s last entry is {at(-1)} but the packed {what} have {total} tokens: the "
-            f"last entry must equal the total ({what}.shape[0])")),
-    ]
 
 
 def _max_bound(name: str, value, total: int) -> int:
@@ -206,18 +252,11 @@ def _max_bound(name: str, value, total: int) -> int:
     return int(value)
 
 
-def _max_rule(name: str, value, lengths: Callable[[], object], which: str) -> list[_Rule]:
+def _max_rule(rule: Rule, value, lengths: Callable[[], object]) -> list[_Rule]:
     """max_seqlen (when given) is at least every sequence's length (`lengths()`)."""
     if value is None:
         return []
-
-    def message(_):
-        b = int(lengths().argmax())
-        return (f"{name}={int(value)} is smaller than sequence {b}'s {which} length "
-                f"{int(lengths()[b])}: pass at least the longest length (max_seqlen sizes the "
-                f"launch grid)")
-
-    return [_Rule(lambda: lengths() > int(value), message)]
+    return [_Rule(rule, lambda: lengths() > int(value), lambda b: (int(lengths()[b]), 0))]
 
 
 def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
@@ -230,14 +269,11 @@ def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
         read = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
         return read & ((table < 0) | (table >= num_pages))
 
-    def message(i):
+    def values(i):
         b, slot = divmod(i, int(table.shape[1]))
-        n = int(keys[b])
-        return (f"page_table[{b}, {slot}] = {int(table[b, slot])} is not a page of the cache "
-                f"(num_pages = {num_pages}): sequence {b} reads {n} keys, so its slots "
-                f"0..{ceil_div(n, page_size) - 1} must hold page indices in [0, {num_pages})")
+        return int(table[b, slot]), int(keys[b])
 
-    return _Rule(bad, message)
+    return _Rule(Rule.PAGE, bad, values)
 
 
 def check_varlen_shapes(q, k, v, paged: bool) -> None:
@@ -284,30 +320,31 @@ def check_varlen_shapes(q, k, v, paged: bool) -> None:
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 seqused_k=None, page_table=None, *, check_indices: bool = True
-                 ) -> VarlenLengths:
+                 seqused_k=None, page_table=None, *, check_indices=True) -> VarlenLengths:
     """The one check of a varlen call (layout: the module docstring); returns its lengths.
 
     Raises `InputTypeError` (a TypeError) for a wrong kind or dtype (int64 indices: convert
     with .to(torch.int32)) and `InputError` (a ValueError) for a tensor on another device than
     q, a bad shape (k/v not the packed keys or the paged cache, heads or head dims that
-    disagree, cu_seqlens of different lengths); and, reading the values (Note [reading the
-    lengths]: one device-to-host copy; skipped with check_indices=False and inside a CUDA
-    graph capture), for cu_seqlens that do not start at 0, decrease (naming the first index
-    where they do) or do not end at the packed total, a max_seqlen below a real length (None
-    skips that rule), seqused_k above its sequence's keys, and a page table entry that a
-    sequence reads but that is not a page of the cache (naming batch, slot and value; slots
-    past the sequence's last page are never read and may hold anything, as serving stacks pad
-    with -1).
+    disagree, cu_seqlens of different lengths); and, checking the values (Note [reading the
+    lengths]: `check_indices` True, the default here, now, with one device-to-host copy;
+    "device" on the GPU, raising at a later call or at `fa4lab.check_errors()`; False and a
+    CUDA graph capture skip it), for cu_seqlens that do not start at 0, decrease (naming the
+    first index where they do) or do not end at the packed total, a max_seqlen below a real
+    length (None skips that rule), seqused_k above its sequence's keys, and a page table entry
+    that a sequence reads but that is not a page of the cache (naming batch, slot and value;
+    slots past the sequence's last page are never read and may hold anything, as serving stacks
+    pad with -1).
     """
     import torch
 
+    mode = check_mode(check_indices)
     paged = page_table is not None
     check_varlen_shapes(q, k, v, paged)
     cu_q = _checked_index("cu_seqlens_q", cu_seqlens_q, q, 1, "(batch + 1,)")
-    rules = _cu_rules("cu_seqlens_q", cu_q, int(q.shape[0]), "q")
+    _cu_size("cu_seqlens_q", cu_q, "q")
     batch = int(cu_q.shape[0]) - 1
-    page_size, cu_k = None, None
+    page_size, cu_k, table, used = None, None, None, None
     if paged:
         if cu_seqlens_k is not None:
             raise InputError("cu_seqlens_k must be None with a page_table: the keys live in the "
@@ -317,7 +354,6 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         page_size = int(k.shape[1])
         capacity = paged_seqlen_k(k, table)
         have = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-        where = f"its {table.shape[1]} pages of {page_size} hold"
     else:
         if cu_seqlens_k is None:
             raise InputError("cu_seqlens_k is None without a page_table: pass int32 "
@@ -327,29 +363,38 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise InputError(f"cu_seqlens_k has {cu_k.shape[0]} entries but cu_seqlens_q has "
                              f"{cu_q.shape[0]}: both have batch + 1 entries, one sequence of "
                              f"queries per sequence of keys")
-        rules += _cu_rules("cu_seqlens_k", cu_k, int(k.shape[0]), "k")
         capacity = int(k.shape[0])
         have = cu_k[1:] - cu_k[:-1]
-        where = "cu_seqlens_k gives it"
     keys = have
     if seqused_k is not None:
         used = _checked_index("seqused_k", seqused_k, q, 1, "(batch,)")
         if used.shape[0] != batch:
             raise InputError(f"seqused_k has {used.shape[0]} entries for {batch} sequences: one "
                              f"key count per sequence")
-        rules.append(_Rule(lambda: (used < 0) | (used > have), lambda b: (
-            f"seqused_k[{b}] = {int(used[b])} but {where} {int(have[b])} keys: seqused_k counts "
-            f"the keys a sequence uses, 0 <= seqused_k[b] <= {int(have[b])}")))
         keys = used
-    if paged:
-        rules.append(_page_rule(table, keys, page_size, int(k.shape[0])))
-    rules += _max_rule("max_seqlen_q", max_seqlen_q, lambda: cu_q[1:] - cu_q[:-1], "query")
-    rules += _max_rule("max_seqlen_k", max_seqlen_k, lambda: keys, "key")
     lengths = VarlenLengths(cu_q, keys, cu_k, page_size,
                             _max_bound("max_seqlen_q", max_seqlen_q, int(q.shape[0])),
                             _max_bound("max_seqlen_k", max_seqlen_k, capacity))
-    if reads_values(q, check_indices):
-        _raise_first_broken(rules)
+    context = CheckContext(
+        total_q=int(q.shape[0]), total_k=0 if paged else int(k.shape[0]),
+        num_pages=int(k.shape[0]) if paged else 0, page_size=page_size or 0,
+        pages_per_seq=int(table.shape[1]) if paged else 0,
+        max_seqlen_q=None if max_seqlen_q is None else lengths.max_seqlen_q,
+        max_seqlen_k=None if max_seqlen_k is None else lengths.max_seqlen_k)
+
+    def rules() -> list[_Rule]:
+        found = _cu_rules("cu_seqlens_q", cu_q, int(q.shape[0]))
+        if cu_k is not None:
+            found += _cu_rules("cu_seqlens_k", cu_k, int(k.shape[0]))
+        if used is not None:
+            found.append(_Rule(Rule.SEQUSED_K, lambda: (used < 0) | (used > have),
+                               lambda b: (int(used[b]), int(have[b]))))
+        if paged:
+            found.append(_page_rule(table, keys, page_size, int(k.shape[0])))
+        found += _max_rule(Rule.MAX_Q, max_seqlen_q, lambda: cu_q[1:] - cu_q[:-1])
+        return found + _max_rule(Rule.MAX_K, max_seqlen_k, lambda: keys)
+
+    _run_check(q, mode, context, rules, cu_q, cu_k, used, table)
     return lengths
 
 
@@ -367,14 +412,17 @@ def paged_seqlen_k(k_cache, page_table) -> int:
     return int(page_table.shape[1]) * int(k_cache.shape[1])
 
 
-def check_paged(q, k, v, page_table) -> int:
+def check_paged(q, k, v, page_table, *, check_indices="device") -> int:
     """The one check of a call with dense q (batch, seqlen_q, heads_q, head_dim) and a paged
     cache k, v (num_pages, page_size, heads_kv, head_dim[_v]) with an int32 (batch,
     pages_per_seq) page table (every sequence has pages_per_seq * page_size keys); returns
     that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table;
-    its one read of the table's values is skipped inside a CUDA graph capture)."""
+    the table's values checked on the device by default, raising at a later call or at
+    `fa4lab.check_errors()`, and skipped inside a CUDA graph capture: Note [reading the
+    lengths])."""
     import torch
 
+    mode = check_mode(check_indices)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise InputError(f"q has shape {tuple(getattr(q, 'shape', ()))}: with a page_table and "
                          f"no cu_seqlens q is (batch, seqlen_q, heads_q, head_dim) (packed "
@@ -387,9 +435,14 @@ def check_paged(q, k, v, page_table) -> int:
     if seqlen_k < 1:
         raise InputError(f"page_table has shape {tuple(table.shape)}: each sequence needs at "
                          f"least one page")
-    if reads_values(q, True):
+    context = CheckContext(num_pages=int(k.shape[0]), page_size=int(k.shape[1]),
+                           pages_per_seq=int(table.shape[1]), entry="fa4lab.attention")
+
+    def rules() -> list[_Rule]:
         keys = torch.full((table.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
-        _raise_first_broken([_page_rule(table, keys, int(k.shape[1]), int(k.shape[0]))])
+        return [_page_rule(table, keys, int(k.shape[1]), int(k.shape[0]))]
+
+    _run_check(q, mode, context, rules, table=table)
     return seqlen_k
 
 
@@ -429,11 +482,13 @@ def gather_paged(cache, page_table, seqlens_k) -> list:
     """Each sequence's keys (or values) from a paged cache (num_pages, page_size, heads, d):
     sequence b's first seqlens_k[b] tokens of pages page_table[b, 0], page_table[b, 1], ...,
     as a contiguous (seqlens_k[b], heads, d) tensor (torch indexing; a page may serve several
-    sequences or slots)."""
+    sequences or slots). Page ids are clamped into the cache, as the kernels clamp them (Note
+    [clamped indices] in fa4lab.kernels.device.paged): a bad table checked on the device after
+    the call is a wrong answer here too, not a device-side assert."""
     page_size = int(cache.shape[1])
     out = []
     for b, n in enumerate(seqlens_k):
-        pages = page_table[b, :ceil_div(int(n), page_size)].long()
+        pages = page_table[b, :ceil_div(int(n), page_size)].long().clamp(0, cache.shape[0] - 1)
         out.append(cache[pages].flatten(0, 1)[:int(n)])
     return out
 
@@ -519,15 +574,20 @@ def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead:
 
 
 # Note [tile rows on the device]
-# Note [tile rows on the device] A launch cannot count its real tiles without reading the lengths
-# (Note [reading the lengths]), so `tile_rows` fills a table of `max_tile_rows` rows on the
-# lengths' device: row r belongs to the sequence whose cumulative tile count first exceeds r (a
-# searchsorted), and rows past the real ones are PADDING rows (batch, 0): tile 0 of a phantom
-# sequence `batch`, one past the last, which the launch gives no query and no key
-# (`launch_lengths` appends a zero-length entry to cu_seqlens and seqused_k). The padding rows
-# cost -1, so the phantom sequence's longest tile is the shortest of all and the sort puts them
-# last; a padding tile finds no row to store and no key block to visit, and ends. At most `batch`
-# rows are padding: fewer than one tile per sequence.
+# A launch cannot count its real tiles without reading the lengths (Note [reading the lengths]), so
+# `tile_rows` fills a table of `max_tile_rows` rows on the lengths' device: row r belongs to the
+# sequence whose cumulative tile count first exceeds r (a searchsorted), and rows past the real ones
+# are PADDING rows (batch, 0): tile 0 of a phantom sequence `batch`, one past the last, which the
+# launch gives no query and no key (`launch_lengths` appends a zero-length entry to cu_seqlens and
+# seqused_k). The padding rows cost -1, so the phantom sequence's longest tile is the shortest of
+# all and the sort puts them last; a padding tile finds no row to store and no key block to visit,
+# and ends. At most `batch` rows are padding: fewer than one tile per sequence. The lengths may be
+# bad (the default check reports them after the launch: Note [reading the lengths]), so each
+# sequence's tile count is clamped into [0, rows]: the cumulative counts stay sorted (what
+# searchsorted needs), every m_block is below `rows` (m_block * m_block_size cannot overflow int32),
+# and the kernels clamp the sequence itself into the packed tensors (Note [clamped lengths] in
+# fa4lab.kernels.device.seqlen), so a tile of a bad sequence stores nothing outside out. On good
+# lengths the clamp changes nothing.
 
 
 def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,
@@ -544,6 +604,8 @@ def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_si
     cost = cost or CostModel()
     batch = int(lens_q.shape[0])
     per_seq = (lens_q * qhead_per_kvhead + m_block_size - 1) // m_block_size
+    if rows is not None:    # lengths nothing has checked yet: Note [tile rows on the device]
+        per_seq = per_seq.clamp(0, rows)
     ends = per_seq.cumsum(0)
     if rows is None:
         rows = int(ends[-1]) if batch else 0

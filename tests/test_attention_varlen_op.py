@@ -47,7 +47,7 @@ def _paged(gen, lens_q, used, page_size=4, pages_per_seq=3, hq=4, hkv=2, d=16):
 
 
 def _args(q, k, v, cu_q, cu_k, *, max_q=None, max_k=None, used=None, table=None, causal=False,
-          scale=None, left=None, right=None, softcap=0.0, sink=None, lse=True, check=True):
+          scale=None, left=None, right=None, softcap=0.0, sink=None, lse=True, check="device"):
     return (q, k, v, cu_q, cu_k, max_q, max_k, used, table, causal, scale, left, right, softcap,
             sink, lse, check)
 

@@ -157,9 +157,10 @@ def test_varlen_without_keys_and_one_compile():
 
 def test_varlen_never_waits_for_the_gpu_and_replays_in_a_cuda_graph():
     """The launch reads no length on the host (Note [reading the lengths] in fa4lab.varlen):
-    with check_indices=False the call never synchronises, and a CUDA graph captured once (the
-    check skips itself in a capture) replays other lengths with the same totals, an empty
-    sequence and the padding rows of the tile table included, as eager calls compute them."""
+    with check_indices=False or "device" (the default) the call never synchronises, and a CUDA
+    graph captured once (the check skips itself in a capture) replays other lengths with the
+    same totals, an empty sequence and the padding rows of the tile table included, as eager
+    calls compute them."""
     from fa4lab import attention_varlen
 
     first = BATCHES[1]
@@ -170,7 +171,9 @@ def test_varlen_never_waits_for_the_gpu_and_replays_in_a_cuda_graph():
     _check(q, k, v, cu_q2, cu_k2, causal=True)          # eager, against the reference
     buf_q, buf_k = cu_q.clone(), cu_k.clone()
     settings = [(cu_q, cu_k), (cu_q2, cu_k2)]
-    for check in (False, True):     # the checked call reads the values once: it synchronises
+    # The default device check never waits (Note [index check on the device] in
+    # fa4lab.indexcheck); check_indices=True reads the values once: it synchronises.
+    for check in (False, "device", True):
         call = functools.partial(attention_varlen, q, k, v, buf_q, buf_k, 2000, 2500,
                                  causal=True, return_lse=True, check_indices=check)
-        replays_in_a_cuda_graph(call, (buf_q, buf_k), settings, synchronises=check)
+        replays_in_a_cuda_graph(call, (buf_q, buf_k), settings, synchronises=check is True)

@@ -73,6 +73,7 @@ GATHER_UNROLL = 2
 # multiple of n_block) is clamped to the last page: its rows are keys >= seqlen_k, masked like
 # any tail, and a real page holds finite values (the rows of a page past seqlen_k are read as
 # they are, so a cache must not hold NaN or Inf there, as with upstream's TMA path).
+# See Note [clamped indices] for what a bad page table can and cannot do.
 # A paged kernel always takes seqused_k ((batch,) int32; the launch passes pages_per_seq *
 # page_size for every sequence when the caller gives none): the launch-level seqlen_k is
 # pages_per_seq * page_size (`seqlen_k`), and each tile's key count is its sequence's
@@ -83,6 +84,21 @@ GATHER_UNROLL = 2
 # Split-KV reads pages the same way: a split kernel's CTA walks its split's blocks of its
 # sequence's seqused_k keys (Note [empty splits] in fa4lab.kernels.device.split), so a block's
 # pages do not depend on the split that reads them.
+
+# Note [clamped indices]
+# Nothing on the host reads the page table's values before the launch (Note [reading the
+# lengths] in fa4lab.varlen); the default check runs on the device beside the launch and reports
+# a bad entry afterwards (Note [index check on the device] in fa4lab.indexcheck). So the
+# producer keeps every read inside the tensors whatever the table and seqused_k hold
+# (`read_pages`): the row is clamped to the table's last, the slot to the sequence's last page
+# and to the row's last slot (a seqused_k above the table's capacity is not clamped itself:
+# Note [clamped lengths] in fa4lab.kernels.device.seqlen), and the page into [0, num_pages):
+# below by `read_pages` (one max per lane and key block), above by `copy_block` against the
+# cache view's page extent (one min per piece, an operand from the kernel's parameters). A bad
+# page then reads another page of the cache: a wrong answer, never a fault (the TMA unit would
+# zero-fill a box outside the view in any case). The sm100 kernel's one-box branch (page_size a
+# multiple of n_block) takes its coordinate from `read_pages` without `copy_block`, so there a
+# page past the cache is the TMA unit's out-of-bounds box (zero-filled, no memory access).
 
 
 def check_page_size(page_size: int, n_block: int) -> None:
@@ -209,18 +225,22 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
                n_block: cutlass.Constexpr[int]) -> Int32:
     """This lane's page of key block n of sequence `batch` (its row of the page table), which
     has seqlen_k keys: lane j reads the page of piece j (lanes past the block's pieces read the
-    last piece's), its slot clamped to the sequence's last page (Note [paged key blocks]). A
-    sequence with no key still loads block 0, fully masked: slot 0, read as page 0 if it holds
-    a pad (-1). The row is clamped to the table's last: a varlen launch's padding tiles belong
-    to a phantom sequence one past the last (Note [tile rows on the device] in fa4lab.varlen),
-    which has no key and no row of its own. Called by every lane of the load warp."""
+    last piece's), its slot clamped to the sequence's last page and the row's last slot (Note
+    [paged key blocks], Note [clamped indices]). A sequence with no key still loads block 0,
+    fully masked: slot 0, read as page 0 if it holds a pad (-1). The row is clamped to the
+    table's last: a varlen launch's padding tiles belong to a phantom sequence one past the
+    last (Note [tile rows on the device] in fa4lab.varlen), which has no key and no row of its
+    own. A negative page reads page 0 (Note [clamped indices]). Called by every lane of the
+    load warp."""
     per_block = pages_per_block(page_size, n_block)
     piece = 0
     if const_expr(per_block > 1):
         piece = cutlass.min(cute.arch.lane_idx(), per_block - 1)
     slot, _, _ = block_read(n, piece, page_size, n_block)
-    last = cutlass.max((seqlen_k + (page_size - 1)) // page_size - 1, 0)
+    last = cutlass.max(cutlass.min((seqlen_k + (page_size - 1)) // page_size,
+                                   cute.size(mPageTable, mode=[1])) - 1, 0)
     row = cutlass.min(batch, cute.size(mPageTable, mode=[0]) - 1)
+    # Clamped at 0 here, at the cache's last page in `copy_block` (Note [clamped indices]).
     return cutlass.max(mPageTable[row, cutlass.min(slot, last)], 0)
 
 
@@ -230,9 +250,12 @@ def copy_block(atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n, pag
     """TMA copies of key block n into SMEM stage `stage`, all on `barrier`: tXgX ((TMA),
     row block, page) and tXsX ((TMA), piece, stage) from `page_coords` / `stage_pieces`;
     `page` this lane's page (`read_pages`). A gather's pieces are a run-time loop, piece j
-    taking lane j's page by a shuffle (Note [paged key blocks]: what it costs)."""
+    taking lane j's page by a shuffle (Note [paged key blocks]: what it costs); each page is
+    clamped to the cache's last (Note [clamped indices])."""
     per_block = pages_per_block(page_size, n_block)
+    last_page = cute.size(tXgX, mode=[2]) - 1
     for j in cutlass.range(per_block, unroll=GATHER_UNROLL):
         _, row_block, _ = block_read(n, j, page_size, n_block)
         page_j = page if const_expr(per_block == 1) else cute.arch.shuffle_sync(page, j)
-        cute.copy(atom, tXgX[None, row_block, page_j], tXsX[None, j, stage], tma_bar_ptr=barrier)
+        cute.copy(atom, tXgX[None, row_block, cutlass.min(page_j, last_page)],
+                  tXsX[None, j, stage], tma_bar_ptr=barrier)
