@@ -24,12 +24,14 @@ compiled and audited but not yet run on a B200. The reference ignores it.
 before the softmax (0, the default, is off; Note [softcap] in `fa4lab.kernels.device.softmax`).
 `window_size=(left, right)` is a sliding window on the bottom-right diagonal: query i sees key
 j iff i + d - left <= j <= i + d + right, d = seqlen_k - seqlen_q, None for an unbounded side
-(causal=True is right = 0; Note [window and causal] in `fa4lab.spec`). The kernels never load
-the key blocks outside it. `learnable_sink` (heads_q,) float32 adds e^{sink[h]} to every softmax
-denominator of query head h (GPT-OSS; Note [sinks] in `fa4lab.kernels.device.softmax`): a row
-that sees no key then gives out 0 and lse = sink[h]. A new window size, sink, scale or cap
-value never compiles a new kernel; which window sides exist and whether a sink comes do. The
-argument names are upstream FA4's `flash_attn_func`'s where the meaning is the same.
+(causal=True is right = 0; a negative side moves its edge past the diagonal, as upstream reads
+it, and both negative, FA2's (-1, -1), is no window: Note [window and causal] in
+`fa4lab.spec`). The kernels never load the key blocks outside it. `learnable_sink` (heads_q,)
+float32 adds e^{sink[h]} to every softmax denominator of query head h (GPT-OSS; Note [sinks]
+in `fa4lab.kernels.device.softmax`): a row that sees no key then gives out 0 and lse =
+sink[h]. A new window size, sink, scale or cap value never compiles a new kernel; which window
+sides exist and whether a sink comes do. The argument names are upstream FA4's
+`flash_attn_func`'s where the meaning is the same.
 
 Split-KV (flash-decoding, `fa4lab.splitkv`): `num_splits=n > 1` cuts each tile's keys into n
 ranges run by n CTAs, whose float32 partial outputs and LSEs the combine kernel merges (the sink
@@ -77,9 +79,10 @@ import warnings
 
 import torch
 
+from fa4lab.canonical import empty_answer, for_kernel, narrow_out
 from fa4lab.errors import Fa4labError, InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
-from fa4lab.spec import check_inputs, check_kernel_layout, check_qkv_shapes, normalize_mask
+from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
 
 
@@ -120,7 +123,7 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
     causal, window_size = normalize_mask(causal, window_size)
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
+    check_inputs(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     num_splits = check_num_splits(num_splits)
     mods, aux = None, ()
@@ -131,14 +134,24 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
         if num_splits not in (None, 1):
             raise InputError(f"num_splits={num_splits}: split-KV does not take a score_mod / "
                              f"mask_mod yet; pass num_splits=None or 1 with mods")
-    if arch is not None:
-        return launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
-                              softcap, window_size, learnable_sink, mods, aux,
-                              num_splits=num_splits, page_table=page_table)
-    if page_table is not None:     # the reference reads each sequence's gathered K/V
+    if page_table is not None:
         from fa4lab.varlen import gather_paged, paged_seqlen_k
 
-        seqlens = [paged_seqlen_k(k, page_table)] * q.shape[0]
+        seqlen_k = paged_seqlen_k(k, page_table)
+    else:
+        seqlen_k = k.shape[1]
+    if q.numel() == 0 or seqlen_k == 0:
+        return empty_answer(q, v.shape[-1], learnable_sink, return_lse)
+    if arch is not None:
+        dv = v.shape[-1]
+        q, k, v, softmax_scale = for_kernel(arch, q, k, v, softmax_scale)
+        check_kernel_inputs(q, k, v, arch)
+        out, lse = launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
+                                  softcap, window_size, learnable_sink, mods, aux,
+                                  num_splits=num_splits, page_table=page_table)
+        return narrow_out(out, dv), lse
+    if page_table is not None:     # the reference reads each sequence's gathered K/V
+        seqlens = [seqlen_k] * q.shape[0]
         k, v = (torch.stack(gather_paged(x, page_table, seqlens)) for x in (k, v))
     out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                           window_size=window_size, learnable_sink=learnable_sink,
@@ -206,10 +219,20 @@ def _intercepted(*tensors) -> bool:
                    for t in tensors))
 
 
+def _check_switches(pack_gqa, deterministic) -> None:
+    """pack_gqa None (choose), True or False; deterministic a bool (the forward is
+    deterministic whatever it says: it is accepted for upstream's signature)."""
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise InputTypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
+    if not isinstance(deterministic, bool):
+        raise InputTypeError(f"deterministic must be True or False, got {deterministic!r}")
+
+
 def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
               window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
               num_splits: int | None = None, pack_gqa: bool | None = None, score_mod=None,
-              mask_mod=None, aux_tensors=None, return_lse: bool = False, page_table=None):
+              mask_mod=None, aux_tensors=None, return_lse: bool = False, page_table=None,
+              deterministic: bool = False):
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
 
     The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order (num_splits
@@ -218,9 +241,12 @@ def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = Fal
     sequence b is its pages page_table[b, 0], page_table[b, 1], ... (every sequence
     pages_per_seq * page_size keys; `fa4lab.varlen`'s layout, Note [paged key blocks] in
     fa4lab.kernels.device.paged for the kernels' page sizes; num_splits as with contiguous K/V,
-    None choosing from the table's capacity)."""
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise InputTypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
+    None choosing from the table's capacity). `deterministic` is accepted for upstream's
+    signature: the forward is deterministic whatever it says. Empty calls (batch, seqlen_q or
+    seqlen_k 0) are answered without a launch (Note [empty calls] in fa4lab.canonical); head
+    dims the kernel does not build run zero-padded to a built pair, and views TMA cannot read
+    are copied first (`fa4lab.canonical.for_kernel`: what each costs)."""
+    _check_switches(pack_gqa, deterministic)
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
@@ -268,8 +294,9 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, page_table=None, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(None, None),
-                     softcap: float = 0.0, learnable_sink=None, return_lse: bool = False,
-                     check_indices: bool | str = "device"):
+                     softcap: float = 0.0, learnable_sink=None, num_splits: int | None = None,
+                     pack_gqa: bool | None = None, deterministic: bool = False,
+                     return_lse: bool = False, check_indices: bool | str = "device"):
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
@@ -277,7 +304,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     None; optional seqused_k) is `fa4lab.varlen`'s, and the argument names upstream FA4's
     `flash_attn_varlen_func`'s. Each sequence is one attention problem with `attention`'s
     options and semantics on its own lengths. out (total_q, heads_q, head_dim_v) in q's dtype;
-    lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key.
+    lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key. An empty batch
+    (no packed query, or no key at all) is answered without a launch (Note [empty calls] in
+    fa4lab.canonical), head dims the kernel does not build run zero-padded and views TMA
+    cannot read are copied first (`fa4lab.canonical.for_kernel`), as in `attention`.
+    num_splits and pack_gqa choose how a paged decode batch (one paged launch, below) is
+    computed, as in `attention`; the varlen launch neither splits nor packs, whatever they say
+    (the answer is the same). `deterministic` is accepted for upstream's signature: the forward
+    is deterministic whatever it says.
 
     Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
     `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
@@ -311,6 +345,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                        for t in (q, k, v, learnable_sink)):
         raise _grad_error()
     causal, return_lse = bool(causal), bool(return_lse)
+    _check_switches(pack_gqa, deterministic)
+    num_splits = check_num_splits(num_splits)
     if _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                     learnable_sink):
         from fa4lab.varlen import check_mode
@@ -320,32 +356,44 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             max_seqlen_k, seqused_k, page_table, causal, scale,
                                             left, right, float(softcap), learnable_sink,
-                                            return_lse, check_mode(check_indices))
+                                            return_lse, check_mode(check_indices), num_splits,
+                                            pack_gqa)
     else:
         out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
                                    window_size, softcap, learnable_sink, return_lse,
-                                   check_indices)
+                                   check_indices, num_splits, pack_gqa)
     return (out, lse) if return_lse else out
 
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                     page_table, causal: bool, softmax_scale, window_size, softcap: float,
-                    learnable_sink, return_lse: bool, check_indices):
+                    learnable_sink, return_lse: bool, check_indices, num_splits=None,
+                    pack_gqa: bool | None = None):
     """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference."""
     from fa4lab.reference import attention_varlen_reference
-    from fa4lab.varlen import check_varlen, sequence_kv, unpack
+    from fa4lab.varlen import check_varlen
 
     lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            seqused_k, page_table, check_indices=check_indices)
     causal, window_size = normalize_mask(causal, window_size)
+    num_splits = check_num_splits(num_splits)
     arch = launch.device_arch(q.device.index) if q.is_cuda else None
     # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
     check_inputs(*(t.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v)),
-                 softmax_scale=softmax_scale, arch=arch, window_size=window_size,
-                 softcap=softcap, learnable_sink=learnable_sink)
-    if arch is not None:   # the stand-ins are contiguous; the kernel reads q, k, v themselves
-        check_kernel_layout(q=q, k=k, v=v)
+                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                 learnable_sink=learnable_sink)
+    no_keys = (k.shape[0] == 0) if page_table is None else (page_table.shape[1] == 0)
+    if q.shape[0] == 0 or no_keys:
+        return empty_answer(q, v.shape[-1], learnable_sink, return_lse, varlen=True)
+    if arch is not None:
+        dv = v.shape[-1]
+        q, k, v, softmax_scale = for_kernel(arch, q, k, v, softmax_scale)
+        check_kernel_inputs(q, k, v, arch)
+        out, lse = _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch, causal,
+                                     softmax_scale, window_size, softcap, learnable_sink,
+                                     return_lse, num_splits, pack_gqa)
+        return narrow_out(out, dv), lse
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
     if not q.is_cuda:
@@ -354,13 +402,35 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                               seqused_k=seqused_k, page_table=page_table,
                                               return_lse=True, **options)
         return out.to(q.dtype), (lse.to(torch.float32) if return_lse else None)
-    if arch is not None and page_table is not None and lengths.same_query_count(q.shape[0]):
+    return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
+
+
+def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, causal: bool,
+                      softmax_scale, window_size, softcap: float, learnable_sink,
+                      return_lse: bool, num_splits, pack_gqa):
+    """`_forward_varlen` on the kernel of `arch`, q, k, v in its form: a paged decode batch
+    as one paged launch (split and packed as `attention` chooses, or as num_splits / pack_gqa
+    say), other batches as one varlen launch (which neither splits nor packs: those two only
+    choose how the same answer is computed), or one `attention` call per sequence where no
+    varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`)."""
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                   softcap=softcap, learnable_sink=learnable_sink)
+    if page_table is not None and lengths.same_query_count(q.shape[0]):
         return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
-                                  options)
-    if arch is not None and (page_table is None or arch in launch.PAGED_VARLEN_ARCHS):
+                                  options, num_splits, pack_gqa)
+    if page_table is None or arch in launch.PAGED_VARLEN_ARCHS:
         # one launch over the batch's real tiles, over packed K/V or the pages in place
         return launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale, return_lse,
                                      float(softcap), window_size, learnable_sink, page_table)
+    return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
+
+
+def _per_sequence(q, k, v, lengths, page_table, return_lse: bool, options: dict):
+    """(out, lse or None) of a varlen batch as one `attention` call per sequence (a paged
+    sequence's K/V gathered into contiguous tensors first)."""
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import sequence_kv, unpack
+
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))
     lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)
@@ -404,12 +474,13 @@ def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window_left: int | None, window_right: int | None,
                              softcap: float, learnable_sink: torch.Tensor | None,
                              return_lse: bool, check_indices: str,
+                             num_splits: int | None = None, pack_gqa: bool | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse."""
     out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                seqused_k, page_table, causal, softmax_scale,
                                (window_left, window_right), softcap, learnable_sink, return_lse,
-                               check_indices)
+                               check_indices, num_splits, pack_gqa)
     if lse is None:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
@@ -419,7 +490,7 @@ def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
                                    window_left, window_right, softcap, learnable_sink,
-                                   return_lse, check_indices):
+                                   return_lse, check_indices, num_splits=None, pack_gqa=None):
     from fa4lab.varlen import check_varlen_shapes
 
     check_varlen_shapes(q, k, v, page_table is not None)
@@ -434,7 +505,8 @@ attention_varlen_forward.register_autograd(_no_backward,
 
 
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,
-                       return_lse: bool, options: dict):
+                       return_lse: bool, options: dict, num_splits=None,
+                       pack_gqa: bool | None = None):
     """(out, lse or None) in varlen form of a paged batch whose sequences all have L queries
     (`VarlenLengths.same_query_count`): q (batch * L, heads_q, d) is a (batch, L, heads_q,
     d) batch, so ONE launch of the padded paged kernel serves it, each sequence's key count its
@@ -445,10 +517,10 @@ def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch
     batch, heads_q = lengths.batch, q.shape[1]
     q4 = q.reshape(batch, q.shape[0] // batch, heads_q, q.shape[2])
     out, lse = launch.forward(q4, k_cache, v_cache, arch, options["causal"],
-                              options["softmax_scale"], return_lse, None,
+                              options["softmax_scale"], return_lse, pack_gqa,
                               float(options["softcap"]), options["window_size"],
-                              options["learnable_sink"], page_table=page_table,
-                              seqused_k=seqused_k)
+                              options["learnable_sink"], num_splits=num_splits,
+                              page_table=page_table, seqused_k=seqused_k)
     out = out.view(q.shape[0], heads_q, out.shape[-1])
     if lse is not None:     # (batch, heads_q, L) -> (heads_q, batch * L)
         lse = lse.transpose(0, 1).reshape(heads_q, q.shape[0])

@@ -93,28 +93,63 @@ def head_dims_text(arch: str) -> str:
 ARCH_GPUS = {"sm90": "H100/H200", "sm100": "B200"}
 
 
+def covering_head_dims(arch: str, head_dim: int, head_dim_v: int | None = None
+                       ) -> tuple[int, int] | None:
+    """The built pair the kernel of `arch` runs (head_dim, head_dim_v) on: itself when built,
+    else the smallest built pair at least as wide on both sides (the call zero-padded to it,
+    Note [padded head dims] in fa4lab.canonical), None when none is (a side above 256)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    covers = [(d, e) for d, e in head_dims_for(arch) if d >= head_dim and e >= dv]
+    return min(covers, key=lambda p: (p[0] + p[1], p)) if covers else None
+
+
 def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
-    """The error for a (head_dim, head_dim_v) pair `arch`'s kernel does not build: what each
-    kernel builds, and what to do (pad to the smallest built pair that holds it, or run the
-    reference)."""
+    """The error for a (head_dim, head_dim_v) pair the kernel of `arch` does not build: what
+    each kernel builds and, when a built pair covers it (`covering_head_dims`), that the API
+    runs it zero-padded to that pair; else (a side above the widest built one) what to do."""
     key = _arch_key(arch)
     built = "; ".join(f"{a} ({ARCH_GPUS[a]}): {head_dims_text(a)}" for a in KERNEL_HEAD_DIMS)
-    covers = [(d, dv) for d, dv in head_dims_for(key) if d >= head_dim and dv >= head_dim_v]
-    if covers:
-        d, dv = min(covers, key=sum)
-        todo = (f"pad q and k with zeros to head_dim {d}" + (
-            f" and v to head_dim_v {dv}" if dv != head_dim_v else "") + (
-            f", pass softmax_scale={head_dim} ** -0.5 (the padded width would change the default)"
-            if d != head_dim else "") + (
-            f" and keep out[..., :{head_dim_v}]" if dv != head_dim_v else "") + ", or ")
-    else:
-        todo = ""
-    elsewhere = [f"the {a} kernel ({ARCH_GPUS[a]})" for a in KERNEL_HEAD_DIMS
-                 if a != key and kernel_builds(a, head_dim, head_dim_v)]
-    there = f"; {' and '.join(elsewhere)} builds it" if elsewhere else ""
-    return (f"(head_dim, head_dim_v) = ({head_dim}, {head_dim_v}) is not built by the {key} "
-            f"kernel{there}. The kernels build {built}. To run it, {todo}use "
-            f"fa4lab.reference.attention_reference (float64, slow)")
+    cover = covering_head_dims(key, head_dim, head_dim_v)
+    if cover is not None:
+        return (f"(head_dim, head_dim_v) = ({head_dim}, {head_dim_v}) is not built by the {key} "
+                f"kernel, which builds {head_dims_text(key)}; fa4lab.attention and "
+                f"attention_varlen run it zero-padded to {cover} (Note [padded head dims] in "
+                f"fa4lab.canonical), a plan or a kernel takes a built pair")
+    widest = max(max(p) for p in head_dims_for(key))
+    return (f"(head_dim, head_dim_v) = ({head_dim}, {head_dim_v}) is wider than any pair the "
+            f"{key} kernel builds (each side at most {widest}; narrower pairs run zero-padded "
+            f"to the smallest built pair that holds them). The kernels build {built}. Split the "
+            f"heads, or use fa4lab.reference.attention_reference (float64, slow)")
+
+
+# ---- paged K/V caches ------------------------------------------------------------------------
+# The swizzle atom of a 16-bit K-major SMEM tile is 8 rows (128-byte rows); a gathered page
+# fills whole 16-row slices of the block's stage (one wgmma / UMMA K-step of rows), so its
+# TMA box lines up with the swizzle pattern and the MMA reads the stage as one tile
+# (Note [paged key blocks] in fa4lab.kernels.device.paged).
+MIN_GATHER_PAGE = 16
+
+
+def page_fits(page_size: int, n_block: int) -> bool:
+    """Whether key blocks of `n_block` rows can read pages of `page_size` tokens: one TMA box
+    per block (a multiple of n_block) or a gather of pages per block (a divisor of n_block
+    that is a multiple of MIN_GATHER_PAGE). Note [paged key blocks] in
+    fa4lab.kernels.device.paged."""
+    return page_size % n_block == 0 or (n_block % page_size == 0
+                                        and page_size % MIN_GATHER_PAGE == 0)
+
+
+def key_block_for_pages(n_block: int, page_size: int | None, step: int = 16) -> int:
+    """The key block a plan takes for pages of `page_size`: its tuned `n_block` when the pages
+    fit it, else the widest multiple of `step` below it that they fit (pages of 64, 128 or 256
+    at head_dim 256, whose tuned blocks are 80 keys, take blocks of 64). A smaller block
+    costs some speed, never an answer; `n_block` itself when no block fits (the kernel's
+    check then names the page sizes that do)."""
+    if page_size is None or page_fits(page_size, n_block):
+        return n_block
+    fits = [n for n in range(n_block - n_block % step, step - 1, -step)
+            if page_fits(page_size, n)]
+    return fits[0] if fits else n_block
 
 
 # ---- the online softmax ---------------------------------------------------------------------

@@ -77,29 +77,36 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 # Note [window and causal]
-# A window is (left, right), each an int >= 0 or None (unbounded on that side), around the
+# A window is (left, right), each an int or None (unbounded on that side), around the
 # bottom-right diagonal: query i sees key j < seqlen_k iff j >= i + d - left (when left is not
 # None) and j <= i + d + right (when right is not None), d = seqlen_k - seqlen_q. (0, 0) keeps
-# only the diagonal key; (None, None) is no window. causal=True IS right = 0, so a window and
-# causal combine as follows (the same as upstream FA4's interface):
+# only the diagonal key; (None, None) is no window. A negative side moves its edge past the
+# diagonal, as in upstream FA4 (whose tests draw them): (None, -r) sees only keys at least r
+# before the diagonal, (-l, None) only keys at least l after it, and a row whose edges cross
+# sees no key (output 0, LSE -inf). Both sides negative is FA2's "no window" ((-1, -1)) and
+# means (None, None), as upstream's interface reads it; one negative side is NOT FA2's
+# unbounded side: (-1, 0) hides every key (pass causal=True for FA2's (-1, 0)).
+# causal=True IS right = 0, so a window and causal combine as follows (the same as upstream
+# FA4's interface where it gives an answer):
 #     causal=True,  window (left, None) or (left, 0)  -> the causal window (left, 0);
-#     causal=True,  window (left, right > 0)          -> an error: the two disagree;
+#     causal=True,  window (left, right != 0)         -> an error: the two disagree;
 #     causal=False, window (left, 0)                  -> the causal window (left, 0).
 # Every description of one mask is stored in one form, `normalize_mask`'s: causal=True whenever
 # the right side is 0, and then window_size=(left, None), so causal=True with no window is
 # (True, (None, None)), as before windows existed, and equal specs mean equal masks.
-# `effective_window` gives back (left, right) with right = 0 under causal. Unlike FA2's -1,
-# a negative side is an error: None is the unbounded side.
+# `effective_window` gives back (left, right) with right = 0 under causal. The block formulas
+# (Note [sliding window tiles] in fa4lab.tiling) hold for either sign: each row's visible keys
+# stay one interval whose two edges move one key per row.
 
 
 def check_window_size(window_size: Any) -> tuple[int | None, int | None]:
-    """(left, right) from a window_size pair (tuple or list) of ints >= 0 or None, checked.
+    """(left, right) from a window_size pair (tuple or list) of ints or None, checked; both
+    sides negative (FA2's (-1, -1)) is (None, None).
 
-    Raises TypeError when it is not a pair of int/None and ValueError for a negative side.
-    See Note [window and causal]."""
+    Raises TypeError when it is not a pair of int/None. See Note [window and causal]."""
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(
             window_size) != 2:
-        raise InputTypeError(f"window_size must be a pair (left, right) of ints >= 0 or None, got "
+        raise InputTypeError(f"window_size must be a pair (left, right) of ints or None, got "
                              f"{window_size!r}; e.g. window_size=(256, 0) for a causal sliding "
                              f"window of 256 keys to the left, (None, None) for no window")
     sides = []
@@ -108,13 +115,11 @@ def check_window_size(window_size: Any) -> tuple[int | None, int | None]:
             sides.append(None)
             continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise InputTypeError(f"window_size={tuple(window_size)!r}: {name} must be an int >= 0 "
+            raise InputTypeError(f"window_size={tuple(window_size)!r}: {name} must be an int "
                                  f"or None (unbounded), got {type(value).__name__} {value!r}")
-        if value < 0:
-            raise InputError(f"window_size={tuple(window_size)!r}: {name}={int(value)} is "
-                             f"negative; each side is an int >= 0 (0 means only the diagonal "
-                             f"on that side) or None for an unbounded side (not -1)")
         sides.append(int(value))
+    if sides[0] is not None and sides[1] is not None and sides[0] < 0 and sides[1] < 0:
+        return None, None
     return sides[0], sides[1]
 
 
@@ -122,13 +127,14 @@ def normalize_mask(causal: Any, window_size: Any = (None, None)
                    ) -> tuple[bool, tuple[int | None, int | None]]:
     """(causal, window_size) in the one stored form of their mask: causal=True whenever the
     right side is 0, and then window_size = (left, None). Raises ValueError for causal=True
-    with right > 0. See Note [window and causal]."""
+    with right != 0. See Note [window and causal]."""
     left, right = check_window_size(window_size)
     causal = bool(causal)
-    if causal and right is not None and right > 0:
+    if causal and right is not None and right != 0:
+        seen = f"see {right} keys past" if right > 0 else f"stop {-right} keys before"
         raise InputError(f"causal=True with window_size=({left}, {right}): causal means "
                          f"right = 0, so the two disagree; pass causal=False to let queries "
-                         f"see {right} keys past the diagonal, or window_size=({left}, 0)")
+                         f"{seen} the diagonal, or window_size=({left}, 0)")
     if right == 0:
         causal, right = True, None
     return causal, (left, None if causal else right)
@@ -356,9 +362,11 @@ def check_qkv_shapes(q, k, v) -> None:
         raise InputError(f"k and v must have the same number of heads: k {hkv}, v {hv}")
     if d != dk:
         raise InputError(f"q and k must have the same head_dim: q {d}, k {dk}")
-    if min(b, sq, hq, d, sk, hkv, dv) < 1:
+    if min(hq, d, hkv, dv) < 1:
         raise InputError(
-            f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"empty heads or head_dim in q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)}: attention needs at least one head and head_dim >= 1 (an empty "
+            f"batch or sequence is fine: Note [empty calls] in fa4lab.api)"
         )
     if hq % hkv:
         raise InputError(
@@ -445,14 +453,24 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
             raise InputTypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink "
                                  f"logits are float32; cast with learnable_sink.float()")
         check_same_device("learnable_sink", learnable_sink.device, "q", q.device)
-    if arch is None:
-        return
+    if arch is not None:
+        check_kernel_inputs(q, k, v, arch)
+
+
+def check_kernel_inputs(q, k, v, arch: str) -> None:
+    """What the kernel of `arch` ("sm90"/"sm100") needs of q, k, v (dense, packed or paged)
+    besides the math, which `check_inputs` checks: bf16/fp16, a (head_dim, head_dim_v) pair it
+    builds (`fa4lab.limits`), CUDA tensors, the last dim contiguous and 16-byte aligned rows
+    (TMA). `fa4lab.attention` and `attention_varlen` first bring any call to this form
+    (`fa4lab.canonical.for_kernel`: padded head dims, copied layouts)."""
+    import torch
+
     from fa4lab.limits import kernel_builds, unsupported_head_dims
 
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise InputTypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
                              f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
-    d, dv = q.shape[3], v.shape[3]
+    d, dv = q.shape[-1], v.shape[-1]
     if not kernel_builds(arch, d, dv):
         raise InputError(unsupported_head_dims(arch, d, dv))
     check_kernel_layout(q=q, k=k, v=v)

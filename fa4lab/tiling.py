@@ -238,13 +238,19 @@ def block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block_size, left, right, *
     """HALF-OPEN [n_block_min, n_block_max): the key blocks a tile of positions [pos_lo,
     pos_hi) visits; empty (0, 0) exactly when no row of the tile sees a key. The formulas of
     Note [bottom-right causal] and Note [sliding window tiles], on ints or DSL Int32."""
-    _, end = key_bounds(pos_hi - 1, seqlen_q, seqlen_k, left, right, imin=imin)
-    n_block_max = ceil_div(imax(end, 0), n_block_size)
-    n_block_min = 0
+    # the last IN-BOUNDS row: past seqlen_q a negative right side would see more keys
+    _, end = key_bounds(imin(pos_hi, seqlen_q) - 1, seqlen_q, seqlen_k, left, right, imin=imin)
+    hi = imax(end, 0)
     first, _ = key_bounds(pos_lo, seqlen_q, seqlen_k, left, right, imin=imin)
-    if first is not None:
-        n_block_min = imin(imax(first, 0) // n_block_size, n_block_max)
-    return n_block_min, n_block_max
+    if first is None:
+        return 0, ceil_div(hi, n_block_size)
+    # keys [lo, hi) hold every visible one; none is visible when lo >= hi or, with both
+    # sides, when each row's own interval is empty (left + right < 0: negative sides)
+    lo = imin(imax(first, 0), hi)
+    if right is not None:
+        hi = lo + (hi - lo) * imin(imax(left + right + 1, 0), 1)
+    n_block_max = ceil_div(hi, n_block_size) * imin(imax(hi - lo, 0), 1)
+    return imin(lo // n_block_size, n_block_max), n_block_max
 
 
 def mask_split(pos_lo, pos_hi, n_block_min, n_block_max, seqlen_q, seqlen_k, n_block_size,

@@ -90,15 +90,20 @@ def test_kernel_input_checks(rng):
     q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         check_inputs(q.float(), k.float(), v.float(), arch="sm90")
-    # Unsupported head dims: the error names what each kernel builds and what to do.
+    # Unbuilt head dims: the kernel check names what the kernel builds and the padded pair the
+    # API runs them on (fa4lab.canonical); wider than every pair: what to do.
     q80, k80, v80 = _qkv(rng, d=80, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"\(80, 80\) is not built by the sm90.*sm90 \(H100/H200\)"
-                       r": 64, 96, 128, 256.*\(192, 128\).*pad q and k with zeros to head_dim 96"):
+    with pytest.raises(ValueError, match=r"\(80, 80\) is not built by the sm90 kernel, which "
+                       r"builds 64, 96, 128, 256.*\(192, 128\).*zero-padded to \(96, 96\)"):
         check_inputs(q80, k80, v80, arch="sm90")
     q160, k160, v160 = _qkv(rng, d=160, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"\(160, 128\) is not built by the sm100 kernel.*pad "
-                                         r"q and k with zeros to head_dim 192"):
+    with pytest.raises(ValueError, match=r"\(160, 128\) is not built by the sm100 kernel.*"
+                                         r"zero-padded to \(192, 128\)"):
         check_inputs(q160, k160, v160[..., :128].contiguous(), arch="sm100")
+    q288, k288, v288 = _qkv(rng, d=288, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\(288, 288\) is wider than any pair the sm90 "
+                                         r"kernel builds \(each side at most 256"):
+        check_inputs(q288, k288, v288, arch="sm90")
     with pytest.raises(ValueError, match="head_dim_v"):
         check_inputs(q, k, v[..., :32].contiguous(), arch="sm90")
     # Built pairs pass the head-dim check (and stop at the next one: CPU tensors).

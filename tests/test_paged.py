@@ -139,14 +139,14 @@ def test_launch_key_and_kernel_name_carry_the_page_size():
     spec = launch.spec_of_key(key)
     assert spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16")
-    with pytest.raises(PlanError, match="page_size=48"):
-        launch.check_paged_call(key[:-1] + (48,), None)
+    with pytest.raises(PlanError, match="page_size=24"):
+        launch.check_paged_call(key[:-1] + (24,), None)
 
 
-@pytest.mark.parametrize("arch,page_size,fits", [("sm90", 16, True), ("sm90", 48, False),
-                                                  ("sm100", 64, True), ("sm100", 32, True),
-                                                  ("sm100", 16, True), ("sm100", 48, False),
-                                                  ("sm100", 8, False)])
+@pytest.mark.parametrize("arch,page_size,fits", [
+    ("sm90", 16, True), ("sm90", 48, True), ("sm90", 24, False), ("sm100", 64, True),
+    ("sm100", 32, True), ("sm100", 16, True), ("sm100", 48, True), ("sm100", 24, False),
+    ("sm100", 8, False)])
 def test_kernels_refuse_page_sizes_they_do_not_build(arch, page_size, fits):
     """Built from the plan, before any compile: a page size the kernel does not read is a
     PlanError naming it; both kernels gather pages of 16, 32 and 64 (Note [paged key blocks])."""
@@ -204,8 +204,9 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
     used = torch.tensor([40, 0, 17], dtype=torch.int32)
 
     def forward(q_b, k_cache, v_cache, arch, causal, scale, return_lse, pack_gqa, softcap,
-                window_size, sink, page_table=None, seqused_k=None):
+                window_size, sink, num_splits=None, page_table=None, seqused_k=None):
         assert q_b.shape == q4.shape and page_table is table and seqused_k is used
+        assert num_splits is None and pack_gqa is None      # the call's defaults, passed on
         outs, lses = [], []
         for b, (k, v) in enumerate(zip(gather_paged(k_cache, page_table, used.tolist()),
                                        gather_paged(v_cache, page_table, used.tolist()))):

@@ -56,8 +56,10 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 # exist is compile-time (the spec's window_size with None for a missing side, in the launch key
 # and the disk cache key): a missing side costs no instruction, and causal keeps right = 0 as a
 # constant. A missing side's argument is passed as 0 and never read. Each side is clamped to
-# what can hide a key (left <= seqlen_k, right <= seqlen_q: a wider side hides nothing either),
-# so i + d + right and i + d - left stay far from the Int32 range's ends. The learnable sink is
+# what can hide a key (left <= seqlen_k, right <= seqlen_q: a wider side hides nothing either)
+# and, for a negative side, what can show one (left >= -seqlen_q, right >= -seqlen_k: beyond,
+# every row sees no key either), so i + d + right and i + d - left stay far from the Int32
+# range's ends. The learnable sink is
 # a (heads_q,) float32 tensor argument after lse, None when the spec has none (Note [sinks] in
 # fa4lab.kernels.device.softmax).
 
@@ -282,10 +284,12 @@ def window_args(window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """The compiled functions' (window_left, window_right) arguments (Note [runtime window]):
     each side of the stored window_size (`fa4lab.spec.normalize_mask`'s form; causal's right = 0
     is the kernel's constant), clamped to seqlen_k (left) and seqlen_q (right), 0 for a side that
-    is None."""
+    is None. A negative side (Note [window and causal] in fa4lab.spec) is clamped at -seqlen_q
+    (left) and -seqlen_k (right), where every row already sees no key, so no edge overflows
+    Int32."""
     left, right = window_size
-    return (0 if left is None else min(int(left), int(seqlen_k)),
-            0 if right is None else min(int(right), int(seqlen_q)))
+    return (0 if left is None else max(min(int(left), int(seqlen_k)), -int(seqlen_q)),
+            0 if right is None else max(min(int(right), int(seqlen_q)), -int(seqlen_k)))
 
 
 def compile_plan(plan, *, options: str = "", mutation=None, mods=None,

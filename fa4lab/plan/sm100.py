@@ -30,6 +30,7 @@ from fa4lab.limits import (
     RESCALE_THRESHOLDS,
     SM100_EXP2_FRACTION_MAX,
     head_dims_text,
+    key_block_for_pages,
     unsupported_head_dims,
 )
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
@@ -357,7 +358,8 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
     if d % 16 or not 16 <= d <= 256:
         raise PlanError(f"head_dim {d} must be a multiple of 16 in [16, 256] (MMA K step 16)")
     tuning = SM100_TUNING.get((d, dv), DEFAULT_TUNING)
-    n_block = tuning.n_block if n_block is None else n_block
+    if n_block is None:
+        n_block = key_block_for_pages(tuning.n_block, spec.page_size, S_CHUNK)
     q_stage = tuning.q_stage if q_stage is None else q_stage
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if m_block != M_BLOCK:

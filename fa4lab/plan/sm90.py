@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
-from fa4lab.limits import Q_TILE_ROWS, RESCALE_THRESHOLDS, kernel_builds, unsupported_head_dims
+from fa4lab.limits import (
+    Q_TILE_ROWS,
+    RESCALE_THRESHOLDS,
+    kernel_builds,
+    key_block_for_pages,
+    unsupported_head_dims,
+)
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.plan import Plan
 from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, TileLoop, Unroll, expand
@@ -199,7 +205,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if not kernel_builds("sm90", d, dv):
         raise PlanError(unsupported_head_dims("sm90", d, dv))
     tuning = SM90_TUNING[(d, dv)]
-    n_block = tuning.n_block if n_block is None else n_block
+    if n_block is None:
+        n_block = key_block_for_pages(tuning.n_block, spec.page_size)
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
         # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third

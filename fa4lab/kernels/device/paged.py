@@ -27,11 +27,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa4lab.errors import PlanError
 from fa4lab.kernels.device.opaque import opaque_zero
+from fa4lab.limits import MIN_GATHER_PAGE, page_fits
 
-# The swizzle atom of a 16-bit K-major SMEM tile is 8 rows (128-byte rows); a gathered page
-# fills whole 16-row slices of the block's stage (one wgmma / UMMA K-step of rows), so its
-# TMA box lines up with the swizzle pattern and the MMA reads the stage as one tile.
-MIN_GATHER_PAGE = 16
 # Pieces of a gather issued per iteration of its run-time loop (Note [paged key blocks]).
 GATHER_UNROLL = 2
 
@@ -106,9 +103,7 @@ def check_page_size(page_size: int, n_block: int) -> None:
     `page_size` tokens (Note [paged key blocks])."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise PlanError(f"page_size must be a positive int, got {page_size!r}")
-    if page_size % n_block == 0:
-        return
-    if n_block % page_size == 0 and page_size % MIN_GATHER_PAGE == 0:
+    if page_fits(page_size, n_block):
         return
     divisors = [p for p in range(MIN_GATHER_PAGE, n_block, MIN_GATHER_PAGE) if n_block % p == 0]
     raise PlanError(f"page_size={page_size} does not fit key blocks of {n_block} rows: the "

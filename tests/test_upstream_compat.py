@@ -1,0 +1,240 @@
+"""fa4lab as a drop-in for upstream FA4's forward: calls shaped like `flash_attn_func` /
+`flash_attn_varlen_func` calls (their argument names, layouts and return values) that fa4lab
+once refused -- empty inputs, head dims the kernels do not build, negative window sides,
+strided or unaligned views, `deterministic`, varlen `num_splits` / `pack_gqa`, page sizes the
+tuned key blocks do not fit -- answered as upstream answers them.
+
+On the CPU each call is held to an independent float64 softmax written from the math here;
+with a Hopper or B200 GPU the same calls run on the kernels and are held to the float64
+reference under FA4's rule (`tests/kernel_checks.py`)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import fa4lab
+from fa4lab.api import SlowReferenceWarning
+
+GPU = torch.cuda.is_available() and fa4lab.kernels.launch.device_arch(0) is not None
+
+
+def _brute(q, k, v, *, causal=False, window_size=(None, None), softmax_scale=None,
+           learnable_sink=None):
+    """(out, lse) in float64 straight from the definition: bottom-right window, empty rows 0
+    and -inf (or the sink), sides read as upstream reads them (both negative = no window)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    left, right = window_size
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    seen = torch.ones(sq, sk, dtype=torch.bool)
+    if left is not None:
+        seen &= j >= i - left
+    if right is not None:
+        seen &= j <= i + right
+    kk = k.double().repeat_interleave(hq // hkv, dim=2)
+    vv = v.double().repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+    s = s.masked_fill(~seen, -math.inf)
+    if learnable_sink is not None:
+        sink = learnable_sink.double()[None, :, None, None].expand(b, hq, sq, 1)
+        s = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full((b, hq, sq), -math.inf,
+                                                                       dtype=torch.float64)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if learnable_sink is not None:
+        p = p[..., :-1]
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return out, lse
+
+
+def _call(q, k, v, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        return fa4lab.attention(q, k, v, return_lse=True, **kw)
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dv, device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = (lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype))
+    return make(b, sq, hq, d), make(b, sk, hkv, d), make(b, sk, hkv, dv)
+
+
+# The rows of the parity table: what upstream answers and fa4lab refused.
+CASES = {
+    "seqlen_k 0": dict(shape=(2, 5, 0, 4, 2, 64, 64)),
+    "seqlen_q 0": dict(shape=(2, 0, 7, 4, 2, 64, 64)),
+    "batch 0": dict(shape=(0, 3, 7, 4, 4, 64, 64)),
+    "seqlen_k 0, sink": dict(shape=(1, 3, 0, 4, 1, 64, 64), sink=True),
+    "head_dim 8": dict(shape=(2, 37, 53, 4, 2, 8, 8), causal=True),
+    "head_dim 16": dict(shape=(1, 64, 64, 2, 1, 16, 16)),
+    "head_dim 32": dict(shape=(1, 70, 130, 4, 4, 32, 32), causal=True),
+    "head_dim 80": dict(shape=(1, 33, 65, 2, 2, 80, 80)),
+    "(144, 64)": dict(shape=(1, 40, 90, 4, 2, 144, 64), causal=True),
+    "(160, 96)": dict(shape=(1, 40, 90, 2, 1, 160, 96)),
+    "(64, 128)": dict(shape=(1, 40, 90, 2, 2, 64, 128)),
+    "window (None, -3)": dict(shape=(2, 50, 80, 4, 2, 64, 64), window=(None, -3)),
+    "window (-5, None)": dict(shape=(2, 50, 80, 4, 2, 64, 64), window=(-5, None)),
+    "window (9, -2)": dict(shape=(1, 70, 70, 2, 2, 128, 128), window=(9, -2)),
+    "window (-2, 6)": dict(shape=(1, 70, 70, 2, 2, 128, 128), window=(-2, 6)),
+    "window (-1, -1)": dict(shape=(1, 20, 30, 2, 2, 64, 64), window=(-1, -1)),
+    "window (-1, 0): every key hidden": dict(shape=(1, 20, 30, 2, 2, 64, 64), window=(-1, 0)),
+    "window (None, -3), sink": dict(shape=(1, 20, 30, 4, 2, 64, 64), window=(None, -3),
+                                    sink=True),
+}
+
+
+def _run(name, device, dtype):
+    case = CASES[name]
+    q, k, v = _qkv(*case["shape"], device=device, dtype=dtype)
+    sink = (torch.randn(q.shape[2], generator=torch.Generator().manual_seed(1)).to(device)
+            if case.get("sink") else None)
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window", (None, None)),
+              learnable_sink=sink, deterministic=True)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_upstream_calls_on_the_reference(name):
+    q, k, v, kw = _run(name, "cpu", torch.float32)
+    out, lse = _call(q, k, v, **kw)
+    want, want_lse = _brute(q, k, v, **{n: kw[n] for n in ("causal", "window_size",
+                                                              "learnable_sink")})
+    assert out.shape == (*q.shape[:3], v.shape[3]) and lse.shape == (q.shape[0], q.shape[2],
+                                                                     q.shape[1])
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=2e-5)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite].double().numpy(), want_lse[finite].numpy(),
+                               atol=2e-5)
+
+
+def test_negative_sides_hide_rows_as_upstream_reads_them():
+    # (None, -r): query i sees keys up to r before its diagonal; the first r rows see nothing
+    q, k, v = _qkv(1, 6, 6, 1, 1, 16, 16)
+    out, lse = _call(q, k, v, window_size=(None, -2))
+    assert torch.isinf(lse[0, 0, :2]).all() and (out[0, :2] == 0).all()
+    assert torch.isfinite(lse[0, 0, 2:]).all()
+    # FA2's (-1, -1) is no window; causal=True with a negative right side disagrees
+    assert torch.equal(_call(q, k, v, window_size=(-1, -1))[0], _call(q, k, v)[0])
+    with pytest.raises(ValueError, match="causal=True with window_size"):
+        fa4lab.attention(q, k, v, causal=True, window_size=(4, -1))
+
+
+def test_varlen_takes_upstreams_switches_and_empty_batches():
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [3, 0, 5], [4, 2, 6]
+    q = torch.randn(sum(lens_q), 4, 64, generator=g)
+    k, v = (torch.randn(sum(lens_k), 2, 64, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum([0] + n), dtype=torch.int32) for n in (lens_q, lens_k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        base = fa4lab.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True)
+        tuned = fa4lab.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True, num_splits=3,
+                                        pack_gqa=True, deterministic=True)
+        assert torch.equal(base, tuned)
+        empty_q = q[:0]
+        out, lse = fa4lab.attention_varlen(empty_q, k, v, torch.zeros(4, dtype=torch.int32),
+                                           cu_k, 0, 6, return_lse=True)
+        assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+        no_k = k[:0]
+        out, lse = fa4lab.attention_varlen(q, no_k, v[:0], cu_q,
+                                           torch.zeros(4, dtype=torch.int32), 5, 0,
+                                           return_lse=True)
+        assert (out == 0).all() and torch.isinf(lse).all()
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        fa4lab.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, deterministic="yes")
+
+
+def test_fake_implementations_give_upstreams_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 0, 4, 80), torch.empty(2, 9, 2, 80), torch.empty(2, 9, 2, 48)
+        out, lse = torch.ops.fa4lab.attention_forward(q, k, v, False, None, True, None, 0.0,
+                                                      None, -3)
+        assert out.shape == (2, 0, 4, 48) and lse.shape == (2, 4, 0)
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+gpu = pytest.mark.skipif(not GPU, reason="needs an H100/H200 or B200 GPU (the kernels)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_upstream_calls_on_the_kernels(name, dtype):
+    from kernel_checks import check_kernel
+
+    q, k, v, kw = _run(name, "cuda", dtype)
+    if q.numel() == 0 or k.shape[1] == 0:
+        out, lse = _call(q, k, v, **kw)
+        want, want_lse = _brute(q.cpu(), k.cpu(), v.cpu(), causal=kw["causal"],
+                                window_size=kw["window_size"],
+                                learnable_sink=None if kw["learnable_sink"] is None
+                                else kw["learnable_sink"].cpu())
+        assert torch.equal(out.cpu().double(), want) and torch.equal(lse.cpu().double(),
+                                                                      want_lse.float().double())
+        return
+    kw.pop("deterministic")
+    check_kernel(fa4lab.attention, q, k, v, **kw)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["padded_stride", "unaligned_offset", "transposed_last"])
+def test_views_tma_cannot_read_are_copied(layout):
+    from kernel_checks import check_kernel
+
+    shape = (1, 65, 4, 64)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if layout == "padded_stride":
+        q, k, v = (torch.randn(*shape[:-1], 72, device="cuda", generator=g,
+                               dtype=torch.bfloat16)[..., :64] for _ in range(3))
+    elif layout == "unaligned_offset":
+        q, k, v = (torch.randn(math.prod(shape) + 1, device="cuda", generator=g,
+                               dtype=torch.bfloat16)[1:].view(shape) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(1, 65, 64, 4, device="cuda", generator=g,
+                               dtype=torch.bfloat16).transpose(2, 3) for _ in range(3))
+    check_kernel(fa4lab.attention, q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d, dv, page_size", [(256, 256, 64), (256, 256, 128),
+                                              (192, 128, 64), (192, 128, 256), (128, 128, 48)])
+def test_page_sizes_the_tuned_blocks_do_not_fit(d, dv, page_size):
+    """The plan takes a key block the pages fit (`fa4lab.limits.key_block_for_pages`)."""
+    from kernel_checks import check_kernel
+
+    from fa4lab.varlen import gather_paged
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, hq, hkv, pages_per_seq = 2, 4, 2, 3
+    num_pages = b * pages_per_seq + 2
+    kc = torch.randn(num_pages, page_size, hkv, d, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
+    vc = torch.randn(num_pages, page_size, hkv, dv, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
+    table = torch.randperm(num_pages, device="cuda", generator=g)[:b * pages_per_seq]
+    table = table.view(b, pages_per_seq).to(torch.int32)
+    q = torch.randn(b, 7, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    seqlen = pages_per_seq * page_size
+    k, v = (torch.stack(gather_paged(c, table, [seqlen] * b)) for c in (kc, vc))
+    out = fa4lab.attention(q, kc, vc, causal=True, page_table=table)
+    check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
+                 q, k, v, causal=True)
+    assert out.shape == (b, 7, hq, dv)
