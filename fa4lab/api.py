@@ -321,7 +321,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     wait: a bad value raises its InputError (naming the tensor and its first bad index) at the
     next varlen or paged call after the check has run, or at `fa4lab.check_errors()`, which
     waits for it; the bad call itself has run by then, its outputs not meaningful (the kernels
-    clamp every index, so it never faults or writes outside out). True checks before the launch
+    clamp page ids, so a bad page table never faults; bad cu_seqlens are not clamped yet: pass
+    True where they are untrusted). True checks before the launch
     (one device-to-host copy: a synchronisation, for debugging); False skips the check where
     the caller vouches for the values. On CPU tensors "device" is True. A CUDA graph capture
     skips the check. Nothing else of the kernel path reads the values: the call never waits for

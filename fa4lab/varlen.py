@@ -73,7 +73,8 @@ __all__ = ["CHECK_MODES", "PageRead", "VarlenLengths", "VarlenTiles", "check_mod
 #   raises its InputError at the first varlen or paged call after the check has run on the GPU
 #   (usually the very next call), or at `fa4lab.check_errors()`, which waits for it; the call
 #   whose indices were bad has run by then, and its outputs are not meaningful (the kernels
-#   clamp every index into the tensors: no fault, no write outside them). On CPU tensors, and on
+#   clamp page ids into the cache, never a fault; bad cu_seqlens are not clamped yet, so pass
+#   True where they are untrusted). On CPU tensors, and on
 #   a GPU without the check kernel, this is the synchronous check below.
 # * True: synchronous, before anything launches: the rules as device masks of broken entries,
 #   ONE device-to-host copy of a flag per rule deciding whether to raise, and only then the
@@ -581,10 +582,11 @@ def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead:
 # and ends. At most `batch` rows are padding: fewer than one tile per sequence. The lengths may be
 # bad (the default check reports them after the launch: Note [reading the lengths]), so each
 # sequence's tile count is clamped into [0, rows]: the cumulative counts stay sorted (what
-# searchsorted needs), every m_block is below `rows` (m_block * m_block_size cannot overflow int32),
-# and the kernels clamp the sequence itself into the packed tensors (Note [clamped lengths] in
-# fa4lab.kernels.device.seqlen), so a tile of a bad sequence stores nothing outside out. On good
-# lengths the clamp changes nothing.
+# searchsorted needs) and every m_block is below `rows` (m_block * m_block_size cannot overflow
+# int32). The kernels do not clamp a sequence's own offsets and lengths (a first clamp of them
+# gave wrong answers on the H200 and was withdrawn): bad cu_seqlens under the default check can
+# still make a varlen launch read or store outside its tensors before the error is raised; pass
+# check_indices=True where they are untrusted. On good lengths the clamp changes nothing.
 
 
 def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,

@@ -154,6 +154,6 @@ def test_varlen_opcheck_on_cuda():
     q, k, v, cu = _packed_cuda(lengths, heads_q=4, d=64)
     op = torch.ops.fa4lab.attention_varlen_forward.default
     torch.library.opcheck(op, (q, k, v, cu, cu, None, None, None, None, True, None, None, None,
-                               0.0, None, True, True))
+                               0.0, None, True, "sync"))
     torch.library.opcheck(op, (q, k, v, cu, cu, 70, 70, None, None, False, 0.2, 16, 4, 3.0,
-                               torch.randn(4, device="cuda"), False, False))
+                               torch.randn(4, device="cuda"), False, "off"))

@@ -73,7 +73,7 @@ def _small_cases(features=SMALL, seqlen=192):
 
 # ---- the plan of a run -------------------------------------------------------------------------
 def test_the_mode_covers_every_option_at_the_sweeps_hd128_s8192_shape():
-    cases = bf.feature_cases()
+    cases = bf.feature_cases(bf.OPTION_FEATURES)
     sweep = bench.shape_for(128, 8192, False)
     assert all((c.batch, c.seqlen, c.heads, c.head_dim, c.dtype) ==
                (sweep.batch, sweep.seqlen, sweep.heads, sweep.head_dim, "bf16") for c in cases)
@@ -88,6 +88,123 @@ def test_the_mode_covers_every_option_at_the_sweeps_hd128_s8192_shape():
     assert set(mods) == {"alibi", "relative_bias", "document_mask", "prefix_lm"}
     assert mods["document_mask"].mod_size == 4 and mods["prefix_lm"].mod_size == 1024
     assert not specs["prefix-lm"].causal   # the mod holds the causal part after the prefix
+
+
+def test_the_model_features_are_the_issues_table():
+    cases = {c.feature.name: c for c in bf.feature_cases(bf.MODEL_FEATURES)}
+    want = {  # (batch, seqlen, heads_q, heads_kv, head_dim, head_dim_v), causal, window,
+        #        softcap, sink
+        "gpt-oss-sink-window": ((4, 4096, 64, 8, 64, 64), (128, 0), 0.0, True),
+        "gpt-oss-sink": ((4, 4096, 64, 8, 64, 64), (None, 0), 0.0, True),
+        "mla-prefill": ((4, 4096, 16, 16, 192, 128), (None, 0), 0.0, False),
+        "mistral-window": ((1, 16384, 32, 8, 128, 128), (4096, 0), 0.0, False),
+        "gqa16-hd64": ((8, 2048, 32, 2, 64, 64), (None, 0), 0.0, False),
+        "gemma2-softcap": ((2, 8192, 16, 8, 256, 256), (4096, 0), 50.0, False),
+    }
+    assert list(cases) == list(want)
+    for name, (shape, window, softcap, sink) in want.items():
+        spec = cases[name].spec
+        assert (spec.batch, spec.seqlen_q, spec.heads_q, spec.heads_kv, spec.head_dim,
+                spec.head_dim_v) == shape, name
+        assert spec.seqlen_k == spec.seqlen_q and spec.causal and spec.dtype == "bf16"
+        assert spec.effective_window == window, name
+        assert (spec.softcap, spec.learnable_sink) == (softcap, sink), name
+    assert cases["gqa16-hd64"].spec.heads_q // cases["gqa16-hd64"].spec.heads_kv == 16
+    assert bf.features_named(["models"]) == list(bf.MODEL_FEATURES)
+    assert bf.features_named(["options", "mla-prefill"]) == [*bf.OPTION_FEATURES,
+                                                              bf.MODEL_FEATURES[2]]
+    # FA4 runs every model feature (none is a mod); SDPA cannot softcap
+    rows = {(r.feature, r.provider): r.skip
+            for r in bf.plan_features(bf.MODEL_FEATURES, bf.FEATURE_PEERS)}
+    assert not any(rows[(f.name, "fa4")] for f in bf.MODEL_FEATURES)
+    assert rows[("gemma2-softcap", "sdpa")] and not rows[("mistral-window", "sdpa")]
+
+
+def _small_models():
+    """The model features at small sizes (their options, GQA and head dims kept)."""
+    shapes = {"gpt-oss-sink-window": bf.FeatureShape(1, 160, 8, 2, 64, 64),
+              "gqa16-hd64": bf.FeatureShape(1, 96, 32, 2, 64, 64),
+              "mla-prefill": bf.FeatureShape(1, 96, 4, 4, 192, 128),
+              "gemma2-softcap": bf.FeatureShape(1, 96, 4, 2, 64, 64)}
+    small = [dataclasses.replace(f, shape=shapes[f.name],
+                                 window_size=(40, 0) if f.window_size[0] else f.window_size)
+             for f in bf.MODEL_FEATURES if f.name in shapes]
+    return bf.feature_cases(small)
+
+
+def test_fa4lab_and_fa4_get_the_same_call_on_every_model_feature(monkeypatch):
+    """The headline row is fa4lab's default call: `attention` with the feature's options and
+    nothing else; upstream FA4 gets the same options (its bf16 sink: the same numbers) and the
+    same q, k, v (GQA heads, head dims)."""
+    import torch
+
+    from fa4lab import api
+
+    ours, theirs = [], []
+    monkeypatch.setattr(api, "attention", lambda q, k, v, **kw: ours.append((q, k, v, kw)) or q)
+    monkeypatch.setattr(bench_providers, "fa4_function",
+                        lambda: lambda q, k, v, **kw: theirs.append((q, k, v, kw)) or q)
+    for case in bf.feature_cases(bf.MODEL_FEATURES):
+        ours.clear()
+        theirs.clear()
+        call = bf.feature_call(case, "cpu")
+        q, k, v = (torch.empty(0),) * 3
+        for name in ("fa4lab", "fa4"):
+            bf.feature_provider(name, call).runner(q, k, v, case.spec.causal, 0.125)
+        ((*_, mine),), ((*_, fa4),) = ours, theirs
+        assert set(mine) == set(fa4), case.feature.name
+        for key in mine:
+            if key == "learnable_sink":
+                assert fa4[key].dtype == torch.bfloat16
+                assert torch.equal(fa4[key].float(), mine[key])
+            else:
+                assert mine[key] == fa4[key], (case.feature.name, key)
+        assert mine["causal"] is True and mine["softmax_scale"] == 0.125
+        assert not {"pack_gqa", "num_splits"} & set(mine)       # nothing tuned: the default
+        spec = case.spec
+        assert ("window_size" in mine) == (spec.window_size != (None, None))
+        assert mine.get("softcap", 0.0) == spec.softcap
+        assert ("learnable_sink" in mine) == spec.learnable_sink
+
+
+@pytest.mark.slow
+def test_the_pytorch_peers_pass_the_check_on_the_model_features():
+    """GQA, a second head dim, sink + window, softcap + window: SDPA and Flex (eager) compute
+    what the reference does, so the check before timing holds them to fa4lab's semantics."""
+    for case in _small_models():
+        by = {r.provider: r for r in bf.measure_feature(case, ["sdpa", "flex"], device="cpu",
+                                                         rep_ms=1, flex_compile=False)}
+        assert (by["fa4lab"].heads_kv, by["fa4lab"].head_dim_v) == (case.spec.heads_kv,
+                                                                     case.spec.head_dim_v)
+        for name in ("sdpa", "flex"):
+            r = by[name]
+            if name == "sdpa" and case.spec.softcap:
+                assert r.status == SKIPPED
+                continue
+            assert r.status == OK, f"{name} {case.feature.name}: {r.note}"
+            assert r.max_err <= r.tol
+
+
+def test_the_headline_row_is_fa4labs_default_call_first_in_each_feature():
+    """Note [the headline row]: whatever order the rows come in, each feature's first row in
+    the table is fa4lab, its call column "default"; ratios are over it."""
+    rows = []
+    for case in bf.feature_cases([bf.OPTION_FEATURES[1], bf.MODEL_FEATURES[0]]):
+        for provider, us in (("flex", 300.0), ("fa4", 150.0), ("fa4lab", 100.0)):
+            rows.append(bf._row(case, provider, 1e12, status=OK, us=us,
+                                tflops=1e12 / (us * 1e-6) / 1e12))
+    text = bench.format_features_table(rows)
+    for name, shape in (("causal", "b2 s8192 h16/16 hd128"),
+                        ("gpt-oss-sink-window", "b4 s4096 h64/8 hd64")):
+        cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                 if line.startswith(f"| {name} | b")]
+        assert [c[3:5] for c in cells] == [["fa4lab", "default"], ["fa4", "same options"],
+                                           ["flex", "torch.compile"]]
+        assert {c[1] for c in cells} == {shape} and {c[2] for c in cells} == {"bf16"}
+        assert [c[-1] for c in cells] == ["1.00", "1.50", "3.00"]
+    assert "default call" in bf.FEATURE_LABELS["fa4lab"]
+    mla = bf.feature_cases([bf.MODEL_FEATURES[2]])[0]
+    assert bf._row(mla, "fa4lab", None).shape_label() == "b4 s4096 h16/16 hd(192, 128)"
 
 
 def test_plan_rows_and_which_peers_skip_why():
@@ -289,7 +406,8 @@ def test_features_record_round_trip(tmp_path):
     assert bench.load_records(tmp_path) == []          # not a throughput record
     assert [r["kind"] for r in bench.load_records(tmp_path, kinds=("features",))] == ["features"]
     summary = features_cli.recorded_features_summary(tmp_path)
-    assert f"latest recorded features: {name}" in summary and "| alibi | flex |" in summary
+    assert f"latest recorded features: {name}" in summary
+    assert "| alibi | b2 s8192 h16/16 hd128 | bf16 | flex | torch.compile |" in summary
     bad = _record()
     bad["results"][0]["us"] = None
     with pytest.raises(ValueError, match="no positive us"):
@@ -299,12 +417,15 @@ def test_features_record_round_trip(tmp_path):
 def test_features_table_ratios_come_from_the_times():
     results = _synthetic()
     text = bench.format_features_table(results)
-    assert text.splitlines()[0] == "| feature | provider | us | TFLOP/s | fa4lab/this |"
+    assert text.splitlines()[0] == ("| feature | shape | dtype | provider | call | us | "
+                                    "TFLOP/s | fa4lab/this |")
     by = {(r.feature, r.provider): r for r in results}
     causal = by[("causal", "fa4lab")]
-    assert f"| causal | fa4lab | 800.0 | {causal.tflops:.0f} | 1.00 |" in text
-    assert f"| causal | sdpa | 1600.0 | {by[('causal', 'sdpa')].tflops:.0f} | 2.00 |" in text
-    assert "| softcap | sdpa | skipped | - | - |" in text
+    at = "b2 s8192 h16/16 hd128 | bf16"
+    assert f"| causal | {at} | fa4lab | default | 800.0 | {causal.tflops:.0f} | 1.00 |" in text
+    assert (f"| causal | {at} | sdpa | masks materialized | 1600.0 | "
+            f"{by[('causal', 'sdpa')].tflops:.0f} | 2.00 |") in text
+    assert f"| softcap | {at} | sdpa | masks materialized | skipped | - | - |" in text
     # fa4lab / FA4 and fa4lab / the faster PyTorch peer (Flex at 1200 us beats SDPA at 1600)
     assert "| causal | " + f"{causal.tflops:.0f} | 1.25 | 1.50 (flex) |" in text
     # alibi: FA4 skipped; Flex failed, so the best PyTorch peer is SDPA
@@ -340,8 +461,12 @@ def test_recorded_decode_records_still_load():
 def test_plan_of_features_from_the_command_line():
     cases, names = bench.plan_of_features(_parse(["--features"]))
     assert [c.feature.name for c in cases] == list(bf.FEATURE_NAMES)
-    assert {(c.head_dim, c.seqlen) for c in cases} == {(128, 8192)}
+    assert {(c.head_dim, c.seqlen) for c in cases if c.feature.shape is None} == {(128, 8192)}
     assert names == ["fa4lab", "fa4", "sdpa", "flex"]
+    cases, _ = bench.plan_of_features(_parse(["--features", "--feature", "models",
+                                              "--seqlen", "2048"]))
+    assert [c.feature.name for c in cases] == [f.name for f in bf.MODEL_FEATURES]
+    assert [c.seqlen for c in cases] == [4096, 4096, 4096, 16384, 2048, 8192]   # their own
     cases, names = bench.plan_of_features(_parse(
         ["--features", "--feature", "document", "alibi", "--peers", "flex", "--seqlen", "2048",
          "--total-tokens", "4096"]))
@@ -399,7 +524,8 @@ def test_features_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
         assert run_bench(argv) == 0
     text = capsys.readouterr().out
     assert "fa4lab bench --features on Fake H200" in text and "record saved" in text
-    assert "| window-512-512 | sdpa |" in text and out_png.stat().st_size > 0
+    assert "| window-512-512 | b1 s1536 h2/2 hd64 | bf16 | sdpa |" in text
+    assert out_png.stat().st_size > 0
     rec = bench.load_record(out_json)
     assert rec["kind"] == "features" and rec["arch"] == "sm90"
     assert rec["config"]["time_limits"] == {"budget_s": bf.BUDGET_S,

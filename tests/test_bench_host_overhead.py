@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fa4lab import bench
-from fa4lab.bench import ERROR, MISSING, OK, host_overhead
+from fa4lab.bench import ERROR, FAILED, MISSING, OK, host_overhead
 from fa4lab.bench import cli as bench_cli
 from fa4lab.bench import providers as bench_providers
 from fa4lab.cli import main as fa4lab_main
@@ -87,9 +87,102 @@ def test_table_reads_against_fa4lab():
             bench.HostResult("fa4", MISSING, note="flash-attn-4 is not installed"),
             bench.HostResult("sdpa", OK, 30.0, 29.5, [30.0])]
     text = bench.format_host_table(rows)
-    assert "| fa4lab | 150.0 | 148.0 | 1.00 |" in text
-    assert "| sdpa | 30.0 | 29.5 | 0.20 |" in text
-    assert "| fa4 | missing | - | - |" in text and "flash-attn-4 is not installed" in text
+    dense = "| dense | b1 s128 h1 hd128 full | bf16 |"        # a record from before the cases
+    assert f"{dense} fa4lab | default | 150.0 | 148.0 | 1.00 |" in text
+    assert f"{dense} sdpa | (b, h, s, d) | 30.0 | 29.5 | 0.20 |" in text
+    assert f"{dense} fa4 | same args | missing | - | - |" in text
+    assert "flash-attn-4 is not installed" in text
+
+
+def test_the_cases_cover_varlen_and_paged_at_batch_1_32_256():
+    cases = bench.host_cases()
+    assert [c.name for c in cases] == ["dense", "varlen b1", "varlen b32", "varlen b256",
+                                       "paged b1", "paged b32", "paged b256"]
+    varlen, paged = cases[2].serving, cases[5].serving
+    assert (varlen.scenario, varlen.batch, varlen.seqlens_q[0], varlen.causal) == (
+        "varlen-prefill", 32, host_overhead.HOST_TOKENS, True)
+    assert (paged.scenario, paged.batch, paged.seqlens_q, paged.page_size) == (
+        "paged-decode", 32, (1,) * 32, host_overhead.HOST_PAGE_SIZE)
+    assert cases[5].label() == "b32 sq1 sk64 h1/1 hd128 full p16"
+    # fa4lab's default call heads every case; its variants and FA4 follow
+    for c in cases:
+        assert c.providers[0] == "fa4lab"
+    assert cases[1].providers == ("fa4lab", "fa4lab-checked", "fa4lab-unchecked", "fa4")
+    with pytest.raises(ValueError, match="entry"):
+        host_overhead.HostCase("prefill")
+
+
+def _recording_varlen(monkeypatch):
+    from fa4lab import api
+    from fa4lab.reference import attention_varlen_reference
+
+    seen = []
+
+    def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+             seqused_k=None, page_table=None, causal=False, softmax_scale=None, **kw):
+        seen.append(kw)
+        return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                          seqused_k=seqused_k, page_table=page_table,
+                                          causal=causal, softmax_scale=softmax_scale).to(q.dtype)
+
+    monkeypatch.setattr(api, "attention_varlen", fake)
+    return seen
+
+
+@pytest.mark.parametrize("entry", ["varlen", "paged"])
+def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
+    """The real calls on CPU tensors: fa4lab's would be the float64 fallback (never timed:
+    missing), FA4 is not installed. With attention_varlen replaced by a stand-in (the
+    reference), the default call passes NO check_indices, its variants True / False; each is
+    checked against the reference over every sequence, then measured; a wrong stand-in fails
+    its check and is not timed."""
+    _no_upstream_fa4(monkeypatch)
+    case = host_overhead.HostCase(entry, 3)
+    ready, not_run = bench.host_calls("cpu", case=case)
+    assert ready == {}
+    status = {r.provider: r for r in not_run}
+    assert status["fa4lab"].status == MISSING and "SlowReferenceWarning" in status["fa4lab"].note
+    assert status["fa4"].status == MISSING and status["fa4"].case == case.name
+
+    seen = _recording_varlen(monkeypatch)
+
+    def wrong(q, k, v, args, serving_case):
+        return lambda: q * 0
+
+    makers = {**host_overhead.VARLEN_CALLS, "wrong": wrong}
+    ready, not_run = bench.host_calls("cpu", (*case.providers, "wrong"), case, makers)
+    assert list(ready) == ["fa4lab", "fa4lab-checked", "fa4lab-unchecked"]
+    assert {r.provider: r.status for r in not_run} == {"fa4": MISSING, "wrong": FAILED}
+    assert seen[0] == {}                                   # the default call: no check_indices
+    seen.clear()
+    for call in ready.values():
+        call()
+    assert seen == [{}, {"check_indices": True}, {"check_indices": False}]
+    res = bench.measure_host_overhead(ready, "cpu", calls=3, repeats=2, warmup=1,
+                                      case=case.name, shape=case.label())
+    assert all(r.status == OK and r.mean_us > 0 and r.case == case.name for r in res)
+    text = bench.format_host_table(res[::-1] + not_run)
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+             if line.startswith(f"| {case.name} |")]
+    assert [c[3:5] for c in cells] == [["fa4lab", "default"],
+                                       ["fa4lab-checked", "check_indices=True"],
+                                       ["fa4lab-unchecked", "check_indices=False"],
+                                       ["fa4", "same args"], ["wrong", ""]]
+    assert cells[0][1] == case.label() and cells[0][-1] == "1.00"
+
+
+def test_measure_host_cases_in_provider_order():
+    def calls_of(device, names, case):
+        return ({n: (lambda: None) for n in names if n != "fa4"},
+                [bench.HostResult("fa4", MISSING, note="not here", case=case.name,
+                                  shape=case.label())])
+
+    cases = bench.host_cases((1,))
+    res = bench.measure_host_cases(cases, "cpu", calls=2, repeats=1, warmup=0,
+                                   calls_of=calls_of)
+    assert [(r.case, r.provider) for r in res] == [
+        (c.name, p) for c in cases for p in c.providers]
+    assert {r.shape for r in res if r.case == "paged b1"} == {cases[2].label()}
 
 
 # ---- the command ---------------------------------------------------------------------------
@@ -113,23 +206,28 @@ def test_host_overhead_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys)
 
     _no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
-    real_calls, real_measure = bench.host_calls, bench.measure_host_overhead
-    monkeypatch.setattr(bench_cli, "host_calls", lambda device: real_calls("cpu"))
-    monkeypatch.setattr(bench_cli, "measure_host_overhead",
-                        lambda ready, device, **kw: real_measure(ready, "cpu", **kw))
+    real_cases = bench.measure_host_cases
+    monkeypatch.setattr(bench_cli, "measure_host_cases",
+                        lambda cases, device, **kw: real_cases(cases, "cpu", **kw))
     out_json = tmp_path / "host.json"
     assert fa4lab_main(["bench", "--host-overhead", "--calls", "5", "--repeats", "2",
                         "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "fa4lab bench --host-overhead on Fake H200" in text and "record saved" in text
+    assert "paged b256" in text and "check_indices=True" in text
     rec = bench.load_record(out_json)
     assert rec["kind"] == "host-overhead" and rec["gpu"] == "Fake H200"
     assert rec["config"]["calls"] == 5 and rec["config"]["repeats"] == 2
+    assert list(rec["config"]["cases"]) == [c.name for c in bench.host_cases()]
     assert rec["command"].startswith("fa4lab bench --json ")
     assert rec["command"].endswith(" --host-overhead --calls 5 --repeats 2")
     res = bench.host_results_of(rec)
-    assert [r.provider for r in res] == ["fa4lab", "fa4", "sdpa"]
-    assert [r.status for r in res] == [MISSING, MISSING, OK]
+    assert [(r.case, r.provider) for r in res] == [
+        (c.name, p) for c in bench.host_cases() for p in c.providers]
+    dense = [r for r in res if r.case == "dense"]
+    assert [r.status for r in dense] == [MISSING, MISSING, OK]
+    # on CPU tensors fa4lab's varlen / paged calls are the float64 fallback: never timed
+    assert all(r.status == MISSING for r in res if r.case != "dense")
     # what the CPU path prints from the records
     summary = bench_cli.recorded_host_summary(tmp_path)
     assert "latest recorded host overhead: host.json" in summary and "| sdpa |" in summary

@@ -51,16 +51,16 @@ def _no_upstream_fa4(monkeypatch):
 # ---- the cases ---------------------------------------------------------------------------------
 def test_default_cases_are_the_issues():
     cases = sv.serving_cases()
-    varlen, p16, p128, *split, c16, c128 = cases
+    varlen, p128, p16, *split, c128, c16 = cases
     assert (varlen.scenario, varlen.batch, varlen.heads_q, varlen.heads_kv, varlen.head_dim,
-            varlen.causal, varlen.dtype) == (sv.VARLEN, 32, 32, 8, 128, True, "bf16")
+            varlen.causal, varlen.dtype) == (sv.VARLEN, 24, 32, 8, 128, True, "bf16")
     assert varlen.seqlens_q == varlen.seqlens_k
-    assert all(128 <= n <= 8192 for n in varlen.seqlens_k) and len(set(varlen.seqlens_k)) > 16
+    assert all(200 <= n <= 6000 for n in varlen.seqlens_k) and len(set(varlen.seqlens_k)) > 16
     for case, size in ((p16, 16), (p128, 128)):
         assert (case.scenario, case.batch, case.page_size, case.heads_q, case.heads_kv,
-                case.causal) == (sv.PAGED, 64, size, 32, 4, False)
-        assert case.seqlens_q == (1,) * 64
-        assert all(4096 <= n <= 32768 for n in case.seqlens_k)
+                case.causal) == (sv.PAGED, 32, size, 32, 8, False)
+        assert case.seqlens_q == (1,) * 32
+        assert all(1024 <= n <= 16384 for n in case.seqlens_k)
     assert p16.seqlens_k == p128.seqlens_k            # one batch, two page sizes
     assert [(c.batch, c.seqlens_k[0], c.heads_q, c.heads_kv) for c in split] == [
         (b, 131072, 64, 8) for b in (1, 2, 4)]
@@ -71,10 +71,10 @@ def test_default_cases_are_the_issues():
         assert all(1024 + q <= k <= 16384 + q for q, k in zip(case.seqlens_q, case.seqlens_k))
         assert len(set(case.seqlens_q)) > 8
     assert (c16.seqlens_q, c16.seqlens_k) == (c128.seqlens_q, c128.seqlens_k)
-    assert [c.name for c in cases] == ["varlen-prefill", "paged-decode p16",
-                                       "paged-decode p128", "splitkv-decode b1",
+    assert [c.name for c in cases] == ["varlen-prefill", "paged-decode p128",
+                                       "paged-decode p16", "splitkv-decode b1",
                                        "splitkv-decode b2", "splitkv-decode b4",
-                                       "paged-prefill p16", "paged-prefill p128"]
+                                       "paged-prefill p128", "paged-prefill p16"]
     # seeded: the same lengths every time, others with another seed
     assert sv.serving_cases() == cases
     assert sv.serving_cases(seed=1)[0].seqlens_k != varlen.seqlens_k
@@ -206,9 +206,10 @@ def test_check_then_time_every_sequence_on_cpu(monkeypatch, case):
     assert res["fa4"].status == MISSING and "pip install flash-attn-4" in res["fa4"].note
 
 
-def test_split_kv_rows_say_what_is_not_merged(monkeypatch):
-    """fa4lab's num_splits is passed to `attention`; before split-KV lands there it raises,
-    and the row is an error, not a crash. The SDPA math backend is the right provider."""
+def test_split_kv_headline_is_the_default_call(monkeypatch):
+    """fa4lab's split-KV headline row calls `attention` with no num_splits at all (Note [the
+    headline row]); the num_splits=1 row passes 1, and when that raises its row is an error,
+    not a crash. The SDPA math backend is the right provider."""
     _no_upstream_fa4(monkeypatch)
     from fa4lab import api
 
@@ -216,7 +217,7 @@ def test_split_kv_rows_say_what_is_not_merged(monkeypatch):
 
     def fake_attention(q, k, v, *, causal=False, softmax_scale=None, **kw):
         seen.append(kw)
-        if "num_splits" in kw and kw["num_splits"] is None:
+        if kw.get("num_splits") == 1:
             raise TypeError("attention() got an unexpected keyword argument 'num_splits'")
         return sdpa(q, k, v, causal, softmax_scale)
 
@@ -229,11 +230,86 @@ def test_split_kv_rows_say_what_is_not_merged(monkeypatch):
     res = {r.provider: r for r in sv.measure_case(SPLIT_SMALL, providers, device="cpu",
                                                   rep_ms=1)}
     assert res["sdpa-math"].status == OK and res["sdpa-math"].x_floor is None
-    assert res["fa4lab"].status == ERROR and "num_splits" in res["fa4lab"].note
-    assert res[sv.NOSPLIT].status == OK                   # num_splits=1 reached attention
-    assert {"num_splits": 1} in seen and {"num_splits": None} in seen
+    assert res["fa4lab"].status == OK                     # the default call: no num_splits
+    assert res[sv.NOSPLIT].status == ERROR and "num_splits" in res[sv.NOSPLIT].note
+    assert {} in seen and {"num_splits": 1} in seen
+    assert all(kw in ({}, {"num_splits": 1}) for kw in seen)
     for name in ("fa4", sv.FA4_NOSPLIT):
         assert res[name].status == MISSING
+
+
+def _recording_varlen(monkeypatch):
+    """fa4lab.attention_varlen replaced by the float64 reference (cast back), recording each
+    call's keyword arguments beyond those every runner passes."""
+    from fa4lab import api
+    from fa4lab.reference import attention_varlen_reference
+
+    seen = []
+
+    def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+             seqused_k=None, page_table=None, causal=False, softmax_scale=None, **kw):
+        seen.append(kw)
+        return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                          seqused_k=seqused_k, page_table=page_table,
+                                          causal=causal, softmax_scale=softmax_scale).to(q.dtype)
+
+    monkeypatch.setattr(api, "attention_varlen", fake)
+    return seen
+
+
+@pytest.mark.parametrize("case", [VARLEN_SMALL, PAGED_SMALL, CHUNK_SMALL],
+                         ids=lambda c: c.scenario)
+def test_the_headline_row_is_the_default_call(monkeypatch, case):
+    """Note [the headline row]: fa4lab's first row of a varlen / paged case calls
+    attention_varlen with NO check_indices argument (whatever its default is); the secondary
+    rows pass check_indices=True and False; the table puts the default first, labelled so."""
+    _no_upstream_fa4(monkeypatch)
+    seen = _recording_varlen(monkeypatch)
+    providers = sv.SCENARIO_PROVIDERS[case.scenario]
+    assert providers[:3] == (sv.OURS, sv.CHECKED, sv.UNCHECKED)
+    results = []
+    for name in providers[:3]:
+        seen.clear()
+
+        def only(c, args, how, name=name):
+            return [p for p in sv.serving_providers(c, args, how) if p.name == name]
+
+        (r,) = sv.measure_case(case, only, hbm_gbps=1.0, device="cpu", rep_ms=1)
+        assert r.status == OK, r.note
+        assert seen and all(kw == sv.VARIANT_KWARGS[name] for kw in seen), (name, seen)
+        results.append(r)
+    assert sv.VARIANT_KWARGS[sv.OURS] == {}                # not even check_indices="device"
+    assert sv.VARIANT_KWARGS[sv.CHECKED] == {"check_indices": True}
+    assert sv.VARIANT_KWARGS[sv.UNCHECKED] == {"check_indices": False}
+    # the table: the default call first whatever order the rows come in, labelled "default"
+    text = serving_cli.format_serving_table(results[::-1], hbm_gbps=1.0,
+                                            shapes={case.name: case.shape_label()})
+    rows = [line for line in text.splitlines() if line.startswith(f"| {case.name} |")]
+    cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+    assert [c[3:5] for c in cells] == [["fa4lab", "default"],
+                                       [sv.CHECKED, "check_indices=True"],
+                                       [sv.UNCHECKED, "check_indices=False"]]
+    assert {c[1] for c in cells} == {case.shape_label()} and {c[2] for c in cells} == {"bf16"}
+    assert cells[0][-1] == "1.00"                          # every ratio is over the default
+
+
+def test_every_scenario_leads_with_the_default_call():
+    labels = sv.serving_labels()
+    default = sv.default_check_indices()                   # read from the signature
+    assert default == "'device'"                           # what fa4lab.api says today
+    for scenario in (sv.VARLEN, sv.PAGED, sv.PAGED_PREFILL):
+        ours = labels[f"{scenario}/fa4lab"]
+        assert "the default call: no check_indices argument" in ours
+        assert f"check_indices={default}" in ours and "{default}" not in ours
+        assert "check_indices=True" in labels[f"{scenario}/{sv.CHECKED}"]
+        assert "check_indices=False" in labels[f"{scenario}/{sv.UNCHECKED}"]
+    assert "(the default)" not in " ".join(labels.values())
+    for scenario, providers in sv.SCENARIO_PROVIDERS.items():
+        assert providers[0] == sv.OURS, scenario
+        assert sv.CALLS[providers[0]] == "default"
+        assert "default call" in sv.SERVING_LABELS[f"{scenario}/{sv.OURS}"]
+        variants = [p for p in providers if p.startswith(sv.OURS + "-")]
+        assert variants and all(sv.VARIANT_KWARGS[p] for p in variants)   # each changes one
 
 
 # ---- record and table --------------------------------------------------------------------------
@@ -301,25 +377,34 @@ def test_serving_record_round_trip(tmp_path):
 def test_serving_table_and_bars():
     text = serving_cli.format_serving_table(_synthetic(), hbm_gbps=1.0)
     lines = text.splitlines()
-    assert lines[0] == "| case | provider | us | x HBM floor | GB/s | TFLOP/s | fa4lab/this |"
+    assert lines[0] == ("| case | shape | dtype | provider | call | us | x HBM floor | GB/s | "
+                        "TFLOP/s | fa4lab/this |")
+    # no lengths given: the shape from the row's own fields
+    paged = "| paged-decode p16 | b3 q3 k54 h4/2 hd64 full | bf16 |"
     # 30720 bytes at 1 GB/s = 30.72 us; 40 us is 1.30x; 30720 B / 40 us = 0.768 GB/s
-    assert "| paged-decode p16 | fa4lab | 40.0 | 1.30 | 1 | 0.0 | 1.00 |" in lines
-    assert "| paged-decode p16 | fa4 | 50.0 | 1.63 | 1 | 0.0 | 1.25 |" in lines
-    assert "| varlen-prefill | sdpa-nested | 300.0 |" in text and "| 3.00 |" in text
-    assert "| paged-decode p16 | sdpa-padded | error | - | - | - | - |" in lines
-    assert "- varlen-prefill: fa4lab at 0.96x the speed of fa4 (bar >= 0.95x: met)" in lines
-    assert ("- paged-decode p16: fa4lab at 1.25x the speed of fa4 (bar >= 0.95x: met); 1.30x "
-            "the HBM floor (bar <= 1.15x: MISSED)") in lines
+    assert f"{paged} fa4lab | default | 40.0 | 1.30 | 1 | 0.0 | 1.00 |" in lines
+    assert f"{paged} fa4 | same args | 50.0 | 1.63 | 1 | 0.0 | 1.25 |" in lines
+    assert "| sdpa-nested | nested jagged | 300.0 |" in text and "| 3.00 |" in text
+    assert f"{paged} sdpa-padded | padded + mask | error | - | - | - | - |" in lines
+    assert ("- varlen-prefill: fa4lab (default call) at 0.96x the speed of fa4 (bar >= 0.95x: "
+            "met)") in lines
+    assert ("- paged-decode p16: fa4lab (default call) at 1.25x the speed of fa4 (bar >= "
+            "0.95x: met); 1.30x the HBM floor (bar <= 1.15x: MISSED); fa4 1.63x the HBM "
+            "floor") in lines
     # split-KV: fa4lab raised, so nothing is judged; with a time, its speed is shown unjudged
-    assert ("- splitkv-decode b2: fa4lab x fa4-nosplit: not judged (fa4lab or fa4-nosplit "
-            "not ok)") in lines
+    assert ("- splitkv-decode b2: fa4lab (default call) x fa4-nosplit: not judged (fa4lab or "
+            "fa4-nosplit not ok)") in lines
     split = [sv._result(p, SPLIT_SMALL, None, status=OK, us=us)
              for p, us in (("fa4lab", 20.0), (sv.FA4_NOSPLIT, 70.0))]
-    assert ("- splitkv-decode b2: fa4lab at 3.50x the speed of fa4-nosplit (no bar)"
-            in serving_cli.format_serving_table(split))
+    assert ("- splitkv-decode b2: fa4lab (default call) at 3.50x the speed of fa4-nosplit (no "
+            "bar)" in serving_cli.format_serving_table(split))
     assert "paged-decode p16 0.000 GB = 30.7 us" in text and "at 1 GB/s" in text
     assert "- sdpa-nested varlen-prefill: K/V heads repeated to 4" in lines
     assert "- fa4lab splitkv-decode b2: error: TypeError: unexpected keyword" in text
+    # with the cases' lengths (the command, and a record's config): their shape
+    shaped = serving_cli.format_serving_table(_synthetic(), hbm_gbps=1.0,
+                                              shapes=serving_cli.recorded_shapes(_record()))
+    assert "| paged-decode p16 | b3 sq1 sk5..33 h4/2 hd64 full | bf16 | fa4lab |" in shaped
     only_fa4 = [r for r in _synthetic() if r.provider == "fa4"]
     assert "not judged" in serving_cli.format_serving_table(only_fa4)
 
@@ -331,7 +416,7 @@ def test_serving_on_cpu_says_it_needs_a_gpu_and_exits_0(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no CUDA GPU visible" in out and "8 serving cases" in out
     assert "paged-prefill p16 b16 sq" in out and "paged-prefill p128 b16 sq" in out
-    assert "paged-decode p128 b64 sq1" in out and "splitkv-decode b4 sq1 sk131072" in out
+    assert "paged-decode p128 b32 sq1" in out and "splitkv-decode b4 sq1 sk131072" in out
     assert "splitkv-decode/fa4-nosplit" in out and "gather is NOT timed" in out
     assert "no recorded serving results" in out
     assert run_bench(["--serving", "--quick", "--records", str(tmp_path)]) == 0
@@ -339,7 +424,7 @@ def test_serving_on_cpu_says_it_needs_a_gpu_and_exits_0(tmp_path, capsys):
     assert run_bench(["--serving", "--scenario", "paged-prefill", "splitkv-decode",
                       "--records", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "5 serving cases" in out and "varlen-prefill b32" not in out
+    assert "5 serving cases" in out and "varlen-prefill b24" not in out
     assert run_bench(["--scenario", "paged-prefill"]) == 2
     assert "--scenario applies to --serving only" in capsys.readouterr().err
 

@@ -228,24 +228,6 @@ def test_messages_name_the_tensor_and_index():
 
 
 # ---- the kernels' clamps ----------------------------------------------------------------------
-def test_sequences_are_clamped_into_the_packed_tensors():
-    """Note [clamped lengths]: whatever cu_seqlens say, a sequence's query rows lie in
-    [0, total_q) and its packed keys in [0, total_k); seqused_k is the key count as given (its
-    one plain load, the page slot, is clamped by read_pages); good values are unchanged."""
-    from fa4lab.kernels.device.seqlen import sequence
-
-    rng = np.random.default_rng(7)
-    for _ in range(500):
-        cu_q, cu_k = (rng.integers(-20, 40, 4).tolist() for _ in range(2))
-        b = int(rng.integers(0, 3))
-        s = sequence(b, 30, 25, cu_q, cu_k)
-        assert 0 <= s.offset_q <= s.offset_q + s.seqlen_q <= 30
-        assert 0 <= s.offset_k <= s.offset_k + s.seqlen_k <= 25
-        assert s.reread_offset_k() == s.offset_k
-        assert sequence(b, 30, 25, cu_q, cu_k, [-5, 99, 7]).seqlen_k == [-5, 99, 7][b]
-    assert sequence(1, 30, 25, [0, 4, 9], [0, 3, 20], [3, 11])[:4] == (4, 5, 3, 11)
-
-
 def test_tile_rows_of_bad_lengths_stay_in_the_table():
     """Note [tile rows on the device]: negative or huge lengths give rows (batch, m_block) with
     batch in [0, batch] and m_block in [0, rows): no tile indexes past its table or overflows."""

@@ -80,13 +80,9 @@ def test_a_page_in_several_slots(page_size):
 @pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_head_dims(page_size, head_dim):
-    from fa4lab.errors import PlanError
-
+    # head_dim 256 with pages of 128: the tuned 80-key block does not fit them, the plan takes
+    # 64-key blocks (fa4lab.limits.key_block_for_pages)
     inputs = paged_inputs(2, 200, 1024 // page_size, page_size, 4, 4, head_dim, seed=11)
-    if head_dim == 256 and page_size == 128:        # n_block 80 there: not a divisor
-        with pytest.raises(PlanError, match="page_size=128"):
-            _check(*inputs, causal=False)
-        return
     _check(*inputs, causal=False)
 
 

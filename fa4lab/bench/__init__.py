@@ -12,11 +12,15 @@ seqlen 1k..16k; causal and not), for each provider:
 
 plus the device's dense bf16 GEMM rate (8192^3 torch.matmul) as the ceiling.
 TFLOP/s = AttentionSpec.flops() / time = 4*B*H*Sq*Sk*D, halved for causal.
-`--host-overhead` measures instead the host time of one tiny call per provider.
+`--host-overhead` measures instead the host time of one tiny call per provider: a dense call,
+and varlen and paged calls at batch 1, 32 and 256 (fa4lab's default call first, beside its
+check_indices=True / False variants and upstream FA4's flash_attn_varlen_func).
 `--features` measures each attention option (windows, softcap, a learnable sink, ALiBi and
-relative-bias score_mods, document and prefix-LM mask_mods) at hd128 seqlen 8192 for fa4lab,
-upstream FA4 (where it has the option), PyTorch SDPA with materialized masks and FlexAttention,
-TFLOP/s counting only the visible (query, key) pairs.
+relative-bias score_mods, document and prefix-LM mask_mods) at hd128 seqlen 8192, then the
+attention of served models at their own shapes (GPT-OSS sink + window, MLA (192, 128), Mistral
+window, GQA 16:1, Gemma-2 softcap), for fa4lab (its default call, the headline row), upstream
+FA4 (where it has the option), PyTorch SDPA with materialized masks and FlexAttention, TFLOP/s
+counting only the visible (query, key) pairs.
 `--decode` measures a GQA decode (batch 32, seqlen_q 1, seqlen_k 8192, heads 32/8, hd128) and a
 GQA prefill (batch 1, seqlen 8192, causal) for fa4lab (default and pack_gqa=False, named
 `fa4lab-unpacked`), upstream FA4 and SDPA, each against the shape's HBM floor (the bytes K, V,
@@ -117,9 +121,12 @@ from fa4lab.bench.features import (
 from fa4lab.bench.features_cli import plan_of_features, recorded_features_summary
 from fa4lab.bench.host_overhead import (
     HOST_SHAPE,
+    HostCase,
     format_host_table,
     host_calls,
+    host_cases,
     make_host_record,
+    measure_host_cases,
     measure_host_overhead,
 )
 from fa4lab.bench.measure import (
@@ -239,7 +246,8 @@ __all__ = [
     "WARMUP_MS", "BenchShape", "CheckSlice", "HostResult", "PlanMeasurement", "Provider",
     "Result", "Runner", "TableRow", "add_cli", "check_output", "default_record_path",
     "describe_run", "format_host_table", "format_table", "gemm_tflops", "geomean_ratios",
-    "git_commit", "host_calls", "host_results_of", "latest_record", "load_record",
+    "git_commit", "HostCase", "host_calls", "host_cases", "measure_host_cases",
+    "host_results_of", "latest_record", "load_record",
     "load_records", "main_args", "make_host_record", "make_inputs", "make_record",
     "measure_host_overhead", "measure_plan", "measure_shape", "parse_causal", "plan_of_run",
     "providers_in", "ratio_table", "recorded_summary", "recorded_tflops", "reference_slice",

@@ -50,14 +50,17 @@ from fa4lab.bench.host_overhead import (
     HOST_PROVIDERS,
     HOST_SHAPE,
     REPEATS,
+    VARLEN_HOST_LABELS,
+    VARLEN_HOST_PROVIDERS,
     WARMUP_CALLS,
     first_calls_in_new_processes,
     format_first_calls,
     format_host_table,
     host_calls,
+    host_cases,
     host_config,
     make_host_record,
-    measure_host_overhead,
+    measure_host_cases,
 )
 from fa4lab.bench.measure import run_sweep
 from fa4lab.bench.providers import Provider, resolve_providers, short_error
@@ -464,6 +467,11 @@ def describe_host_run(calls: int, repeats: int) -> str:
              f"warm-up calls, then {repeats} x {calls} back-to-back calls timed with "
              f"time.perf_counter (no synchronize inside a repeat), for:"]
     lines += [f"  {name:<7} {HOST_LABELS[name]}" for name in HOST_PROVIDERS]
+    lines.append("then the varlen and paged calls, each at its batches, tiny sequences so the "
+                 "GPU is not the bottleneck:")
+    lines += [f"  {c.name:<11} {c.label()}" for c in host_cases() if c.serving is not None]
+    lines.append("for (fa4lab's default call first):")
+    lines += [f"  {name:<16} {VARLEN_HOST_LABELS[name]}" for name in VARLEN_HOST_PROVIDERS]
     return "\n".join(lines)
 
 
@@ -491,19 +499,20 @@ def host_overhead_args(args) -> int:
                                "a GPU)")
     print(f"fa4lab bench --host-overhead on {g.name}")
     print(describe_host_run(args.calls, args.repeats))
-    ready, not_run = host_calls("cuda")
-    measured = measure_host_overhead(ready, "cuda", calls=args.calls, repeats=args.repeats)
-    order = {name: i for i, name in enumerate(HOST_PROVIDERS)}
-    results = sorted(measured + not_run, key=lambda r: order.get(r.provider, len(order)))
+    cases = host_cases()
+    results = measure_host_cases(cases, "cuda", calls=args.calls, repeats=args.repeats,
+                                 calls_of=host_calls)
     print()
     print(format_host_table(results))
     first_calls = []
-    if OURS in ready:   # only where a fa4lab kernel runs
+    if any(r.provider == OURS and r.status == OK and r.case == cases[0].name
+           for r in results):   # only where a fa4lab kernel runs
         print("\nthe first call of a new process (Note [first call]):")
         first_calls = first_calls_in_new_processes()
         print(format_first_calls(first_calls))
     record = make_host_record(results, gpu_name=g.name, arch=g.arch, command=command_line(args),
-                              config=host_config(args.calls, args.repeats), label=args.label)
+                              config=host_config(args.calls, args.repeats, cases=cases),
+                              label=args.label)
     record["first_calls"] = first_calls
     _save(record, args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]

@@ -1,7 +1,7 @@
 """`fa4lab bench --features`: each attention option of fa4lab beside upstream FA4 and PyTorch.
 
-One shape, the standard sweep's hd128 seqlen 8192 point (batch 2, heads 16, bf16, no GQA), and
-one row per (feature, provider):
+The options at one shape, the standard sweep's hd128 seqlen 8192 point (batch 2, heads 16,
+bf16, no GQA), and one row per (feature, provider):
 
     none            full attention                  causal          causal
     window-1024-0   window (1024, 0), causal        window-512-512  window (512, 512)
@@ -10,8 +10,19 @@ one row per (feature, provider):
     relative-bias   relative-bias score_mod         document        4 documents mask_mod, causal
     prefix-lm       prefix-LM mask_mod, 1024-token prefix (causal after it)
 
-for fa4lab (`fa4lab.attention` with the option: a thin call), upstream FA4 (`flash_attn_func`,
-where it has the option: window_size, softcap, learnable_sink), PyTorch SDPA with materialized
+then the attention of served models, each at its own shape (MODEL_FEATURES, causal, bf16):
+
+    gpt-oss-sink-window  sink + window (128, 0), hd64, heads 64 / 8, s4096 (batch 4)
+    gpt-oss-sink         sink, full causal, the same shape
+    mla-prefill          head dims (192, 128), heads 16, s4096 (batch 4)
+    mistral-window       window (4096, 0) over s16384, heads 32 / 8, hd128 (batch 1)
+    gqa16-hd64           hd64, heads 32 / 2 (GQA 16:1), s2048 (batch 8)
+    gemma2-softcap       softcap 50 and window (4096, 0), hd256, heads 16 / 8, s8192 (batch 2)
+
+(`--feature models` or `--feature options`: one group), for fa4lab (`fa4lab.attention` with
+the option and nothing else: its default call, the first row of each feature), upstream FA4
+(`flash_attn_func`, where it has the option: window_size, softcap, learnable_sink; the same
+q, k, v, so the same GQA and head dims), PyTorch SDPA with materialized
 masks and biases, and FlexAttention under torch.compile (Note [the same computation in
 PyTorch] in `fa4lab.bench.pytorch_peers`). A provider that cannot express a feature is a
 "skipped" row with the reason (`why_not`). Every row that runs is checked against the float64
@@ -52,6 +63,7 @@ from fa4lab.spec import AttentionSpec
 FEATURE_HEAD_DIM = 128
 FEATURE_SEQLEN = 8192
 SOFTCAP = 30.0
+GEMMA_SOFTCAP = 50.0
 DOCUMENTS = 4              # equal documents packed in each sequence
 PREFIX = 1024              # prefix-LM: keys every query sees
 RELATIVE_RADIUS = 128      # relative bias: offsets -R..R, the edges saturate beyond
@@ -67,18 +79,42 @@ FEATURE_PROVIDERS = (OURS, FA4, SDPA, FLEX)
 FEATURE_PEERS = FEATURE_PROVIDERS[1:]
 PYTORCH = (SDPA, FLEX)
 FEATURE_LABELS = {
-    OURS: "fa4lab.attention with the option",
-    FA4: "upstream FA4 flash_attn_func with the option",
+    OURS: "fa4lab.attention with the option: the default call, no tuning argument (pack_gqa, "
+          "num_splits: their defaults choose)",
+    FA4: "upstream FA4 flash_attn_func with the same option, the same q, k, v (GQA, head dims)",
     SDPA: "PyTorch SDPA (its backend choice), masks and biases materialized",
     FLEX: "PyTorch FlexAttention under torch.compile, block mask from the mask_mod",
 }
+# The table's "call" column. fa4lab's row is its default call, the first of each feature's rows
+# (Note [the headline row] in `fa4lab.bench.serving`).
+FEATURE_CALLS = {OURS: "default", FA4: "same options", SDPA: "masks materialized",
+                 FLEX: "torch.compile"}
+
+
+@dataclass(frozen=True)
+class FeatureShape:
+    """A model's own shape for a feature (MODEL_FEATURES): q (batch, seqlen, heads_q,
+    head_dim), k (batch, seqlen, heads_kv, head_dim), v (batch, seqlen, heads_kv, head_dim_v)."""
+
+    batch: int
+    seqlen: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+
+    def label(self) -> str:
+        hd = (f"hd{self.head_dim}" if self.head_dim == self.head_dim_v
+              else f"hd({self.head_dim}, {self.head_dim_v})")
+        return f"b{self.batch} s{self.seqlen} h{self.heads_q}/{self.heads_kv} {hd}"
 
 
 @dataclass(frozen=True)
 class Feature:
     """One attention option of fa4lab, as the bench runs it. `mod` names a ready-made mod of
     `fa4lab.mods` (alibi, relative_bias, document_mask, prefix_lm) and `mod_size` its size: the
-    relative bias's radius, the number of documents, the prefix length (alibi has none)."""
+    relative bias's radius, the number of documents, the prefix length (alibi has none).
+    `shape`: the model shape it runs at (MODEL_FEATURES), else None: the mode's one shape."""
 
     name: str
     label: str
@@ -88,6 +124,7 @@ class Feature:
     sink: bool = False
     mod: str | None = None
     mod_size: int = 0
+    shape: FeatureShape | None = None
 
     @property
     def is_mod(self) -> bool:
@@ -110,16 +147,43 @@ ALL_FEATURES = (
     Feature("prefix-lm", f"prefix LM, {PREFIX}-token prefix (mask_mod)", mod="prefix_lm",
             mod_size=PREFIX),
 )
+OPTION_FEATURES = ALL_FEATURES
+# The attention of models people serve, each at its own shape (bf16, causal; about 16k tokens
+# a call): fa4lab's default call with the model's options beside upstream FA4's with the same
+# options (sink, window, softcap, GQA, head dims) and the PyTorch peers.
+GPT_OSS = FeatureShape(4, 4096, 64, 8, 64, 64)
+MODEL_FEATURES = (
+    Feature("gpt-oss-sink-window", "GPT-OSS: sink + window (128, 0), causal", causal=True,
+            window_size=(128, 0), sink=True, shape=GPT_OSS),
+    Feature("gpt-oss-sink", "GPT-OSS: sink, full causal", causal=True, sink=True,
+            shape=GPT_OSS),
+    Feature("mla-prefill", "MLA prefill hd (192, 128), causal", causal=True,
+            shape=FeatureShape(4, 4096, 16, 16, 192, 128)),
+    Feature("mistral-window", "Mistral: window (4096, 0) over 16k, causal", causal=True,
+            window_size=(4096, 0), shape=FeatureShape(1, 16384, 32, 8, 128, 128)),
+    Feature("gqa16-hd64", "hd64, GQA 16:1, causal", causal=True,
+            shape=FeatureShape(8, 2048, 32, 2, 64, 64)),
+    Feature("gemma2-softcap", f"Gemma-2: softcap {GEMMA_SOFTCAP:g}, window (4096, 0), causal",
+            causal=True, softcap=GEMMA_SOFTCAP, window_size=(4096, 0),
+            shape=FeatureShape(2, 8192, 16, 8, 256, 256)),
+)
+ALL_FEATURES = OPTION_FEATURES + MODEL_FEATURES
 FEATURE_NAMES = tuple(f.name for f in ALL_FEATURES)
+# Names `--feature` takes for a group: the options at the mode's shape, the model shapes.
+FEATURE_GROUPS = {"options": tuple(f.name for f in OPTION_FEATURES),
+                  "models": tuple(f.name for f in MODEL_FEATURES)}
 
 
 def features_named(names: Sequence[str] | None = None) -> list[Feature]:
-    """The features of `names` (None: all), in the table's order; unknown names are an error."""
+    """The features of `names` (None: all; a FEATURE_GROUPS name: its features), in the
+    table's order; unknown names are an error."""
     if names is None:
         return list(ALL_FEATURES)
+    names = [m for n in names for m in FEATURE_GROUPS.get(n, (n,))]
     unknown = [n for n in names if n not in FEATURE_NAMES]
     if unknown:
-        raise ValueError(f"--feature: unknown {unknown}; choose from {', '.join(FEATURE_NAMES)}")
+        raise ValueError(f"--feature: unknown {unknown}; choose from {', '.join(FEATURE_NAMES)} "
+                         f"or a group: {', '.join(FEATURE_GROUPS)}")
     return [f for f in ALL_FEATURES if f.name in names]
 
 
@@ -136,7 +200,9 @@ def why_not(provider: str, feature: Feature) -> str:
 
 @dataclass(frozen=True)
 class FeatureCase:
-    """One feature at the mode's shape: q, k, v are (batch, seqlen, heads, head_dim)."""
+    """One feature at its shape: q (batch, seqlen, heads, head_dim), k (batch, seqlen,
+    heads_kv, head_dim), v (batch, seqlen, heads_kv, head_dim_v); heads_kv and head_dim_v None:
+    heads and head_dim (the mode's one shape has neither GQA nor a second head dim)."""
 
     feature: Feature
     batch: int
@@ -144,30 +210,41 @@ class FeatureCase:
     heads: int
     head_dim: int
     dtype: str = "bf16"
+    heads_kv: int | None = None
+    head_dim_v: int | None = None
 
     @property
     def spec(self) -> AttentionSpec:
         f = self.feature
-        return AttentionSpec(self.batch, self.seqlen, self.seqlen, self.heads, self.heads,
-                             self.head_dim, dtype=self.dtype, causal=f.causal,
-                             window_size=f.window_size, softcap=f.softcap, learnable_sink=f.sink)
+        return AttentionSpec(self.batch, self.seqlen, self.seqlen, self.heads,
+                             self.heads_kv or self.heads, self.head_dim, self.head_dim_v,
+                             dtype=self.dtype, causal=f.causal, window_size=f.window_size,
+                             softcap=f.softcap, learnable_sink=f.sink)
+
+    def shape_label(self) -> str:
+        """The table's shape column, e.g. "b4 s4096 h64/8 hd64"."""
+        return FeatureShape(self.batch, self.seqlen, self.heads, self.heads_kv or self.heads,
+                            self.head_dim, self.head_dim_v or self.head_dim).label()
 
     def label(self) -> str:
-        return (f"{self.feature.name} hd{self.head_dim} s{self.seqlen} "
-                f"(b{self.batch} h{self.heads})")
+        return f"{self.feature.name} {self.shape_label()}"
 
 
 def feature_cases(features: Sequence[Feature] = ALL_FEATURES, *, head_dim: int = FEATURE_HEAD_DIM,
                   seqlen: int = FEATURE_SEQLEN, dtype: str = "bf16", **shape_kw
                   ) -> list[FeatureCase]:
     """Each feature at the sweep's shape for (head_dim, seqlen) (`shape_for`: batch and heads
-    from the total tokens and hidden size); bad values are the sweep's errors."""
+    from the total tokens and hidden size), a model feature at its own shape (whatever
+    head_dim, seqlen and the shape options say); bad values are the sweep's errors."""
     base = shape_for(head_dim, seqlen, False, dtype=dtype, **shape_kw)
     for f in features:
         if f.mod in ("prefix_lm", "document_mask") and not 0 < f.mod_size < base.seqlen:
             raise ValueError(f"--seqlen {seqlen}: feature {f.name} needs seqlen > {f.mod_size} "
                              f"({'its prefix' if f.mod == 'prefix_lm' else 'documents'})")
     cases = [FeatureCase(f, base.batch, base.seqlen, base.heads, base.head_dim, base.dtype)
+             if f.shape is None else
+             FeatureCase(f, f.shape.batch, f.shape.seqlen, f.shape.heads_q, f.shape.head_dim,
+                         base.dtype, f.shape.heads_kv, f.shape.head_dim_v)
              for f in features]
     for c in cases:
         _ = c.spec            # AttentionSpec's own checks
@@ -325,8 +402,10 @@ def available(names: Sequence[str], *, has_gpu: bool) -> dict[str, str]:
 
 # ---- measuring ---------------------------------------------------------------------------------
 def _row(case: FeatureCase, provider: str, flops: float | None, **kw) -> FeatureResult:
+    spec = case.spec
     return FeatureResult(provider, case.feature.name, case.batch, case.seqlen, case.heads,
-                         case.head_dim, case.spec.causal, case.dtype, flops=flops, **kw)
+                         case.head_dim, spec.causal, case.dtype, flops=flops,
+                         heads_kv=spec.heads_kv, head_dim_v=spec.head_dim_v, **kw)
 
 
 def measure_feature(case: FeatureCase, providers: Sequence[str], *, device: str = "cuda",
@@ -409,15 +488,19 @@ def features_config(cases: Sequence[FeatureCase], providers: Sequence[str], *,
                     flops: dict[str, float] | None = None) -> dict:
     """The record's config: the shape, each feature's options and FLOPs, the providers, the
     skip rules, the check, the timer and the time limits."""
-    first = cases[0] if cases else None
+    first = next((c for c in cases if c.feature.shape is None), cases[0] if cases else None)
     config = {
         "shape": ({"batch": first.batch, "seqlen": first.seqlen, "heads": first.heads,
                    "head_dim": first.head_dim, "dtype": first.dtype} if first else {}),
         "features": {c.feature.name: {**_describe_options(c.feature),
-                                      "flops": (flops or {}).get(c.feature.name)}
+                                      "flops": (flops or {}).get(c.feature.name),
+                                      **({"shape": _shape_of(c)} if c.feature.shape else {})}
                      for c in cases},
         "providers": {p: FEATURE_LABELS[p] for p in FEATURE_PROVIDERS
                       if p == OURS or p in providers},
+        "headline": (f"the first row of each feature, {OURS}, is fa4lab.attention with the "
+                     f"feature's options and nothing else (its default call); {FA4} gets the "
+                     f"same options and the same q, k, v"),
         "skipped": {f"{r.feature}/{r.provider}": r.skip
                     for r in plan_features([c.feature for c in cases], providers) if r.skip},
         "flops_rule": ("2 x (head_dim + head_dim_v) per visible (query, key) pair, summed over "
@@ -436,6 +519,13 @@ def features_config(cases: Sequence[FeatureCase], providers: Sequence[str], *,
     if wall_s is not None:
         config["wall_s"] = round(wall_s, 1)
     return config
+
+
+def _shape_of(c: FeatureCase) -> dict:
+    spec = c.spec
+    return {"batch": spec.batch, "seqlen": spec.seqlen_q, "heads_q": spec.heads_q,
+            "heads_kv": spec.heads_kv, "head_dim": spec.head_dim, "head_dim_v": spec.head_dim_v,
+            "dtype": spec.dtype}
 
 
 def _describe_options(f: Feature) -> dict:
@@ -472,13 +562,18 @@ def describe_features_run(cases: Sequence[FeatureCase], providers: Sequence[str]
     """What the mode runs: the shape, each feature with its FLOPs, the providers, the rows
     skipped and why."""
     missing = missing or {}
-    c = cases[0]
+    c = next((x for x in cases if x.feature.shape is None), cases[0])
+    models = [x for x in cases if x.feature.shape is not None]
+    at = (f"at hd{c.head_dim} s{c.seqlen} (batch {c.batch}, heads {c.heads}, {c.dtype})"
+          if len(models) < len(cases) else f"({c.dtype})")
     lines = [f"{len(cases)} features x {len(plan_features([c.feature], providers))} providers "
-             f"at hd{c.head_dim} s{c.seqlen} (batch {c.batch}, heads {c.heads}, {c.dtype}):"]
+             f"{at}" + (f", {len(models)} of them at a model's own shape" if models and
+                        len(models) < len(cases) else "") + ":"]
     for case in cases:
         f = (flops or {}).get(case.feature.name)
-        lines.append(f"  {case.feature.name:<15} {case.feature.label:<42}"
-                     + (f"{f / 1e12:6.3f} TFLOP (visible pairs)" if f else ""))
+        shape = f"  [{case.shape_label()}]" if case.feature.shape else ""
+        lines.append(f"  {case.feature.name:<19} {case.feature.label:<48}"
+                     + (f"{f / 1e12:6.3f} TFLOP (visible pairs)" if f else "") + shape)
     lines.append("providers:")
     for p in FEATURE_PROVIDERS:
         if p == OURS or p in providers:

@@ -36,18 +36,20 @@ from fa4lab.bench.timing import (
 
 
 def make_inputs(shape, device: str, seed: int = 0):
-    """q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim),
-    standard normal, in the shape's dtype, for any shape with a `.spec` (a `BenchShape`, a
-    `GqaShape`, a features case). The seed depends on seqlen_k and head_dim, as it always has."""
+    """q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim) and v
+    (batch, seqlen_k, heads_kv, head_dim_v), standard normal, in the shape's dtype, for any
+    shape with a `.spec` (a `BenchShape`, a `GqaShape`, a features case). The seed depends on
+    seqlen_k and head_dim, as it always has."""
     import torch
 
     spec = shape.spec
     dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     gen = torch.Generator(device=device).manual_seed(seed + spec.seqlen_k + spec.head_dim)
     q_dims = (spec.batch, spec.seqlen_q, spec.heads_q, spec.head_dim)
-    kv_dims = (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim)
+    k_dims = (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim)
+    v_dims = (spec.batch, spec.seqlen_k, spec.heads_kv, spec.head_dim_v)
     return tuple(torch.randn(d, generator=gen, device=device, dtype=torch.float32).to(dt)
-                 for d in (q_dims, kv_dims, kv_dims))
+                 for d in (q_dims, k_dims, v_dims))
 
 
 # Note [run time limits]

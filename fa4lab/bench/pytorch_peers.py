@@ -14,6 +14,7 @@ import math
 import warnings
 
 from fa4lab.bench.providers import Provider, Runner, to_bhsd
+from fa4lab.bench.serving_peers import _gqa_or_repeated
 
 SDPA, FLEX = "sdpa", "flex"
 # Key columns SDPA gets for a sink: the sink's own, then masked padding that keeps the key
@@ -32,7 +33,9 @@ FLEX_RECOMPILE_LIMIT = 64
 #   would be converted to that on every call, inside the timed region). A score_mod: an
 #   additive bias in the input dtype, (1, heads, seqlen_q, seqlen_k), score_mod(0, b, h,
 #   q_idx, kv_idx) with -inf where the masks hide the key: exact for additive mods (ALiBi,
-#   relative bias; a mod that is not additive fails its check). A
+#   relative bias; a mod that is not additive fails its check). With GQA (the model features)
+#   enable_gqa=True, or K/V heads repeated (once, then kept) where the backend refuses it
+#   (`fa4lab.bench.serving_peers._gqa_or_repeated`); Flex gets enable_gqa=True. A
 #   sink: one more key with k = 0 and v = 0 whose bias is sink[h] (its score is then exactly
 #   the sink logit and it adds e^sink[h] to the denominator and nothing to the numerator),
 #   plus SINK_COLUMNS - 1 masked keys; exact. Softcap: SDPA cannot apply tanh to the scores
@@ -123,17 +126,20 @@ def sdpa_runner(call) -> tuple[Runner, callable]:
     def prepare(q, k, v):
         q, k, v = to_bhsd(q, k, v)
         if sink:
-            pad = (k.shape[0], k.shape[1], SINK_COLUMNS, k.shape[3])
-            k, v = (torch.cat([t, t.new_zeros(pad)], dim=2) for t in (k, v))
+            k, v = (torch.cat([t, t.new_zeros((*t.shape[:2], SINK_COLUMNS, t.shape[3]))],
+                              dim=2) for t in (k, v))
         return q, k, v
 
     def run(q, k, v, causal, softmax_scale):
         if "mask" not in state:
             state["mask"] = _sdpa_mask(call, q.device, q.dtype)
         mask = state["mask"]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           is_causal=bool(causal) and mask is None,
-                                           scale=softmax_scale)
+        kw = {"attn_mask": mask, "is_causal": bool(causal) and mask is None,
+              "scale": softmax_scale}
+        if q.shape[1] == k.shape[1]:
+            o = F.scaled_dot_product_attention(q, k, v, **kw)
+        else:                                 # GQA: enable_gqa, or K/V heads repeated
+            o = _gqa_or_repeated(F.scaled_dot_product_attention, q, k, v, state, **kw)
         return o.transpose(1, 2)
 
     return run, prepare
@@ -222,10 +228,11 @@ def flex_runner(call, *, compile: bool = True) -> tuple[Runner, callable]:
                 mask, None, None, spec.seqlen_q, spec.seqlen_k, device=q.device)
             state.update(fn=_flex_function(compile), score=score, block=block,
                          lse=_lse_request() if call.sink is not None else {})
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
             got = state["fn"](q, k, v, score_mod=state["score"], block_mask=state["block"],
-                              scale=softmax_scale, **state["lse"])
+                              scale=softmax_scale, **gqa, **state["lse"])
         if call.sink is None:
             return got.transpose(1, 2)
         out, lse = got[0], (got[1].lse if hasattr(got[1], "lse") else got[1])

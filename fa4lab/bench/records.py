@@ -87,8 +87,8 @@ class Result:
 
 @dataclass
 class HostResult:
-    """One provider's host time per call (`fa4lab bench --host-overhead`). The times are None
-    unless status == 'ok'."""
+    """One provider's host time per call on one case (`fa4lab bench --host-overhead`: a dense
+    call, or a varlen / paged call at one batch). The times are None unless status == 'ok'."""
 
     provider: str
     status: str = OK
@@ -96,6 +96,8 @@ class HostResult:
     median_us: float | None = None    # median over the repeats of each repeat's mean
     repeats_us: list[float] = field(default_factory=list)   # each repeat's mean
     note: str = ""
+    case: str = "dense"               # "dense", "varlen b32", "paged b256" (HostCase.name)
+    shape: str = ""                   # the case's shape, as the table shows it
 
     def __post_init__(self):
         if self.status not in STATUSES:
@@ -204,15 +206,23 @@ class FeatureResult:
     status: str = OK
     us: float | None = None          # median microseconds per call
     tflops: float | None = None      # flops / us
-    flops: float | None = None       # 4 * batch * heads * head_dim * visible pairs
+    flops: float | None = None       # 2 (head_dim + head_dim_v) batch heads visible pairs
     max_err: float | None = None     # the check before timing, as in Result
     tol: float | None = None
     first_call_s: float | None = None   # first call: compile, mask/block-mask building, check
     note: str = ""
+    heads_kv: int | None = None      # None (records before GQA features): heads
+    head_dim_v: int | None = None    # None: head_dim
 
     def __post_init__(self):
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+    def shape_label(self) -> str:
+        """e.g. "b4 s4096 h64/8 hd64", "b4 s4096 h16/16 hd(192, 128)"."""
+        dv = self.head_dim_v or self.head_dim
+        hd = f"hd{self.head_dim}" if dv == self.head_dim else f"hd({self.head_dim}, {dv})"
+        return f"b{self.batch} s{self.seqlen} h{self.heads}/{self.heads_kv or self.heads} {hd}"
 
     @classmethod
     def from_dict(cls, d: dict) -> FeatureResult:

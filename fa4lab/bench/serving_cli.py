@@ -25,14 +25,15 @@ from fa4lab.bench.records import (
 )
 from fa4lab.bench.serving import (
     BARS,
+    CALLS,
     SCENARIO_PROVIDERS,
-    SERVING_LABELS,
     ServingCase,
     VarlenArgs,
     make_serving_record,
     run_serving,
     serving_cases,
     serving_config,
+    serving_labels,
     serving_providers,
 )
 from fa4lab.bench.sweep import OURS
@@ -45,8 +46,10 @@ def _ok(rows: Sequence[ServingResult], provider: str) -> ServingResult | None:
 
 
 def bar_lines(results: Sequence[ServingResult]) -> list[str]:
-    """Per case, fa4lab against its bars (BARS): its speed over the peer's (the peer's time /
-    fa4lab's) and its multiple of the HBM floor, each "met" or "MISSED", or why not judged."""
+    """Per case, fa4lab's default call (the headline row, Note [the headline row]) against its
+    bars (BARS): its speed over the peer's (the peer's time / fa4lab's) and its multiple of the
+    HBM floor, each "met" or "MISSED", or why not judged; beside the floor bar, the peer's own
+    multiple of the floor."""
     cases: dict[str, list[ServingResult]] = {}
     for r in results:
         cases.setdefault(r.case, []).append(r)
@@ -70,40 +73,62 @@ def bar_lines(results: Sequence[ServingResult]) -> list[str]:
                             f"{'met' if mine.x_floor <= bar['max_x_floor'] else 'MISSED'})")
             else:
                 said.append("x floor: not judged (no fa4lab time or no bandwidth)")
+            peer = _ok(rows, bar.get("peer", ""))
+            if peer and peer.x_floor:
+                said.append(f"{bar['peer']} {peer.x_floor:.2f}x the HBM floor")
         if said:
-            lines.append(f"- {case}: {OURS} " + "; ".join(said))
+            lines.append(f"- {case}: {OURS} (default call) " + "; ".join(said))
     return lines
 
 
+def _shape_of(r: ServingResult) -> str:
+    """A row's shape from its own fields, where the case's lengths are not at hand."""
+    return (f"b{r.batch} q{r.total_q} k{r.total_k} h{r.heads_q}/{r.heads_kv} hd{r.head_dim} "
+            f"{'causal' if r.causal else 'full'}")
+
+
+def call_of(provider: str) -> str:
+    """The table's "call" column: what the row's call changes from fa4lab's default call."""
+    return CALLS.get(provider, "")
+
+
 def format_serving_table(results: Sequence[ServingResult], *,
-                         hbm_gbps: float | None = None) -> str:
-    """A markdown table: per case and provider, us per call, the multiple of the HBM floor,
-    GB/s, TFLOP/s and fa4lab's speed over the provider (its time / fa4lab's; > 1: fa4lab is
-    faster); then the bars, the floors and the providers not measured."""
+                         hbm_gbps: float | None = None,
+                         shapes: dict[str, str] | None = None) -> str:
+    """A markdown table: per case and provider (fa4lab's default call first: Note [the
+    headline row]), the shape and dtype, the call, us per call, the multiple of the HBM floor,
+    GB/s, TFLOP/s and the default call's speed over the provider (its time / fa4lab's; > 1:
+    fa4lab is faster); then the bars, the floors and the providers not measured. `shapes`:
+    {case name: shape} (`ServingCase.shape_label`); else each row's shape from its fields."""
     cases: dict[str, list[ServingResult]] = {}
     for r in results:
         cases.setdefault(r.case, []).append(r)
-    lines = ["| case | provider | us | x HBM floor | GB/s | TFLOP/s | fa4lab/this |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | shape | dtype | provider | call | us | x HBM floor | GB/s | TFLOP/s | "
+             "fa4lab/this |", "|---|---|---|---|---|---|---|---|---|---|"]
     floors, notes = [], []
     for case, rows in cases.items():
         mine = _ok(rows, OURS)
         order = {p: i for i, p in enumerate(SCENARIO_PROVIDERS.get(rows[0].scenario, ()))}
         for r in sorted(rows, key=lambda r: order.get(r.provider, len(order))):
+            head = (f"| {case} | {(shapes or {}).get(case) or _shape_of(r)} | {r.dtype} | "
+                    f"{r.provider} | {call_of(r.provider)} |")
             if r.status != OK:
-                lines.append(f"| {case} | {r.provider} | {r.status} | - | - | - | - |")
+                lines.append(f"{head} {r.status} | - | - | - | - |")
                 if r.note:
                     notes.append(f"- {r.provider} {case}: {r.status}: {r.note}")
                 continue
             ratio = f"{r.us / mine.us:.2f}" if mine else "-"
-            lines.append(f"| {case} | {r.provider} | {r.us:.1f} | {_num(r.x_floor)} | "
-                         f"{_num(r.gbps, '.0f')} | {_num(r.tflops, '.1f')} | {ratio} |")
+            lines.append(f"{head} {r.us:.1f} | {_num(r.x_floor)} | {_num(r.gbps, '.0f')} | "
+                         f"{_num(r.tflops, '.1f')} | {ratio} |")
             if r.note:
                 notes.append(f"- {r.provider} {case}: {r.note}")
         first = rows[0]
         floor = floor_us(first.hbm_bytes, hbm_gbps) if hbm_gbps else first.floor_us
         floors.append(f"{case} {(first.hbm_bytes or 0) / 1e9:.3f} GB"
                       + (f" = {floor:.1f} us" if floor else ""))
+    lines += ["", f"{OURS} (call: default) is fa4lab's call with its default arguments: no "
+                  f"check_indices (varlen, paged), no num_splits (split-KV); the other "
+                  f"{OURS}-* rows change only what their call column says."]
     bars = bar_lines(results)
     if bars:
         lines += ["", "bars:"] + bars
@@ -129,7 +154,7 @@ def describe_serving_run(cases: Sequence[ServingCase], missing: dict[str, str] |
                      f"{c.flops / 1e9:.1f} GFLOP"
                      + (f", floor {hint:.0f} us at {hbm_gbps_hint:.0f} GB/s" if hint else ""))
     lines.append("providers:")
-    for key, text in SERVING_LABELS.items():
+    for key, text in serving_labels().items():
         if key.split("/")[0] in {c.scenario for c in cases}:
             why = missing.get(key)
             lines.append(f"  {key:<30} {text}" + (f": missing ({why})" if why else ""))
@@ -142,7 +167,17 @@ def recorded_serving_summary(directory=None) -> str:
     """The latest serving record as text (what the CPU path prints)."""
     return latest_summary(SERVING, "serving calls", lambda rec: [
         f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "",
-        format_serving_table(serving_results_of(rec), hbm_gbps=rec["hbm_gbps"])], directory)
+        format_serving_table(serving_results_of(rec), hbm_gbps=rec["hbm_gbps"],
+                             shapes=recorded_shapes(rec))], directory)
+
+
+def recorded_shapes(record: dict) -> dict[str, str]:
+    """{case name: shape} of a serving record's config (empty where it cannot be read)."""
+    try:
+        return {c["name"]: ServingCase.from_config(c).shape_label()
+                for c in record["config"]["cases"]}
+    except (KeyError, TypeError, ValueError):
+        return {}
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -226,8 +261,10 @@ def serving_args(args) -> int:
                                    command=command_line(args), config=config,
                                    label=args.label, notes=notes)
 
+    shapes = {c.name: c.shape_label() for c in cases}
+
     def on_timeout(label: str, seconds: float) -> None:
-        print(format_serving_table(results, hbm_gbps=hbm_gbps))
+        print(format_serving_table(results, hbm_gbps=hbm_gbps, shapes=shapes))
         _save(record(time.perf_counter() - started,
                      f"ended by the watchdog: {label} ran {seconds:.0f} s (limit "
                      f"{args.step_timeout:g} s); the cases after it were not run"), args)
@@ -238,7 +275,7 @@ def serving_args(args) -> int:
     wall_s = time.perf_counter() - started
     print()
     print(first_calls_line(wall_s, results, lambda r: r.case))
-    print(format_serving_table(results, hbm_gbps=hbm_gbps))
+    print(format_serving_table(results, hbm_gbps=hbm_gbps, shapes=shapes))
     _save(record(wall_s), args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
     if bad:

@@ -7,7 +7,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from fa4lab.bench.features import FA4, FEATURE_NAMES, FEATURE_PROVIDERS, PYTORCH
+from fa4lab.bench.features import (
+    FA4,
+    FEATURE_CALLS,
+    FEATURE_NAMES,
+    FEATURE_PROVIDERS,
+    PYTORCH,
+)
 from fa4lab.bench.records import OK, FeatureResult, Result
 from fa4lab.bench.sweep import OURS, PROVIDERS
 from fa4lab.bench.timing import GEMM_SIZE
@@ -155,23 +161,29 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def format_features_table(results: Sequence[FeatureResult]) -> str:
-    """Markdown: one row per (feature, provider) with us, TFLOP/s and fa4lab's speed over it;
-    then fa4lab/FA4 and fa4lab/best PyTorch per feature; then the rows not measured."""
-    lines = ["| feature | provider | us | TFLOP/s | fa4lab/this |", "|---|---|---|---|---|"]
+    """Markdown: one row per (feature, provider) with the shape and dtype, the call (fa4lab's
+    default call first: Note [the headline row] in `fa4lab.bench.serving`), us, TFLOP/s and
+    fa4lab's speed over it; then fa4lab/FA4 and fa4lab/best PyTorch per feature; then the rows
+    not measured."""
+    lines = ["| feature | shape | dtype | provider | call | us | TFLOP/s | fa4lab/this |",
+             "|---|---|---|---|---|---|---|---|"]
     order = {p: i for i, p in enumerate(FEATURE_PROVIDERS)}
     ratios = feature_ratios(results)
     for row in ratios:
         mine = row.cells.get(OURS)
         for p in sorted(row.cells, key=lambda p: order.get(p, len(order))):
             r = row.cells[p]
+            head = (f"| {row.feature} | {r.shape_label()} | {r.dtype} | {p} | "
+                    f"{FEATURE_CALLS.get(p, '')} |")
             if r.status != OK:
-                lines.append(f"| {row.feature} | {p} | {r.status} | - | - |")
+                lines.append(f"{head} {r.status} | - | - |")
                 continue
             speed = (mine.tflops / r.tflops if mine is not None and mine.status == OK
                      else None)
-            lines.append(f"| {row.feature} | {p} | {r.us:.1f} | {r.tflops:.0f} | "
-                         f"{_num(speed, '.2f')} |")
-    lines += ["", "| feature | fa4lab TFLOP/s | fa4lab/FA4 | fa4lab/best PyTorch |",
+            lines.append(f"{head} {r.us:.1f} | {r.tflops:.0f} | {_num(speed, '.2f')} |")
+    lines += ["", f"{OURS} (call: default) is fa4lab.attention with the feature's options and "
+                  f"nothing else; {FA4} gets the same options and the same q, k, v.",
+              "", "| feature | fa4lab TFLOP/s | fa4lab/FA4 | fa4lab/best PyTorch |",
               "|---|---|---|---|"]
     for row in ratios:
         best = (f"{row.over_pytorch:.2f} ({row.best_pytorch})" if row.over_pytorch is not None

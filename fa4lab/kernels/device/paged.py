@@ -88,8 +88,9 @@ GATHER_UNROLL = 2
 # a bad entry afterwards (Note [index check on the device] in fa4lab.indexcheck). So the
 # producer keeps every read inside the tensors whatever the table and seqused_k hold
 # (`read_pages`): the row is clamped to the table's last, the slot to the sequence's last page
-# and to the row's last slot (a seqused_k above the table's capacity is not clamped itself:
-# Note [clamped lengths] in fa4lab.kernels.device.seqlen), and the page into [0, num_pages):
+# and to the row's last slot (a seqused_k above the table's capacity is not clamped itself: it
+# steers TMA loads, which zero-fill outside the view, and this slot), and the page into
+# [0, num_pages):
 # below by `read_pages` (one max per lane and key block), above by `copy_block` against the
 # cache view's page extent (one min per piece, an operand from the kernel's parameters). A bad
 # page then reads another page of the cache: a wrong answer, never a fault (the TMA unit would
