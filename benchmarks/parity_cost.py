@@ -30,9 +30,9 @@ def main():
                        for h, e in ((16, d), (4, d), (4, dv)))
             if view:
                 q = q.transpose(1, 2).contiguous().transpose(1, 2)
-            ours = ms(lambda: fa4lab.attention(q, k, v, causal=True))
+            ours = ms(lambda q=q, k=k, v=v: fa4lab.attention(q, k, v, causal=True))
             try:
-                theirs = ms(lambda: flash_attn_func(q, k, v, causal=True))
+                theirs = ms(lambda q=q, k=k, v=v: flash_attn_func(q, k, v, causal=True))
                 ratio = f"{theirs / ours:.2f}x"
             except Exception as e:      # noqa: BLE001 - upstream refuses some shapes
                 theirs, ratio = float("nan"), f"FA4 refused: {type(e).__name__}"
