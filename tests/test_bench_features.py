@@ -547,16 +547,16 @@ def test_tiny_features_end_to_end(tmp_path, capsys):
     """`fa4lab bench --features` at a small shape: every fa4lab row passed its check before it
     was timed, nothing that ran was wrong, and the record and the plot are written."""
     out_json, out_png = tmp_path / "features.json", tmp_path / "features.png"
-    rc = run_bench(["--features", "--seqlen", "2048", "--total-tokens", "2048", "--hidden",
-                    "256", "--rep-ms", "20", "--warmup-ms", "5", "--json", str(out_json),
-                    "--plot", str(out_png)])
+    rc = run_bench(["--features", "--feature", "options", "--seqlen", "2048",
+                    "--total-tokens", "2048", "--hidden", "256", "--rep-ms", "20",
+                    "--warmup-ms", "5", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     assert "| feature | fa4lab TFLOP/s | fa4lab/FA4 | fa4lab/best PyTorch |" in \
         capsys.readouterr().out
     rec = bench.load_record(out_json)
     res = bench.feature_results_of(rec)
     assert {(r.feature, r.provider) for r in res} == {
-        (f, p) for f in bf.FEATURE_NAMES for p in bf.FEATURE_PROVIDERS}
+        (f.name, p) for f in bf.OPTION_FEATURES for p in bf.FEATURE_PROVIDERS}
     kernel_here = (importlib.util.find_spec("fa4lab.api") is not None
                    and rec["arch"] in ("sm90", "sm100"))
     for r in res:
@@ -571,6 +571,19 @@ def test_tiny_features_end_to_end(tmp_path, capsys):
         if r.status == OK:
             assert r.us > 0 and r.tflops > 0 and r.max_err <= r.tol, where
     assert out_png.stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_model_features_beside_fa4_on_a_gpu():
+    """Each model feature at its own shape, fa4lab's default call beside upstream FA4: nothing
+    that runs is wrong; a row that does not run says why."""
+    for case in bf.feature_cases(bf.MODEL_FEATURES):
+        for r in bf.measure_feature(case, ["fa4"], rep_ms=20, warmup_ms=5):
+            where = f"{r.provider} {r.feature}: {r.status}: {r.note}"
+            assert r.status != FAILED, where
+            assert r.status == OK or r.note, where
+            if r.status == OK:
+                assert r.us > 0 and r.max_err <= r.tol, where
 
 
 def test_providers_of_a_case_are_thin_calls(monkeypatch):

@@ -363,6 +363,15 @@ def test_serving_record_round_trip(tmp_path):
         decode_results_of(back)
     assert load_records(tmp_path) == []
     assert [r["kind"] for r in load_records(tmp_path, kinds=("serving",))] == ["serving"]
+    assert serving_cli.recorded_calls(rec) == {}           # a record with the headline rule
+    legacy = {"config": {"providers": {
+        "paged-decode/fa4lab": "attention_varlen(..., check_indices=False)",
+        "varlen-prefill/fa4lab": "attention_varlen(...)",
+        "varlen-prefill/fa4lab-checked": "the same with check_indices=True (the default)"}}}
+    assert serving_cli.recorded_calls(legacy) == {
+        "paged-decode/fa4lab": "check_indices=False (recorded)",
+        "varlen-prefill/fa4lab": "as recorded",
+        "varlen-prefill/fa4lab-checked": "check_indices=True"}
     summary = serving_cli.recorded_serving_summary(tmp_path)
     assert f"latest recorded serving calls: {name}" in summary and "| fa4lab |" in summary
     bad = _record()

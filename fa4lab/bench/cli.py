@@ -38,6 +38,7 @@ from fa4lab.bench.decode import (
 )
 from fa4lab.bench.features import (
     BUDGET_S,
+    FEATURE_GROUPS,
     FEATURE_HEAD_DIM,
     FEATURE_NAMES,
     FEATURE_PEERS,
@@ -181,14 +182,17 @@ def add_cli(subparsers) -> None:
     feat = p.add_argument_group(
         "features", f"each attention option (window, softcap, sink, score_mod / mask_mod) at "
                     f"one shape (default hd{FEATURE_HEAD_DIM} s{FEATURE_SEQLEN}, batch and "
-                    f"heads as the sweep's), for fa4lab, upstream FA4, PyTorch SDPA and "
+                    f"heads as the sweep's), then the model features at their own shapes "
+                    f"(GPT-OSS, MLA, Mistral, GQA 16:1, Gemma-2: --feature models), for "
+                    f"fa4lab's default call, upstream FA4, PyTorch SDPA and "
                     f"FlexAttention ({','.join(FEATURE_PEERS)} for --peers); --head-dim and "
                     f"--seqlen (one value each), --total-tokens, --hidden, --dtype, --plot and "
                     f"the timing options apply")
     feat.add_argument("--features", action="store_true",
                       help="measure the attention features instead of the sweep")
     feat.add_argument("--feature", nargs="+", default=None, metavar="NAME",
-                      help=f"only these features (default: all): {', '.join(FEATURE_NAMES)}")
+                      help=f"only these features (default: all): {', '.join(FEATURE_NAMES)}; "
+                           f"or a group: {', '.join(FEATURE_GROUPS)}")
     feat.add_argument("--time-budget", type=float, default=BUDGET_S, metavar="S",
                       help=f"start no provider after S seconds; the rows left are recorded as "
                            f"skipped (default {BUDGET_S:g})")

@@ -33,6 +33,7 @@ The run is bounded in time (Note [run time limits] in `fa4lab.bench.measure`).
 
     fa4lab bench --features --json out.json --plot out.png
     fa4lab bench --features --feature alibi document --peers flex
+    fa4lab bench --features --feature models --peers fa4     # the model shapes beside FA4
 """
 
 from __future__ import annotations

@@ -165,11 +165,13 @@ SERVING_LABELS = {
     f"{PAGED_PREFILL}/{UNCHECKED}": "the same with check_indices=False: no check",
     f"{PAGED_PREFILL}/fa4": "upstream FA4 flash_attn_varlen_func, the same arguments",
 }
-# The table's "call" column: what each row's call changes from fa4lab's default call.
+# The table's "call" column: what each row's call changes from fa4lab's default call (a
+# "scenario/provider" key before a provider's).
 CALLS = {OURS: "default", CHECKED: "check_indices=True", UNCHECKED: "check_indices=False",
          NOSPLIT: "num_splits=1", "fa4": "same args", FA4_NOSPLIT: "num_splits=1",
          SDPA_NESTED: "nested jagged", SDPA_PADDED: "padded + mask",
-         "sdpa-flash": "flash backend", "sdpa-cudnn": "cuDNN backend"}
+         "sdpa-flash": "flash backend", "sdpa-cudnn": "cuDNN backend",
+         f"{SPLITKV}/fa4": "num_splits=0"}
 
 
 def default_check_indices() -> str:

@@ -26,6 +26,7 @@ from fa4lab.bench.records import (
 from fa4lab.bench.serving import (
     BARS,
     CALLS,
+    CHECKED,
     SCENARIO_PROVIDERS,
     ServingCase,
     VarlenArgs,
@@ -87,19 +88,43 @@ def _shape_of(r: ServingResult) -> str:
             f"{'causal' if r.causal else 'full'}")
 
 
-def call_of(provider: str) -> str:
-    """The table's "call" column: what the row's call changes from fa4lab's default call."""
-    return CALLS.get(provider, "")
+def call_of(provider: str, scenario: str = "", calls: dict[str, str] | None = None) -> str:
+    """The table's "call" column: what the row's call changes from fa4lab's default call
+    (`calls` first, then CALLS; "scenario/provider" keys before a provider's)."""
+    for table in (calls or {}, CALLS):
+        for key in (f"{scenario}/{provider}", provider):
+            if key in table:
+                return table[key]
+    return ""
+
+
+def recorded_calls(record: dict) -> dict[str, str]:
+    """The call column of a record written before fa4lab's row was its default call (no
+    "headline" in its config): what its labels say that row passed."""
+    config = record.get("config", {})
+    if "headline" in config:
+        return {}
+    out = {}
+    for key, label in config.get("providers", {}).items():
+        if key.endswith(f"/{OURS}"):
+            out[key] = next((f"{arg} (recorded)" for arg in ("check_indices=False",
+                                                             "num_splits=None")
+                             if arg in label), "as recorded")
+        elif key.endswith(f"/{CHECKED}") and "check_indices=True" in label:
+            out[key] = "check_indices=True"
+    return out
 
 
 def format_serving_table(results: Sequence[ServingResult], *,
                          hbm_gbps: float | None = None,
-                         shapes: dict[str, str] | None = None) -> str:
+                         shapes: dict[str, str] | None = None,
+                         calls: dict[str, str] | None = None) -> str:
     """A markdown table: per case and provider (fa4lab's default call first: Note [the
     headline row]), the shape and dtype, the call, us per call, the multiple of the HBM floor,
     GB/s, TFLOP/s and the default call's speed over the provider (its time / fa4lab's; > 1:
     fa4lab is faster); then the bars, the floors and the providers not measured. `shapes`:
-    {case name: shape} (`ServingCase.shape_label`); else each row's shape from its fields."""
+    {case name: shape} (`ServingCase.shape_label`); else each row's shape from its fields.
+    `calls`: the call column where it is not CALLS' (`recorded_calls`)."""
     cases: dict[str, list[ServingResult]] = {}
     for r in results:
         cases.setdefault(r.case, []).append(r)
@@ -111,7 +136,7 @@ def format_serving_table(results: Sequence[ServingResult], *,
         order = {p: i for i, p in enumerate(SCENARIO_PROVIDERS.get(rows[0].scenario, ()))}
         for r in sorted(rows, key=lambda r: order.get(r.provider, len(order))):
             head = (f"| {case} | {(shapes or {}).get(case) or _shape_of(r)} | {r.dtype} | "
-                    f"{r.provider} | {call_of(r.provider)} |")
+                    f"{r.provider} | {call_of(r.provider, r.scenario, calls)} |")
             if r.status != OK:
                 lines.append(f"{head} {r.status} | - | - | - | - |")
                 if r.note:
@@ -168,7 +193,8 @@ def recorded_serving_summary(directory=None) -> str:
     return latest_summary(SERVING, "serving calls", lambda rec: [
         f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "",
         format_serving_table(serving_results_of(rec), hbm_gbps=rec["hbm_gbps"],
-                             shapes=recorded_shapes(rec))], directory)
+                             shapes=recorded_shapes(rec), calls=recorded_calls(rec))],
+        directory)
 
 
 def recorded_shapes(record: dict) -> dict[str, str]:
