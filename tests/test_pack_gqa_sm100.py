@@ -280,7 +280,8 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
     monkeypatch.setattr(launch, "forward", forward)
-    monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: checked.append(kw["arch"]))
+    monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "check_kernel_inputs", lambda q, k, v, arch: checked.append(arch))
     sink = torch.zeros(4)
     for pack in (True, False, None):
         fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0,
