@@ -84,6 +84,7 @@ from fa4lab.errors import Fa4labError, InputError, InputTypeError, UnsupportedAr
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
+from fa4lab.varlen_forms import varlen_form, with_seqused_q
 
 
 class SlowReferenceWarning(UserWarning):
@@ -291,7 +292,8 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                     max_seqlen_k=None, *, seqused_q=None,
                      seqused_k=None, page_table=None, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(None, None),
                      softcap: float = 0.0, learnable_sink=None, num_splits: int | None = None,
@@ -303,8 +305,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     a paged cache (num_pages, page_size, heads_kv, d) with an int32 page_table and cu_seqlens_k
     None; optional seqused_k) is `fa4lab.varlen`'s, and the argument names upstream FA4's
     `flash_attn_varlen_func`'s. Each sequence is one attention problem with `attention`'s
-    options and semantics on its own lengths. out (total_q, heads_q, head_dim_v) in q's dtype;
-    lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key. An empty batch
+    options and semantics on its own lengths. Upstream's other forms are taken too (Note
+    [upstream varlen forms] in fa4lab.varlen_forms): a dense q (batch, seqlen_q, heads_q, d)
+    with cu_seqlens_q None (out then (batch, seqlen_q, heads_q, dv), lse (batch, heads_q,
+    seqlen_q)), dense k, v with cu_seqlens_k None and no page_table, and `seqused_q` (int32
+    (batch,)): sequence i uses its first seqused_q[i] query rows, its causal diagonal aligned
+    on them; the rows past them come back 0 (lse -inf or the sink; upstream leaves them
+    unwritten): Note [seqused_q as phantom sequences]. out (total_q, heads_q, head_dim_v) in
+    q's dtype; lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key. An empty batch
     (no packed query, or no key at all) is answered without a launch (Note [empty calls] in
     fa4lab.canonical), head dims the kernel does not build run zero-padded and views TMA
     cannot read are copied first (`fa4lab.canonical.for_kernel`), as in `attention`.
@@ -348,8 +356,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     causal, return_lse = bool(causal), bool(return_lse)
     _check_switches(pack_gqa, deterministic)
     num_splits = check_num_splits(num_splits)
-    if _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
-                    learnable_sink):
+    intercepted = _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                               page_table, learnable_sink)
+    form = varlen_form(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       seqused_q, seqused_k, page_table)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = form[:7]
+    if seqused_q is not None:   # Note [seqused_q as phantom sequences] in fa4lab.varlen_forms
+        from fa4lab.varlen import check_varlen
+
+        if not intercepted:     # the caller's indices, named as the caller gave them
+            check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         seqused_k, page_table, check_indices=check_indices)
+            check_indices = False
+        cu_seqlens_q, cu_seqlens_k, seqused_k, page_table = with_seqused_q(
+            q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
+            None if page_table is None else int(k.shape[1]))
+    if intercepted:
         from fa4lab.varlen import check_mode
 
         scale = None if softmax_scale is None else float(softmax_scale)
@@ -364,6 +386,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                    max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
                                    window_size, softcap, learnable_sink, return_lse,
                                    check_indices, num_splits, pack_gqa)
+    out, lse = form.restore(out, lse if return_lse else None)
     return (out, lse) if return_lse else out
 
 

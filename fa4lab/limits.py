@@ -123,26 +123,19 @@ def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
 
 
 # ---- paged K/V caches ------------------------------------------------------------------------
-# The swizzle atom of a 16-bit K-major SMEM tile is 8 rows (128-byte rows); a gathered page
-# fills whole 16-row slices of the block's stage (one wgmma / UMMA K-step of rows), so its
-# TMA box lines up with the swizzle pattern and the MMA reads the stage as one tile
-# (Note [paged key blocks] in fa4lab.kernels.device.paged).
-MIN_GATHER_PAGE = 16
-
-
 def page_fits(page_size: int, n_block: int) -> bool:
     """Whether key blocks of `n_block` rows can read pages of `page_size` tokens: one TMA box
-    per block (a multiple of n_block) or a gather of pages per block (a divisor of n_block
-    that is a multiple of MIN_GATHER_PAGE). Note [paged key blocks] in
+    per block (a multiple of n_block) or a gather of n_block / page_size pages per block (a
+    divisor of n_block, down to pages of one token). Note [paged key blocks] in
     fa4lab.kernels.device.paged."""
-    return page_size % n_block == 0 or (n_block % page_size == 0
-                                        and page_size % MIN_GATHER_PAGE == 0)
+    return page_size % n_block == 0 or n_block % page_size == 0
 
 
 def key_block_for_pages(n_block: int, page_size: int | None, step: int = 16) -> int:
     """The key block a plan takes for pages of `page_size`: its tuned `n_block` when the pages
     fit it, else the widest multiple of `step` below it that they fit (pages of 64, 128 or 256
-    at head_dim 256, whose tuned blocks are 80 keys, take blocks of 64). A smaller block
+    at head_dim 256, whose tuned blocks are 80 keys, take blocks of 64; pages of 24, blocks of
+    96). A smaller block
     costs some speed, never an answer; `n_block` itself when no block fits (the kernel's
     check then names the page sizes that do)."""
     if page_size is None or page_fits(page_size, n_block):

@@ -49,14 +49,17 @@ OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            (128, True, 4, True, "bf16", (("window_size", (100, 0)),)),
            (64, False, 1, False, "fp16", (("window_size", (37, 12)), ("learnable_sink", True))),
            # A paged K/V cache (Note [paged key blocks]): one TMA box per key block (pages of
-           # 128, 256) and a gather of 2, 4 and 8 pages per block (64, 32, 16: the load warp's
-           # run-time loop over the pieces, no spills).
+           # 128, 256) and a gather of 2 to 128 pages per block (64 down to 1: the load warp's
+           # run-time loop over the pieces, 32 at a time, no spills; at head_dim 256 one piece
+           # per iteration, `paged.gather_unroll`).
            (128, True, 4, True, "bf16", (("page_size", 128),)),
            (64, False, 1, False, "fp16", (("page_size", 256),)),
            (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None)))),
            (128, True, 1, False, "fp16", (("page_size", 32),)),
            (128, True, 4, True, "bf16", (("page_size", 16),)),
            (64, False, 4, False, "bf16", (("page_size", 16),)),
+           (128, True, 4, True, "bf16", (("page_size", 1),)),
+           (256, True, 1, False, "bf16", (("page_size", 4),)),
            # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
            (128, False, 8, False, "bf16", (("split_kv", True),)),
            (64, True, 1, True, "fp16", (("window_size", (100, 0)), ("split_kv", True))),

@@ -25,8 +25,8 @@ N_BLOCKS = [80, 96, 112, 128, 176]
 
 
 def _page_sizes(n_block):
-    return ([p for p in range(paged.MIN_GATHER_PAGE, n_block, paged.MIN_GATHER_PAGE)
-             if n_block % p == 0] + [n_block * m for m in (1, 2, 4)])
+    return ([p for p in range(1, n_block) if n_block % p == 0]
+            + [n_block * m for m in (1, 2, 4)])
 
 
 @given(n_block=st.sampled_from(N_BLOCKS), data=st.data(), seqlen_k=st.integers(1, 5000))
@@ -63,13 +63,15 @@ def test_block_reads_on_dsl_style_ints():
 
 
 @pytest.mark.parametrize("page_size,n_block", [(16, 128), (64, 128), (128, 128), (256, 128),
-                                               (16, 80), (80, 80), (160, 80), (16, 112)])
+                                               (16, 80), (80, 80), (160, 80), (16, 112),
+                                               (1, 128), (4, 80), (8, 112), (2, 176),
+                                               (24, 96)])
 def test_page_sizes_that_fit(page_size, n_block):
     paged.check_page_size(page_size, n_block)
 
 
-@pytest.mark.parametrize("page_size,n_block", [(8, 128), (48, 128), (100, 128), (192, 128),
-                                               (128, 80), (32, 80), (64, 112)])
+@pytest.mark.parametrize("page_size,n_block", [(12, 128), (48, 128), (100, 128), (192, 128),
+                                               (128, 80), (32, 80), (64, 112), (3, 128)])
 def test_page_sizes_that_do_not_fit(page_size, n_block):
     with pytest.raises(PlanError, match=f"page_size={page_size} does not fit key blocks of "
                                         f"{n_block} rows"):
@@ -139,17 +141,18 @@ def test_launch_key_and_kernel_name_carry_the_page_size():
     spec = launch.spec_of_key(key)
     assert spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16")
-    with pytest.raises(PlanError, match="page_size=24"):
-        launch.check_paged_call(key[:-1] + (24,), None)
+    with pytest.raises(PlanError, match="page_size=9"):
+        launch.check_paged_call(key[:-1] + (9,), None)
 
 
 @pytest.mark.parametrize("arch,page_size,fits", [
-    ("sm90", 16, True), ("sm90", 48, True), ("sm90", 24, False), ("sm100", 64, True),
-    ("sm100", 32, True), ("sm100", 16, True), ("sm100", 48, True), ("sm100", 24, False),
-    ("sm100", 8, False)])
+    ("sm90", 16, True), ("sm90", 48, True), ("sm90", 24, True), ("sm90", 9, False),
+    ("sm90", 1, True), ("sm100", 64, True), ("sm100", 32, True), ("sm100", 16, True),
+    ("sm100", 48, True), ("sm100", 8, True), ("sm100", 4, True), ("sm100", 100, False)])
 def test_kernels_refuse_page_sizes_they_do_not_build(arch, page_size, fits):
     """Built from the plan, before any compile: a page size the kernel does not read is a
-    PlanError naming it; both kernels gather pages of 16, 32 and 64 (Note [paged key blocks])."""
+    PlanError naming it; both kernels gather any divisor of their key block, pages of 1 to 64
+    (Note [paged key blocks])."""
     from fa4lab.kernels.compile import kernel_class
     from fa4lab.plan import plan_forward
     from fa4lab.spec import AttentionSpec

@@ -227,18 +227,20 @@ def test_audit_against_plan(q_stage):
 
 
 # Paged K/V caches (Note [paged key blocks] in fa4lab.kernels.device.paged): a gather of pages
-# per key block (16, 32, 64) and one TMA box per block (128, 256); the decode shape (seqlen_q 1,
-# GQA 8 packed) on one of each.
+# per key block (1, 4, 16, 32, 64: pages of 1 in four groups of 32) and one TMA box per block
+# (128, 256); the decode shape (seqlen_q 1, GQA 8 packed) on some of each.
 PAGED = [(16, True, False), (32, False, False), (64, False, False), (128, True, True),
-         (256, False, False), (16, True, True)]
+         (256, False, False), (16, True, True), (1, True, False), (4, False, True)]
 
 
 def _pieces_per_iteration(plan, page_size):
     """The TMA copies of one key block's pieces in the PTX: a gather's run-time loop issues
-    GATHER_UNROLL per iteration (Note [paged key blocks])."""
-    from fa4lab.kernels.device.paged import GATHER_UNROLL, pages_per_block
+    GATHER_UNROLL per iteration, one loop per group of 32 pages (Note [paged key blocks])."""
+    from fa4lab.kernels.device.paged import GATHER_UNROLL, page_groups, pages_per_block
 
-    return min(pages_per_block(page_size, plan.tiles.n_block), GATHER_UNROLL)
+    n_block = plan.tiles.n_block
+    return page_groups(page_size, n_block) * min(pages_per_block(page_size, n_block),
+                                                 GATHER_UNROLL)
 
 
 @pytest.mark.compile

@@ -238,3 +238,184 @@ def test_page_sizes_the_tuned_blocks_do_not_fit(d, dv, page_size):
     check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
                  q, k, v, causal=True)
     assert out.shape == (b, 7, hq, dv)
+
+
+# ------------------------------------------------- upstream's varlen forms and small pages
+# Dense q / k with their cu_seqlens None and seqused_q (Note [upstream varlen forms] in
+# fa4lab.varlen_forms); page sizes below 16 (Note [paged key blocks]).
+
+def _brute_used(q, k, v, used_q, used_k, **kw):
+    """float64 (out, lse) of a dense batch whose sequence b uses used_q[b] query rows and
+    used_k[b] keys: each sequence is its own problem on those rows; the unused rows 0 / -inf
+    (or the sink)."""
+    b, sq, hq, _ = q.shape
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float64)
+    sink = kw.get("learnable_sink")
+    if sink is not None:
+        lse[:] = sink.double()[None, :, None]
+    for i in range(b):
+        uq, uk = used_q[i], used_k[i]
+        if uq == 0:
+            continue
+        o, s = _brute(q[i:i + 1, :uq], k[i:i + 1, :uk], v[i:i + 1, :uk], **kw)
+        out[i, :uq], lse[i, :, :uq] = o[0], s[0]
+    return out, lse
+
+
+def _varlen(*a, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        return fa4lab.attention_varlen(*a, return_lse=True, **kw)
+
+
+SEQUSED = [dict(causal=True), dict(window_size=(5, 0), causal=True), dict(),
+           dict(causal=True, sink=True)]
+
+
+def _seqused_case(device, dtype, opts, seed=0):
+    q, k, v = _qkv(3, 21, 40, 4, 2, 64, 64, device=device, dtype=dtype, seed=seed)
+    used_q, used_k = [21, 0, 9], [33, 40, 17]
+    t = (lambda x: torch.tensor(x, dtype=torch.int32, device=device))
+    sink = (torch.randn(4, generator=torch.Generator().manual_seed(1)).to(device)
+            if opts.get("sink") else None)
+    kw = dict(causal=opts.get("causal", False), window_size=opts.get("window_size",
+                                                                     (None, None)),
+              learnable_sink=sink)
+    return q, k, v, t(used_q), t(used_k), used_q, used_k, kw
+
+
+@pytest.mark.parametrize("opts", SEQUSED, ids=lambda o: "-".join(o) or "full")
+def test_seqused_q_on_dense_and_packed_q(opts):
+    """Upstream's dense q (cu_seqlens_q None, seqused_q) and the packed form of the same
+    batch; dense k with cu_seqlens_k None and seqused_k: out (b, s, h, dv), lse (b, h, s)."""
+    q, k, v, sq, sk, used_q, used_k, kw = _seqused_case("cpu", torch.float32, opts)
+    want, want_lse = _brute_used(q, k, v, used_q, used_k, **kw)
+    out, lse = _varlen(q, k, v, None, None, q.shape[1], k.shape[1], seqused_q=sq,
+                       seqused_k=sk, **kw)
+    assert out.shape == (*q.shape[:3], v.shape[-1]) and lse.shape == (3, 4, q.shape[1])
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=2e-5)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(want_lse))
+    finite = torch.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite].double().numpy(), want_lse[finite].numpy(),
+                               atol=2e-5)
+    # the same batch packed: cu_seqlens over whole rows, seqused_q picking the used ones
+    cu_q = torch.arange(4, dtype=torch.int32) * q.shape[1]
+    cu_k = torch.arange(4, dtype=torch.int32) * k.shape[1]
+    out_p, lse_p = _varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                           q.shape[1], k.shape[1], seqused_q=sq, seqused_k=sk, **kw)
+    assert torch.equal(out_p.view_as(out), out)
+    assert torch.equal(lse_p.view(4, 3, -1).transpose(0, 1), lse)
+
+
+def test_seqused_q_over_a_paged_cache_and_bad_counts():
+    """seqused_q with a page table (pages of 4); counts past a sequence's rows are clamped
+    (all rows), negative ones read as 0 rows; a wrong dtype or shape raises before launch."""
+    q, k, v, _, sk, _, used_k, kw = _seqused_case("cpu", torch.float32, dict(causal=True))
+    page, per_seq = 4, 10
+    kc = k.reshape(3 * per_seq, page, 2, 64)
+    vc = v.reshape(3 * per_seq, page, 2, 64)
+    table = torch.arange(3 * per_seq, dtype=torch.int32).view(3, per_seq)
+    sq = torch.tensor([99, -3, 9], dtype=torch.int32)
+    want, want_lse = _brute_used(q, k, v, [21, 0, 9], used_k, **kw)
+    out, lse = _varlen(q, kc, vc, None, None, 21, 40, seqused_q=sq, seqused_k=sk,
+                       page_table=table, **kw)
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=2e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    with pytest.raises(TypeError, match="seqused_q must be an int32"):
+        _varlen(q, k, v, None, None, 21, 40, seqused_q=sq.long())
+    with pytest.raises(ValueError, match=r"seqused_q must be \(batch,\)"):
+        _varlen(q, k, v, None, None, 21, 40, seqused_q=sq[:2])
+
+
+def test_pages_below_16_are_planned():
+    """Every divisor of a key block is a page size the kernels read (a gather of that many
+    pages per block) and the plan keeps its tuned block."""
+    from fa4lab.limits import key_block_for_pages, page_fits
+
+    for n_block in (80, 112, 128, 176):
+        for page in (1, 2, 4, 8, 16):
+            if n_block % page == 0:
+                assert page_fits(page, n_block) and key_block_for_pages(n_block, page) == n_block
+
+
+SMALL_PAGES = [(64, 64, 1), (128, 128, 1), (128, 128, 4), (96, 96, 8), (256, 256, 4),
+               (192, 128, 2), (128, 128, 8)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("d, dv, page_size", SMALL_PAGES)
+def test_small_pages_on_the_kernels(d, dv, page_size):
+    """Pages of 1, 2, 4, 8 through the kernels' gather: a dense paged call (prefill over the
+    pages, causal) and the varlen decode batch over the same cache, against float64."""
+    from kernel_checks import check_kernel
+
+    from fa4lab.reference import attention_varlen_reference
+    from fa4lab.varlen import gather_paged
+
+    g = torch.Generator(device="cuda").manual_seed(page_size + d)
+    b, hq, hkv, seqlen = 2, 8, 2, 300
+    pages_per_seq = -(-seqlen // page_size)
+    num_pages = b * pages_per_seq + 3
+    kc = torch.randn(num_pages, page_size, hkv, d, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
+    vc = torch.randn(num_pages, page_size, hkv, dv, device="cuda", generator=g,
+                     dtype=torch.bfloat16)
+    table = torch.randperm(num_pages, device="cuda", generator=g)[:b * pages_per_seq]
+    table = table.view(b, pages_per_seq).to(torch.int32)
+    full = pages_per_seq * page_size
+    k, v = (torch.stack(gather_paged(c, table, [full] * b)) for c in (kc, vc))
+    q = torch.randn(b, 45, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
+                 q, k, v, causal=True)
+    # decode: one query per sequence, ragged key counts
+    used = torch.tensor([seqlen, 77], dtype=torch.int32, device="cuda")
+    q1 = q[:, :1].reshape(b, hq, d)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    out, lse = fa4lab.attention_varlen(q1, kc, vc, cu_q, None, 1, full, seqused_k=used,
+                                       page_table=table, return_lse=True)
+    ref, ref_lse = attention_varlen_reference(q1, kc, vc, cu_q, None, seqused_k=used,
+                                              page_table=table, return_lse=True)
+    assert (out.double() - ref.to(out.device)).abs().max().item() < 2e-2
+    assert (lse.double() - ref_lse.to(lse.device)).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("opts", SEQUSED, ids=lambda o: "-".join(o) or "full")
+def test_seqused_q_on_the_kernels(opts):
+    """Upstream's dense-q seqused_q call on the kernels: the used rows held to FA4's rule
+    sequence by sequence against the float64 reference of the same sequences alone, the
+    unused rows 0 with LSE -inf (or the sink)."""
+    from kernel_checks import check_sequences
+
+    from fa4lab.reference import attention_varlen_reference
+
+    q, k, v, sq, sk, used_q, used_k, kw = _seqused_case("cuda", torch.bfloat16, opts, seed=4)
+    out, lse = fa4lab.attention_varlen(q, k, v, None, None, q.shape[1], k.shape[1],
+                                       seqused_q=sq, seqused_k=sk, return_lse=True, **kw)
+    rows = [(i, r) for i in range(q.shape[0]) for r in range(used_q[i])]
+    pick = torch.tensor([i * q.shape[1] + r for i, r in rows], device="cuda")
+    q_used = q.flatten(0, 1)[pick]
+    cu_q = [0]
+    for n in used_q:
+        cu_q.append(cu_q[-1] + n)
+    k_used = torch.cat([k[i, :n] for i, n in enumerate(used_k)])
+    v_used = torch.cat([v[i, :n] for i, n in enumerate(used_k)])
+    cu_k = [0]
+    for n in used_k:
+        cu_k.append(cu_k[-1] + n)
+    t = (lambda x: torch.tensor(x, dtype=torch.int32, device="cuda"))
+    ref, ref_lse = attention_varlen_reference(q_used, k_used, v_used, t(cu_q), t(cu_k),
+                                              return_lse=True, **kw)
+    opts = {n: x for n, x in kw.items() if x is not None}
+    check_sequences(out.flatten(0, 1)[pick], lse.transpose(0, 1).flatten(1)[:, pick],
+                    ref.to("cuda"), ref_lse.to("cuda"), q_used, cu_q, used_k,
+                    lambda b: (k[b, :used_k[b]], v[b, :used_k[b]]), opts, what=", seqused_q")
+    unused = torch.ones(q.shape[:2], dtype=torch.bool, device="cuda")
+    unused.view(-1)[pick] = False
+    assert (out[unused] == 0).all()
+    want = (-math.inf if kw["learnable_sink"] is None else kw["learnable_sink"])
+    assert torch.equal(lse.transpose(1, 2)[unused],
+                       torch.full_like(lse.transpose(1, 2)[unused], 0) + want)

@@ -919,22 +919,24 @@ class FlashForwardSm100:
                     if cutlass.const_expr(stage == 0):
                         self.sites("load", "wait kv_empty; expect_tx kv_full",
                                    pipe_kv.producer_acquire, kv_state)
-                        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page, kv_state, pipe_kv)
+                        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page, kv_state,
+                                     pipe_kv, pages)
                         kv_state.advance()
                 self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                            kv_state, **self.v_acquire)
-                self.copy_kv(tma_atom_V, tVgV, tVsV, n_first, page, kv_state, pipe_kv)
+                self.copy_kv(tma_atom_V, tVgV, tVsV, n_first, page, kv_state, pipe_kv,
+                             pages)
                 kv_state.advance()
                 for i in cutlass.range(n_blocks - 1, unroll=1):
                     n = scheduler.visit_block(i + 1, *order)
                     page = pages(n)
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state)
-                    self.copy_kv(tma_atom_K, tKgK, tKsK, n, page, kv_state, pipe_kv)
+                    self.copy_kv(tma_atom_K, tKgK, tKsK, n, page, kv_state, pipe_kv, pages)
                     kv_state.advance()
                     self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                                kv_state, **self.v_acquire)
-                    self.copy_kv(tma_atom_V, tVgV, tVsV, n, page, kv_state, pipe_kv)
+                    self.copy_kv(tma_atom_V, tVgV, tVsV, n, page, kv_state, pipe_kv, pages)
                     kv_state.advance()
                 q_phase ^= 1
         return kv_state, q_phase
@@ -955,7 +957,8 @@ class FlashForwardSm100:
             # (kv_state advances here, in the loop body: the tracer carries it as a local.)
             n_first = scheduler.visit_block(0, *order)
             page_k = pages(n_first)
-            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_first, page_k, False)
+            self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_first, page_k, pages,
+                         False)
             kv_state.advance()
             for i in cutlass.range(n_blocks - 1, unroll=1):
                 n_next = scheduler.visit_block(i + 1, *order)
@@ -963,23 +966,24 @@ class FlashForwardSm100:
                 page_k = pages(n_next)
                 if cutlass.const_expr(views is not None):
                     _, tKgK, _, tVgV = views()
-                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_next, page_k, False)
+                self.load_kv(tma_atom_K, tKgK, tKsK, pipe_kv, kv_state, n_next, page_k, pages,
+                             False)
                 kv_state.advance()
                 self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                             scheduler.visit_block(i, *order), page_v, True)
+                             scheduler.visit_block(i, *order), page_v, pages, True)
                 kv_state.advance()
             if cutlass.const_expr(views is not None):
                 _, tKgK, _, tVgV = views()
             self.load_kv(tma_atom_V, tVgV, tVsV, pipe_kv, kv_state,
-                         scheduler.visit_block(n_blocks - 1, *order), page_k, True)
+                         scheduler.visit_block(n_blocks - 1, *order), page_k, pages, True)
 
     @cute.jit
-    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, page: Int32,
+    def load_kv(self, atom, gmem, smem, pipe_kv, kv_state, n, page: Int32, pages,
                 is_v: cutlass.Constexpr[bool]):
         """TMA of K or V block n into kv_state's ring buffer."""
         self.sites("load", "wait kv_empty; expect_tx kv_full", pipe_kv.producer_acquire,
                    kv_state, **(self.v_acquire if is_v else {}))
-        self.copy_kv(atom, gmem, smem, n, page, kv_state, pipe_kv)
+        self.copy_kv(atom, gmem, smem, n, page, kv_state, pipe_kv, pages)
 
     def kv_partitions(self, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK, tma_atom_V, mV, sV,
                       head_kv, b, offset_k):
@@ -1019,25 +1023,32 @@ class FlashForwardSm100:
             cute.group_modes(gX, 0, 2))
 
     @cute.jit
-    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32):
-        """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
+    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32,
+                    group: cutlass.Constexpr[int] = 0):
+        """This lane's page of key block n_block's pieces of `group` (`paged.read_pages`); 0,
+        unused, unpaged."""
         if cutlass.const_expr(mPageTable is None):
             return Int32(0)
         return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
-                                self.n_block)
+                                self.n_block, group)
 
     @cute.jit
-    def copy_kv(self, atom, gmem, smem, n, page: Int32, kv_state, pipe_kv):
+    def copy_kv(self, atom, gmem, smem, n, page: Int32, kv_state, pipe_kv, pages):
         """The TMA of K or V block n into kv_state's buffer, on its kv_full barrier: one box at
-        block n, or paged at (row block, page) (Note [paged key blocks])."""
+        block n, or paged at (row block, page) (Note [paged key blocks]); `page` this lane's
+        page of block n, `pages` for a block of more than 32 (`paged.page_groups`)."""
         barrier = pipe_kv.producer_get_barrier(kv_state)
         if cutlass.const_expr(self.page_size is None):
             cute.copy(atom, gmem[None, n], smem[None, kv_state.index], tma_bar_ptr=barrier)
         elif cutlass.const_expr(self.gather):
             paged.copy_block(atom, gmem, smem, n, page, kv_state.index, barrier, self.page_size,
-                             self.n_block)
+                             self.n_block, partial(pages, n),
+                             paged.gather_unroll(max(self.head_dim, self.head_dim_v), True))
         else:
             _, row_block, _ = paged.block_reads(n, self.page_size, self.n_block)[0]
+            # Clamped to the cache's last page, as `paged.copy_block` does (Note [clamped
+            # indices]).
+            page = cutlass.min(page, cute.size(gmem, mode=[2]) - 1)
             cute.copy(atom, gmem[None, row_block, page], smem[None, kv_state.index],
                       tma_bar_ptr=barrier)
 

@@ -613,7 +613,7 @@ class FlashForwardSm90:
         n_first = scheduler.visit_block(0, *order)
         page_k = pages(n_first)
         self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
-        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page_k, state, pipeline_k)
+        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page_k, state, pipeline_k, pages)
         if const_expr(self.split_kv and mPageTable is not None):
             # The page table's row is read again for the block loop rather than kept live from
             # the tile's coordinates: in the producer's registers a split kernel's LPT
@@ -630,14 +630,14 @@ class FlashForwardSm90:
             page_k = pages(n_next)
             self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire,
                        state)
-            self.copy_kv(tma_atom_K, tKgK, tKsK, n_next, page_k, state, pipeline_k)
+            self.copy_kv(tma_atom_K, tKgK, tKsK, n_next, page_k, state, pipeline_k, pages)
             self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire,
                        prev)
             self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(i, *order), page_v,
-                         prev, pipeline_v)
+                         prev, pipeline_v, pages)
         self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
         self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(n_blocks - 1, *order),
-                     page_k, state, pipeline_v)
+                     page_k, state, pipeline_v, pages)
         state.advance()
         return state
 
@@ -657,22 +657,26 @@ class FlashForwardSm90:
                                      cute.group_modes(gX, 0, 2))
 
     @cute.jit
-    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32):
-        """This lane's page of key block n_block (`paged.read_pages`); 0, unused, unpaged."""
+    def block_pages(self, mPageTable, batch, seqlen_k, n_block: Int32,
+                    group: cutlass.Constexpr[int] = 0):
+        """This lane's page of key block n_block's pieces of `group` (`paged.read_pages`); 0,
+        unused, unpaged."""
         if const_expr(mPageTable is None):
             return Int32(0)
         return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
-                                self.n_block)
+                                self.n_block, group)
 
     @cute.jit
-    def copy_kv(self, atom, tXgX, tXsX, n_block: Int32, page: Int32, state, pipe):
-        """TMA of key block n_block into the ring's slot `state`, on its full barrier."""
+    def copy_kv(self, atom, tXgX, tXsX, n_block: Int32, page: Int32, state, pipe, pages):
+        """TMA of key block n_block into the ring's slot `state`, on its full barrier; `page`
+        this lane's page of the block (`pages(n_block)`), `pages` for a block of more than 32
+        pages (`paged.page_groups`)."""
         barrier = pipe.producer_get_barrier(state)
         if const_expr(self.page_size is None):
             cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=barrier)
         else:
             paged.copy_block(atom, tXgX, tXsX, n_block, page, state.index, barrier,
-                             self.page_size, self.n_block)
+                             self.page_size, self.n_block, partial(pages, n_block))
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,

@@ -8,7 +8,7 @@ atoms and their (rows, d, head, batch) coordinates stay; only the coordinates of
 change (Note [paged key blocks]).
 
 * `check_page_size`: the page sizes a kernel with key blocks of n_block rows takes (a
-  multiple of n_block, or a divisor of it that is a multiple of 16), a `PlanError` otherwise;
+  multiple of n_block, or a divisor of it), a `PlanError` otherwise;
 * `block_read` / `block_reads`: piece j of key block n, or all its pieces, (slot, row block,
   rows) each: THE mapping, on Python ints or DSL Int32 (tests check it against
   `fa4lab.varlen.key_block_pages`);
@@ -27,10 +27,24 @@ from cutlass.cute.nvgpu import cpasync
 
 from fa4lab.errors import PlanError
 from fa4lab.kernels.device.opaque import opaque_zero
-from fa4lab.limits import MIN_GATHER_PAGE, page_fits
+from fa4lab.limits import page_fits
 
 # Pieces of a gather issued per iteration of its run-time loop (Note [paged key blocks]).
 GATHER_UNROLL = 2
+# sm100's load warp runs at 48 registers (fa4lab.plan.sm100): a gather of pieces wider than 128
+# columns (head_dim 256, four 64-column TMA boxes a piece) spilled there at GATHER_UNROLL
+# pieces per iteration (44 STL/LDL, pages of 4 to 16, measured) and does not at one.
+WIDE_GATHER_UNROLL = 1
+
+
+def gather_unroll(widest_cols: int, tight: bool) -> int:
+    """Pieces per iteration of a gather's loop for a kernel whose widest K/V row is
+    `widest_cols`, `tight` for a load warp at sm100's register budget."""
+    return WIDE_GATHER_UNROLL if tight and widest_cols > 128 else GATHER_UNROLL
+
+
+# Lanes of the load warp, each holding the page of one piece of a key block per group.
+WARP_LANES = 32
 
 # Note [paged key blocks]
 # Key block n of a sequence holds keys [n * n_block, (n + 1) * n_block). With the cache viewed
@@ -40,12 +54,17 @@ GATHER_UNROLL = 2
 #   page_size / n_block whole blocks, so the block is ONE TMA box of the usual (n_block, d)
 #   shape at (row block n % (page_size / n_block), 0, head, page_table[b, n // (page_size /
 #   n_block)]): the dense kernel's load with other coordinates.
-# * page_size < n_block dividing it (16, 32, 64): a gather. The block is n_block / page_size
-#   pages, slots n * (n_block / page_size) + j; a second TMA atom with a (page_size, d) box
-#   copies page j into rows [j * page_size, (j + 1) * page_size) of the block's SMEM stage.
-#   page_size is a multiple of 16 (MIN_GATHER_PAGE), so each slice starts on a swizzle atom
-#   and the stage is laid out exactly as one (n_block, d) box would have left it. All copies of
-#   a block arrive on the block's one full barrier, whose transaction bytes stay the block's.
+# * page_size < n_block dividing it (1, 2, 4, ..., 64): a gather. The block is n_block /
+#   page_size pages, slots n * (n_block / page_size) + j; a second TMA atom with a (page_size,
+#   d) box copies page j into rows [j * page_size, (j + 1) * page_size) of the block's SMEM
+#   stage. The TMA unit applies the 128-byte swizzle by SMEM address (the pattern repeats every
+#   8 rows of 128 bytes, 1024 bytes; a box needs only 128-byte alignment), and each slice
+#   starts on a row of the stage, so the stage is laid out exactly as one (n_block, d) box
+#   would have left it, whether the slice starts on a swizzle atom (pages of 8 or more) or
+#   inside one (pages of 1, 2, 4). All copies of a block arrive on the block's one full
+#   barrier, whose transaction bytes stay the block's. A block of more than 32 pages (pages
+#   of 1 or 2 with 128-key blocks) is gathered 32 pages at a time (`page_groups`): lane j of
+#   the load warp reads the page of piece 32 g + j of group g.
 #   On sm100 the stages are the MMA operands' layouts, read here in their plain (keys, d) form
 #   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous).
 #   The copies are a run-time loop over the pieces (`copy_block`), GATHER_UNROLL of them per
@@ -95,8 +114,7 @@ GATHER_UNROLL = 2
 # cache view's page extent (one min per piece, an operand from the kernel's parameters). A bad
 # page then reads another page of the cache: a wrong answer, never a fault (the TMA unit would
 # zero-fill a box outside the view in any case). The sm100 kernel's one-box branch (page_size a
-# multiple of n_block) takes its coordinate from `read_pages` without `copy_block`, so there a
-# page past the cache is the TMA unit's out-of-bounds box (zero-filled, no memory access).
+# multiple of n_block) takes its coordinate from `read_pages` and clamps it the same way.
 
 
 def check_page_size(page_size: int, n_block: int) -> None:
@@ -106,16 +124,22 @@ def check_page_size(page_size: int, n_block: int) -> None:
         raise PlanError(f"page_size must be a positive int, got {page_size!r}")
     if page_fits(page_size, n_block):
         return
-    divisors = [p for p in range(MIN_GATHER_PAGE, n_block, MIN_GATHER_PAGE) if n_block % p == 0]
+    divisors = [p for p in range(1, n_block) if n_block % p == 0]
     raise PlanError(f"page_size={page_size} does not fit key blocks of {n_block} rows: the "
                     f"kernel reads a multiple of {n_block} (one TMA box per block) or a "
-                    f"divisor of it that is a multiple of {MIN_GATHER_PAGE} ({divisors}: a "
-                    f"gather of pages per block); re-page the cache with one of those sizes")
+                    f"divisor of it ({divisors}: a gather of pages per block); re-page the "
+                    f"cache with one of those sizes")
 
 
 def pages_per_block(page_size: int, n_block: int) -> int:
     """Pieces (pages) of one key block: n_block / page_size for a gather, else 1."""
     return n_block // page_size if page_size < n_block else 1
+
+
+def page_groups(page_size: int, n_block: int) -> int:
+    """Groups of WARP_LANES pieces in one key block: each lane of the load warp holds one
+    page per group (`read_pages`)."""
+    return -(-pages_per_block(page_size, n_block) // WARP_LANES)
 
 
 def blocks_per_page(page_size: int, n_block: int) -> int:
@@ -218,10 +242,11 @@ def page_coords(mX: cute.Tensor, head_kv, rows: int, cols: int, page_size: int,
 
 @cute.jit
 def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.Constexpr[int],
-               n_block: cutlass.Constexpr[int]) -> Int32:
+               n_block: cutlass.Constexpr[int], group: cutlass.Constexpr[int] = 0) -> Int32:
     """This lane's page of key block n of sequence `batch` (its row of the page table), which
-    has seqlen_k keys: lane j reads the page of piece j (lanes past the block's pieces read the
-    last piece's), its slot clamped to the sequence's last page and the row's last slot (Note
+    has seqlen_k keys: lane j reads the page of piece 32 * group + j (lanes past the block's
+    pieces read the last piece's; a block of more than 32 pieces is read 32 at a time,
+    `page_groups`), its slot clamped to the sequence's last page and the row's last slot (Note
     [paged key blocks], Note [clamped indices]). A sequence with no key still loads block 0,
     fully masked: slot 0, read as page 0 if it holds a pad (-1). The row is clamped to the
     table's last: a varlen launch's padding tiles belong to a phantom sequence one past the
@@ -231,7 +256,7 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
     per_block = pages_per_block(page_size, n_block)
     piece = 0
     if const_expr(per_block > 1):
-        piece = cutlass.min(cute.arch.lane_idx(), per_block - 1)
+        piece = cutlass.min(cute.arch.lane_idx() + group * WARP_LANES, per_block - 1)
     slot, _, _ = block_read(n, piece, page_size, n_block)
     last = cutlass.max(cutlass.min((seqlen_k + (page_size - 1)) // page_size,
                                    cute.size(mPageTable, mode=[1])) - 1, 0)
@@ -242,16 +267,22 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
 
 @cute.jit
 def copy_block(atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n, page: Int32,
-               stage, barrier, page_size: cutlass.Constexpr[int], n_block: cutlass.Constexpr[int]):
+               stage, barrier, page_size: cutlass.Constexpr[int], n_block: cutlass.Constexpr[int],
+               group_pages=None, unroll: cutlass.Constexpr[int] = GATHER_UNROLL):
     """TMA copies of key block n into SMEM stage `stage`, all on `barrier`: tXgX ((TMA),
     row block, page) and tXsX ((TMA), piece, stage) from `page_coords` / `stage_pieces`;
-    `page` this lane's page (`read_pages`). A gather's pieces are a run-time loop, piece j
-    taking lane j's page by a shuffle (Note [paged key blocks]: what it costs); each page is
-    clamped to the cache's last (Note [clamped indices])."""
+    `page` this lane's page of the block's first 32 pieces (`read_pages`), `group_pages(g)` its
+    page of pieces [32 g, 32 g + 32) for a block of more (`page_groups`). A gather's pieces
+    are a run-time loop per group, piece 32 g + j taking lane j's page by a shuffle (Note
+    [paged key blocks]: what it costs), `unroll` pieces per iteration (`gather_unroll`); each
+    page is clamped to the cache's last (Note [clamped indices])."""
     per_block = pages_per_block(page_size, n_block)
     last_page = cute.size(tXgX, mode=[2]) - 1
-    for j in cutlass.range(per_block, unroll=GATHER_UNROLL):
-        _, row_block, _ = block_read(n, j, page_size, n_block)
-        page_j = page if const_expr(per_block == 1) else cute.arch.shuffle_sync(page, j)
-        cute.copy(atom, tXgX[None, row_block, cutlass.min(page_j, last_page)],
-                  tXsX[None, j, stage], tma_bar_ptr=barrier)
+    for g in cutlass.range_constexpr(page_groups(page_size, n_block)):
+        page_g = page if const_expr(g == 0) else group_pages(g)
+        for j in cutlass.range(min(per_block - g * WARP_LANES, WARP_LANES), unroll=unroll):
+            piece = j + g * WARP_LANES
+            _, row_block, _ = block_read(n, piece, page_size, n_block)
+            page_j = page_g if const_expr(per_block == 1) else cute.arch.shuffle_sync(page_g, j)
+            cute.copy(atom, tXgX[None, row_block, cutlass.min(page_j, last_page)],
+                      tXsX[None, piece, stage], tma_bar_ptr=barrier)
