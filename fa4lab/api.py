@@ -312,9 +312,9 @@ def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     (batch,)): sequence i uses its first seqused_q[i] query rows, its causal diagonal aligned
     on them; the rows past them come back 0 (lse -inf or the sink; upstream leaves them
     unwritten): Note [seqused_q as phantom sequences]. out (total_q, heads_q, head_dim_v) in
-    q's dtype; lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key. An empty batch
-    (no packed query, or no key at all) is answered without a launch (Note [empty calls] in
-    fa4lab.canonical), head dims the kernel does not build run zero-padded and views TMA
+    q's dtype; lse (heads_q, total_q) float32, -inf (or the sink) for rows that see no key. An
+    empty batch (no packed query, or no key at all) is answered without a launch (Note [empty
+    calls] in fa4lab.canonical), head dims the kernel does not build run zero-padded and views TMA
     cannot read are copied first (`fa4lab.canonical.for_kernel`), as in `attention`.
     num_splits and pack_gqa choose how a paged decode batch (one paged launch, below) is
     computed, as in `attention`; the varlen launch neither splits nor packs, whatever they say

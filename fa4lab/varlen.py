@@ -526,8 +526,9 @@ def sequence_kv(lengths: VarlenLengths, k, v, page_table=None) -> list[tuple]:
 # tile (list scheduling: 1.0002x the average load at 132 SMs on that batch, as one LPT order)
 # and little with static persistent CTAs (1.012x against 1.006x at 148). A sequence whose
 # K/V alone overflow the L2 budget is still one section (heads are innermost in a row, so the
-# table cannot cut a sequence by heads). The kernels launch from that table (Note [varlen tile
-# table] in fa4lab.kernels.device.scheduler); `varlen_tiles` lists the same tiles.
+# table cannot cut a sequence by heads). The kernels launch from a table of the same tiles
+# built with fewer GPU ops (Note [launch tile table]; Note [varlen tile table] in
+# fa4lab.kernels.device.scheduler); `varlen_tiles` lists the same tiles.
 
 
 @dataclass(frozen=True)
@@ -573,20 +574,21 @@ def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead:
 
 # Note [tile rows on the device]
 # A launch cannot count its real tiles without reading the lengths (Note [reading the lengths]), so
-# `tile_rows` fills a table of `max_tile_rows` rows on the lengths' device: row r belongs to the
-# sequence whose cumulative tile count first exceeds r (a searchsorted), and rows past the real ones
-# are PADDING rows (batch, 0): tile 0 of a phantom sequence `batch`, one past the last, which the
-# launch gives no query and no key (`launch_lengths` appends a zero-length entry to cu_seqlens and
-# seqused_k). The padding rows cost -1, so the phantom sequence's longest tile is the shortest of
-# all and the sort puts them last; a padding tile finds no row to store and no key block to visit,
-# and ends. At most `batch` rows are padding: fewer than one tile per sequence. The lengths may be
-# bad (the default check reports them after the launch: Note [reading the lengths]), so each
-# sequence's tile count is clamped into [0, rows]: the cumulative counts stay sorted (what
-# searchsorted needs) and every m_block is below `rows` (m_block * m_block_size cannot overflow
-# int32). The kernels do not clamp a sequence's own offsets and lengths (a first clamp of them
-# gave wrong answers on the H200 and was withdrawn): bad cu_seqlens under the default check can
-# still make a varlen launch read or store outside its tensors before the error is raised; pass
-# check_indices=True where they are untrusted. On good lengths the clamp changes nothing.
+# `tile_rows` (and the launch's cheaper `launch_tile_rows`) fills a table of `max_tile_rows` rows on
+# the lengths' device: row r belongs to the sequence whose cumulative tile count first exceeds r (a
+# searchsorted), and rows past the real ones are PADDING rows (batch, 0): tile 0 of a phantom
+# sequence `batch`, one past the last, which the launch gives no query and no key (`launch_lengths`
+# appends a zero-length entry to cu_seqlens and seqused_k). The padding rows cost -1, so the phantom
+# sequence's longest tile is the shortest of all and the sort puts them last; a padding tile finds
+# no row to store and no key block to visit, and ends. At most `batch` rows are padding: fewer than
+# one tile per sequence. The lengths may be bad (the default check reports them after the launch:
+# Note [reading the lengths]), so each sequence's tile count is clamped into [0, rows]: the
+# cumulative counts stay sorted (what searchsorted needs) and every m_block is below `rows` (m_block
+# * m_block_size cannot overflow int32). The kernels do not clamp a sequence's own offsets and
+# lengths (a first clamp of them gave wrong answers on the H200 and was withdrawn): bad cu_seqlens
+# under the default check can still make a varlen launch read or store outside its tensors before
+# the error is raised; pass check_indices=True where they are untrusted. On good lengths the clamp
+# changes nothing.
 
 
 def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,
@@ -629,6 +631,45 @@ def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_si
     order = torch.argsort(rank[b] * (costs.abs().sum() + 2.0) - costs, stable=True)
     table = torch.stack([b, m], dim=1)[order].to(torch.int32)
     return table, costs[order], (unmasked + masked)[order]
+
+
+# Note [launch tile table]
+# `tile_rows` orders a launch's tiles with the cost model: exact, and about a hundred small
+# torch ops on the GPU, 2.7 ms of host time per varlen call on the H200 (torch profiler, 8
+# sequences) where FA4's whole call takes 0.2 ms. `launch_tile_rows` builds the launch's table
+# in about twenty: the same real (batch, m_block) rows, the same padding rows last, by
+# sequence (the L2 sections of Note [varlen tiles]), sequences ordered by the keys their
+# busiest tile sees (a sequence's key count, capped by the window's span) rather than by the
+# model's cost of that tile, each sequence's tiles last m_block first when causal (where a
+# tile's cost grows with m_block) and in m_block order otherwise. For causal batches without
+# a window this is the order `tile_rows` gives whenever the key counts rank the sequences as
+# their longest tiles' costs do; tests/test_varlen_kernels.py compares the two.
+
+
+def launch_tile_rows(lens_q, lens_k, rows: int, *, m_block_size: int, causal: bool = False,
+                     window_size=(None, None)):
+    """(rows, 2) int32 (batch, m_block) table of a varlen launch from int64 tensors of each
+    sequence's query and key counts on the GPU, without a device-to-host copy (Note [launch
+    tile table]; padding rows (batch, 0) last, Note [tile rows on the device])."""
+    import torch
+
+    batch = int(lens_q.shape[0])
+    per_seq = torch.clamp((lens_q + (m_block_size - 1)) // m_block_size, 0, rows)
+    left, right = window_size
+    if causal:
+        right = 0
+    seen = lens_k
+    if left is not None and right is not None:
+        seen = torch.clamp(lens_k, max=max(left + right + m_block_size, 0))
+    order = torch.argsort(seen, descending=True, stable=True)
+    ends = per_seq[order].cumsum(0)
+    r = torch.arange(rows, dtype=torch.int64, device=lens_q.device)
+    j = torch.clamp(torch.searchsorted(ends, r, right=True), max=max(batch - 1, 0))
+    real = r < ends[-1:] if batch else torch.zeros_like(r, dtype=torch.bool)
+    into = r - (ends - per_seq[order])[j]           # the row's place among its sequence's tiles
+    m = (per_seq[order][j] - 1 - into) if causal else into
+    table = torch.stack((torch.where(real, order[j], batch), torch.where(real, m, 0)), dim=1)
+    return table.to(torch.int32)
 
 
 def launch_lengths(lengths: VarlenLengths) -> tuple:

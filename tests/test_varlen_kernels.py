@@ -192,3 +192,42 @@ def test_device_tile_rows_are_the_table_then_padding(lengths, cta_m, n_block, ca
     assert np.array_equal(blocks[:real].numpy(), host.key_blocks)
     assert (table[real:, 0] == len(lens_q)).all() and (table[real:, 1] == 0).all()
     assert (costs[real:] == -1).all() and (blocks[real:] == 0).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_LENGTHS, st.sampled_from([64, 128, 192]), st.booleans(),
+       st.sampled_from([(None, None), (50, None), (30, 7)]), st.integers(0, 3))
+def test_launch_tile_rows_hold_every_real_tile_by_sequence(lengths, cta_m, causal, window,
+                                                           extra_rows):
+    """The launch's cheap table (Note [launch tile table]): exactly the host table's real
+    rows, each sequence's rows together (its L2 section), padding rows (batch, 0) last; causal
+    without a window, the cost model's order itself where key counts rank the sequences as
+    their longest tiles' costs do."""
+    import torch
+
+    from fa4lab.varlen import launch_tile_rows, max_tile_rows
+
+    if causal and window[1] is not None:
+        window = (window[0], 0)
+    lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
+    host = varlen_tile_table(lens_q, lens_k, m_block_size=cta_m, n_block_size=128,
+                             causal=causal, window_size=window)
+    rows = max_tile_rows(sum(lens_q), len(lens_q), cta_m) + extra_rows
+    table = launch_tile_rows(torch.tensor(lens_q), torch.tensor(lens_k), rows,
+                             m_block_size=cta_m, causal=causal, window_size=window).numpy()
+    real = len(host.table)
+    assert table.shape == (rows, 2) and table.dtype == np.int32
+    assert sorted(map(tuple, table[:real])) == sorted(map(tuple, host.table))
+    assert (table[real:, 0] == len(lens_q)).all() and (table[real:, 1] == 0).all()
+    seqs = [b for i, b in enumerate(table[:real, 0]) if i == 0 or table[i - 1, 0] != b]
+    assert len(seqs) == len(set(seqs)), "a sequence's rows are not together"
+    cost = {tuple(row): c for row, c in zip(host.table, host.costs)}
+    step = -1 if causal else 1      # each sequence's m_blocks: last first when causal
+    assert all(table[i + 1, 1] - table[i, 1] == step for i in range(real - 1)
+               if table[i, 0] == table[i + 1, 0])
+    if causal and window == (None, None):
+        tops = [max(c for row, c in cost.items() if row[0] == s) for s in seqs]
+        host_seqs = [b for i, b in enumerate(host.table[:, 0])
+                     if i == 0 or host.table[i - 1, 0] != b]
+        if len(set(tops)) == len(tops) and tops == sorted(tops, reverse=True):
+            assert seqs == host_seqs

@@ -332,20 +332,21 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
     fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
-    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.tile_rows`), sized
+    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.launch_tile_rows`,
+    Note [launch tile table]), sized
     by `max_tile_rows`, and the key counts go to the kernel as seqused_k. With `page_table`,
     k and v are a paged cache read in place (Note [paged key blocks] in
     fa4lab.kernels.device.paged: no cu_seqlens_k, each sequence's keys its lengths.keys)."""
     import torch
 
-    from fa4lab.varlen import launch_lengths, max_tile_rows, tile_rows
+    from fa4lab.varlen import launch_lengths, launch_tile_rows, max_tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
                  None, varlen=True, page_table=page_table)
     if page_table is not None:
         check_paged_call(key, None)
     fn = kernel_for(key)
-    cta_m, n_block, _ = cta_tiles(key)
+    cta_m, _, _ = cta_tiles(key)
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
@@ -354,10 +355,9 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
         return out, lse
     cu_q, cu_k, keys = launch_lengths(lengths)
     lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
-    table, _, _ = tile_rows(lens_q, lengths.keys.long(),
-                            max_tile_rows(total_q, lengths.batch, cta_m),
-                            m_block_size=cta_m, n_block_size=n_block, causal=causal,
-                            window_size=window_size)
+    table = launch_tile_rows(lens_q, lengths.keys.long(),
+                             max_tile_rows(total_q, lengths.batch, cta_m), m_block_size=cta_m,
+                             causal=causal, window_size=window_size)
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
