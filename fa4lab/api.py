@@ -414,12 +414,12 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         dv = v.shape[-1]
         q, k, v, softmax_scale = for_kernel(arch, q, k, v, softmax_scale)
         check_kernel_inputs(q, k, v, arch)
-        out, lse = _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch, causal,
-                                     softmax_scale, window_size, softcap, learnable_sink,
-                                     return_lse, num_splits, pack_gqa)
-        return narrow_out(out, dv), lse
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                    softcap=softcap, learnable_sink=learnable_sink)
+    if arch is not None:
+        out, lse = _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch, options,
+                                     return_lse, num_splits, pack_gqa)
+        return narrow_out(out, dv), lse
     if not q.is_cuda:
         _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
         out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -429,23 +429,23 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
 
 
-def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, causal: bool,
-                      softmax_scale, window_size, softcap: float, learnable_sink,
+def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, options: dict,
                       return_lse: bool, num_splits, pack_gqa):
     """`_forward_varlen` on the kernel of `arch`, q, k, v in its form: a paged decode batch
     as one paged launch (split and packed as `attention` chooses, or as num_splits / pack_gqa
     say), other batches as one varlen launch (which neither splits nor packs: those two only
     choose how the same answer is computed), or one `attention` call per sequence where no
-    varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`)."""
-    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, learnable_sink=learnable_sink)
+    varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`); `options` are `attention`'s
+    (causal, softmax_scale, window_size, softcap, learnable_sink)."""
     if page_table is not None and lengths.same_query_count(q.shape[0]):
         return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
                                   options, num_splits, pack_gqa)
     if page_table is None or arch in launch.PAGED_VARLEN_ARCHS:
         # one launch over the batch's real tiles, over packed K/V or the pages in place
-        return launch.forward_varlen(q, k, v, lengths, arch, causal, softmax_scale, return_lse,
-                                     float(softcap), window_size, learnable_sink, page_table)
+        return launch.forward_varlen(q, k, v, lengths, arch, options["causal"],
+                                     options["softmax_scale"], return_lse,
+                                     float(options["softcap"]), options["window_size"],
+                                     options["learnable_sink"], page_table)
     return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
 
 

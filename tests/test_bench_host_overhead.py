@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from bench_checks import recording_varlen
 
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, host_overhead
@@ -112,23 +113,6 @@ def test_the_cases_cover_varlen_and_paged_at_batch_1_32_256():
         host_overhead.HostCase("prefill")
 
 
-def _recording_varlen(monkeypatch):
-    from fa4lab import api
-    from fa4lab.reference import attention_varlen_reference
-
-    seen = []
-
-    def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-             seqused_k=None, page_table=None, causal=False, softmax_scale=None, **kw):
-        seen.append(kw)
-        return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                          seqused_k=seqused_k, page_table=page_table,
-                                          causal=causal, softmax_scale=softmax_scale).to(q.dtype)
-
-    monkeypatch.setattr(api, "attention_varlen", fake)
-    return seen
-
-
 @pytest.mark.parametrize("entry", ["varlen", "paged"])
 def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
     """The real calls on CPU tensors: fa4lab's would be the float64 fallback (never timed:
@@ -144,7 +128,7 @@ def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
     assert status["fa4lab"].status == MISSING and "SlowReferenceWarning" in status["fa4lab"].note
     assert status["fa4"].status == MISSING and status["fa4"].case == case.name
 
-    seen = _recording_varlen(monkeypatch)
+    seen = recording_varlen(monkeypatch)
 
     def wrong(q, k, v, args, serving_case):
         return lambda: q * 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+from bench_checks import recording_varlen
 
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, Provider, serving_cli
 from fa4lab.bench import decode as bench_decode
@@ -238,25 +239,6 @@ def test_split_kv_headline_is_the_default_call(monkeypatch):
         assert res[name].status == MISSING
 
 
-def _recording_varlen(monkeypatch):
-    """fa4lab.attention_varlen replaced by the float64 reference (cast back), recording each
-    call's keyword arguments beyond those every runner passes."""
-    from fa4lab import api
-    from fa4lab.reference import attention_varlen_reference
-
-    seen = []
-
-    def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-             seqused_k=None, page_table=None, causal=False, softmax_scale=None, **kw):
-        seen.append(kw)
-        return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                          seqused_k=seqused_k, page_table=page_table,
-                                          causal=causal, softmax_scale=softmax_scale).to(q.dtype)
-
-    monkeypatch.setattr(api, "attention_varlen", fake)
-    return seen
-
-
 @pytest.mark.parametrize("case", [VARLEN_SMALL, PAGED_SMALL, CHUNK_SMALL],
                          ids=lambda c: c.scenario)
 def test_the_headline_row_is_the_default_call(monkeypatch, case):
@@ -264,7 +246,7 @@ def test_the_headline_row_is_the_default_call(monkeypatch, case):
     attention_varlen with NO check_indices argument (whatever its default is); the secondary
     rows pass check_indices=True and False; the table puts the default first, labelled so."""
     _no_upstream_fa4(monkeypatch)
-    seen = _recording_varlen(monkeypatch)
+    seen = recording_varlen(monkeypatch)
     providers = sv.SCENARIO_PROVIDERS[case.scenario]
     assert providers[:3] == (sv.OURS, sv.CHECKED, sv.UNCHECKED)
     results = []

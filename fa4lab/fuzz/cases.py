@@ -42,10 +42,11 @@ VARLEN = ("varlen", "paged_varlen", "chunked_prefill")
 # heads); misaligned: data_ptr one element off (the kernels refuse it); strided_last: a last
 # dim of stride 2 (refused too).
 LAYOUTS = ("contiguous", "packed", "transposed", "padded", "misaligned", "strided_last")
-# The page sizes the kernels take (Note [paged key blocks] in fa4lab.kernels.device.paged) and
-# a few they refuse.
-PAGE_SIZES = (16, 32, 64, 128, 256)
-ODD_PAGE_SIZES = (8, 48, 96)
+# The page sizes the kernels take (Note [paged key blocks] in fa4lab.kernels.device.paged: any
+# divisor or multiple of the key block, pages of 1 to 4 inside a swizzle atom) and a few that
+# only a smaller key block fits (48) or none does (12, 100: refused).
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ODD_PAGE_SIZES = (12, 48, 100)
 # score_mod / mask_mod of a dense case (`fa4lab.fuzz.inputs.case_mods`).
 MODS = ("alibi", "relative_bias", "document", "prefix_lm", "distance", "head_position",
         "alibi+document")
@@ -66,6 +67,12 @@ ODDS = {
     "padded_table": 0.3,        # slots past a sequence's last used page hold -1
     "special_sinks": 0.4,       # sink logits of +-30, +-1e3 and -inf among normal ones
     "layout_on": 0.6,           # each of q, k, v takes the case's layout
+    "negative_side": 0.15,      # a window side below 0 (upstream's reading: Note [window and
+                                # causal] in fa4lab.spec)
+    "narrow_head_dims": 0.12,   # head dims below the pool's pair (run zero-padded to a built
+                                # pair: Note [padded head dims] in fa4lab.canonical)
+    "seqused_q": 0.2,           # of a varlen call: rows each sequence uses (Note [seqused_q as
+                                # phantom sequences] in fa4lab.varlen_forms)
 }
 POOL_SIZE = len(ALL_HEAD_DIMS) * len(ENTRIES)
 # Sizes: lengths up to 5000 on a GPU (long ones rare), tiny ones (<= 64) for a CPU run.
@@ -94,6 +101,7 @@ class Case:
     seqlens_q: tuple[int, ...]
     seqlens_k: tuple[int, ...]
     seqused_k: tuple[int, ...] | None = None
+    seqused_q: tuple[int, ...] | None = None
     page_size: int | None = None
     pages_per_seq: int | None = None
     causal: bool = False
@@ -132,6 +140,8 @@ class Case:
                  f"h{self.heads_q}/{self.heads_kv}"]
         if self.seqused_k is not None:
             parts.append(f"used{lens(self.seqused_k)}")
+        if self.seqused_q is not None:
+            parts.append(f"used_q{lens(self.seqused_q)}")
         if self.page_size is not None:
             parts.append(f"page{self.page_size}x{self.pages_per_seq}")
         parts += [name for name, on in (("causal", self.causal), ("sink", self.learnable_sink),
@@ -291,10 +301,18 @@ def _shrink(case: dict, size: str) -> dict:
 
 
 def _window_side(rng, longest: int) -> int:
-    """One side of a window: 0, a few keys, about the sequence, or more than it."""
+    """One side of a window: 0, a few keys, about the sequence, or more than it; now and then
+    below 0 (a shift of the band past the diagonal)."""
+    if rng.random() < ODDS["negative_side"]:
+        return -int(rng.integers(1, max(2, longest // 2) + 1))
     lo, hi = _pick(rng, [(0, 0), (1, 16), (17, max(17, longest)), (longest, 2 * longest + 1)],
                    [0.15, 0.35, 0.35, 0.15])
     return int(rng.integers(lo, hi + 1))
+
+
+def _narrow(rng, d: int) -> int:
+    """A head dim below d, a multiple of 8 (the 16-byte rows TMA needs)."""
+    return int(8 * rng.integers(1, max(1, d // 8) + 1))
 
 
 def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "full") -> Case:
@@ -325,6 +343,13 @@ def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "f
               _window_side(rng, longest) if right else None)
     if config["causal"] and window[1] == 0:
         window = (window[0], 1)          # the probe's point is right > 0 under causal
+    d, dv = fields_["head_dim"], fields_["head_dim_v"]
+    if rng.random() < ODDS["narrow_head_dims"]:
+        d, dv = _narrow(rng, d), _narrow(rng, dv)
+    fields_.update(head_dim=d, head_dim_v=dv)
+    seqused_q = None
+    if entry in VARLEN and rng.random() < ODDS["seqused_q"]:
+        seqused_q = tuple(int(rng.integers(-2, n + 4)) for n in fields_["seqlens_q"])
     num_splits = {"auto": None, "one": 1}.get(config["splits"])
     if config["splits"] == "many":
         num_splits = int(_pick(rng, [2, 3, 7, 40]))
@@ -341,6 +366,7 @@ def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "f
         window_size=window, learnable_sink=config["learnable_sink"],
         softcap=float(_pick(rng, [5.0, 20.0, 30.0, 50.0])) if config["softcap"] else 0.0,
         softmax_scale=scale, return_lse=config["return_lse"], pack_gqa=config["pack_gqa"],
+        seqused_q=seqused_q,
         num_splits=num_splits, mod=config["mod"], layout=layout, layout_on=layout_on,
         q_scale=float(rng.uniform(30.0, 100.0)) if rng.random() < ODDS["extreme_logits"]
         else 1.0,
@@ -352,7 +378,7 @@ def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "f
 
 # ---- JSON ------------------------------------------------------------------------------------
 
-_TUPLES = ("seqlens_q", "seqlens_k", "seqused_k", "window_size", "layout_on")
+_TUPLES = ("seqlens_q", "seqlens_k", "seqused_k", "seqused_q", "window_size", "layout_on")
 
 
 def to_json(case: Case) -> str:

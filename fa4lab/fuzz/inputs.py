@@ -35,6 +35,7 @@ class CaseInputs:
     cu_seqlens_q: object = None
     cu_seqlens_k: object = None
     seqused_k: object = None
+    seqused_q: object = None
     page_table: object = None
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
@@ -199,6 +200,8 @@ def case_inputs(case, device="cuda") -> CaseInputs:
         got.page_table = _page_table(case, num_pages, device, gen, rng)
     if case.seqused_k is not None:
         got.seqused_k = int32(case.seqused_k)
+    if case.seqused_q is not None:
+        got.seqused_q = int32(case.seqused_q)
     if case.entry in ("varlen", "paged_varlen", "chunked_prefill"):
         extra = {"exact": 0, "larger": int(rng.integers(1, 100))}.get(case.max_seqlen)
         if extra is not None:
@@ -232,6 +235,6 @@ def call(case, inputs: CaseInputs):
         got = fa4lab.attention_varlen(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q,
                                       inputs.cu_seqlens_k, inputs.max_seqlen_q,
                                       inputs.max_seqlen_k, seqused_k=inputs.seqused_k,
-                                      page_table=inputs.page_table,
+                                      seqused_q=inputs.seqused_q, page_table=inputs.page_table,
                                       check_indices=case.check_indices, **options)
     return got if case.return_lse else (got, None)

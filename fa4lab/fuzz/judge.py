@@ -32,6 +32,8 @@ from pathlib import PurePath
 
 from fa4lab.acceptance import (
     ATOL,
+    LSE_ATOL,
+    LSE_RTOL,
     output_ulp_atol,
     rule_violations,
     same_dtype_yardstick,
@@ -265,6 +267,31 @@ def _judge_dense(case, inputs, out, lse) -> list[str]:
                            atol=_atol(case, v))
 
 
+def _sequence_reference(q_b, k_b, v_b, options):
+    """float64 (out, lse (heads, rows)) of one sequence's rows on its keys."""
+    from fa4lab.reference import attention_reference
+
+    out, lse = attention_reference(q_b[None], k_b[None], v_b[None], return_lse=True, **options)
+    return out[0], lse[0]
+
+
+def _unused_rows(out, lse, inputs, rows: slice, b: int) -> list[str]:
+    """Rows past a sequence's seqused_q: 0, and LSE -inf or the sink's logit."""
+    import torch
+
+    problems = []
+    if rows.stop > rows.start:
+        if not (out[rows] == 0).all():
+            problems.append(f"sequence {b}: rows past seqused_q are not 0")
+        if lse is not None:
+            sink = inputs.learnable_sink
+            want = (torch.full_like(lse[:, rows], -float("inf")) if sink is None
+                    else sink[:, None].float().expand_as(lse[:, rows]))
+            if not torch.allclose(lse[:, rows], want, atol=LSE_ATOL, rtol=LSE_RTOL):
+                problems.append(f"sequence {b}: LSE past seqused_q is not -inf (or the sink)")
+    return problems
+
+
 def _judge_varlen(case, inputs, out, lse) -> list[str]:
     """The rule on an `attention_varlen` result: check_sequences', sequence by sequence."""
     import torch
@@ -289,9 +316,17 @@ def _judge_varlen(case, inputs, out, lse) -> list[str]:
     for b, ((k_b, v_b), lk) in enumerate(zip(sequence_kv(lengths, k, v, inputs.page_table),
                                              lengths.seqlens_k)):
         lq = cu[b + 1] - cu[b]
+        if case.seqused_q is not None:      # its first rows; the rest give what no key gives
+            used = min(max(case.seqused_q[b], 0), lq)
+            problems += _unused_rows(out, lse, inputs, slice(cu[b] + used, cu[b + 1]), b)
+            if used and lk:
+                ref[cu[b]:cu[b] + used], rows_lse = _sequence_reference(
+                    q[cu[b]:cu[b] + used], k_b, v_b, options)
+                ref_lse[:, cu[b]:cu[b] + used] = rows_lse
+            lq = used
         if lq == 0:
             continue
-        rows = slice(cu[b], cu[b + 1])
+        rows = slice(cu[b], cu[b] + lq)
         sees = torch.zeros(lq, dtype=torch.bool, device=q.device)
         if lk:
             sees = torch.as_tensor(visible_mask(lq, lk, case.causal, window_size=tuple(
