@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,7 +261,8 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
     cf = compile_and_audit(plan, "sm90a", tmp_path)
     assert cf.keep_dir.name.endswith(f"-page{page_size}" + ("-packgqa" if decode else ""))
     ptx = cf.ptx_path.read_text()
-    loads = ptx.count("cp.async.bulk.tensor.4d.shared::cta.global")
+    # (a page of one key is a 3-d box: its unit key mode folds away)
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.[34]d\.shared::cta\.global", ptx))
     # Q: one copy per consumer and 64-column half; K and V at four sites (first K, the loop's
     # K and V, last V), each the pieces of one iteration of the gather's loop times the halves.
     assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
@@ -291,7 +294,7 @@ def test_paged_split_kv_compiles_for_sm90a(page_size, causal, tmp_path):
     cf = compile_and_audit(plan, "sm90a", tmp_path)
     assert cf.keep_dir.name.endswith(f"-page{page_size}-splitkv-packgqa")
     ptx = cf.ptx_path.read_text()
-    assert ptx.count("cp.async.bulk.tensor.4d.shared::cta.global") == (
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.[34]d\.shared::cta\.global", ptx)) == (
         plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2)
     assert "st.global.v2.f32" in ptx or "st.global.v2.b32" in ptx
     assert "cp.async.bulk.tensor.4d.global.shared" not in ptx
