@@ -123,25 +123,48 @@ def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
 
 
 # ---- paged K/V caches ------------------------------------------------------------------------
-def page_fits(page_size: int, n_block: int) -> bool:
+# A TMA copy writes SMEM from an address that is a multiple of 128 bytes. A gathered page's
+# slice starts at row j * page_size of its stage, and a row of a swizzle atom is the swizzle's
+# width: 128 bytes where the head dim is a multiple of 64 16-bit elements, 64 bytes at head_dim
+# 96 (the widest swizzle 192-byte rows take). So pages at head_dim 96 hold an even number of
+# keys: a page of one key there faulted on the H200 (misaligned address, found by the fuzzer).
+TMA_SMEM_ALIGN_BYTES = 128
+SWIZZLE_WIDTHS_BYTES = (128, 64, 32)
+
+
+def swizzle_bytes(cols: int, element_bytes: int = 2) -> int:
+    """The width of the widest swizzle rows of `cols` elements take (what the kernels' SMEM
+    layouts choose, cutlass's `get_smem_layout_atom`): 128, 64 or 32 bytes (16 without)."""
+    return next((w for w in SWIZZLE_WIDTHS_BYTES if (cols * element_bytes) % w == 0), 16)
+
+
+def min_gather_page(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
+    """The smallest page a gather reads at these head dims: its SMEM slices start 128-byte
+    aligned (1, or 2 at head_dim 96)."""
+    return max(max(1, TMA_SMEM_ALIGN_BYTES // swizzle_bytes(c, element_bytes))
+               for c in (head_dim, head_dim_v))
+
+
+def page_fits(page_size: int, n_block: int, min_page: int = 1) -> bool:
     """Whether key blocks of `n_block` rows can read pages of `page_size` tokens: one TMA box
     per block (a multiple of n_block) or a gather of n_block / page_size pages per block (a
-    divisor of n_block, down to pages of one token). Note [paged key blocks] in
-    fa4lab.kernels.device.paged."""
-    return page_size % n_block == 0 or n_block % page_size == 0
+    divisor of n_block that is a multiple of `min_page`, `min_gather_page`: down to pages of
+    one token). Note [paged key blocks] in fa4lab.kernels.device.paged."""
+    return page_size % n_block == 0 or (n_block % page_size == 0 and page_size % min_page == 0)
 
 
-def key_block_for_pages(n_block: int, page_size: int | None, step: int = 16) -> int:
+def key_block_for_pages(n_block: int, page_size: int | None, step: int = 16,
+                        min_page: int = 1) -> int:
     """The key block a plan takes for pages of `page_size`: its tuned `n_block` when the pages
     fit it, else the widest multiple of `step` below it that they fit (pages of 64, 128 or 256
     at head_dim 256, whose tuned blocks are 80 keys, take blocks of 64; pages of 24, blocks of
     96). A smaller block
     costs some speed, never an answer; `n_block` itself when no block fits (the kernel's
     check then names the page sizes that do)."""
-    if page_size is None or page_fits(page_size, n_block):
+    if page_size is None or page_fits(page_size, n_block, min_page):
         return n_block
     fits = [n for n in range(n_block - n_block % step, step - 1, -step)
-            if page_fits(page_size, n)]
+            if page_fits(page_size, n, min_page)]
     return fits[0] if fits else n_block
 
 

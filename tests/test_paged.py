@@ -369,3 +369,24 @@ def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatc
                                               page_table=table, causal=True, return_lse=True)
     torch.testing.assert_close(out, ref.to(out.dtype), atol=0, rtol=0)
     torch.testing.assert_close(lse, ref_lse.float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
+def test_gathered_pages_start_128_byte_aligned(arch):
+    """A gathered page's SMEM slice starts on a 128-byte boundary (what a TMA copy needs): at
+    head_dim 96, whose swizzle rows are 64 bytes, a page of 1 is refused before any compile,
+    naming the sizes that fit; pages of 2 are taken (`fa4lab.limits.min_gather_page`)."""
+    from fa4lab.kernels.compile import kernel_class
+    from fa4lab.limits import min_gather_page, swizzle_bytes
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec
+
+    assert [swizzle_bytes(c) for c in (64, 96, 128, 192, 256)] == [128, 64, 128, 128, 128]
+    assert min_gather_page(96, 96) == 2 and min_gather_page(192, 128) == 1
+    assert min_gather_page(64, 96) == 2 and min_gather_page(128, 128) == 1
+    make = kernel_class(arch + "a")
+    two = plan_forward(AttentionSpec(2, 1, 1024, 8, 2, 96, page_size=2), arch)
+    assert make(two).page_size == 2
+    one = plan_forward(AttentionSpec(2, 1, 1024, 8, 2, 96, page_size=1), arch)
+    with pytest.raises(PlanError, match=r"page_size=1 does not fit .* multiple of 2 .*128-byte"):
+        make(one)

@@ -95,7 +95,7 @@ from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.opaque import opaque_zero
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed, unpack_row
 from fa4lab.kernels.protocol import Sites
-from fa4lab.limits import kernel_builds, unsupported_head_dims
+from fa4lab.limits import kernel_builds, min_gather_page, unsupported_head_dims
 from fa4lab.online_softmax import emulated_pairs
 from fa4lab.plan.sm100 import p_split
 
@@ -269,8 +269,9 @@ class FlashForwardSm100:
         # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
         self.page_size = spec.page_size
         if self.page_size is not None:
-            paged.check_page_size(self.page_size, self.n_block)
-        # Pages smaller than a key block: a gather of TMA boxes per block (16, 32, 64).
+            paged.check_page_size(self.page_size, self.n_block,
+                                  min_gather_page(self.head_dim, self.head_dim_v))
+        # Pages smaller than a key block: a gather of TMA boxes per block (1 to 64).
         self.gather = self.page_size is not None and self.page_size < self.n_block
         # Note [split P hand-off] in fa4lab.plan.sm100: keys of P handed over first (0: one
         # hand-off), with the table's p_part barrier.

@@ -93,6 +93,7 @@ from fa4lab.kernels.device.softmax import (
     store_lse,
 )
 from fa4lab.kernels.protocol import Sites
+from fa4lab.limits import min_gather_page
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -221,7 +222,8 @@ class FlashForwardSm90:
         # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
         self.page_size = spec.page_size
         if self.page_size is not None:
-            paged.check_page_size(self.page_size, self.n_block)
+            paged.check_page_size(self.page_size, self.n_block,
+                                  min_gather_page(self.head_dim, self.head_dim_v))
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:

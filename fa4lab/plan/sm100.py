@@ -31,6 +31,7 @@ from fa4lab.limits import (
     SM100_EXP2_FRACTION_MAX,
     head_dims_text,
     key_block_for_pages,
+    min_gather_page,
     unsupported_head_dims,
 )
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
@@ -359,7 +360,8 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
         raise PlanError(f"head_dim {d} must be a multiple of 16 in [16, 256] (MMA K step 16)")
     tuning = SM100_TUNING.get((d, dv), DEFAULT_TUNING)
     if n_block is None:
-        n_block = key_block_for_pages(tuning.n_block, spec.page_size, S_CHUNK)
+        n_block = key_block_for_pages(tuning.n_block, spec.page_size, S_CHUNK,
+                                      min_gather_page(spec.head_dim, spec.head_dim_v))
     q_stage = tuning.q_stage if q_stage is None else q_stage
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if m_block != M_BLOCK:

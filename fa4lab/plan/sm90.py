@@ -24,6 +24,7 @@ from fa4lab.limits import (
     RESCALE_THRESHOLDS,
     kernel_builds,
     key_block_for_pages,
+    min_gather_page,
     unsupported_head_dims,
 )
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
@@ -206,7 +207,8 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         raise PlanError(unsupported_head_dims("sm90", d, dv))
     tuning = SM90_TUNING[(d, dv)]
     if n_block is None:
-        n_block = key_block_for_pages(tuning.n_block, spec.page_size)
+        n_block = key_block_for_pages(tuning.n_block, spec.page_size,
+                                      min_page=min_gather_page(spec.head_dim, spec.head_dim_v))
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
         # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third

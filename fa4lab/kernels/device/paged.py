@@ -61,10 +61,17 @@ WARP_LANES = 32
 #   8 rows of 128 bytes, 1024 bytes; a box needs only 128-byte alignment), and each slice
 #   starts on a row of the stage, so the stage is laid out exactly as one (n_block, d) box
 #   would have left it, whether the slice starts on a swizzle atom (pages of 8 or more) or
-#   inside one (pages of 1, 2, 4). All copies of a block arrive on the block's one full
-#   barrier, whose transaction bytes stay the block's. A block of more than 32 pages (pages
-#   of 1 or 2 with 128-key blocks) is gathered 32 pages at a time (`page_groups`): lane j of
-#   the load warp reads the page of piece 32 g + j of group g.
+#   inside one (pages of 1, 2, 4). At head_dim 96 a row of the atom is 64 bytes (the 64-byte
+#   swizzle), so there a slice is 128-byte aligned only at an even row: pages of 1 are refused
+#   at head_dim 96 (`fa4lab.limits.min_gather_page`). All copies of a block arrive on the
+#   block's one full barrier, whose transaction bytes stay the block's. A block of more than
+#   32 pages (pages of 1 or 2 with 128-key blocks) is gathered 32 pages at a time
+#   (`page_groups`): lane j of the load warp reads the page of piece 32 g + j of group g.
+#   What it costs: pages of 1 issue one TMA copy per key and 64 columns from one thread, and
+#   ran at 0.19x FA4's cp.async gather (H200, prefill 4 x 4096 causal, hd128); pages of 4 at
+#   0.62x, 16 at 1.03x (benchmarks/2026-12-02_nvidia-h200_parity-cost.txt). Eight pieces per
+#   iteration instead of two gained 10% at pages of 1: the TMA issue, not the loop, is the
+#   limit. A gather of many lanes' cp.async copies (upstream's) is the way past it.
 #   On sm100 the stages are the MMA operands' layouts, read here in their plain (keys, d) form
 #   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous).
 #   The copies are a run-time loop over the pieces (`copy_block`), GATHER_UNROLL of them per
@@ -117,18 +124,21 @@ WARP_LANES = 32
 # multiple of n_block) takes its coordinate from `read_pages` and clamps it the same way.
 
 
-def check_page_size(page_size: int, n_block: int) -> None:
+def check_page_size(page_size: int, n_block: int, min_page: int = 1) -> None:
     """Raise `PlanError` unless a kernel with key blocks of `n_block` rows can read pages of
-    `page_size` tokens (Note [paged key blocks])."""
+    `page_size` tokens (Note [paged key blocks]); `min_page` the smallest page its gather
+    takes (`fa4lab.limits.min_gather_page`)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise PlanError(f"page_size must be a positive int, got {page_size!r}")
-    if page_fits(page_size, n_block):
+    if page_fits(page_size, n_block, min_page):
         return
-    divisors = [p for p in range(1, n_block) if n_block % p == 0]
+    divisors = [p for p in range(min_page, n_block, min_page) if n_block % p == 0]
+    aligned = (f" that is a multiple of {min_page} (a gathered page's SMEM slice starts "
+               f"128-byte aligned: fa4lab.limits.min_gather_page)" if min_page > 1 else "")
     raise PlanError(f"page_size={page_size} does not fit key blocks of {n_block} rows: the "
                     f"kernel reads a multiple of {n_block} (one TMA box per block) or a "
-                    f"divisor of it ({divisors}: a gather of pages per block); re-page the "
-                    f"cache with one of those sizes")
+                    f"divisor of it{aligned} ({divisors}: a gather of pages per block); "
+                    f"re-page the cache with one of those sizes")
 
 
 def pages_per_block(page_size: int, n_block: int) -> int:
