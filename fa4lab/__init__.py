@@ -20,6 +20,7 @@ def __getattr__(name):
         "attention": ("fa4lab.api", "attention"),
         "attention_varlen": ("fa4lab.api", "attention_varlen"),
         "check_errors": ("fa4lab.indexcheck", "check_errors"),
+        "scheduler_metadata": ("fa4lab.varlen_metadata", "scheduler_metadata"),
         "ring_attention": ("fa4lab.distributed", "ring_attention"),
     }
     if name in lazy:

@@ -298,7 +298,8 @@ def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
                      softmax_scale: float | None = None, window_size=(None, None),
                      softcap: float = 0.0, learnable_sink=None, num_splits: int | None = None,
                      pack_gqa: bool | None = None, deterministic: bool = False,
-                     return_lse: bool = False, check_indices: bool | str = "device"):
+                     return_lse: bool = False, check_indices: bool | str = "device",
+                     scheduler_metadata=None):
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or
@@ -347,8 +348,13 @@ def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     compiled and audited, not yet run), elsewhere one `fa4lab.attention` call per sequence
     (a paged sequence's K/V gathered into contiguous tensors first).
 
+    `scheduler_metadata` (`fa4lab.scheduler_metadata(...)` of the same index tensors) skips
+    the work those tensors alone decide, their check included, in every layer after the first
+    (Note [scheduler metadata] in fa4lab.varlen_metadata).
+
     torch.compile and CUDA graphs: backed by the custom op
-    `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]).
+    `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]); a traced call derives
+    what it needs itself, whatever `scheduler_metadata` says.
     """
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
@@ -358,6 +364,19 @@ def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
     num_splits = check_num_splits(num_splits)
     intercepted = _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                page_table, learnable_sink)
+    if scheduler_metadata is not None and not intercepted:   # Note [scheduler metadata]
+        from fa4lab.varlen_metadata import SchedulerMetadata
+
+        if not isinstance(scheduler_metadata, SchedulerMetadata):
+            raise InputTypeError(f"scheduler_metadata must be what fa4lab.scheduler_metadata("
+                                 f"...) returns, got {type(scheduler_metadata).__name__}")
+        form = scheduler_metadata.form_for(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                           seqused_k, page_table)
+        out, lse = _forward_varlen(*form[:9], causal, softmax_scale, window_size, softcap,
+                                   learnable_sink, return_lse, False, num_splits, pack_gqa,
+                                   scheduler_metadata)
+        out, lse = form.restore(out, lse if return_lse else None)
+        return (out, lse) if return_lse else out
     form = varlen_form(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        seqused_q, seqused_k, page_table)
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = form[:7]
@@ -393,13 +412,18 @@ def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                     page_table, causal: bool, softmax_scale, window_size, softcap: float,
                     learnable_sink, return_lse: bool, check_indices, num_splits=None,
-                    pack_gqa: bool | None = None):
-    """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference."""
+                    pack_gqa: bool | None = None, metadata=None):
+    """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference;
+    `metadata` a `fa4lab.varlen_metadata.SchedulerMetadata` of these index tensors (their
+    lengths checked, the launch's tables kept: Note [scheduler metadata])."""
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import check_varlen
 
-    lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           seqused_k, page_table, check_indices=check_indices)
+    if metadata is not None:
+        lengths = metadata.lengths
+    else:
+        lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, seqused_k, page_table, check_indices=check_indices)
     causal, window_size = normalize_mask(causal, window_size)
     num_splits = check_num_splits(num_splits)
     arch = launch.device_arch(q.device.index) if q.is_cuda else None
@@ -418,7 +442,8 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                    softcap=softcap, learnable_sink=learnable_sink)
     if arch is not None:
         out, lse = _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch, options,
-                                     return_lse, num_splits, pack_gqa)
+                                     return_lse, num_splits, pack_gqa,
+                                     None if metadata is None else metadata.launch)
         return narrow_out(out, dv), lse
     if not q.is_cuda:
         _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
@@ -430,13 +455,14 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, options: dict,
-                      return_lse: bool, num_splits, pack_gqa):
+                      return_lse: bool, num_splits, pack_gqa, tables: dict | None = None):
     """`_forward_varlen` on the kernel of `arch`, q, k, v in its form: a paged decode batch
     as one paged launch (split and packed as `attention` chooses, or as num_splits / pack_gqa
     say), other batches as one varlen launch (which neither splits nor packs: those two only
     choose how the same answer is computed), or one `attention` call per sequence where no
     varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`); `options` are `attention`'s
-    (causal, softmax_scale, window_size, softcap, learnable_sink)."""
+    (causal, softmax_scale, window_size, softcap, learnable_sink); `tables` a scheduler
+    metadata's launch tables (Note [scheduler metadata] in fa4lab.varlen_metadata)."""
     if page_table is not None and lengths.same_query_count(q.shape[0]):
         return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
                                   options, num_splits, pack_gqa)
@@ -445,7 +471,7 @@ def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, option
         return launch.forward_varlen(q, k, v, lengths, arch, options["causal"],
                                      options["softmax_scale"], return_lse,
                                      float(options["softcap"]), options["window_size"],
-                                     options["learnable_sink"], page_table)
+                                     options["learnable_sink"], page_table, tables)
     return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
 
 

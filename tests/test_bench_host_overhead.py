@@ -108,7 +108,8 @@ def test_the_cases_cover_varlen_and_paged_at_batch_1_32_256():
     # fa4lab's default call heads every case; its variants and FA4 follow
     for c in cases:
         assert c.providers[0] == "fa4lab"
-    assert cases[1].providers == ("fa4lab", "fa4lab-checked", "fa4lab-unchecked", "fa4")
+    assert cases[1].providers == ("fa4lab", "fa4lab-checked", "fa4lab-unchecked",
+                                  "fa4lab-metadata", "fa4")
     with pytest.raises(ValueError, match="entry"):
         host_overhead.HostCase("prefill")
 
@@ -135,13 +136,14 @@ def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
 
     makers = {**host_overhead.VARLEN_CALLS, "wrong": wrong}
     ready, not_run = bench.host_calls("cpu", (*case.providers, "wrong"), case, makers)
-    assert list(ready) == ["fa4lab", "fa4lab-checked", "fa4lab-unchecked"]
+    assert list(ready) == ["fa4lab", "fa4lab-checked", "fa4lab-unchecked", "fa4lab-metadata"]
     assert {r.provider: r.status for r in not_run} == {"fa4": MISSING, "wrong": FAILED}
     assert seen[0] == {}                                   # the default call: no check_indices
     seen.clear()
     for call in ready.values():
         call()
-    assert seen == [{}, {"check_indices": True}, {"check_indices": False}]
+    assert seen[:3] == [{}, {"check_indices": True}, {"check_indices": False}]
+    assert set(seen[3]) == {"scheduler_metadata"}
     res = bench.measure_host_overhead(ready, "cpu", calls=3, repeats=2, warmup=1,
                                       case=case.name, shape=case.label())
     assert all(r.status == OK and r.mean_us > 0 and r.case == case.name for r in res)
@@ -151,6 +153,7 @@ def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
     assert [c[3:5] for c in cells] == [["fa4lab", "default"],
                                        ["fa4lab-checked", "check_indices=True"],
                                        ["fa4lab-unchecked", "check_indices=False"],
+                                       ["fa4lab-metadata", "scheduler_metadata"],
                                        ["fa4", "same args"], ["wrong", ""]]
     assert cells[0][1] == case.label() and cells[0][-1] == "1.00"
 

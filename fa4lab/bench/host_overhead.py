@@ -62,7 +62,7 @@ HOST_TOKENS = 16       # a varlen sequence's tokens (queries and keys)
 HOST_KEYS = 64         # a paged sequence's keys (seqused_k), one query each
 HOST_PAGE_SIZE = 16
 # fa4lab's default call first (Note [the headline row] in `fa4lab.bench.serving`).
-VARLEN_HOST_PROVIDERS = (OURS, "fa4lab-checked", "fa4lab-unchecked", "fa4")
+VARLEN_HOST_PROVIDERS = (OURS, "fa4lab-checked", "fa4lab-unchecked", "fa4lab-metadata", "fa4")
 VARLEN_HOST_LABELS = {
     OURS: "fa4lab.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
           "max_seqlen_k[, seqused_k, page_table], causal=...): the default call, no "
@@ -70,6 +70,9 @@ VARLEN_HOST_LABELS = {
     "fa4lab-checked": "the same with check_indices=True (a device-to-host copy per call, so "
                       "the call waits for the GPU)",
     "fa4lab-unchecked": "the same with check_indices=False",
+    "fa4lab-metadata": "the default call with scheduler_metadata (fa4lab.scheduler_metadata of "
+                       "the same index tensors, made once outside the timed call: a layer "
+                       "after the first)",
     "fa4": "upstream FA4 flash_attn_varlen_func, the same arguments",
 }
 _VARIANTS = {OURS: {}, "fa4lab-checked": {"check_indices": True},
@@ -220,9 +223,14 @@ def _fa4lab_varlen_call(name: str):
     def make(q, k, v, args, case):
         from fa4lab.api import attention_varlen
 
+        variant = dict(_VARIANTS.get(name, {}))
+        if name == "fa4lab-metadata":
+            from fa4lab.varlen_metadata import scheduler_metadata
+
+            variant["scheduler_metadata"] = scheduler_metadata(q, k, v, **args.kwargs())
         return _refusing_the_reference(functools.partial(
             attention_varlen, q, k, v, **args.kwargs(), causal=case.causal,
-            softmax_scale=case.spec.scale, **_VARIANTS[name]))
+            softmax_scale=case.spec.scale, **variant))
 
     return make
 
@@ -236,7 +244,8 @@ def _fa4_varlen_call(q, k, v, args, case):
 
 
 # name -> make(q, k, v, args, serving_case): a no-argument call returning the packed output.
-VARLEN_CALLS = {**{n: _fa4lab_varlen_call(n) for n in _VARIANTS}, "fa4": _fa4_varlen_call}
+VARLEN_CALLS = {**{n: _fa4lab_varlen_call(n) for n in (*_VARIANTS, "fa4lab-metadata")},
+                "fa4": _fa4_varlen_call}
 
 
 def host_calls(device: str = "cuda", names: Sequence[str] | None = None,
@@ -421,5 +430,6 @@ def format_host_table(results: Sequence[HostResult]) -> str:
 
 
 HOST_CALL_COLUMN = {OURS: "default", "fa4lab-checked": "check_indices=True",
-                    "fa4lab-unchecked": "check_indices=False", "fa4": "same args",
+                    "fa4lab-unchecked": "check_indices=False",
+                    "fa4lab-metadata": "scheduler_metadata", "fa4": "same args",
                     "sdpa": "(b, h, s, d)"}

@@ -327,7 +327,7 @@ PAGED_VARLEN_ARCHS: tuple[str, ...] = ("sm90",)
 
 def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
                    softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-                   page_table=None):
+                   page_table=None, tables: dict | None = None):
     """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
@@ -336,7 +336,9 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     Note [launch tile table]), sized
     by `max_tile_rows`, and the key counts go to the kernel as seqused_k. With `page_table`,
     k and v are a paged cache read in place (Note [paged key blocks] in
-    fa4lab.kernels.device.paged: no cu_seqlens_k, each sequence's keys its lengths.keys)."""
+    fa4lab.kernels.device.paged: no cu_seqlens_k, each sequence's keys its lengths.keys).
+    `tables` (a scheduler metadata's, Note [scheduler metadata] in fa4lab.varlen_metadata)
+    keeps the launch's lengths and tile table per tiling across calls."""
     import torch
 
     from fa4lab.varlen import launch_lengths, launch_tile_rows, max_tile_rows
@@ -353,11 +355,17 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
            else None)
     if total_q == 0:      # every sequence is empty: nothing to launch
         return out, lse
-    cu_q, cu_k, keys = launch_lengths(lengths)
-    lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
-    table = launch_tile_rows(lens_q, lengths.keys.long(),
-                             max_tile_rows(total_q, lengths.batch, cta_m), m_block_size=cta_m,
-                             causal=causal, window_size=window_size)
+    tiling = (cta_m, causal, tuple(window_size))
+    made = None if tables is None else tables.get(tiling)
+    if made is None:
+        lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
+        made = (*launch_lengths(lengths),
+                launch_tile_rows(lens_q, lengths.keys.long(),
+                                 max_tile_rows(total_q, lengths.batch, cta_m),
+                                 m_block_size=cta_m, causal=causal, window_size=window_size))
+        if tables is not None:
+            tables[tiling] = made
+    cu_q, cu_k, keys, table = made
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
     fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
