@@ -212,6 +212,22 @@ def test_views_tma_cannot_read_are_copied(layout):
     check_kernel(fa4lab.attention, q, k, v, causal=True)
 
 
+def _paged_cache(seed, b, hkv, pages_per_seq, page_size, d, dv, spare):
+    """(generator, k cache, v cache, page table, k, v gathered dense) on the GPU: b sequences
+    of pages_per_seq scattered pages each, `spare` pages no sequence reads."""
+    from fa4lab.varlen import gather_paged
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    num_pages = b * pages_per_seq + spare
+    kc, vc = (torch.randn(num_pages, page_size, hkv, e, device="cuda", generator=g,
+                          dtype=torch.bfloat16) for e in (d, dv))
+    table = torch.randperm(num_pages, device="cuda", generator=g)[:b * pages_per_seq]
+    table = table.view(b, pages_per_seq).to(torch.int32)
+    full = [pages_per_seq * page_size] * b
+    k, v = (torch.stack(gather_paged(c, table, full)) for c in (kc, vc))
+    return g, kc, vc, table, k, v
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d, dv, page_size", [(256, 256, 64), (256, 256, 128),
@@ -220,20 +236,9 @@ def test_page_sizes_the_tuned_blocks_do_not_fit(d, dv, page_size):
     """The plan takes a key block the pages fit (`fa4lab.limits.key_block_for_pages`)."""
     from kernel_checks import check_kernel
 
-    from fa4lab.varlen import gather_paged
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    b, hq, hkv, pages_per_seq = 2, 4, 2, 3
-    num_pages = b * pages_per_seq + 2
-    kc = torch.randn(num_pages, page_size, hkv, d, device="cuda", generator=g,
-                     dtype=torch.bfloat16)
-    vc = torch.randn(num_pages, page_size, hkv, dv, device="cuda", generator=g,
-                     dtype=torch.bfloat16)
-    table = torch.randperm(num_pages, device="cuda", generator=g)[:b * pages_per_seq]
-    table = table.view(b, pages_per_seq).to(torch.int32)
+    b, hq = 2, 4
+    g, kc, vc, table, k, v = _paged_cache(0, b, 2, 3, page_size, d, dv, spare=2)
     q = torch.randn(b, 7, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
-    seqlen = pages_per_seq * page_size
-    k, v = (torch.stack(gather_paged(c, table, [seqlen] * b)) for c in (kc, vc))
     out = fa4lab.attention(q, kc, vc, causal=True, page_table=table)
     check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
                  q, k, v, causal=True)
@@ -348,37 +353,32 @@ SMALL_PAGES = [(64, 64, 1), (128, 128, 1), (128, 128, 4), (96, 96, 8), (256, 256
 @pytest.mark.parametrize("d, dv, page_size", SMALL_PAGES)
 def test_small_pages_on_the_kernels(d, dv, page_size):
     """Pages of 1, 2, 4, 8 through the kernels' gather: a dense paged call (prefill over the
-    pages, causal) and the varlen decode batch over the same cache, against float64."""
-    from kernel_checks import check_kernel
+    pages, causal) and the varlen decode batch over the same cache, held to FA4's rule against
+    float64."""
+    from kernel_checks import check_kernel, check_sequences
 
     from fa4lab.reference import attention_varlen_reference
-    from fa4lab.varlen import gather_paged
 
-    g = torch.Generator(device="cuda").manual_seed(page_size + d)
-    b, hq, hkv, seqlen = 2, 8, 2, 300
+    b, hq, seqlen = 2, 8, 300
     pages_per_seq = -(-seqlen // page_size)
-    num_pages = b * pages_per_seq + 3
-    kc = torch.randn(num_pages, page_size, hkv, d, device="cuda", generator=g,
-                     dtype=torch.bfloat16)
-    vc = torch.randn(num_pages, page_size, hkv, dv, device="cuda", generator=g,
-                     dtype=torch.bfloat16)
-    table = torch.randperm(num_pages, device="cuda", generator=g)[:b * pages_per_seq]
-    table = table.view(b, pages_per_seq).to(torch.int32)
     full = pages_per_seq * page_size
-    k, v = (torch.stack(gather_paged(c, table, [full] * b)) for c in (kc, vc))
+    g, kc, vc, table, k, v = _paged_cache(page_size + d, b, 2, pages_per_seq, page_size, d, dv,
+                                          spare=3)
     q = torch.randn(b, 45, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
     check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
                  q, k, v, causal=True)
     # decode: one query per sequence, ragged key counts
-    used = torch.tensor([seqlen, 77], dtype=torch.int32, device="cuda")
+    lens_k = [seqlen, 77]
+    used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
     q1 = q[:, :1].reshape(b, hq, d)
     cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
     out, lse = fa4lab.attention_varlen(q1, kc, vc, cu_q, None, 1, full, seqused_k=used,
                                        page_table=table, return_lse=True)
     ref, ref_lse = attention_varlen_reference(q1, kc, vc, cu_q, None, seqused_k=used,
                                               page_table=table, return_lse=True)
-    assert (out.double() - ref.to(out.device)).abs().max().item() < 2e-2
-    assert (lse.double() - ref_lse.to(lse.device)).abs().max().item() < 1e-3
+    check_sequences(out, lse, ref.to("cuda"), ref_lse.to("cuda"), q1, list(range(b + 1)),
+                    lens_k, lambda i: (k[i, :lens_k[i]], v[i, :lens_k[i]]), {},
+                    what=f", pages of {page_size}")
 
 
 @pytest.mark.gpu
