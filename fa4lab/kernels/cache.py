@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -288,3 +289,22 @@ def _main(args) -> int:
         return 0
     print(info().format())
     return 0
+
+
+_memo: dict[tuple[str, str], object] = {}
+_memo_lock = threading.Lock()
+
+
+def memo_kernel(prefix: str, name: str, compile_fn):
+    """The compiled function named `name` (a plan's full name: what it is compiled for) of a
+    small kernel (the combine, the index check): this process's, else the disk cache's under
+    `prefix`-digest(name), else `compile_fn()`, published there. One compile per process."""
+    key = (prefix, name)
+    fn = _memo.get(key)
+    if fn is None:
+        with _memo_lock:
+            fn = _memo.get(key)
+            if fn is None:
+                fn = _memo[key] = load_or_compile(f"{prefix}-{digest(name)}", compile_fn,
+                                                  name)[0]
+    return fn

@@ -27,8 +27,6 @@ the combine]).
 
 from __future__ import annotations
 
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,41 +321,21 @@ def compile_combine(num_splits_max: int = MAX_SPLITS, *, head_dim_v: int, dtype:
     """Compile the combine kernel for `arch` with fake tensors (no GPU needed); PTX and cubin are
     kept in keep_dir/<name>/ (a fresh temporary directory by default) for `fa4lab.kernels.binary`.
     dtype is out's ("bf16", "fp16", "fp32")."""
-    from fa4lab.kernels.compile import newest_artifact, normalize_arch
+    from fa4lab.kernels.compile import compile_kept, normalize_arch
 
     arch = normalize_arch(arch)
     plan = CombinePlan(head_dim_v, dtype, return_lse, num_splits_max, learnable_sink)
-    root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
-    keep = root / plan.name(arch)
-    keep.mkdir(parents=True, exist_ok=True)
-    start_wall = time.time()
-    compiled, seconds = _compile(plan, arch, f"--keep-ptx --keep-cubin --dump-dir={keep}")
-    return CompiledCombine(arch, plan, compiled, seconds, keep,
-                           newest_artifact(keep, ".ptx", start_wall),
-                           newest_artifact(keep, ".cubin", start_wall))
+    return CompiledCombine(arch, plan, *compile_kept(
+        plan.name(arch), lambda options: _compile(plan, arch, options), keep_dir))
 
 
 # ---- launch ------------------------------------------------------------------------------------
-_lock = threading.Lock()
-_kernels: dict[tuple, object] = {}
-
-
 def _kernel(plan: CombinePlan, arch: str):
-    """The compiled function of (plan, arch): this process's dict, else the disk cache
-    (`fa4lab.kernels.cache`), else a compile."""
-    key = (plan, arch)
-    fn = _kernels.get(key)
-    if fn is None:
-        with _lock:
-            fn = _kernels.get(key)
-            if fn is None:
-                from fa4lab.kernels import cache
+    """The compiled function of (plan, arch): this process's, else the disk cache's
+    (`fa4lab.kernels.cache.memo_kernel`), else a compile."""
+    from fa4lab.kernels import cache
 
-                what = plan.name(arch)
-                fn = cache.load_or_compile("combine-" + cache.digest(what),
-                                           lambda: _compile(plan, arch)[0], what)[0]
-                _kernels[key] = fn
-    return fn
+    return cache.memo_kernel("combine", plan.name(arch), lambda: _compile(plan, arch)[0])
 
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

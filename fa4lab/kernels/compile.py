@@ -394,6 +394,19 @@ def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
+def compile_kept(name: str, compile_fn, keep_dir=None) -> tuple:
+    """(compiled, seconds, keep, ptx path, cubin path) of `compile_fn(options)` (-> (compiled,
+    seconds)) with the DSL told to keep its PTX and cubin in keep_dir/<name>/ (a fresh
+    temporary directory by default), for `fa4lab.kernels.binary` and the audits."""
+    root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
+    keep = root / name
+    keep.mkdir(parents=True, exist_ok=True)
+    start_wall = time.time()
+    compiled, seconds = compile_fn(f"--keep-ptx --keep-cubin --dump-dir={keep}")
+    return (compiled, seconds, keep, newest_artifact(keep, ".ptx", start_wall),
+            newest_artifact(keep, ".cubin", start_wall))
+
+
 def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
                     mutation=None, mods=None, seqused_k: bool | None = None) -> CompiledForward:
     """Compile the forward kernel for `arch` with fake tensors; keep PTX and cubin in keep_dir.
@@ -405,24 +418,26 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
-    root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
-    keep = root / (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
-                   + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
-                   + ("-mutated" if mutation is not None else "")
-                   + ("-mods" if mods else "")
-                   + ("-seqused" if seqused_k and not plan.spec.varlen
-                      and plan.spec.page_size is None else ""))
-    keep.mkdir(parents=True, exist_ok=True)
-    start_wall = time.time()
-    kernel, compiled, seconds = compile_plan(
-        plan, options=f"--keep-ptx --keep-cubin --dump-dir={keep}", mutation=mutation,
-        mods=mods, seqused_k=seqused_k)
-    storage = getattr(kernel, "shared_storage", None)
+    name = (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
+            + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
+            + ("-mutated" if mutation is not None else "")
+            + ("-mods" if mods else "")
+            + ("-seqused" if seqused_k and not plan.spec.varlen
+               and plan.spec.page_size is None else ""))
+    built = {}
+
+    def compile_fn(options):
+        built["kernel"], compiled, seconds = compile_plan(plan, options=options,
+                                                          mutation=mutation, mods=mods,
+                                                          seqused_k=seqused_k)
+        return compiled, seconds
+
+    compiled, seconds, keep, ptx, cubin = compile_kept(name, compile_fn, keep_dir)
+    storage = getattr(built["kernel"], "shared_storage", None)
     smem = int(storage.size_in_bytes()) if storage is not None else -1
     return CompiledForward(
-        arch=arch, plan=plan, kernel=kernel, compiled=compiled, seconds=seconds,
-        keep_dir=keep, ptx_path=newest_artifact(keep, ".ptx", start_wall),
-        cubin_path=newest_artifact(keep, ".cubin", start_wall), smem_bytes=smem)
+        arch=arch, plan=plan, kernel=built["kernel"], compiled=compiled, seconds=seconds,
+        keep_dir=keep, ptx_path=ptx, cubin_path=cubin, smem_bytes=smem)
 
 
 def compile_report(plan) -> tuple[float | None, str]:

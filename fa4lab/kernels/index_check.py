@@ -31,8 +31,6 @@ queues a check and its verdict (`fa4lab.indexcheck.submit`).
 from __future__ import annotations
 
 import functools
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,40 +368,20 @@ def compile_index_check(plan: IndexCheckPlan, *, arch: str = "sm100a",
                         keep_dir=None) -> CompiledIndexCheck:
     """Compile the check kernel of `plan` for `arch` with fake tensors (no GPU needed); PTX and
     cubin kept in keep_dir/<name>/ (a fresh temporary directory by default)."""
-    from fa4lab.kernels.compile import newest_artifact, normalize_arch
+    from fa4lab.kernels.compile import compile_kept, normalize_arch
 
     arch = normalize_arch(arch)
-    root = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="fa4lab-"))
-    keep = root / plan.name(arch)
-    keep.mkdir(parents=True, exist_ok=True)
-    start_wall = time.time()
-    compiled, seconds = _compile(plan, arch, f"--keep-ptx --keep-cubin --dump-dir={keep}")
-    return CompiledIndexCheck(arch, plan, compiled, seconds, keep,
-                              newest_artifact(keep, ".ptx", start_wall),
-                              newest_artifact(keep, ".cubin", start_wall))
+    return CompiledIndexCheck(arch, plan, *compile_kept(
+        plan.name(arch), lambda options: _compile(plan, arch, options), keep_dir))
 
 
 # ---- launch -------------------------------------------------------------------------------------
-_lock = threading.Lock()
-_kernels: dict[tuple, object] = {}
-
-
 def _kernel(plan: IndexCheckPlan, arch: str):
-    """The compiled check of (plan, arch): this process's dict, else the disk cache, else a
-    compile."""
-    key = (plan, arch)
-    fn = _kernels.get(key)
-    if fn is None:
-        with _lock:
-            fn = _kernels.get(key)
-            if fn is None:
-                from fa4lab.kernels import cache
+    """The compiled check of (plan, arch): this process's, else the disk cache's
+    (`fa4lab.kernels.cache.memo_kernel`), else a compile."""
+    from fa4lab.kernels import cache
 
-                what = plan.name(arch)
-                fn = cache.load_or_compile("indexcheck-" + cache.digest(what),
-                                           lambda: _compile(plan, arch)[0], what)[0]
-                _kernels[key] = fn
-    return fn
+    return cache.memo_kernel("indexcheck", plan.name(arch), lambda: _compile(plan, arch)[0])
 
 
 def plan_of(cu_q=None, cu_k=None, used=None, table=None) -> IndexCheckPlan:
