@@ -76,6 +76,8 @@ torch.compile and CUDA graphs: `attention` is backed by the custom op
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -85,6 +87,9 @@ from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
 from fa4lab.varlen_forms import varlen_form, with_seqused_q
+
+if TYPE_CHECKING:
+    from fa4lab.varlen_metadata import SchedulerMetadata
 
 
 class SlowReferenceWarning(UserWarning):
@@ -160,14 +165,31 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
     return out, (lse if return_lse else None)
 
 
-@torch.compiler.disable
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
                        num_splits=None, page_table=None):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
-    custom op, so a call with mods is a graph break (Note [mods in the kernels])."""
-    return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
-                    learnable_sink, score_mod, mask_mod, aux_tensors, num_splits, page_table)
+    custom op, so a call with mods is a graph break (Note [mods in the kernels]). Eager calls
+    (nothing tracing) call `_forward` directly: `torch.compiler.disable` imports torch._dynamo
+    (about a second), which `import fa4lab` should not pay for."""
+    if not torch.compiler.is_compiling():
+        return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
+                        num_splits, page_table)
+    return _outside_graph()(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                            window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
+                            num_splits, page_table)
+
+
+_DISABLED = []
+
+
+def _outside_graph():
+    """`_forward` under torch.compiler.disable, made at the first traced call with mods (a
+    tracer has imported torch._dynamo by then)."""
+    if not _DISABLED:
+        _DISABLED.append(torch.compiler.disable(_forward))
+    return _DISABLED[0]
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
@@ -229,11 +251,15 @@ def _check_switches(pack_gqa, deterministic) -> None:
         raise InputTypeError(f"deterministic must be True or False, got {deterministic!r}")
 
 
-def attention(q, k, v, *, softmax_scale: float | None = None, causal: bool = False,
-              window_size=(None, None), learnable_sink=None, softcap: float = 0.0,
-              num_splits: int | None = None, pack_gqa: bool | None = None, score_mod=None,
-              mask_mod=None, aux_tensors=None, return_lse: bool = False, page_table=None,
-              deterministic: bool = False):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              softmax_scale: float | None = None, causal: bool = False,
+              window_size: tuple[int | None, int | None] = (None, None),
+              learnable_sink: torch.Tensor | None = None, softcap: float = 0.0,
+              num_splits: int | None = None, pack_gqa: bool | None = None,
+              score_mod: Callable | None = None, mask_mod: Callable | None = None,
+              aux_tensors: Sequence[torch.Tensor] | None = None, return_lse: bool = False,
+              page_table: torch.Tensor | None = None, deterministic: bool = False,
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: out, or (out, lse) when return_lse. See the module docstring.
 
     The keyword arguments are upstream FA4's `flash_attn_func`'s, in its order (num_splits
@@ -292,14 +318,20 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, *, seqused_q=None,
-                     seqused_k=None, page_table=None, causal: bool = False,
-                     softmax_scale: float | None = None, window_size=(None, None),
-                     softcap: float = 0.0, learnable_sink=None, num_splits: int | None = None,
-                     pack_gqa: bool | None = None, deterministic: bool = False,
-                     return_lse: bool = False, check_indices: bool | str = "device",
-                     scheduler_metadata=None):
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor | None = None,
+                     cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, *, seqused_q: torch.Tensor | None = None,
+                     seqused_k: torch.Tensor | None = None,
+                     page_table: torch.Tensor | None = None, causal: bool = False,
+                     softmax_scale: float | None = None,
+                     window_size: tuple[int | None, int | None] = (None, None),
+                     softcap: float = 0.0, learnable_sink: torch.Tensor | None = None,
+                     num_splits: int | None = None, pack_gqa: bool | None = None,
+                     deterministic: bool = False, return_lse: bool = False,
+                     check_indices: bool | str = "device",
+                     scheduler_metadata: SchedulerMetadata | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention forward of a variable-length batch: out, or (out, lse) when return_lse.
 
     The layout (packed q (total_q, heads_q, head_dim), packed k / v with int32 cu_seqlens_k, or

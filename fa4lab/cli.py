@@ -28,7 +28,10 @@ def _doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fa4lab import __version__
+
     parser = argparse.ArgumentParser(prog="fa4lab", description="FlashAttention-4 lab tools")
+    parser.add_argument("--version", action="version", version=f"fa4lab {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="versions, GPU, and which tiers run here")
     doctor.set_defaults(func=_doctor)

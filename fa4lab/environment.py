@@ -96,9 +96,25 @@ def _gpu_line(g: GpuInfo | None) -> str:
     return f'{g.name}, compute capability {g.capability[0]}.{g.capability[1]}'
 
 
+CUDA_TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
+
+
+def _tool_line(name: str) -> str:
+    """Where pip's CUDA tool `name` is, or why it is not (what the audit tier needs)."""
+    from fa4lab.kernels.binary import cuda_tool
+
+    try:
+        return str(cuda_tool(name))
+    except FileNotFoundError:
+        return "missing (pip install nvidia-cuda-nvcc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
+
+
 def doctor_report() -> str:
+    import fa4lab
+
     g = gpu()
     lines = [
+        f"fa4lab        {fa4lab.__version__}",
         f"python        {sys.version.split()[0]} ({sys.executable})",
         f"torch         {_version('torch')}",
         f"cutlass-dsl   {_version('nvidia-cutlass-dsl')}",
@@ -106,6 +122,7 @@ def doctor_report() -> str:
         f"ipywidgets    {_version('ipywidgets')}",
         f"flash-attn-4  {_version('flash-attn-4')} (peer, optional)",
         f"CUDA GPU      {_gpu_line(g)}",
+        *(f"{name:<13} {_tool_line(name)}" for name in CUDA_TOOLS),
         "tiers:",
     ]
     for tier, (ok, why) in tiers().items():

@@ -154,3 +154,17 @@ def test_error_vs_reference_on_cpu(rng):
     assert r["no_nan"] and r["empty_rows_ok"]
     assert r["kernel"] < 1e-2 and r["lse"] < 1e-6  # the reference, rounded to bf16
     assert 0 < r["sdpa"] < 5e-2                   # SDPA's own bf16 error is not zero
+
+
+def test_the_first_call_does_not_import_dynamo():
+    """`import fa4lab.api` and an eager call leave torch._dynamo unimported (a second or more
+    of a student's first call): only a traced call with mods needs torch.compiler.disable."""
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings, torch, fa4lab; warnings.simplefilter('ignore'); "
+            "q = torch.randn(1, 8, 2, 64); fa4lab.attention(q, q, q, causal=True); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"

@@ -9,6 +9,29 @@ def test_doctor_prints_versions_and_tiers(capsys):
     out = capsys.readouterr().out
     for word in ("python", "torch", "cutlass-dsl", "jupyterlab", "CUDA GPU", "tiers"):
         assert word in out
+    import fa4lab
+
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert lines["fa4lab"].split()[1] == fa4lab.__version__
+    for tool in ("ptxas", "cuobjdump", "nvdisasm"):   # a path, or how to install it
+        assert tool in lines and (tool in lines[tool].split()[1] or "missing" in lines[tool])
+
+
+def test_version_flag(capsys):
+    import pytest
+
+    import fa4lab
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == \
+        f"fa4lab {fa4lab.__version__}"
+
+
+def test_the_package_says_it_is_typed():
+    from importlib.resources import files
+
+    assert files("fa4lab").joinpath("py.typed").is_file()
 
 
 def test_console_script_runs():
