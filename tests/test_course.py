@@ -272,6 +272,8 @@ def graded(released):
                                str(released / name), "--json", *extra],
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{key}: grading exited {proc.returncode}\n{proc.stderr}"
+        # the kernel runs over IPC: no warning of TCP without encryption, nothing left running
+        assert "[IPKernelApp] WARNING" not in proc.stderr, proc.stderr
         return json.loads(proc.stdout)
 
     keys = [(name, kind) for name in EXERCISES for kind in ("solutions", "raw")]

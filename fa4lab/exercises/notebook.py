@@ -27,6 +27,7 @@ import copy
 import hashlib
 import json
 import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -291,6 +292,27 @@ def _read(path: str | Path, what: str):
     return nbformat.read(path, as_version=_NBFORMAT)
 
 
+def _kernel_manager_class():
+    """The grading kernel's manager: over IPC (unix sockets) where there are any, so nothing
+    goes over TCP and the kernel says nothing of TCP without encryption on every grade; else
+    nbclient's default (TCP on localhost). nbclient owns it, so it shuts the kernel down."""
+    import os
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    if os.name != "posix":
+        return AsyncKernelManager
+
+    class IpcKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+            # absolute: the kernel runs in the notebook's folder, not ours
+            self.ip = str(Path(tempfile.mkdtemp(prefix="fa4lab-grade-")) / "kernel")
+
+    return IpcKernelManager
+
+
 def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
           release_from: str | Path | None = None, timeout: int = 600,
           kernel_name: str = "python3") -> GradeReport:
@@ -318,6 +340,7 @@ def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
         # nbclient's default 60 s for the kernel to answer stopped whole notebooks unrun
         NotebookClient(nb, timeout=timeout, startup_timeout=max(timeout, 300),
                        kernel_name=kernel_name, allow_errors=True,
+                       kernel_manager_class=_kernel_manager_class(),
                        resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
     except Exception as e:   # a cell past the timeout, a dead kernel: grade what ran
         errors.append(f"execution stopped: {type(e).__name__}: {str(e).splitlines()[0]}")
