@@ -21,7 +21,7 @@ from fa4lab.errors import InputError, PlanError  # noqa: E402
 from fa4lab.fuzz import cases, cli, judge  # noqa: E402
 from fa4lab.fuzz.cases import Case, draw_case, from_json, parse_replay, to_json  # noqa: E402
 from fa4lab.fuzz.inputs import call, case_inputs  # noqa: E402
-from fa4lab.limits import ALL_HEAD_DIMS  # noqa: E402
+from fa4lab.limits import ALL_HEAD_DIMS, covering_head_dims  # noqa: E402
 
 DRAWS = 300
 
@@ -55,7 +55,12 @@ def test_the_draws_cover_every_axis(drawn):
         return {getattr(c, field) for c in drawn}
 
     assert seen("entry") == set(cases.ENTRIES)
-    assert {(c.head_dim, c.head_dim_v) for c in drawn} == set(ALL_HEAD_DIMS)
+    pairs = {(c.head_dim, c.head_dim_v) for c in drawn}
+    assert {covering_head_dims("sm90", *p) for p in pairs} == set(ALL_HEAD_DIMS)
+    assert pairs - set(ALL_HEAD_DIMS), "head dims the kernels run padded"
+    assert any(c.seqused_q is not None for c in drawn)
+    assert any(s is not None and s < 0 for c in drawn for s in c.window_size), "a negative side"
+    assert {1, 2, 4, 8} <= seen("page_size"), "pages below a swizzle atom"
     assert seen("layout") == set(cases.LAYOUTS)
     assert seen("dtype") == {"bf16", "fp16"}
     for field in ("causal", "learnable_sink", "return_lse"):
@@ -88,7 +93,8 @@ def test_the_cases_take_a_bounded_pool_of_kernel_configurations(drawn):
     """Note [a bounded pool of kernels]: the options that pick a kernel come from POOL_SIZE
     slots; configs=0 draws them per case."""
     def kernel(c):
-        return (c.entry, c.dtype, c.head_dim, c.head_dim_v, c.causal, c.softcap > 0,
+        return (c.entry, c.dtype, covering_head_dims("sm90", c.head_dim, c.head_dim_v),
+                c.causal, c.softcap > 0,
                 tuple(s is not None for s in c.window_size), c.learnable_sink, c.return_lse,
                 c.heads_q // c.heads_kv, c.pack_gqa, c.mod, c.page_size, c.num_splits is None)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa4lab.limits import ALL_HEAD_DIMS
+from fa4lab.limits import ALL_HEAD_DIMS, covering_head_dims
 
 __all__ = ["ENTRIES", "LAYOUTS", "MODS", "PAGE_SIZES", "POOL_SIZE", "Case", "draw_case",
            "from_json", "parse_replay", "to_json"]
@@ -69,8 +69,8 @@ ODDS = {
     "layout_on": 0.6,           # each of q, k, v takes the case's layout
     "negative_side": 0.15,      # a window side below 0 (upstream's reading: Note [window and
                                 # causal] in fa4lab.spec)
-    "narrow_head_dims": 0.12,   # head dims below the pool's pair (run zero-padded to a built
-                                # pair: Note [padded head dims] in fa4lab.canonical)
+    "narrow_head_dims": 0.12,   # head dims below the pool's pair that run zero-padded to it
+                                # (Note [padded head dims] in fa4lab.canonical)
     "seqused_q": 0.2,           # of a varlen call: rows each sequence uses (Note [seqused_q as
                                 # phantom sequences] in fa4lab.varlen_forms)
 }
@@ -185,9 +185,11 @@ def _length(rng, size: str, *, zero: bool = False, lowest: int = 1) -> int:
     return max(lowest, int(rng.integers(lo, hi + 1)))
 
 
-def draw_config(rng, entry: str, pair: tuple[int, int]) -> dict:
+def draw_config(rng, entry: str, pair: tuple[int, int], page_index: int | None = None) -> dict:
     """The kernel-configuration fields of a case (Note [a bounded pool of kernels]): the
-    options that pick a compiled kernel, drawn for one entry point and head-dim pair."""
+    options that pick a compiled kernel, drawn for one entry point and head-dim pair;
+    `page_index` picks a paged entry's page size from PAGE_SIZES (a pool's consecutive paged
+    slots then take every size), None draws it."""
     dense_call = entry in ("dense", "paged", "paged_split")
     causal = bool(rng.random() < ODDS["causal"])
     # Which sides the window has; causal takes a left side only (right > 0 with causal is a
@@ -214,6 +216,8 @@ def draw_config(rng, entry: str, pair: tuple[int, int]) -> dict:
         page_size = int(_pick(rng, PAGE_SIZES + ODD_PAGE_SIZES,
                               [(1 - odd) / len(PAGE_SIZES)] * len(PAGE_SIZES)
                               + [odd / len(ODD_PAGE_SIZES)] * len(ODD_PAGE_SIZES)))
+        if page_index is not None and page_size in PAGE_SIZES:
+            page_size = PAGE_SIZES[page_index % len(PAGE_SIZES)]
     return dict(entry=entry, head_dim=pair[0], head_dim_v=pair[1],
                 dtype=_pick(rng, ["bf16", "fp16"]), causal=causal, sides=sides,
                 softcap=bool(rng.random() < ODDS["softcap"]),
@@ -229,7 +233,7 @@ def pool_config(seed: int, slot: int) -> dict:
     rng = np.random.default_rng((seed, 2**31 - 1, slot))
     pair = ALL_HEAD_DIMS[slot % len(ALL_HEAD_DIMS)]
     entry = ENTRIES[slot // len(ALL_HEAD_DIMS) % len(ENTRIES)]
-    return draw_config(rng, entry, pair)
+    return draw_config(rng, entry, pair, page_index=seed + slot)
 
 
 def _lengths(rng, entry: str, size: str, batch: int, page_size: int | None):
@@ -310,9 +314,15 @@ def _window_side(rng, longest: int) -> int:
     return int(rng.integers(lo, hi + 1))
 
 
-def _narrow(rng, d: int) -> int:
-    """A head dim below d, a multiple of 8 (the 16-byte rows TMA needs)."""
-    return int(8 * rng.integers(1, max(1, d // 8) + 1))
+def _narrow(rng, d: int, dv: int) -> tuple[int, int]:
+    """Head dims at most (d, dv), multiples of 8 (the 16-byte rows TMA needs), that run padded
+    to (d, dv) itself on both kernels (`fa4lab.limits.covering_head_dims`), so the case keeps
+    its pool slot's kernel; (d, dv) when a few draws find none."""
+    for _ in range(8):
+        pair = (int(8 * rng.integers(1, d // 8 + 1)), int(8 * rng.integers(1, dv // 8 + 1)))
+        if all(covering_head_dims(arch, *pair) == (d, dv) for arch in ("sm90", "sm100")):
+            return pair
+    return d, dv
 
 
 def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "full") -> Case:
@@ -345,7 +355,7 @@ def draw_case(seed: int, index: int, *, configs: int = POOL_SIZE, size: str = "f
         window = (window[0], 1)          # the probe's point is right > 0 under causal
     d, dv = fields_["head_dim"], fields_["head_dim_v"]
     if rng.random() < ODDS["narrow_head_dims"]:
-        d, dv = _narrow(rng, d), _narrow(rng, dv)
+        d, dv = _narrow(rng, d, dv)
     fields_.update(head_dim=d, head_dim_v=dv)
     seqused_q = None
     if entry in VARLEN and rng.random() < ODDS["seqused_q"]:
