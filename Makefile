@@ -8,13 +8,14 @@ TORCH_SPEC ?= torch==2.13.0
 PY ?= $(shell test -x $(VENV)/bin/python && echo $(VENV)/bin/python || echo $(PYTHON))
 PORT ?= 8888
 NOTEBOOK ?= notebooks/00_start_here.ipynb
+RELEASE ?= course/release
 CHROMIUM ?= /usr/bin/chromium
 LAB_ARGS ?=
 
 # What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
 FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
 
-.PHONY: install lab test test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
+.PHONY: install lab student test test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
 
 install: $(VENV)/.installed
 
@@ -26,9 +27,23 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Headless when NO_BROWSER=1 or there is no display; --allow-root because CI and containers run as root.
-lab: install
+define open_lab
 	@if [ -n "$$NO_BROWSER" ] || [ -z "$$DISPLAY$$WAYLAND_DISPLAY" ]; then nb="--no-browser"; else nb=""; fi; \
-	$(VENV)/bin/jupyter lab $$nb --allow-root --ip 127.0.0.1 --port $(PORT) $(LAB_ARGS) $(NOTEBOOK)
+	$(VENV)/bin/jupyter lab $$nb --allow-root --ip 127.0.0.1 --port $(PORT) $(LAB_ARGS) $(1)
+endef
+
+# The instructor's notebooks, solutions included.
+lab: install
+	$(call open_lab,$(NOTEBOOK))
+
+# A student's: the release (solutions replaced by stubs, see `make course`), built first when
+# missing or older than the notebooks.
+student: $(RELEASE)/.built
+	$(call open_lab,$(RELEASE)/00_start_here.ipynb)
+
+$(RELEASE)/.built: $(wildcard notebooks/*.ipynb) | install
+	$(VENV)/bin/python -m fa4lab.exercises release notebooks $(RELEASE)
+	touch $@
 
 # The browser test drives Debian's chromium; install it when missing (needs root, as in CI).
 browser-deps:
@@ -88,7 +103,7 @@ sanitize-gpu:
 # points.json (see notebooks/README.md). Grade a notebook with
 # `python -m fa4lab.exercises grade course/release/01_online_softmax.ipynb`.
 course: install
-	$(VENV)/bin/python -m fa4lab.exercises release notebooks course/release
+	$(VENV)/bin/python -m fa4lab.exercises release notebooks $(RELEASE)
 
 lint: install
 	$(VENV)/bin/ruff check fa4lab tests

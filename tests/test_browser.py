@@ -314,3 +314,21 @@ def plan(width):
     return View(fig, f"width {width}")
 
 LiveFigure({"width": widgets.Dropdown(options=[2, 3, 9], value=2, description="width")}, plan)"""
+
+
+def test_make_student_serves_the_release(tmp_path):
+    """`make student` builds the release (solutions replaced by stubs) and serves it: the
+    served 01 notebook has nbgrader's stubs where the instructor's has solutions."""
+    import urllib.request
+
+    release = tmp_path / "release"
+    with running_lab(target="student", make_vars=(f"RELEASE={release}",), timeout=300,
+                     log_path=tmp_path / "student.log") as (url, token):
+        req = urllib.request.Request(f"{url}/api/contents/01_online_softmax.ipynb?content=1",
+                                     headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            served = json.loads(resp.read())["content"]
+    code = "\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+                     for c in served["cells"] if c["cell_type"] == "code")
+    assert "raise NotImplementedError()" in code and "BEGIN SOLUTION" not in code
+    assert (release / "points.json").is_file()
