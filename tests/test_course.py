@@ -9,6 +9,7 @@ CPU). That the instructor notebooks themselves run is `make test`'s nbmake pass.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -51,6 +52,12 @@ def _nb(name):
 
 def _meta(cell):
     return cell.metadata.get("nbgrader", {})
+
+
+# Wrong answers built from the library's right ones: behind a partial, which the grader's
+# guard against delegation (Note [delegation] in fa4lab.exercises._core) does not replace.
+_library_update_state = functools.partial(osm.update_state)
+_library_classify_tiles = functools.partial(tiling.classify_tiles)
 
 
 def _solution_source(name, grade_id):
@@ -117,8 +124,8 @@ def _failure(check, fn) -> str:
 @pytest.mark.parametrize("mistake", ["skip_rescale", "normalize_early"])
 def test_update_state_check_names_the_row_and_hints(mistake):
     def wrong(state, s, v_block, rescale_threshold=0.0):
-        return osm.update_state(state, s, v_block, rescale_threshold=rescale_threshold,
-                                mistake=mistake)[0]
+        return _library_update_state(state, s, v_block, rescale_threshold=rescale_threshold,
+                                     mistake=mistake)[0]
     msg = _failure(exercises.check_update_state, wrong)
     assert "step" in msg and "row" in msg and "expected" in msg and "hint:" in msg
     assert "alpha" in msg
@@ -126,7 +133,7 @@ def test_update_state_check_names_the_row_and_hints(mistake):
 
 def test_update_state_check_catches_an_ignored_threshold():
     def eager(state, s, v_block, rescale_threshold=0.0):
-        return osm.update_state(state, s, v_block, rescale_threshold=0.0)[0]
+        return _library_update_state(state, s, v_block, rescale_threshold=0.0)[0]
     msg = _failure(exercises.check_update_state, eager)
     assert "row_max" in msg and "rescale_threshold" in msg
 
@@ -192,8 +199,8 @@ def test_n_block_range_check_explains_an_empty_range(mistake):
 
 def test_classify_check_names_the_tile_and_a_witness():
     def tail_is_masked(sq, sk, bm, bn, causal, window_size=(None, None)):
-        kinds = np.array(tiling.classify_tiles(sq, sk, bm, bn, causal,
-                                               window_size=window_size).kinds)
+        kinds = np.array(_library_classify_tiles(sq, sk, bm, bn, causal,
+                                                 window_size=window_size).kinds)
         kinds[kinds == TileKind.TAIL] = TileKind.MASKED
         return kinds
     msg = _failure(exercises.check_classify_tiles, tail_is_masked)
@@ -401,3 +408,25 @@ def test_make_course_releases_into_the_ignored_folder():
                          capture_output=True, text=True, timeout=60)
     assert "-m fa4lab.exercises release notebooks course/release" in run.stdout, run.stdout
     assert "/course/" in (root / ".gitignore").read_text().splitlines()
+
+
+def test_a_delegating_answer_scores_nothing_and_says_why():
+    """Note [delegation]: returning the library's answer (by its module or under another name)
+    fails the check with a message that says so; the library is whole afterwards."""
+    from fa4lab.exercises._core import Delegated
+    from fa4lab.online_softmax import merge_states as lib_merge
+    from fa4lab.tiling import n_block_range as lib_range
+
+    answers = [(exercises.check_merge_states, lambda a, b: osm.merge_states(a, b)),
+               (exercises.check_merge_states, lambda a, b: lib_merge(a, b)),
+               (exercises.check_update_state, lambda st, s, v, **kw: osm.update_state(st, s, v,
+                                                                                   **kw)),
+               (exercises.check_n_block_range, lambda m, **kw: lib_range(m, **kw))]
+    for check, answer in answers:
+        with pytest.raises(Delegated, match="the library's own answer to this exercise; it is "
+                                            "unavailable while grading, so the answer scores 0"):
+            check(answer)
+    assert osm.merge_states is lib_merge and tiling.n_block_range is lib_range
+    # a real answer still scores: the instructor's, which computes without the library's
+    assert exercises.check_merge_states(_instructor_function(
+        "01_online_softmax.ipynb", "merge_states", "merge_states"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import traceback
 from collections.abc import Callable
@@ -51,12 +52,76 @@ def raised_at(err: BaseException, fn: Callable) -> str:
     return at
 
 
+# Note [delegation]
+# An exercise asks for a function the library already has: the check compares the student's
+# answer with it. A student who returns the library's own answer (`return osm.merge_states(a,
+# b)`) would score full marks for nothing, so while the student's function runs, the library
+# functions that answer its exercise (ANSWERS) are unavailable: the module's attribute and any
+# name in the student's globals bound to the same function raise `Delegated` (an
+# ExerciseFailed: 0 points, the message says why); they are put back the moment it returns.
+# What this cannot stop: a student can read the library's source (inspect.getsource), as any
+# installed package's; notebooks/README.md tells instructors so.
+ANSWERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "update_state": (("fa4lab.online_softmax", "update_state"),),
+    "merge_states": (("fa4lab.online_softmax", "merge_states"),),
+    "n_block_range": (("fa4lab.tiling", "n_block_range"),),
+    "classify_tiles": (("fa4lab.tiling", "classify_tiles"),),
+    "allocate_tmem": (("fa4lab.plan", "plan_forward"), ("fa4lab.plan.plan", "plan_forward")),
+}
+
+
+class Delegated(ExerciseFailed):
+    """The student's function called the library's answer to its exercise (Note
+    [delegation])."""
+
+
+@contextlib.contextmanager
+def _answers_unavailable(name: str, fn: Callable):
+    """While the block runs, ANSWERS[name] raise `Delegated` wherever the student's code can
+    reach them: their modules' attributes, the names of fn's globals and the cells of its
+    closure bound to them."""
+    import importlib
+
+    patched = []        # (namespace dict or module, attribute, original)
+    scope = getattr(fn, "__globals__", {})
+    for module_name, attr in ANSWERS.get(name, ()):
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr)
+        where = f"{module_name}.{attr}"
+
+        def refuse(*args, _where=where, **kwargs):
+            raise Delegated(f"{name}: your function called {_where}, the library's own answer "
+                            f"to this exercise; it is unavailable while grading, so the answer "
+                            f"scores 0: write {name} yourself from the lesson's rule")
+
+        patched.append((module, attr, original))
+        setattr(module, attr, refuse)
+        for key, value in list(scope.items()):
+            if value is original:
+                patched.append((scope, key, original))
+                scope[key] = refuse
+        for cell in getattr(fn, "__closure__", None) or ():
+            if cell.cell_contents is original:
+                patched.append((cell, "cell_contents", original))
+                cell.cell_contents = refuse
+    try:
+        yield
+    finally:
+        for where, attr, original in reversed(patched):
+            if isinstance(where, dict):
+                where[attr] = original
+            else:
+                setattr(where, attr, original)
+
+
 def call_student(fn: Callable, name: str, *args, **kwargs):
-    """fn(*args, **kwargs), turning the release's stub and crashes into a readable failure."""
+    """fn(*args, **kwargs), turning the release's stub and crashes into a readable failure;
+    the library's answers to `name` are unavailable meanwhile (Note [delegation])."""
     if not callable(fn):
         raise ExerciseFailed(f"{name}: expected a function, got {type(fn).__name__} {fn!r}")
     try:
-        return fn(*args, **kwargs)
+        with _answers_unavailable(name, fn):
+            return fn(*args, **kwargs)
     except NotImplementedError:
         own = getattr(fn, "__name__", "")
         own = own if own.isidentifier() else name     # the student's name for it, if any
