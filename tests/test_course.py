@@ -430,3 +430,29 @@ def test_a_delegating_answer_scores_nothing_and_says_why():
     # a real answer still scores: the instructor's, which computes without the library's
     assert exercises.check_merge_states(_instructor_function(
         "01_online_softmax.ipynb", "merge_states", "merge_states"))
+
+
+def test_the_softmax_keys_run_without_numpy_warnings():
+    """The instructor's update_state and merge_states compute exp2 only where its value is
+    used: a row's first block of scores far below 0 (the basis far below 0, the old row_max
+    -inf) and a merge with one side unseen raise no overflow warning, and agree with the
+    library."""
+    import warnings
+
+    name = "01_online_softmax.ipynb"
+    update = _instructor_function(name, "update_state", "update_state")
+    merge = _instructor_function(name, "merge_states", "merge_states")
+    scale = 1.4426950408889634
+    empty = osm.SoftmaxState(np.full((1, 2), -np.inf), np.zeros((1, 2)), np.zeros((1, 2, 4)),
+                             scale)
+    s = np.full((1, 2, 8), -5000.0)
+    s[0, 1, :3] = -np.inf
+    v = np.arange(32.0).reshape(1, 8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = update(empty, s, v)
+        both = merge(got, empty)
+    want = osm.update_state(empty, s, v)[0]
+    for a, b in ((got, want), (both, want)):
+        np.testing.assert_allclose(a.row_sum, b.row_sum)
+        np.testing.assert_allclose(a.acc_o, b.acc_o)

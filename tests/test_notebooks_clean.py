@@ -75,3 +75,24 @@ def test_readme_carries_the_lesson_table():
     assert block == lesson_table_markdown(), (
         "README.md's notebook table is stale: run `python -m fa4lab.lessons`, which rewrites it "
         "between the lessons markers")
+
+
+def twice_shown(path: Path) -> list[int]:
+    """Code cells that make a pyplot figure and end on a bare name: under %matplotlib inline
+    the figure shows at the cell's end and again as its value."""
+    import re
+
+    found = []
+    for i, c in enumerate(json.loads(path.read_text())["cells"]):
+        src = "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        lines = [line for line in src.strip().splitlines() if line.strip()]
+        if (c.get("cell_type") == "code" and lines and re.search(r"plt\.(subplots|figure)\(", src)
+                and re.fullmatch(r"[A-Za-z_]\w*", lines[-1].strip())):
+            found.append(i)
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_figure_shows_twice(path):
+    twice = twice_shown(path)
+    assert not twice, f"{path.name}: cells {twice} show their figure twice; end on plt.show()"

@@ -76,3 +76,21 @@ def test_block_stepper_counts_like_its_slider(qkv):
     assert (min(xs), max(xs)) == (slider.min, slider.max)
     plt.close(fig)
 
+
+
+def test_the_rescale_legend_entry_only_with_rescales(qkv):
+    """A 'rescale event' legend entry only where markers are drawn: with every rescale skipped
+    (a threshold above any rise) there is none; rescaling at every rise, there is one."""
+    q, k, v = qkv
+
+    def labels(threshold):
+        t = online_attention(q, k, v, block_n=16, trace=True, rescale_threshold=threshold)
+        fig = plot_row_max(t)
+        found = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        plt.close(fig)
+        return found, t.rescales
+
+    quiet, none = labels(64.0)
+    assert none == 0 and "rescale event" not in quiet
+    eager, some = labels(0.0)
+    assert some > 0 and "rescale event" in eager

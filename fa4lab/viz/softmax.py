@@ -38,6 +38,7 @@ def plot_row_max(trace: OnlineTrace, *, rows: Sequence[int] = (0, 1, 2), batch: 
     log2 units, with a marker where the state was rescaled."""
     fig, ax = subplots(figsize=(7, 3.4))
     steps = np.arange(1, len(trace.steps) + 1)      # blocks counted from 1, as the stepper
+    events = 0
     for c, r in enumerate(rows):
         color = f"C{c}"
         basis = np.array([s.row_max_after[batch, head, r] for s in trace.steps]) * trace.scale_log2
@@ -48,7 +49,9 @@ def plot_row_max(trace: OnlineTrace, *, rows: Sequence[int] = (0, 1, 2), batch: 
         ax.step(steps, seen, where="post", color=color, ls="--", alpha=0.6,
                 label=f"row {r}: true running max")
         ax.plot(steps[hit], basis[hit], "o", color=color, ms=6, mfc="none")
-    ax.plot([], [], "ko", mfc="none", label="rescale event")
+        events += int(hit.sum())
+    if events:      # a legend entry for markers only where some are drawn
+        ax.plot([], [], "ko", mfc="none", label="rescale event")
     ax.set_xlabel("K/V blocks processed (block k of n, in processing order)")
     ax.set_ylabel("max score x scale_log2 (log2 units)")
     thr = trace.rescale_threshold
