@@ -100,3 +100,17 @@ def test_the_figures_leave_the_backend_to_the_notebook():
     )
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("arch", ["sm100", "sm90"])
+def test_the_timeline_says_what_its_colours_mean(arch):
+    """Notebook 04's timeline: a legend entry for each kind of bar it draws (the grey ones are
+    waits on a barrier)."""
+    sim = simulate(plan_forward(spec(128), arch), 3, 2)
+    fig = vp.draw_timeline(sim)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    kinds = {s.kind for s in sim.spans}
+    assert ("wait" in kinds) == any("waiting on a barrier" in x for x in labels)
+    assert ("mma" in kinds) == any(x.startswith("MMA") for x in labels)
+    assert any("work or copy" in x for x in labels)
+    plt.close(fig)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import html
 
 from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from fa4lab.errors import PlanError
 from fa4lab.limits import equal_head_dims
@@ -256,9 +257,21 @@ def draw_timeline(sim, ax=None, max_cycles: float | None = None, title: str | No
                 edgecolor="white" if s.kind != "wait" else "none", lw=0.3)
     for h in sim.hazards:
         ax.axvline(h.time, color="#d62728", lw=0.8, alpha=0.6)
+    # What the colours mean: one entry per kind of span drawn, and the hazards.
+    kinds = {s.kind for s in sim.spans}
+    work_lane = next((s.lane for s in sim.spans if s.kind in ("work", "copy")), None)
+    handles = []
+    if "mma" in kinds:
+        handles.append(Patch(color=ROLE_COLORS["tensor"], label="MMA (tensor cores)"))
+    if work_lane is not None:
+        handles.append(Patch(color=_role_color(work_lane),
+                             label="work or copy (the lane's role colour)"))
+    if "wait" in kinds:
+        handles.append(Patch(color="#dddddd", label="waiting on a barrier (thin, grey)"))
     if sim.hazards:
-        ax.plot([], [], color="#d62728", label=f"{len(sim.hazards)} hazard(s)")
-        ax.legend(loc="lower right", fontsize=8)
+        handles.append(Line2D([], [], color="#d62728", label=f"{len(sim.hazards)} hazard(s)"))
+    if handles:
+        ax.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.85)
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max_cycles or max(sim.cycles, 1))
