@@ -134,12 +134,24 @@ def test_peer_says_not_installed(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_cli_json_end_to_end(capsys):
+def test_cli_json_end_to_end(capsys, tmp_path, monkeypatch):
+    """The audit from the command line, then the same again from the cache (the same rows,
+    no compile: it says so on stderr)."""
     pytest.importorskip("cutlass")
     from fa4lab.cli import main
 
-    rc = main(["audit", "--arch", "sm100a", "--head-dim", "64", "--gqa", "2", "--lse",
-               "--format", "json"])
+    monkeypatch.setenv("FA4LAB_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("FA4LAB_CACHE", "1")
+    argv = ["audit", "--arch", "sm100a", "--head-dim", "64", "--gqa", "2", "--lse",
+            "--format", "json", "--no-peer"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "compiling on the CPU" in first.err and "from the cache" not in first.err
+    assert main(argv) == 0
+    again = capsys.readouterr()
+    assert "from the cache" in again.err
+    assert json.loads(again.out) == json.loads(first.out)
+    rc = main(argv[:-1])
     out = json.loads(capsys.readouterr().out)
     mine = out["audits"][0]
     assert rc == 0 and mine["ok"], [r for r in mine["rows"] if not r["ok"]]

@@ -23,10 +23,12 @@ Command line: `python -m fa4lab.exercises release|grade ...` (`fa4lab.exercises.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import re
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -292,6 +294,18 @@ def _read(path: str | Path, what: str):
     return nbformat.read(path, as_version=_NBFORMAT)
 
 
+@contextlib.contextmanager
+def _cell_progress(nb, name: str):
+    """A tqdm bar on stderr over the notebook's code cells while grading runs (25-50 s for a
+    lesson): yields nbclient's on_cell_executed hook."""
+    from tqdm.auto import tqdm
+
+    cells = sum(1 for c in nb.cells if c.cell_type == "code")
+    with tqdm(total=cells, desc=f"grading {name}", unit="cell", leave=False,
+              file=sys.stderr) as bar:
+        yield lambda **_: bar.update(1)
+
+
 def _kernel_manager_class():
     """The grading kernel's manager: over IPC (unix sockets) where there are any, so nothing
     goes over TCP and the kernel says nothing of TCP without encryption on every grade; else
@@ -338,10 +352,12 @@ def grade(notebook: str | Path, *, solutions_from: str | Path | None = None,
     try:
         # a busy machine (a class's submissions graded side by side) starts kernels slowly:
         # nbclient's default 60 s for the kernel to answer stopped whole notebooks unrun
-        NotebookClient(nb, timeout=timeout, startup_timeout=max(timeout, 300),
-                       kernel_name=kernel_name, allow_errors=True,
-                       kernel_manager_class=_kernel_manager_class(),
-                       resources={"metadata": {"path": str(path.resolve().parent)}}).execute()
+        with _cell_progress(nb, path.name) as done:
+            NotebookClient(nb, timeout=timeout, startup_timeout=max(timeout, 300),
+                           kernel_name=kernel_name, allow_errors=True,
+                           kernel_manager_class=_kernel_manager_class(), on_cell_executed=done,
+                           resources={"metadata": {"path": str(path.resolve().parent)}}
+                           ).execute()
     except Exception as e:   # a cell past the timeout, a dead kernel: grade what ran
         errors.append(f"execution stopped: {type(e).__name__}: {str(e).splitlines()[0]}")
     for i, cell in enumerate(nb.cells):

@@ -526,12 +526,49 @@ def _spec_from_args(args):
                          return_lse=args.lse)
 
 
+def cached_audit(spec, arch: str, *, use_ptxas: bool = False) -> tuple[Audit, bool]:
+    """(`audit` of the spec's default plan, whether it came from the disk cache): kept beside
+    the kernels (`fa4lab.kernels.cache`, the same fingerprint of fa4lab's sources and
+    toolchain, so a change of either audits afresh); FA4LAB_CACHE=0 always compiles."""
+    import json
+    import os
+
+    from fa4lab.kernels import cache
+    from fa4lab.kernels.binary import AuditRow
+    from fa4lab.plan import plan_forward
+
+    plan = plan_forward(spec, arch.removesuffix("a"))
+    path = (cache.cache_root() / cache.fingerprint()
+            / f"audit-{cache.digest(cache.plan_key(plan) + arch + str(use_ptxas))}.json")
+    if cache.enabled() and path.is_file():
+        data = json.loads(path.read_text())
+        return Audit(data["title"], tuple(AuditRow(**r) for r in data["rows"])), True
+    result = audit(plan, arch, use_ptxas=use_ptxas)
+    if cache.enabled():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(result.to_dict(), default=str))
+        part.replace(path)
+    return result, False
+
+
 def _main(args) -> int:
+    import sys
+
     from fa4lab.errors import Fa4labError
 
     try:
         spec = _spec_from_args(args)
-        result = audit(spec, args.arch, keep_dir=args.keep_dir, use_ptxas=args.ptxas)
+        if args.keep_dir is None:
+            print(f"fa4lab audit: the {args.arch} kernel for {describe(spec)}: compiling on the "
+                  f"CPU and reading its binary back (about a minute the first time; the result "
+                  f"is kept in the kernel cache)...", file=sys.stderr, flush=True)
+            result, cached = cached_audit(spec, args.arch, use_ptxas=args.ptxas)
+            if cached:
+                print("fa4lab audit: from the cache (FA4LAB_CACHE=0 compiles afresh)",
+                      file=sys.stderr)
+        else:   # the PTX and cubin asked for: compile
+            result = audit(spec, args.arch, keep_dir=args.keep_dir, use_ptxas=args.ptxas)
     except (Fa4labError, ValueError, FileNotFoundError) as exc:
         print(f"fa4lab audit: {exc}")
         return 2
