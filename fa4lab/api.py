@@ -226,11 +226,25 @@ def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa
             q.new_empty(lse_shape, dtype=torch.float32))
 
 
+# Note [no backward yet]
+# An input that requires grad, with grad mode on, raises GradientNotSupportedError before
+# anything runs: eagerly in `attention` / `attention_varlen`, and under torch.compile (where
+# an exception raised in the traced Python becomes dynamo's "Observed exception", fa4lab's
+# message buried in its debug context) from the ops' autograd: AOTAutograd traces the forward
+# with its autograd context when a graph input requires grad, so `_no_grad_inputs` raises at
+# compile time, and a backward that somehow runs raises too.
+
+
 def _no_backward(ctx, grad_out, grad_lse):
     raise _grad_error()
 
 
-attention_forward.register_autograd(_no_backward, setup_context=lambda ctx, inputs, output: None)
+def _no_grad_inputs(ctx, inputs, output):
+    if any(getattr(t, "requires_grad", False) for t in inputs):
+        raise _grad_error()
+
+
+attention_forward.register_autograd(_no_backward, setup_context=_no_grad_inputs)
 
 
 def _intercepted(*tensors) -> bool:
@@ -274,9 +288,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     dims the kernel does not build run zero-padded to a built pair, and views TMA cannot read
     are copied first (`fa4lab.canonical.for_kernel`: what each costs)."""
     _check_switches(pack_gqa, deterministic)
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                       for t in (q, k, v, learnable_sink)):
-        raise _grad_error()
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
+        raise _grad_error()     # traced, the op's autograd raises it (Note [no backward yet])
     causal, return_lse = bool(causal), bool(return_lse)
     num_splits = check_num_splits(num_splits)
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
@@ -388,9 +402,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]); a traced call derives
     what it needs itself, whatever `scheduler_metadata` says.
     """
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                       for t in (q, k, v, learnable_sink)):
-        raise _grad_error()
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
+        raise _grad_error()     # traced, the op's autograd raises it (Note [no backward yet])
     causal, return_lse = bool(causal), bool(return_lse)
     _check_switches(pack_gqa, deterministic)
     num_splits = check_num_splits(num_splits)
@@ -582,8 +596,7 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
             q.new_empty((heads_q, total_q) if return_lse else (0,), dtype=torch.float32))
 
 
-attention_varlen_forward.register_autograd(_no_backward,
-                                           setup_context=lambda ctx, inputs, output: None)
+attention_varlen_forward.register_autograd(_no_backward, setup_context=_no_grad_inputs)
 
 
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,

@@ -144,13 +144,15 @@ def test_a_training_block_raises_instead_of_dropping_gradients(gen):
 
 
 def test_the_op_itself_never_drops_a_gradient(gen):
-    """Called directly (no wrapper check), the output keeps a grad_fn whose backward raises."""
+    """Called directly (no wrapper check), the op raises at the call when an input requires
+    grad (its autograd's setup, Note [no backward yet]); without grad mode it runs."""
     q, k, v = _qkv(gen)
     q.requires_grad_()
-    out, _ = torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
-    assert out.requires_grad and out.grad_fn is not None
     with pytest.raises(GradientNotSupportedError):
-        out.sum().backward()
+        torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
+    with torch.no_grad():
+        out, _ = torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
+    assert not out.requires_grad
 
 
 def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
@@ -161,3 +163,31 @@ def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(lse2.double(), ref_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out, out2)
+
+
+def test_a_compiled_call_with_an_input_that_requires_grad_says_why():
+    """Note [no backward yet]: under torch.compile(fullgraph=True) the error carries fa4lab's
+    GradientNotSupportedError (in its chain and its text, not buried in a debug context); under
+    no_grad the same compiled function runs."""
+    import warnings
+
+    import fa4lab
+    from fa4lab.api import GradientNotSupportedError
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 16, 2, 64, requires_grad=True)
+    k, v = torch.randn(1, 16, 2, 64), torch.randn(1, 16, 2, 64)
+    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v), fullgraph=True,
+                      backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as err:
+            f(q, k, v)
+        chain, e = [], err.value
+        while e is not None:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        assert any(isinstance(x, GradientNotSupportedError) for x in chain)
+        assert "fa4lab.attention has no backward pass yet" in str(err.value)
+        with torch.no_grad():
+            assert f(q, k, v).shape == (1, 16, 2, 64)

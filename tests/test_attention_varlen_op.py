@@ -191,12 +191,12 @@ def test_inputs_that_require_grad_raise_before_launch(gen):
 
 
 def test_the_op_itself_never_drops_a_gradient(gen):
+    """Called directly with an input that requires grad, the op raises at the call (Note [no
+    backward yet] in fa4lab.api)."""
     q, k, v, cu_q, cu_k = _packed(gen, [3, 5], [4, 6])
     q.requires_grad_()
-    out, _ = OP(*_args(q, k, v, cu_q, cu_k))
-    assert out.requires_grad and out.grad_fn is not None
     with pytest.raises(GradientNotSupportedError):
-        out.sum().backward()
+        OP(*_args(q, k, v, cu_q, cu_k))
 
 
 def test_the_slow_reference_warning_names_the_callers_line(gen):
