@@ -321,6 +321,16 @@ def _warn_slow(q, entry: str, stacklevel: int) -> None:
         f"(sm90) and B200 (sm100) GPUs.", SlowReferenceWarning, stacklevel=stacklevel)
 
 
+# Note [the same rules on CPU and GPU]
+# fa4lab.attention and attention_varlen hold a call to the same rules whatever the device:
+# the checks before launch are the same functions (`fa4lab.spec.check_inputs`, the varlen
+# check), head dims the kernels do not build run padded on both, and the values of q, k, v are
+# not read: a NaN or inf flows through the CPU path's float64 arithmetic as it flows through a
+# kernel (the outputs it reaches come out NaN, whatever the mask: 0 * NaN is NaN in P V too),
+# where it once raised on the CPU only (after the slow-reference warning).
+# `fa4lab.reference.attention_reference`, called explicitly, still refuses non-finite inputs.
+
+
 def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None, None),
                learnable_sink=None, **mods):
     from fa4lab.reference import attention_reference
@@ -328,7 +338,7 @@ def _reference(q, k, v, *, causal, softmax_scale, softcap=0.0, window_size=(None
     _warn_slow(q, "fa4lab.attention", stacklevel=5)
     out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                    return_lse=True, softcap=softcap, window_size=window_size,
-                                   learnable_sink=learnable_sink, **mods)
+                                   learnable_sink=learnable_sink, finite=False, **mods)
     return out.to(q.dtype), lse.to(torch.float32)
 
 
@@ -495,7 +505,7 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
         out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k=seqused_k, page_table=page_table,
-                                              return_lse=True, **options)
+                                              return_lse=True, finite=False, **options)
         return out.to(q.dtype), (lse.to(torch.float32) if return_lse else None)
     return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
 

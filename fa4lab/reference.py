@@ -101,8 +101,9 @@ def _is_torch(t) -> bool:
     return mod.startswith("torch") and hasattr(t, "is_floating_point")
 
 
-def check_attention_inputs(q, k, v) -> str:
-    """Shapes (via `fa4lab.spec.check_qkv_shapes`), dtype kind and finiteness of q, k, v.
+def check_attention_inputs(q, k, v, finite: bool = True) -> str:
+    """Shapes (via `fa4lab.spec.check_qkv_shapes`), dtype kind and (with `finite`) finiteness
+    of q, k, v.
 
     Returns "torch" or "numpy", the kind all three share. Raises TypeError for a mix of kinds
     or a non-floating dtype and ValueError (naming the tensor) for a bad shape or a NaN/inf.
@@ -132,8 +133,10 @@ def check_attention_inputs(q, k, v) -> str:
         if not floating:
             raise TypeError(f"{name} has dtype {t.dtype}: attention needs a real floating-point "
                             f"dtype (float16/bfloat16/float32/float64); cast with .astype/.to")
-        finite = bool(t.isfinite().all()) if kind == "torch" else bool(np.isfinite(t).all())
         if not finite:
+            continue
+        ok = bool(t.isfinite().all()) if kind == "torch" else bool(np.isfinite(t).all())
+        if not ok:
             raise ValueError(f"{name} contains NaN or inf: the reference needs finite inputs "
                              f"(check how {name} was produced)")
     return kind
@@ -245,7 +248,8 @@ def _apply_mods(mods, aux: tuple, s, visible, b: int, heads: slice, rows: slice,
 
 def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         return_lse: bool = False, window_size=(None, None), softcap: float = 0.0,
-                        learnable_sink=None, score_mod=None, mask_mod=None, aux_tensors=None):
+                        learnable_sink=None, score_mod=None, mask_mod=None, aux_tensors=None,
+                        finite: bool = True):
     """Exact (float64) attention forward; returns out, or (out, lse) when return_lse.
 
     out: (batch, seqlen_q, heads_q, head_dim_v) float64; lse: (batch, heads_q, seqlen_q)
@@ -254,9 +258,12 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     (None = unbounded), softcap (0.0 = off) and learnable_sink ((heads_q,) or None) have
     upstream FA4's semantics: see the module docstring and `fa4lab.spec`. score_mod, mask_mod
     and aux_tensors (torch tensors on q's device; on the CPU for numpy inputs) are
-    `fa4lab.mods`'s, checked by `fa4lab.mods.check_mods`.
+    `fa4lab.mods`'s, checked by `fa4lab.mods.check_mods`. q, k, v must be finite (a NaN or
+    inf raises ValueError) unless `finite` is False: then they flow through the arithmetic as
+    they would through a kernel (`fa4lab.attention`'s CPU path: Note [the same rules on CPU
+    and GPU] in fa4lab.api).
     """
-    kind = check_attention_inputs(q, k, v)
+    kind = check_attention_inputs(q, k, v, finite)
     scale = resolve_scale(softmax_scale, int(q.shape[-1]))
     effective_window(causal, window_size)       # checks window_size against causal
     softcap = check_softcap(softcap)
@@ -289,8 +296,9 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
                                page_table=None, causal: bool = False,
                                softmax_scale: float | None = None, window_size=(None, None),
                                softcap: float = 0.0, learnable_sink=None,
-                               return_lse: bool = False):
-    """Exact (float64) attention of a variable-length batch; out, or (out, lse).
+                               return_lse: bool = False, finite: bool = True):
+    """Exact (float64) attention of a variable-length batch; out, or (out, lse); `finite` as
+    `attention_reference`'s.
 
     The layout is `fa4lab.varlen`'s (checked by `fa4lab.varlen.check_varlen`): q (total_q,
     heads_q, head_dim) packed, k / v packed (total_k, heads_kv, d) with cu_seqlens_k, or with a
@@ -324,7 +332,7 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
         o_b, lse_b = attention_reference(
             q_b[None], k_b[None], v_b[None], causal=causal, softmax_scale=softmax_scale,
             window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
-            mask_mod=mask_mod, return_lse=True)
+            mask_mod=mask_mod, return_lse=True, finite=finite)
         rows = slice(starts[b], starts[b + 1])
         out[rows], lse[:, rows] = o_b[0], lse_b[0]
     return (out, lse) if return_lse else out

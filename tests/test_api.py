@@ -168,3 +168,23 @@ def test_the_first_call_does_not_import_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "False"
+
+
+def test_nan_inputs_follow_the_same_rule_as_on_a_gpu():
+    """Note [the same rules on CPU and GPU]: the CPU path does not read q, k, v's values; a NaN
+    flows through the arithmetic (into the outputs of its head; another head stays finite), as
+    through a kernel, instead of raising; the explicit reference still refuses it."""
+    import warnings
+
+    from fa4lab.api import SlowReferenceWarning
+    from fa4lab.reference import attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 16, generator=g) for _ in range(3))
+    v[0, 4, 0, 0] = float("nan")        # key 4 of head 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SlowReferenceWarning)
+        out = fa4lab.attention(q, k, v, causal=True)
+    assert out[0, 4:, 0].isnan().any() and not out[0, :, 1].isnan().any()
+    with pytest.raises(ValueError, match="v contains NaN or inf"):
+        attention_reference(q, k, v)
