@@ -420,10 +420,15 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_splits = check_num_splits(num_splits)
     intercepted = _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                page_table, learnable_sink)
-    if scheduler_metadata is not None and not intercepted:   # Note [scheduler metadata]
+    if not intercepted:     # one path: the index work of Note [scheduler metadata]
         from fa4lab.varlen_metadata import SchedulerMetadata
+        from fa4lab.varlen_metadata import scheduler_metadata as make
 
-        if not isinstance(scheduler_metadata, SchedulerMetadata):
+        if scheduler_metadata is None:      # this call's own, checked as check_indices says
+            scheduler_metadata = make(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                                      page_table=page_table, check_indices=check_indices)
+        elif not isinstance(scheduler_metadata, SchedulerMetadata):
             raise InputTypeError(f"scheduler_metadata must be what fa4lab.scheduler_metadata("
                                  f"...) returns, got {type(scheduler_metadata).__name__}")
         form = scheduler_metadata.form_for(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -433,34 +438,23 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    scheduler_metadata)
         out, lse = form.restore(out, lse if return_lse else None)
         return (out, lse) if return_lse else out
+    # Traced: the op derives and checks the index work itself (Note [the varlen op]).
     form = varlen_form(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        seqused_q, seqused_k, page_table)
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = form[:7]
     if seqused_q is not None:   # Note [seqused_q as phantom sequences] in fa4lab.varlen_forms
-        from fa4lab.varlen import check_varlen
-
-        if not intercepted:     # the caller's indices, named as the caller gave them
-            check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         seqused_k, page_table, check_indices=check_indices)
-            check_indices = False
         cu_seqlens_q, cu_seqlens_k, seqused_k, page_table = with_seqused_q(
             q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table,
             None if page_table is None else int(k.shape[1]))
-    if intercepted:
-        from fa4lab.varlen import check_mode
+    from fa4lab.varlen import check_mode
 
-        scale = None if softmax_scale is None else float(softmax_scale)
-        causal, (left, right) = normalize_mask(causal, window_size)
-        out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                            max_seqlen_k, seqused_k, page_table, causal, scale,
-                                            left, right, float(softcap), learnable_sink,
-                                            return_lse, check_mode(check_indices), num_splits,
-                                            pack_gqa)
-    else:
-        out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   max_seqlen_k, seqused_k, page_table, causal, softmax_scale,
-                                   window_size, softcap, learnable_sink, return_lse,
-                                   check_indices, num_splits, pack_gqa)
+    scale = None if softmax_scale is None else float(softmax_scale)
+    causal, (left, right) = normalize_mask(causal, window_size)
+    out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, seqused_k, page_table, causal, scale,
+                                        left, right, float(softcap), learnable_sink,
+                                        return_lse, check_mode(check_indices), num_splits,
+                                        pack_gqa)
     out, lse = form.restore(out, lse if return_lse else None)
     return (out, lse) if return_lse else out
 
