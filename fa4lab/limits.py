@@ -132,13 +132,14 @@ TMA_SMEM_ALIGN_BYTES = 128
 SWIZZLE_WIDTHS_BYTES = (128, 64, 32)
 
 
-def swizzle_bytes(cols: int, element_bytes: int = 2) -> int:
+def swizzle_bytes(cols: int, element_bytes: int = ELEMENT_BYTES["bf16"]) -> int:
     """The width of the widest swizzle rows of `cols` elements take (what the kernels' SMEM
     layouts choose, cutlass's `get_smem_layout_atom`): 128, 64 or 32 bytes (16 without)."""
     return next((w for w in SWIZZLE_WIDTHS_BYTES if (cols * element_bytes) % w == 0), 16)
 
 
-def min_gather_page(head_dim: int, head_dim_v: int, element_bytes: int = 2) -> int:
+def min_gather_page(head_dim: int, head_dim_v: int,
+                    element_bytes: int = ELEMENT_BYTES["bf16"]) -> int:
     """The smallest page a gather reads at these head dims: its SMEM slices start 128-byte
     aligned (1, or 2 at head_dim 96)."""
     return max(max(1, TMA_SMEM_ALIGN_BYTES // swizzle_bytes(c, element_bytes))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fa4lab.limits import ALL_HEAD_DIMS, covering_head_dims
+from fa4lab.limits import ALL_HEAD_DIMS, KERNEL_HEAD_DIMS, covering_head_dims
 
 __all__ = ["ENTRIES", "LAYOUTS", "MODS", "PAGE_SIZES", "POOL_SIZE", "Case", "draw_case",
            "from_json", "parse_replay", "to_json"]
@@ -320,7 +320,7 @@ def _narrow(rng, d: int, dv: int) -> tuple[int, int]:
     its pool slot's kernel; (d, dv) when a few draws find none."""
     for _ in range(8):
         pair = (int(8 * rng.integers(1, d // 8 + 1)), int(8 * rng.integers(1, dv // 8 + 1)))
-        if all(covering_head_dims(arch, *pair) == (d, dv) for arch in ("sm90", "sm100")):
+        if all(covering_head_dims(arch, *pair) == (d, dv) for arch in KERNEL_HEAD_DIMS):
             return pair
     return d, dv
 
