@@ -13,7 +13,7 @@ import sys
 
 # subcommand -> module with add_cli(subparsers)
 SUBCOMMANDS = {
-    "plan": "fa4lab.plan.report",
+    "plan": "fa4lab.plan_cli",
     "audit": "fa4lab.kernels.audit",
     "bench": "fa4lab.bench",
     "cache": "fa4lab.kernels.cache",

@@ -151,9 +151,10 @@ def plan_of(variant: Variant, arch: str = "sm90", size: str = "small", **overrid
 def report_of(plan) -> tuple[dict, str]:
     """(the report as data, its markdown): `fa4lab plan`'s `build_report` and
     `render_markdown`, computed once per plan."""
+    from fa4lab.bench.records import sweep_figures
     from fa4lab.plan.report import build_report, render_markdown
 
-    rep = build_report(plan)
+    rep = build_report(plan, recorded=sweep_figures(plan))
     return rep, render_markdown(plan, rep)
 
 

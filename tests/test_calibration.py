@@ -1,4 +1,4 @@
-"""The calibrated cost model (fa4lab.plan.calibration): the stored constants against the
+"""The calibrated cost model (fa4lab.plan.calibration, over the record: fa4lab.bench.calibration): the stored constants against the
 record they were fitted to, the stored tables, the refit, the B200 comparison, and the
 neighbour-plan rank correlation (fa4lab.bench.neighbours) on synthetic records."""
 
@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from fa4lab.bench import calibration as bcal
 from fa4lab.bench import records
 from fa4lab.bench.neighbours import (
     MIN_NEIGHBOURS,
@@ -27,7 +28,7 @@ from fa4lab.plan.costs import DEFAULT_COSTS
 def test_the_planner_predicts_with_the_calibrated_model_by_default():
     from fa4lab.plan.throughput import predict
 
-    p = cal.h200_points()[0]
+    p = bcal.h200_points()[0]
     plan = plan_forward(p.spec, "sm90")
     assert cal.costs_for(H200) is cal.costs_for("sm90") is cal.H200_COSTS
     assert cal.costs_for(B200) is cal.B200_COSTS
@@ -38,9 +39,9 @@ def test_the_planner_predicts_with_the_calibrated_model_by_default():
 def test_h200_points_are_the_record_as_it_is():
     """Each point is the record's row of the kernel the plan ships for the shape: persistent
     CTAs where the sm90 plan is persistent (non-causal, hd64-128), else one CTA per tile."""
-    rec = cal.h200_record()
+    rec = bcal.h200_record()
     assert rec["commit"] == "5db14f9" and rec["date"] == "2026-12-01"
-    pts = cal.h200_points(rec)
+    pts = bcal.h200_points(rec)
     got = {p.key: p.tflops for p in pts}
     rows = {(r.provider, r.key): r.tflops for r in records.results_of(rec)
             if r.status == records.OK and r.seqlen >= cal.MIN_SEQLEN}
@@ -59,7 +60,7 @@ def test_stored_constants_reproduce_the_stored_table(arch):
     """benchmarks/calibration/*.json state each point's prediction and error; the stored
     constants, run through today's model, give the same (and the table's constants are them)."""
     stored = cal.load_table(arch)
-    now = cal.table(arch)
+    now = bcal.table(arch)
     assert stored["constants"] == pytest.approx(now["constants"])
     assert len(stored["points"]) == len(now["points"])
     for a, b in zip(stored["points"], now["points"], strict=True):
@@ -73,7 +74,7 @@ def test_stored_constants_reproduce_the_stored_table(arch):
 
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_every_point_within_its_tolerance(arch):
-    tab = cal.table(arch)
+    tab = bcal.table(arch)
     tol = cal.TOLERANCE[arch]
     bad = [r for r in tab["points"] if abs(r["error"]) > tol]
     assert not bad, f"{arch}: outside {tol:.0%}: {bad}"
@@ -81,17 +82,17 @@ def test_every_point_within_its_tolerance(arch):
 
 
 def test_fitted_constants_inside_their_bounds():
-    bounds = cal.fit_bounds()
+    bounds = bcal.fit_bounds()
     for name, (lo, hi) in bounds.items():
         assert lo <= getattr(cal.H200_COSTS, name) <= hi, name
     # mma_efficiency never below what the record's own GEMM sustained.
-    assert bounds["mma_efficiency"][0] == cal.measured_mma_efficiency(cal.h200_record())
+    assert bounds["mma_efficiency"][0] == cal.measured_mma_efficiency(bcal.h200_record())
 
 
 def test_b200_keeps_the_h200_fit():
     """Note [calibration]: the published figures fit no free constant; the B200 keeps the
     H200's except its own softmax counts (the defaults: hand counts)."""
-    for name in cal.fit_bounds():
+    for name in bcal.fit_bounds():
         want = DEFAULT_COSTS if name in cal.B200_OWN else cal.H200_COSTS
         assert getattr(cal.B200_COSTS, name) == getattr(want, name), name
 
@@ -99,7 +100,7 @@ def test_b200_keeps_the_h200_fit():
 def test_b200_points_are_published_and_labelled():
     pts = cal.b200_points()
     assert len(pts) == len(PUBLISHED_FA4_B200_FORWARD) >= 1
-    tab = cal.table("sm100")
+    tab = bcal.table("sm100")
     assert tab["figures"] == "PUBLISHED"
     assert all(r["label"] == "PUBLISHED" and "arXiv 2603.05451" in r["source"]
                for r in tab["points"])
@@ -118,22 +119,22 @@ def test_misses_name_the_assumption():
 def test_refit_lands_on_the_stored_constants():
     """`fit_h200` from the uncalibrated defaults finds the stored constants (each within a
     tenth of its allowed range) and errors no worse than the stored ones."""
-    refit = cal.fit_h200()
-    for name, (lo, hi) in cal.fit_bounds().items():
+    refit = bcal.fit_h200()
+    for name, (lo, hi) in bcal.fit_bounds().items():
         assert getattr(refit, name) == pytest.approx(getattr(cal.H200_COSTS, name),
                                                       abs=(hi - lo) / 10), name
-    assert cal.table("sm90", refit)["max_abs_error"] <= cal.TOLERANCE["sm90"]
+    assert bcal.table("sm90", refit)["max_abs_error"] <= cal.TOLERANCE["sm90"]
 
 
 def test_fit_recovers_a_known_model():
     """A model's own predictions as the 'measurements': the fit, started elsewhere, moves back
     to within the fit's resolution of the constants that made them."""
     truth = cal.H200_COSTS.with_(barrier_latency=90, sm90_softmax_stall=0.3)
-    pts = [p for p in cal.h200_points() if p.head_dim == 128 and p.seqlen in (2048, 8192)]
+    pts = [p for p in bcal.h200_points() if p.head_dim == 128 and p.seqlen in (2048, 8192)]
     made = cal.predictions(pts, "sm90", truth)
     fake = [cal.Point(p.head_dim, p.causal, p.seqlen, p.batch, p.heads, t, "MEASURED", "model")
             for p, t in zip(pts, made, strict=True)]
-    bounds = {k: cal.fit_bounds()[k] for k in ("barrier_latency", "sm90_softmax_stall")}
+    bounds = {k: bcal.fit_bounds()[k] for k in ("barrier_latency", "sm90_softmax_stall")}
     got = cal.fit(fake, "sm90", truth.with_(barrier_latency=30, sm90_softmax_stall=0.6),
                   bounds=bounds, rounds=3)
     errs = cal.errors(fake, cal.predictions(fake, "sm90", got))

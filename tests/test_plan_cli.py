@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fa4lab.plan import Plan, plan_forward
-from fa4lab.plan.report import EXIT_NO_PLAN, add_cli
+from fa4lab.plan_cli import EXIT_NO_PLAN, add_cli
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:

@@ -10,8 +10,8 @@ records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shap
 records (`fa4lab bench --serving`) one `ServingResult` per (case, provider) and the memory
 bandwidth, as "decode" records do. The format is described in benchmarks/README.md.
 
-This module imports nothing heavier than the standard library (and no `fa4lab.plan`), so the
-planner's report can read records without an import cycle.
+This module imports nothing heavier than the standard library (and no `fa4lab.plan`): the
+bench hands what it reads to the planner (`sweep_figures`, `fa4lab.bench.calibration`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ SERVING = "serving"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
 RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING)
 
-BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+from fa4lab.paths import BENCHMARKS_DIR  # noqa: E402  (re-exported: records live there)
+
 _REPO = BENCHMARKS_DIR.parent
 
 
@@ -420,6 +421,25 @@ def recorded_tflops(record: dict | None, key: tuple[int, bool, int]) -> dict[str
     if not record:
         return {}
     return {r.provider: r.tflops for r in results_of(record) if r.key == key and r.status == OK}
+
+
+def sweep_figures(plan) -> dict:
+    """MEASURED H200 numbers for the benchmark sweep's shape at this plan's (head_dim, causal,
+    seqlen), from the newest record: what `fa4lab.plan.report.build_report(recorded=...)`
+    shows beside its prediction ({} where no record has the problem)."""
+    s = plan.spec
+    if plan.arch != "sm90" or s.window_size != (None, None) or s.softcap or s.learnable_sink:
+        return {}   # the sweep runs no window, softcap or sink: no record of this problem
+    try:
+        rec = latest_record(load_records(), gpu="H200")
+    except Exception:   # records are optional; a broken one is reported by `fa4lab bench`
+        return {}
+    if not rec:
+        return {}
+    found = recorded_tflops(rec, (s.head_dim, s.causal, s.seqlen_q))
+    return {"label": f"MEASURED on {rec['gpu']} ({rec['date']}), sweep shape at this seqlen",
+            "tflops": found, "gemm_tflops": rec.get("gemm_tflops"),
+            "record": rec.get("label", "")}
 
 
 def latest_record(records: Sequence[dict], *, gpu: str | None = None,

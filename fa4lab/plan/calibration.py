@@ -4,8 +4,8 @@ produced it, and the table that compares its predictions with measured and publi
     from fa4lab.plan.calibration import costs_for
     costs_for(H200)            # what `fa4lab.plan.throughput.predict` uses by default
 
-    python -m fa4lab.plan.calibration            # refit, print the tables (about a minute)
-    python -m fa4lab.plan.calibration --write    # the stored constants' tables and plots,
+    python -m fa4lab.bench.calibration            # refit, print the tables (about a minute)
+    python -m fa4lab.bench.calibration --write    # the stored constants' tables and plots,
                                                  # into benchmarks/calibration/
 
 H200 (sm90): the ASSUMED constants of `fa4lab.plan.costs.CostModel` fitted to the fa4lab
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fa4lab.hardware import H200, PUBLISHED_FA4_B200_FORWARD, Hardware, hardware_for
+from fa4lab.paths import CALIBRATION_DIR
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 
 # Note [calibration]
@@ -91,7 +91,7 @@ FIT_BOUNDS = {
 }
 _INTEGER = ("barrier_latency", "tma_latency")
 
-# The stored fit (`python -m fa4lab.plan.calibration` refits; tests/test_calibration.py checks
+# The stored fit (`python -m fa4lab.bench.calibration` refits; tests/test_calibration.py checks
 # that a refit lands here and that these reproduce the stored tables, benchmarks/calibration/).
 H200_COSTS = DEFAULT_COSTS.with_(
     mma_efficiency=0.8668, sm90_softmax_stall=0.5, barrier_latency=110, tma_latency=1200,
@@ -140,33 +140,6 @@ class Point:
         return (self.head_dim, self.causal, self.seqlen)
 
 
-def h200_record(path: str | Path | None = None) -> dict:
-    from fa4lab.bench.records import BENCHMARKS_DIR, load_record
-    return load_record(Path(path) if path else BENCHMARKS_DIR / H200_RECORD)
-
-
-def h200_points(record: dict | None = None, min_seqlen: int = MIN_SEQLEN) -> list[Point]:
-    """The record's results at seqlen >= min_seqlen of the kernel the plan ships for each
-    shape (`PERSISTENT_PROVIDER`'s row where the sm90 plan is persistent and the record has
-    it, else `PROVIDER`'s), labelled MEASURED."""
-    from fa4lab.bench.records import OK, results_of
-    from fa4lab.bench.sweep import BenchShape
-    from fa4lab.plan import plan_forward
-    rec = record or h200_record()
-    src = f"{Path(rec.get('path', H200_RECORD)).name} ({rec['gpu']}, {rec['date']})"
-    rows = {(r.provider, r.head_dim, r.causal, r.seqlen): r for r in results_of(rec)
-            if r.status == OK and r.seqlen >= min_seqlen}
-    out = []
-    for (provider, d, causal, s), r in rows.items():
-        if provider != PROVIDER:
-            continue
-        spec = BenchShape(d, s, causal, r.batch, r.heads, r.dtype).spec
-        if plan_forward(spec, "sm90").protocol.persistent:
-            r = rows.get((PERSISTENT_PROVIDER, d, causal, s), r)
-        out.append(Point(d, causal, s, r.batch, r.heads, r.tflops, "MEASURED", src))
-    return out
-
-
 def b200_points() -> list[Point]:
     """The FA4 paper's forward figures that could be found, labelled PUBLISHED."""
     return [Point(p["head_dim"], p["causal"], p["seqlen"], p["batch"], p["heads"], p["tflops"],
@@ -178,10 +151,11 @@ def measured_mma_efficiency(record: dict, hw: Hardware = H200) -> float:
     return round(record["gemm_tflops"] / hw.peak_mma_tflops, 3)
 
 
-def fit_bounds(record: dict | None = None) -> dict[str, tuple]:
-    """FIT_BOUNDS and mma_efficiency's range: from the record's GEMM to MMA_EFFICIENCY_MAX."""
-    rec = record or h200_record()
-    return {"mma_efficiency": (measured_mma_efficiency(rec), MMA_EFFICIENCY_MAX), **FIT_BOUNDS}
+def fit_bounds(record: dict) -> dict[str, tuple]:
+    """FIT_BOUNDS and mma_efficiency's range: from the H200 record's GEMM (`H200_RECORD`, read
+    by `fa4lab.bench.calibration.h200_record`) to MMA_EFFICIENCY_MAX."""
+    return {"mma_efficiency": (measured_mma_efficiency(record), MMA_EFFICIENCY_MAX),
+            **FIT_BOUNDS}
 
 
 # ---- prediction and fit ----
@@ -272,24 +246,30 @@ def fit(points: list[Point], arch: str = "sm90", start: CostModel | None = None,
     return best
 
 
-def fit_h200(record: dict | None = None) -> CostModel:
-    """Refit the H200 model from the middle of every range (`fit`); mma_efficiency no lower
-    than the record's own GEMM sustained (`measured_mma_efficiency`)."""
-    rec = record or h200_record()
-    bounds = fit_bounds(rec)
+def fit_h200(record: dict, points: list[Point]) -> CostModel:
+    """Refit the H200 model to `points` (the record's, `fa4lab.bench.calibration.h200_points`)
+    from the middle of every range (`fit`); mma_efficiency no lower than the record's own GEMM
+    sustained (`measured_mma_efficiency`)."""
+    bounds = fit_bounds(record)
     start = DEFAULT_COSTS.with_(**{k: (lo + hi) // 2 if k in _INTEGER else (lo + hi) / 2
                                    for k, (lo, hi) in bounds.items()})
-    return fit(h200_points(rec), "sm90", start, bounds)
+    return fit(points, "sm90", start, bounds)
 
 
 # ---- the table ----
-def table(arch: str, costs: CostModel | None = None, points: list[Point] | None = None) -> dict:
+def table(arch: str, bounds: dict[str, tuple], points: list[Point] | None = None,
+          costs: CostModel | None = None) -> dict:
     """Per point: shape, the figure (label, source), the prediction and its error; plus the
-    model's constants and provenance. What benchmarks/calibration/*.json hold."""
+    model's constants, their `fit_bounds` and provenance. What benchmarks/calibration/*.json
+    hold. `points`: the H200 record's on sm90 (`fa4lab.bench.calibration.h200_points`), the
+    published ones by default on sm100."""
     hw = hardware_for(arch)
     costs = costs or costs_for(arch)
     if points is None:
-        points = h200_points() if hw.arch == "sm90" else b200_points()
+        if hw.arch == "sm90":
+            raise ValueError("the sm90 table needs the H200 record's points: "
+                             "fa4lab.bench.calibration.table reads them")
+        points = b200_points()
     pred = predictions(points, hw.arch, costs)
     errs = errors(points, pred)
     tol = TOLERANCE[hw.arch]
@@ -297,7 +277,6 @@ def table(arch: str, costs: CostModel | None = None, points: list[Point] | None 
              "figure_tflops": round(p.tflops, 1), "predicted_tflops": round(q, 1),
              "error": round(e, 4), "within_tolerance": abs(e) <= tol}
             for p, q, e in zip(points, pred, errs, strict=True)]
-    bounds = fit_bounds()
     return {
         "hardware": hw.name, "arch": hw.arch, "tolerance": tol,
         "figures": "MEASURED" if hw.arch == "sm90" else "PUBLISHED",
@@ -329,7 +308,7 @@ def calibration_note(arch: str) -> str:
     try:
         tab = load_table(arch)
     except (OSError, ValueError):
-        return f"{_provenance(arch)} (no stored table: `python -m fa4lab.plan.calibration " \
+        return f"{_provenance(arch)} (no stored table: `python -m fa4lab.bench.calibration " \
                f"--write`)"
     return (f"{_provenance(arch)}; max |error| {tab['max_abs_error']:.1%} over "
             f"{len(tab['points'])} {tab['figures']} point(s), tolerance {tab['tolerance']:.0%} "
@@ -370,53 +349,8 @@ def render(tab: dict) -> str:
 CALIBRATION_FILES = {"sm90": "h200_measured", "sm100": "b200_published"}
 
 
-def calibration_dir() -> Path:
-    from fa4lab.bench.records import BENCHMARKS_DIR
-    return BENCHMARKS_DIR / "calibration"
-
-
-def write(directory: Path | None = None) -> list[Path]:
-    """Write benchmarks/calibration/h200_measured.json/.png and b200_published.json/.png."""
-    from fa4lab.viz.calibration import plot_calibration
-    directory = directory or calibration_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    out = []
-    for arch, name in CALIBRATION_FILES.items():
-        tab = table(arch)
-        path = directory / f"{name}.json"
-        path.write_text(json.dumps(tab, indent=1) + "\n")
-        fig = plot_calibration(tab)
-        fig.savefig(directory / f"{name}.png", dpi=110, bbox_inches="tight")
-        out += [path, directory / f"{name}.png"]
-    return out
-
-
 def load_table(arch: str, directory: Path | None = None) -> dict:
     """A stored calibration table (benchmarks/calibration/*.json)."""
-    directory = directory or calibration_dir()
+    directory = directory or CALIBRATION_DIR
     return json.loads((directory / f"{CALIBRATION_FILES[hardware_for(arch).arch]}.json")
                       .read_text())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Refit the H200 model and print its table beside the stored constants (about a minute);
-    with --write, write the stored constants' tables and plots to benchmarks/calibration/
-    instead (no refit)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if "--write" in argv:
-        for arch in CALIBRATION_FILES:
-            print(render(table(arch)))
-        for p in write():
-            print("wrote", p)
-        return 0
-    refit = fit_h200()
-    names = sorted(fit_bounds())
-    print("H200 refit:  " + ", ".join(f"{k}={getattr(refit, k)}" for k in names))
-    print("H200 stored: " + ", ".join(f"{k}={getattr(H200_COSTS, k)}" for k in names))
-    print(render(table("sm90", refit)))
-    print(render(table("sm100", b200_costs(refit))))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
