@@ -1,6 +1,7 @@
-"""The calibrated cost model (fa4lab.plan.calibration, over the record: fa4lab.bench.calibration): the stored constants against the
-record they were fitted to, the stored tables, the refit, the B200 comparison, and the
-neighbour-plan rank correlation (fa4lab.bench.neighbours) on synthetic records."""
+"""The calibrated cost model (fa4lab.plan.calibration; the record read by
+fa4lab.bench.calibration): the stored constants against the record they were fitted to, the
+stored tables, the refit, the B200 comparison, and the neighbour-plan rank correlation
+(fa4lab.bench.neighbours) on synthetic records."""
 
 from __future__ import annotations
 
