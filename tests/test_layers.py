@@ -39,3 +39,10 @@ def test_the_plan_layer_imports_neither_bench_nor_viz():
         if up:
             bad[path.name] = up
     assert not bad, f"plan modules importing upward: {bad}"
+
+
+def test_the_bench_modes_do_not_import_their_dispatcher():
+    """`fa4lab.bench.cli` dispatches to the --features and --serving modes; they take the
+    shared run helpers from `fa4lab.bench.runs`, so no import runs back up to it."""
+    for name in ("features_cli.py", "serving_cli.py", "runs.py"):
+        assert "fa4lab.bench.cli" not in imported(PACKAGE / "bench" / name), name

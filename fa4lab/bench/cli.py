@@ -11,7 +11,6 @@ failed its check exit 1; a `--features` or `--serving` run that outlives its ste
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -72,14 +71,21 @@ from fa4lab.bench.records import (
     HOST_OVERHEAD,
     OK,
     decode_results_of,
-    default_record_path,
     host_results_of,
     latest_record,
     latest_summary,
     load_records,
     make_record,
     results_of,
-    save_record,
+)
+from fa4lab.bench.runs import (
+    changed,
+    command_line,
+    first_calls_line,
+    no_gpu_here,
+    run_arch,
+    save_run,
+    with_defaults,
 )
 from fa4lab.bench.sweep import (
     HEAD_DIMS,
@@ -223,27 +229,6 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=main_args)
 
 
-def command_line(args) -> str:
-    """`fa4lab bench` with every option of `args` that differs from its default: the command
-    that reproduces this run, stored in its record."""
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command"))
-    defaults = vars(parser.parse_args(["bench"]))
-    parts = ["fa4lab", "bench"]
-    for dest, default in defaults.items():
-        value = getattr(args, dest, default)
-        if dest in ("command", "func") or value == default:
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if value is True:
-            parts.append(flag)
-        elif isinstance(value, (list, tuple)):
-            parts += [flag] + [str(x) for x in value]
-        else:
-            parts += [flag, str(value)]
-    return " ".join(shlex.quote(x) for x in parts)
-
-
 def _peers_from(arg: str) -> list[str]:
     names = [x.strip() for x in str(arg).split(",") if x.strip()]
     unknown = [n for n in names if n not in PEERS + VARIANTS and n != OURS]
@@ -302,44 +287,22 @@ _SWEEP_ONLY = ("seqlen", "causal", "total_tokens", "hidden", "quick", "plot", "n
 _FEATURES_ONLY = ("feature", "time_budget", "step_timeout")
 
 
-def _changed(args, names) -> list[str]:
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command"))
-    defaults = vars(parser.parse_args(["bench"]))
-    return ["--" + n.replace("_", "-") for n in names
-            if getattr(args, n, defaults[n]) != defaults[n]]
-
-
-def no_gpu_here(command: str, description: str, summary: str, *, why: str = "",
-                would: str = "run", floors: bool = False) -> int:
-    """What a mode prints where no CUDA GPU is visible: that nothing is measured (and `why`),
-    what it would do on a GPU, and the summary of its latest record; the exit status, 0.
-    `floors`: the description's HBM floors use the H200 datasheet's bandwidth."""
-    print(f"{command}: no CUDA GPU visible, so nothing is measured here{why}.")
-    print(f"On a GPU this command would {would}:")
-    print(description)
-    if floors:
-        print("(the floors above use the H200 datasheet's bandwidth; the run measures its own)")
-    print()
-    print(summary)
-    return 0
-
-
-def first_calls_line(wall_s: float, results, label) -> str:
-    """The line after a run: its wall time and each result's first call, `label(result)`
-    naming its case."""
-    return (f"measured in {wall_s:.0f} s; first calls (compiles included): "
-            + ", ".join(f"{r.provider} {label(r)} {r.first_call_s:.1f} s" for r in results
-                        if r.first_call_s is not None))
-
-
 def _modes(args) -> list[str]:
     return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
                                                   "neighbours", "serving")
             if getattr(args, m, False)]
 
 
+def _parser_defaults() -> dict:
+    """Every `fa4lab bench` option's default (what `runs.command_line` and `runs.changed`
+    compare with)."""
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    return vars(parser.parse_args(["bench"]))
+
+
 def main_args(args) -> int:
+    with_defaults(args, _parser_defaults())
     modes = _modes(args)
     if len(modes) > 1:
         print(f"fa4lab bench: {' and '.join(modes)} are separate modes: choose one",
@@ -349,7 +312,7 @@ def main_args(args) -> int:
         print("fa4lab bench: --scenario applies to --serving only", file=sys.stderr)
         return 2
     if args.features:
-        wrong = _changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)
+        wrong = changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)
         if wrong:
             print(f"fa4lab bench --features: {', '.join(wrong)} do not apply to --features",
                   file=sys.stderr)
@@ -361,19 +324,19 @@ def main_args(args) -> int:
         from fa4lab.bench.serving_cli import serving_args
 
         return serving_args(args)
-    wrong = _changed(args, _FEATURES_ONLY)
+    wrong = changed(args, _FEATURES_ONLY)
     if wrong:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --features only", file=sys.stderr)
         return 2
     if args.decode:
-        wrong = _changed(args, _SWEEP_ONLY)
+        wrong = changed(args, _SWEEP_ONLY)
         if wrong:
             print(f"fa4lab bench --decode: {', '.join(wrong)} do not apply to --decode (its "
                   f"shapes: --batch, --seqlen-q, --seqlen-k, --heads-q, --heads-kv, "
                   f"--head-dim, --prefill-seqlen)", file=sys.stderr)
             return 2
         return decode_args(args)
-    wrong = _changed(args, _DECODE_ONLY)
+    wrong = changed(args, _DECODE_ONLY)
     if wrong:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --decode only", file=sys.stderr)
         return 2
@@ -382,7 +345,7 @@ def main_args(args) -> int:
     if getattr(args, "neighbours", False):
         from fa4lab.bench.neighbours import neighbours_args
 
-        return neighbours_args(args, command=command_line(args), save=_save)
+        return neighbours_args(args, command=command_line(args), save=save_run)
     try:
         shapes, names = plan_of_run(args)
     except (ValueError, TypeError) as err:
@@ -396,7 +359,7 @@ def main_args(args) -> int:
         return no_gpu_here("fa4lab bench", describe_run(shapes, providers),
                            recorded_summary(args.records))
 
-    arch, no_kernel = _arch(args, g, "fa4lab bench")
+    arch, no_kernel = run_arch(args, g, "fa4lab bench")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
     if no_kernel:
         providers[0] = Provider(OURS, None, no_kernel)
@@ -427,7 +390,7 @@ def main_args(args) -> int:
               "wall_s": round(wall_s, 1)}
     record = make_record(results, gemm=gemm, gpu_name=g.name, arch=arch,
                          command=command_line(args), config=config, label=args.label)
-    _save(record, args)
+    save_run(record, args)
     if args.plot:
         try:
             from fa4lab.viz.bench import plot_throughput
@@ -441,26 +404,6 @@ def main_args(args) -> int:
     if bad:
         print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
     return 1 if (args.strict and bad) else 0
-
-
-def _arch(args, g, command: str) -> tuple[str | None, str]:
-    """(the arch fa4lab runs as, '' or why no fa4lab kernel runs on this GPU); says so on
-    stderr when none does (the peers are still measured)."""
-    arch = g.arch if args.arch == "auto" else args.arch
-    if g.arch is not None and arch == g.arch:
-        return arch, ""
-    print(f"{command}: the GPU is {g.name} (compute capability "
-          f"{g.capability[0]}.{g.capability[1]}); fa4lab's kernels run on sm90 (Hopper) "
-          f"and sm100 (B200){'' if args.arch == 'auto' else f', not --arch {args.arch}'}; "
-          f"the peers are still measured.", file=sys.stderr)
-    return arch, f"no fa4lab kernel for {g.name} with --arch {arch}"
-
-
-def _save(record: dict, args) -> None:
-    if not args.no_save:
-        path = Path(args.json) if args.json else default_record_path(record)
-        save_record(record, path)
-        print(f"record saved: {path}")
 
 
 # ---- --host-overhead ---------------------------------------------------------------------------
@@ -518,7 +461,7 @@ def host_overhead_args(args) -> int:
                               config=host_config(args.calls, args.repeats, cases=cases),
                               label=args.label)
     record["first_calls"] = first_calls
-    _save(record, args)
+    save_run(record, args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
     return 1 if (args.strict and bad) else 0
 
@@ -568,7 +511,7 @@ def decode_args(args) -> int:
                                                hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9),
                            recorded_decode_summary(args.records), floors=True)
 
-    arch, no_kernel = _arch(args, g, "fa4lab bench --decode")
+    arch, no_kernel = run_arch(args, g, "fa4lab bench --decode")
     providers = resolve_providers(names[1:], include_ours=True, arch=arch)
     if no_kernel:
         providers = [Provider(p.name, None, no_kernel) if p.name in (OURS, UNPACKED) else p
@@ -588,7 +531,7 @@ def decode_args(args) -> int:
                            warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, wall_s=wall_s)
     record = make_decode_record(results, hbm_gbps=hbm_gbps, gpu_name=g.name, arch=arch,
                                 command=command_line(args), config=config, label=args.label)
-    _save(record, args)
+    save_run(record, args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
     if bad:
         print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")

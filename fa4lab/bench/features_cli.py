@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import time
 
-from fa4lab.bench.cli import _arch, _save, command_line, no_gpu_here
 from fa4lab.bench.features import (
     FEATURE_HEAD_DIM,
     FEATURE_PEERS,
@@ -34,6 +33,7 @@ from fa4lab.bench.records import (
     feature_results_of,
     latest_summary,
 )
+from fa4lab.bench.runs import command_line, no_gpu_here, run_arch, save_run
 from fa4lab.bench.sweep import HEAD_DIMS, OURS, PEERS, SEQLENS
 from fa4lab.bench.table import format_features_table
 
@@ -95,7 +95,7 @@ def features_args(args) -> int:
                                                  missing=available(names, has_gpu=False),
                                                  flops=flops),
                            recorded_features_summary(args.records))
-    arch, no_kernel = _arch(args, g, "fa4lab bench --features")
+    arch, no_kernel = run_arch(args, g, "fa4lab bench --features")
     missing = available(names, has_gpu=True)
     if no_kernel:
         missing[OURS] = no_kernel
@@ -114,7 +114,7 @@ def features_args(args) -> int:
 
     def on_timeout(label: str, seconds: float) -> None:
         print(format_features_table(results))
-        _save(record(time.perf_counter() - started,
+        save_run(record(time.perf_counter() - started,
                      f"ended by the watchdog: {label} ran {seconds:.0f} s (limit "
                      f"{args.step_timeout:g} s); the features after it were not run"), args)
 
@@ -129,7 +129,7 @@ def features_args(args) -> int:
                       for p in names))
     print(format_features_table(results))
     rec = record(wall_s)
-    _save(rec, args)
+    save_run(rec, args)
     if args.plot:
         try:
             from fa4lab.viz.bench import plot_features

@@ -224,17 +224,17 @@ def _missing(cases: Sequence[ServingCase]) -> dict[str, str]:
 
 
 def serving_args(args) -> int:
-    from fa4lab.bench.cli import (
-        _arch,
-        _changed,
-        _save,
+    from fa4lab.bench.measure import RunGuard
+    from fa4lab.bench.runs import (
+        changed,
         command_line,
         first_calls_line,
         no_gpu_here,
+        run_arch,
+        save_run,
     )
-    from fa4lab.bench.measure import RunGuard
 
-    wrong = _changed(args, _NOT_SERVING)
+    wrong = changed(args, _NOT_SERVING)
     if wrong:
         print(f"fa4lab bench --serving: {', '.join(wrong)} do not apply to --serving (its "
               f"options: --quick, --scenario, --dtype, --json/--out, --label, --no-save, "
@@ -260,7 +260,7 @@ def serving_args(args) -> int:
                                                 hbm_gbps_hint=H200.hbm_bytes_per_s / 1e9),
                            recorded_serving_summary(args.records), floors=True)
 
-    arch, no_kernel = _arch(args, g, "fa4lab bench --serving")
+    arch, no_kernel = run_arch(args, g, "fa4lab bench --serving")
 
     def providers(case, varlen_args, how):
         made = serving_providers(case, varlen_args, how)
@@ -278,7 +278,7 @@ def serving_args(args) -> int:
     hbm_gbps = copy.gbps if copy else None
     results: list[ServingResult] = []
     # No budget unless asked for (a full run compiles many kernels); the step watchdog always.
-    budget = args.time_budget if "--time-budget" in _changed(args, ("time_budget",)) else None
+    budget = args.time_budget if "--time-budget" in changed(args, ("time_budget",)) else None
 
     def record(wall_s: float, notes: str = "") -> dict:
         config = serving_config(cases, copy=copy, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
@@ -291,7 +291,7 @@ def serving_args(args) -> int:
 
     def on_timeout(label: str, seconds: float) -> None:
         print(format_serving_table(results, hbm_gbps=hbm_gbps, shapes=shapes))
-        _save(record(time.perf_counter() - started,
+        save_run(record(time.perf_counter() - started,
                      f"ended by the watchdog: {label} ran {seconds:.0f} s (limit "
                      f"{args.step_timeout:g} s); the cases after it were not run"), args)
 
@@ -302,7 +302,7 @@ def serving_args(args) -> int:
     print()
     print(first_calls_line(wall_s, results, lambda r: r.case))
     print(format_serving_table(results, hbm_gbps=hbm_gbps, shapes=shapes))
-    _save(record(wall_s), args)
+    save_run(record(wall_s), args)
     bad = [r for r in results if r.status in (FAILED, ERROR)]
     if bad:
         print(f"{len(bad)} runs failed their check or raised (see the notes above).")
