@@ -21,7 +21,7 @@ import sys
 from fa4lab.errors import PlanError
 from fa4lab.limits import KERNEL_DTYPES
 from fa4lab.plan.plan import ARCHS
-from fa4lab.plan.report import _side, build_report, paged_section, render_markdown, render_paged
+from fa4lab.plan.report import build_report, paged_section, render_markdown, render_paged, side_text
 
 EXIT_NO_PLAN = 2
 
@@ -85,7 +85,7 @@ def _mask_flags(spec) -> str:
     """The `fa4lab plan` flags of the spec's mask, softcap and sink ("" when none is set)."""
     flags = ["--causal"] if spec.causal else []
     if spec.window_size != (None, None):
-        flags.append("--window " + " ".join(map(_side, spec.window_size)))
+        flags.append("--window " + " ".join(map(side_text, spec.window_size)))
     if spec.softcap:
         flags.append(f"--softcap {spec.softcap:g}")
     if spec.learnable_sink:

@@ -23,6 +23,14 @@ from fa4lab.bench.records import (
     latest_summary,
     serving_results_of,
 )
+from fa4lab.bench.runs import (
+    changed,
+    command_line,
+    first_calls_line,
+    no_gpu_here,
+    run_arch,
+    save_run,
+)
 from fa4lab.bench.serving import (
     BARS,
     CALLS,
@@ -225,14 +233,6 @@ def _missing(cases: Sequence[ServingCase]) -> dict[str, str]:
 
 def serving_args(args) -> int:
     from fa4lab.bench.measure import RunGuard
-    from fa4lab.bench.runs import (
-        changed,
-        command_line,
-        first_calls_line,
-        no_gpu_here,
-        run_arch,
-        save_run,
-    )
 
     wrong = changed(args, _NOT_SERVING)
     if wrong:

@@ -236,7 +236,7 @@ def _tile_table(plan, tiles: dict) -> str:
                  f"{tiles['visible_fraction']:.1%}"]])])
 
 
-def _side(x) -> str:
+def side_text(x) -> str:
     return "none" if x is None else str(x)
 
 
@@ -245,7 +245,7 @@ def _mask_text(spec) -> str:
     out = ", causal" if spec.causal else ""
     if spec.window_size != (None, None):
         left, right = spec.effective_window
-        out += f", window ({_side(left)}, {_side(right)})"
+        out += f", window ({side_text(left)}, {side_text(right)})"
     if spec.softcap:
         out += f", softcap {spec.softcap:g}"
     if spec.learnable_sink:
@@ -259,8 +259,9 @@ def _mask_lines(plan, rep: dict) -> list[str]:
     out = []
     if mask["dense_seconds"]:
         left, right = mask["effective_window"]
-        out.append(f"- Mask: effective window ({_side(left)}, {_side(right)}) (`fa4lab.spec`, "
-                   f"none = unbounded); {tiles['SKIP']} of {tiles['tiles']} tiles per "
+        out.append(f"- Mask: effective window ({side_text(left)}, {side_text(right)}) "
+                   f"(`fa4lab.spec`, none = unbounded); {tiles['SKIP']} of {tiles['tiles']} "
+                   f"tiles per "
                    f"{_per(plan)} are never loaded, {tiles['skipped_fraction']:.0%} of the "
                    f"dense work (Tile kinds below); predicted "
                    f"{rep['prediction']['seconds'] * 1e3:.3g} ms against "
