@@ -7,6 +7,8 @@ coefficients. Modules import these names; none keeps a copy.
 
 from __future__ import annotations
 
+import math
+
 # ---- which kernel runs where ------------------------------------------------------------------
 # The (head_dim, head_dim_v) pairs each arch's kernel builds: the one table every entry point
 # (input check, dispatch, planners, kernels, compile matrices, notebooks) reads. (192, 128) is
@@ -144,6 +146,59 @@ def min_gather_page(head_dim: int, head_dim_v: int,
     aligned (1, or 2 at head_dim 96)."""
     return max(max(1, TMA_SMEM_ALIGN_BYTES // swizzle_bytes(c, element_bytes))
                for c in (head_dim, head_dim_v))
+
+
+# Note [cp.async pages]
+# The sm90 kernel reads pages smaller than CP_ASYNC_PAGES_BELOW tokens not with one TMA copy per
+# page, issued by one thread, but with cp.async: the producer warpgroup's 128 threads each copy
+# 16-byte chunks of the block's rows, every row from its own page (upstream FA4's non-TMA paged
+# loader; Note [cp.async gather] in fa4lab.kernels.device.page_rows). A row lands wherever the
+# swizzled layout puts it, so no 128-byte alignment limits the page (pages of one key at
+# head_dim 96 too). The TMA gather of one box per page ran at 0.19x FA4 with pages of 1 and
+# 0.62x with pages of 4, 1.03x with pages of 16 (H200, prefill 4 x 4096 causal, hd128;
+# benchmarks/2026-12-02_nvidia-h200_small-pages-seqused.txt): from 16 on it stays.
+CP_ASYNC_PAGES_BELOW = {"sm90": 16}
+
+
+def page_loader(arch: str, page_size: int | None, n_block: int) -> str:
+    """How `arch`'s kernel with key blocks of `n_block` rows reads a cache of `page_size`-token
+    pages: "tma" (unpaged, one box per block, or a TMA gather of one box per page) or
+    "cp.async" (Note [cp.async pages])."""
+    below = CP_ASYNC_PAGES_BELOW.get(_arch_key(arch), 0)
+    if page_size is not None and page_size < min(below, n_block):
+        return "cp.async"
+    return "tma"
+
+
+# A cp.async copy moves 16 bytes; a row of K or V is copied by the threads of one group, each
+# taking chunks CP_ASYNC_ROW_CHUNK_BYTES apart (the widest span that divides both rows).
+CP_ASYNC_COPY_BYTES = 16
+CP_ASYNC_ROW_CHUNK_BYTES = 128
+CP_ASYNC_THREADS = 128      # the sm90 producer warpgroup
+
+
+def cp_async_row_threads(head_dim: int, head_dim_v: int,
+                         element_bytes: int = ELEMENT_BYTES["bf16"]) -> int:
+    """Producer threads that copy one K or V row together (8, or 4 at head_dim 96): each takes
+    16 bytes of every span of gcd(row bytes, 128) bytes."""
+    span = math.gcd(head_dim * element_bytes, head_dim_v * element_bytes,
+                    CP_ASYNC_ROW_CHUNK_BYTES)
+    return span // CP_ASYNC_COPY_BYTES
+
+
+def cp_async_rows_per_pass(head_dim: int, head_dim_v: int,
+                           element_bytes: int = ELEMENT_BYTES["bf16"]) -> int:
+    """Rows one pass of the 128 producer threads copies (16, or 32 at head_dim 96): a key
+    block read by cp.async is a whole number of passes."""
+    return CP_ASYNC_THREADS // cp_async_row_threads(head_dim, head_dim_v, element_bytes)
+
+
+def min_page(arch: str, head_dim: int, head_dim_v: int) -> int:
+    """The smallest page `arch`'s kernel reads at these head dims: 1 where small pages go
+    through cp.async (`page_loader`), else the TMA gather's `min_gather_page`."""
+    if _arch_key(arch) in CP_ASYNC_PAGES_BELOW:
+        return 1
+    return min_gather_page(head_dim, head_dim_v)
 
 
 def page_fits(page_size: int, n_block: int, min_page: int = 1) -> bool:

@@ -90,7 +90,8 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
 # fa4lab.kernels.protocol); the markers are the kernel's claim, the instructions after them the
 # evidence. A run of markers claims, in order, the barrier instructions that follow it before
 # the next marker: each must have the opcode of its kind (wait: mbarrier.try_wait, arrive:
-# mbarrier.arrive, expect_tx: mbarrier.arrive.expect_tx, commit: tcgen05.commit, sync /
+# mbarrier.arrive, expect_tx: mbarrier.arrive.expect_tx, commit: tcgen05.commit,
+# cp_async_arrive: cp.async.mbarrier.arrive (each producer thread's, sm90's cp.async pages), sync /
 # named_arrive: the unaligned barrier.sync / barrier.arrive) and an address inside that
 # barrier's stages (its exact stage where the marker names one and the address is a
 # constant); a named barrier's id must be the table's in every thread of every role that
@@ -103,7 +104,8 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
 # is inside a table loop, one PTX loop per table loop.
 _OPCODES = {"wait": ("mbarrier.try_wait", "mbarrier.test_wait"),
             "arrive": ("mbarrier.arrive",), "expect_tx": ("mbarrier.arrive.expect_tx",),
-            "commit": ("tcgen05.commit",), "sync": ("barrier.sync",),
+            "commit": ("tcgen05.commit",), "cp_async_arrive": ("cp.async.mbarrier.arrive",),
+            "sync": ("barrier.sync",),
             "named_arrive": ("barrier.arrive",)}
 
 

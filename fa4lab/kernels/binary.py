@@ -245,6 +245,7 @@ def excerpt(text: str, pattern: str, before: int = 2, after: int = 4, max_width:
 _MARKER = re.compile(r"//\s*fa4lab-proto\s+(\S+)\s+(\S+)\s+(\S+)\[(\w+)\]")
 _BARRIER_OP = re.compile(
     r"^\s*(?:@!?%\w+\s+)?(mbarrier\.try_wait\S*|mbarrier\.test_wait\S*|mbarrier\.arrive\S*|"
+    r"cp\.async\.mbarrier\.arrive\S*|"
     r"tcgen05\.commit\S*|bar\.sync|bar\.arrive|barrier\.sync\S*|barrier\.arrive\S*|"
     r"bar\.red\S*|barrier\.red\S*)\s+([^;]*);")
 _DEF = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)\s+(%\w+),\s*([^;]*);")
@@ -255,7 +256,8 @@ class BarrierOp:
     """One barrier instruction (or a protocol marker) of the PTX, where it is."""
 
     line: int               # 0-based line in the PTX text
-    kind: str               # wait | arrive | expect_tx | commit | sync | named_arrive | marker
+    kind: str               # wait | arrive | expect_tx | commit | cp_async_arrive | sync |
+                            # named_arrive | marker
     opcode: str
     offset: int | None = None    # mbarrier: constant byte offset from the dynamic SMEM base
     dynamic: bool = False        # mbarrier: plus a run-time index (a ring stage)
@@ -272,6 +274,8 @@ def _op_kind(opcode: str) -> str:
         return "expect_tx"
     if opcode.startswith("mbarrier.arrive"):
         return "arrive"
+    if opcode.startswith("cp.async.mbarrier.arrive"):
+        return "cp_async_arrive"
     if opcode.startswith("tcgen05.commit"):
         return "commit"
     if opcode in ("bar.sync",) or opcode.startswith("barrier.sync"):

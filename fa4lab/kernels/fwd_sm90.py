@@ -79,7 +79,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from fa4lab.kernels.device import arguments, paged, scheduler, seqlen, storage
+from fa4lab.kernels.device import arguments, page_rows, paged, scheduler, seqlen, storage
 from fa4lab.kernels.device import mask as mask_mod
 from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.mods import ModRows, tile_rows
@@ -93,7 +93,7 @@ from fa4lab.kernels.device.softmax import (
     store_lse,
 )
 from fa4lab.kernels.protocol import Sites
-from fa4lab.limits import min_gather_page
+from fa4lab.limits import min_page
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -223,7 +223,10 @@ class FlashForwardSm90:
         self.page_size = spec.page_size
         if self.page_size is not None:
             paged.check_page_size(self.page_size, self.n_block,
-                                  min_gather_page(self.head_dim, self.head_dim_v))
+                                  min_page("sm90", self.head_dim, self.head_dim_v))
+        # Small pages: every producer thread copies rows with cp.async (Note [cp.async gather]).
+        self.cp_async = t.kv_load == "cp.async"
+        self.row_threads = page_rows.row_threads(self.head_dim, self.head_dim_v, cutlass.BFloat16)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage
         if not 1 <= self.num_consumers <= _MAX_CONSUMERS:
@@ -318,7 +321,9 @@ class FlashForwardSm90:
                 load, mQ, cute.select(sQ_layout, mode=[0, 1]), (self.m_block, self.head_dim))
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 store, mO, cute.select(sO_layout, mode=[0, 1]), (self.m_block, self.head_dim_v))
-        if const_expr(self.page_size is not None):   # Note [paged key blocks]
+        if const_expr(self.cp_async):   # Note [cp.async gather]: no TMA for K and V
+            tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        elif const_expr(self.page_size is not None):   # Note [paged key blocks]
             tma_atom_K, tma_K = paged.page_tma(load, mK, cute.select(sK_layout, mode=[0, 1]),
                                                self.n_block, self.head_dim, self.page_size)
             tma_atom_V, tma_V = paged.page_tma(load, mV, cute.select(sV_layout, mode=[0, 1]),
@@ -367,9 +372,10 @@ class FlashForwardSm90:
         tiled_mma_pv: cute.TiledMma,
         # mQ, mO: (seqlen_q, d, heads_q, batch), or ((g, seqlen_q), d, heads_kv, batch) packed
         tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
-        # mK, mV: (seqlen_k, d, heads_kv, batch), or paged (page_size, d, heads_kv, num_pages)
-        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
-        tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+        # mK, mV: (seqlen_k, d, heads_kv, batch), or paged (page_size, d, heads_kv, num_pages);
+        # no atom when cp.async copies them (Note [cp.async gather])
+        tma_atom_K: cute.CopyAtom | None, mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom | None, mV: cute.Tensor,
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor | None,                     # (seqlen_q, heads_q, batch)
         mSink: cute.Tensor | None,                    # (heads_q,)
@@ -395,7 +401,8 @@ class FlashForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
 
@@ -422,10 +429,13 @@ class FlashForwardSm90:
         if warp_idx < 4:
             # ===================== producer warpgroup (role "load") =====================
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                self.load(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                          (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
-                          window_right, mask_blocks, varlen, mPageTable, num_splits)
+            load = partial(self.load, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                           (mbar_q, mbar_q_empty), pipeline_k, pipeline_v, window_left,
+                           window_right, mask_blocks, varlen, mPageTable, num_splits)
+            if const_expr(self.cp_async):   # all four warps copy K and V
+                load()
+            elif warp_idx == 0:
+                load()
         else:
             # ========== consumer warpgroups (roles "consumer0", "consumer1", ...) ==========
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -464,8 +474,15 @@ class FlashForwardSm90:
                 mod_rows.mask_mn(acc_S_mn, tScS0_mn, n_block * self.n_block, True)
 
     def make_pipeline(self, smem, x: str):
-        """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v")."""
+        """The TMA pipeline over the table's `{x}_full` / `{x}_empty` (x = "k" or "v"), or the
+        cp.async one (Note [cp.async gather]: every producer thread arrives, no bytes)."""
         pb = storage.pipeline_barriers(self.plan, f"{x}_full", f"{x}_empty")
+        if self.cp_async:
+            return pipeline.PipelineCpAsync.create(
+                barrier_storage=getattr(smem, pb.full).data_ptr(), num_stages=pb.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.producers),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, pb.consumers),
+                defer_sync=True)
         nbytes = self.k_bytes if x == "k" else self.v_bytes
         if pb.tx_bytes != nbytes:
             raise ValueError(f"{pb.full}: the TMA brings {nbytes} bytes, the table expects "
@@ -603,19 +620,17 @@ class FlashForwardSm90:
         # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
         pages = partial(self.block_pages, mPageTable, batch, seqlen_k)
 
-        with cute.arch.elect_one():
-            self.sites("load", "expect_tx q_full", cute.arch.mbarrier_arrive_and_expect_tx,
-                       mbar_q, self.q_bytes, stage=0)
-        for w in cutlass.range_constexpr(self.q_stage):
-            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
-                      tma_bar_ptr=mbar_q)
+        if const_expr(self.cp_async):   # warp 0 of the four issues Q's TMA
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                self.load_q(tma_atom_Q, tQgQ, tQsQ, mbar_q, m_block)
+        else:
+            self.load_q(tma_atom_Q, tQgQ, tQsQ, mbar_q, m_block)
 
         n_blocks, _, order = self.visit_plan(m_block, seqlen_q, seqlen_k, left, right,
                                              mask_blocks, split, num_splits)
         n_first = scheduler.visit_block(0, *order)
         page_k = pages(n_first)
-        self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire, state)
-        self.copy_kv(tma_atom_K, tKgK, tKsK, n_first, page_k, state, pipeline_k, pages)
+        self.fill(pipeline_k, "k", state, tma_atom_K, tKgK, tKsK, n_first, page_k, pages)
         if const_expr(self.split_kv and mPageTable is not None):
             # The page table's row is read again for the block loop rather than kept live from
             # the tile's coordinates: in the producer's registers a split kernel's LPT
@@ -630,24 +645,44 @@ class FlashForwardSm90:
             n_next = scheduler.visit_block(i + 1, *order)
             page_v = page_k
             page_k = pages(n_next)
-            self.sites("load", "wait k_empty; expect_tx k_full", pipeline_k.producer_acquire,
-                       state)
-            self.copy_kv(tma_atom_K, tKgK, tKsK, n_next, page_k, state, pipeline_k, pages)
-            self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire,
-                       prev)
-            self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(i, *order), page_v,
-                         prev, pipeline_v, pages)
-        self.sites("load", "wait v_empty; expect_tx v_full", pipeline_v.producer_acquire, state)
-        self.copy_kv(tma_atom_V, tVgV, tVsV, scheduler.visit_block(n_blocks - 1, *order),
-                     page_k, state, pipeline_v, pages)
+            self.fill(pipeline_k, "k", state, tma_atom_K, tKgK, tKsK, n_next, page_k, pages)
+            self.fill(pipeline_v, "v", prev, tma_atom_V, tVgV, tVsV,
+                      scheduler.visit_block(i, *order), page_v, pages)
+        self.fill(pipeline_v, "v", state, tma_atom_V, tVgV, tVsV,
+                  scheduler.visit_block(n_blocks - 1, *order), page_k, pages)
         state.advance()
         return state
+
+    @cute.jit
+    def load_q(self, tma_atom_Q, tQgQ, tQsQ, mbar_q, m_block):
+        """The CTA's Q tiles, one TMA each, on q_full (one warp; one thread arms it)."""
+        with cute.arch.elect_one():
+            self.sites("load", "expect_tx q_full", cute.arch.mbarrier_arrive_and_expect_tx,
+                       mbar_q, self.q_bytes, stage=0)
+        for w in cutlass.range_constexpr(self.q_stage):
+            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + w], tQsQ[None, w],
+                      tma_bar_ptr=mbar_q)
+
+    def fill(self, pipe, x: str, state, atom, tXgX, tXsX, n_block, page, pages):
+        """Key block n_block into ring slot `state` of K or V (x = "k", "v"): wait for the slot,
+        then TMA on its armed full barrier, or cp.async copies and each thread's arrival
+        (Note [cp.async gather])."""
+        if self.cp_async:
+            self.sites("load", f"wait {x}_empty", pipe.producer_acquire, state)
+            self.copy_kv(atom, tXgX, tXsX, n_block, page, state, pipe, pages)
+            self.sites("load", f"cp_async_arrive {x}_full", pipe.producer_commit, state)
+        else:
+            self.sites("load", f"wait {x}_empty; expect_tx {x}_full", pipe.producer_acquire,
+                       state)
+            self.copy_kv(atom, tXgX, tXsX, n_block, page, state, pipe, pages)
 
     def kv_partition(self, atom, mX, sX, head_kv, b, offset_k, cols: int, mPageTable):
         """(tXsX, tXgX) of K or V: SMEM ((TMA), stage) and the block's coordinates ((TMA), n)
         in batch b of the views, from packed row offset_k when varlen; paged, ((TMA), piece,
         stage) and ((TMA), row block, page) (Note [paged key blocks]: never offset)."""
         one = cute.make_layout(1)
+        if const_expr(self.cp_async):   # the stages and the cache view of this KV head
+            return sX, mX[None, None, head_kv, None]
         if const_expr(mPageTable is not None):
             gX = paged.page_coords(mX, head_kv, self.n_block, cols, self.page_size)
             return cpasync.tma_partition(
@@ -665,20 +700,30 @@ class FlashForwardSm90:
         unused, unpaged."""
         if const_expr(mPageTable is None):
             return Int32(0)
+        if const_expr(self.cp_async):
+            tidx, _, _ = cute.arch.thread_idx()
+            return page_rows.row_page(mPageTable, batch, n_block, seqlen_k, tidx,
+                                      self.page_size, self.n_block, self.row_threads)
         return paged.read_pages(mPageTable, batch, n_block, seqlen_k, self.page_size,
                                 self.n_block, group)
 
     @cute.jit
     def copy_kv(self, atom, tXgX, tXsX, n_block: Int32, page: Int32, state, pipe, pages):
-        """TMA of key block n_block into the ring's slot `state`, on its full barrier; `page`
-        this lane's page of the block (`pages(n_block)`), `pages` for a block of more than 32
-        pages (`paged.page_groups`)."""
-        barrier = pipe.producer_get_barrier(state)
-        if const_expr(self.page_size is None):
-            cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=barrier)
+        """Key block n_block into the ring's slot `state`: TMA on its full barrier, or this
+        thread's cp.async rows (Note [cp.async gather]); `page` this lane's page of the block
+        (`pages(n_block)`), `pages` for a block of more than 32 pages (`paged.page_groups`)."""
+        if const_expr(self.cp_async):
+            tidx, _, _ = cute.arch.thread_idx()
+            page_rows.copy_rows(page_rows.row_copy(tXgX.element_type, self.row_threads), tXgX,
+                                tXsX[None, None, state.index], n_block, page, tidx,
+                                self.page_size, self.n_block, self.row_threads)
+        elif const_expr(self.page_size is None):
+            cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
         else:
-            paged.copy_block(atom, tXgX, tXsX, n_block, page, state.index, barrier,
-                             self.page_size, self.n_block, partial(pages, n_block))
+            paged.copy_block(atom, tXgX, tXsX, n_block, page, state.index,
+                             pipe.producer_get_barrier(state), self.page_size, self.n_block,
+                             partial(pages, n_block))
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, tma_atom_O, mO, mLSE, mSink, sQ, sK, sV, sO,
@@ -788,7 +833,7 @@ class FlashForwardSm90:
             self.sites("consumer", "arrive q_empty", cute.arch.mbarrier_arrive, mbars[1],
                        stage=0)
         # The last block's value wgmma.
-        self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, state)
+        self.wait_full(pipeline_v, "v", state)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], zero_init=False)
         warpgroup.wait_group(0)
         self.release(pipeline_v, state, "v_empty")
@@ -831,7 +876,7 @@ class FlashForwardSm90:
         """The first block visited: S = Q K^T, mask, softmax; its P V waits for the next step."""
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
-        self.sites("consumer", "wait k_full", pipeline_k.consumer_wait, state)
+        self.wait_full(pipeline_k, "k", state)
         if const_expr(self.pingpong):
             self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
@@ -860,11 +905,11 @@ class FlashForwardSm90:
         state.advance()
         acc_S = cute.make_rmem_tensor(
             tiled_mma_qk.partition_shape_C((self.m_block, self.n_block)), Float32)
-        self.sites("consumer", "wait k_full", pipeline_k.consumer_wait, state)
+        self.wait_full(pipeline_k, "k", state)
         if const_expr(self.pingpong):
             self.wait_turn()
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-        self.sites("consumer", "wait v_full", pipeline_v.consumer_wait, prev)
+        self.wait_full(pipeline_v, "v", prev)
         _gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], zero_init=False)
         if const_expr(self.pingpong):
             self.pass_turn()
@@ -915,6 +960,14 @@ class FlashForwardSm90:
     # tests/test_sm90_sass.py checks the order in the compiled loop.
 
     @cute.jit
+    def wait_full(self, pipe, x: str, state):
+        """Wait for the K or V slot `state` (x = "k", "v") to land; rows copied by cp.async
+        were written by the generic proxy, so fence them for wgmma's async-proxy reads (Note
+        [cp.async gather])."""
+        self.sites("consumer", f"wait {x}_full", pipe.consumer_wait, state)
+        if self.cp_async:
+            cute.arch.fence_proxy("async.shared", space="cta")
+
     def release(self, pipe, state, name: str):
         """Free a K or V slot: one arrive per consumer warp or per thread, as the plan counts."""
         if const_expr(self.kv_releases == 4 * self.num_consumers):

@@ -421,13 +421,13 @@ def check_paged_call(key: tuple, mods) -> None:
     indices assume contiguous K/V) and a page size the kernel's key blocks take
     (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
     from fa4lab.kernels.device.paged import check_page_size
-    from fa4lab.limits import min_gather_page
+    from fa4lab.limits import min_page
 
     if mods:
         raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
                          "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
                          "on contiguous tensors")
-    check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1], min_gather_page(key[1], key[2]))
+    check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1], min_page(key[0], key[1], key[2]))
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",

@@ -13,7 +13,10 @@ carried by the plan as `plan.protocol`. Everything that speaks of barriers reads
 
 A program is a tuple of nodes:
 
-    Op(kind, barrier, stage)    kind: wait | arrive | expect_tx | commit | sync | named_arrive
+    Op(kind, barrier, stage)    kind: wait | arrive | expect_tx | commit | cp_async_arrive |
+                                sync | named_arrive (cp_async_arrive: each thread's
+                                cp.async.mbarrier.arrive.noinc, an arrival once the thread's
+                                cp.async copies landed)
     Step(what, stage)           work or an async issue between ops; the arch module's catalogue
                                 turns it into simulator ops (costs, TMEM / SMEM regions, label)
     Loop(trips, body, tag)      a runtime loop; each trip is one K/V block step (j += 1)
@@ -52,8 +55,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-OP_KINDS = ("wait", "arrive", "expect_tx", "commit", "sync", "named_arrive")
-MBARRIER_OPS = ("wait", "arrive", "expect_tx", "commit")
+OP_KINDS = ("wait", "arrive", "expect_tx", "commit", "cp_async_arrive", "sync", "named_arrive")
+MBARRIER_OPS = ("wait", "arrive", "expect_tx", "commit", "cp_async_arrive")
 NAMED_OPS = ("sync", "named_arrive")
 
 
@@ -365,6 +368,8 @@ def _dynamic(ex: _Expansion, body, env) -> None:
                 ex.ops.append(Arrive(b.name, s, count))
             elif n.kind == "expect_tx":
                 ex.ops.append(Arrive(b.name, s, 1, expect_tx=b.slot_tx_bytes(n.stage)))
+            elif n.kind == "cp_async_arrive":
+                ex.ops.append(Commit("cpasync", b.name, s, 1 if n.one else ex.threads))
             else:
                 ex.ops.append(Commit("tensor", b.name, s))
         elif isinstance(n, Step):

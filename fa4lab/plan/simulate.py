@@ -113,7 +113,8 @@ def _touch(reads, writes) -> str:
 
 @dataclass(frozen=True)
 class Issue:
-    """An async op on an engine: "tensor" (in order), "tma" (loads), "tma_store"."""
+    """An async op on an engine: "tensor" (in order), "tma" (loads), "tma_store", "cpasync"
+    (a producer's cp.async copies of a block, landing on a `Commit`)."""
 
     engine: str
     label: str
@@ -131,7 +132,8 @@ class Issue:
 
 @dataclass(frozen=True)
 class Commit:
-    """tcgen05.commit: arrive on a barrier once this role's ops on the engine completed."""
+    """tcgen05.commit ("tensor") or cp.async.mbarrier.arrive.noinc ("cpasync", `count` threads):
+    arrive on a barrier once this role's ops on the engine completed."""
 
     engine: str
     barrier: str

@@ -22,9 +22,11 @@ from fa4lab.hardware import H200
 from fa4lab.limits import (
     Q_TILE_ROWS,
     RESCALE_THRESHOLDS,
+    cp_async_rows_per_pass,
     kernel_builds,
     key_block_for_pages,
-    min_gather_page,
+    min_page,
+    page_loader,
     unsupported_head_dims,
 )
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
@@ -64,6 +66,17 @@ SM90_TUNING = {
 # 128 * producer + 128 * consumers * consumer <= 65536 (the SM's register file, one CTA per SM)
 # and is a multiple of 8, as setmaxnreg needs.
 SM90_REGISTERS = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
+# With a cp.async producer (Note [cp.async pages] in fa4lab.limits) every producer thread holds
+# a row's page, its addresses and the copy loop: upstream FA4 moves two consumers' split to
+# (40, 224) for it; three consumers keep (32, 160), as upstream's do.
+SM90_CP_ASYNC_REGISTERS = {1: (56, 240), 2: (40, 224), 3: (32, 160)}
+
+
+def role_registers(q_stage: int, kv_load: str = "tma") -> tuple[int, int]:
+    """setmaxnreg (producer, each consumer) of a plan with `q_stage` consumers whose producer
+    loads K/V by `kv_load` ("tma" or "cp.async")."""
+    table = SM90_CP_ASYNC_REGISTERS if kv_load == "cp.async" else SM90_REGISTERS
+    return table[q_stage]
 M_BLOCK = Q_TILE_ROWS["sm90"]  # wgmma M: one consumer warpgroup's Q tile
 # Besides O (head_dim_v / 2 fp32 per thread), S (n_block / 2) and P (n_block / 4 packed
 # pairs), a consumer thread needs about this many registers for addresses, row statistics and
@@ -143,10 +156,18 @@ def consumer_registers_needed(n_block: int, head_dim_v: int) -> int:
 
 
 def build_barriers(tiles: Tiles, eb: int, persistent: bool = False) -> BarrierGraph:
-    """The mbarriers and named barriers; `eb` is the bytes per element of Q, K and V."""
+    """The mbarriers and named barriers; `eb` is the bytes per element of Q, K and V. With a
+    cp.async producer (`tiles.kv_load`) k_full / v_full take one arrival per producer thread
+    once its copies landed, and no transaction bytes."""
     q, kv = tiles.q_stage, tiles.kv_stage
     consumers = ",".join(f"consumer{i}" for i in range(q))
     threads = 128 * q
+    cp_async = tiles.kv_load == "cp.async"
+    # (arrivals, bytes, what lands) of a K / V slot's full side
+    k_in = (128, 0, "every producer thread's cp.async rows of K_j") if cp_async else (
+        1, tiles.n_block * tiles.head_dim * eb, "K_j")
+    v_in = (128, 0, "every producer thread's cp.async rows of V_j") if cp_async else (
+        1, tiles.n_block * tiles.head_dim_v * eb, "V_j")
     b = [
         Barrier("q_full", "load", consumers, 1, 1, tiles.cta_m * tiles.head_dim * eb, PHASE_FULL,
                 "the CTA's Q rows (both consumers' tiles, one TMA) landed before any wgmma "
@@ -157,13 +178,13 @@ def build_barriers(tiles: Tiles, eb: int, persistent: bool = False) -> BarrierGr
                          "every consumer's last score wgmma of the work tile completed before "
                          "TMA loads the next tile's Q over it", starts_released=True))
     b += [
-        Barrier("k_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim * eb,
-                PHASE_FULL, "K_j landed in its buffer before the score wgmma reads it", ring="k"),
+        Barrier("k_full", "load", consumers, k_in[0], kv, k_in[1], PHASE_FULL,
+                f"{k_in[2]} landed in its buffer before the score wgmma reads it", ring="k"),
         Barrier("k_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
                 "every consumer finished the score wgmma on K_j before TMA refills the buffer",
                 starts_released=True, ring="k"),
-        Barrier("v_full", "load", consumers, 1, kv, tiles.n_block * tiles.head_dim_v * eb,
-                PHASE_FULL, "V_j landed before the value wgmma reads it", ring="v"),
+        Barrier("v_full", "load", consumers, v_in[0], kv, v_in[1], PHASE_FULL,
+                f"{v_in[2]} landed before the value wgmma reads it", ring="v"),
         Barrier("v_empty", consumers, "load", threads, kv, 0, PHASE_EMPTY,
                 "every consumer finished the value wgmma on V_j before TMA refills the buffer",
                 starts_released=True, ring="v"),
@@ -188,9 +209,11 @@ def build_barriers(tiles: Tiles, eb: int, persistent: bool = False) -> BarrierGr
 
 
 def build_roles(tiles: Tiles) -> tuple[Role, ...]:
-    producer_regs, consumer_regs = SM90_REGISTERS[tiles.q_stage]
-    roles = [Role("load", (0, 1, 2, 3), producer_regs,
-                  "producer warpgroup: warp 0 issues the TMA loads of Q, K, V; warps 1-3 idle")]
+    producer_regs, consumer_regs = role_registers(tiles.q_stage, tiles.kv_load)
+    what = ("producer warpgroup: warp 0 issues the TMA load of Q; all four warps copy K and V "
+            "row by row with cp.async (Note [cp.async pages])" if tiles.kv_load == "cp.async"
+            else "producer warpgroup: warp 0 issues the TMA loads of Q, K, V; warps 1-3 idle")
+    roles = [Role("load", (0, 1, 2, 3), producer_regs, what)]
     for i in range(tiles.q_stage):
         roles.append(Role(f"consumer{i}", tuple(range(4 + 4 * i, 8 + 4 * i)),
                           consumer_regs,
@@ -208,7 +231,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     tuning = SM90_TUNING[(d, dv)]
     if n_block is None:
         n_block = key_block_for_pages(tuning.n_block, spec.page_size,
-                                      min_page=min_gather_page(spec.head_dim, spec.head_dim_v))
+                                      min_page=min_page("sm90", d, dv))
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
         # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third
@@ -231,11 +254,16 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
                         f"CTAs] in fa4lab.plan.sm90)")
     if persistent is None:
         persistent = persistent_default(d, dv, spec.causal, spec.seqlen_q, spec.seqlen_k)
+    kv_load = page_loader("sm90", spec.page_size, n_block)
+    if kv_load == "cp.async" and n_block % cp_async_rows_per_pass(d, dv):
+        raise PlanError(f"n_block={n_block}: a cp.async producer copies "
+                        f"{cp_async_rows_per_pass(d, dv)} rows per pass at head dims ({d}, {dv}) "
+                        f"(Note [cp.async pages]); take a multiple of it")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm90"),
-                  order=kernel_tile_order(spec.causal, "sm90"))
+                  order=kernel_tile_order(spec.causal, "sm90"), kv_load=kv_load)
     need = consumer_registers_needed(n_block, dv)
-    consumer_regs = SM90_REGISTERS[q_stage][1]
+    consumer_regs = role_registers(q_stage, kv_load)[1]
     if need > consumer_regs:
         raise PlanError(
             f"registers: a consumer thread holds O ({dv // 2}), S ({n_block // 2}), P "
@@ -273,13 +301,19 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         "treats the tensor-core turn as a region both write, so a missing turn is a hazard.",
         "exp2 runs on MUFU only (no polynomial emulation on Hopper).",
     ) + pack_gqa_notes(spec, tiles)
+    if kv_load == "cp.async":
+        notes += (f"Pages of {spec.page_size} keys: the producer warpgroup's 128 threads copy "
+                  f"K and V rows with cp.async, {cp_async_rows_per_pass(d, dv)} rows per pass, "
+                  f"each row from its own page; k_full / v_full count one arrival per thread "
+                  f"(cp.async.mbarrier.arrive.noinc) and no bytes (Note [cp.async pages]).",)
     return Plan(spec, "sm90", hw, tiles, mmas, None, smem, roles,
-                build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLDS["sm90"], 0.0,
-                notes)
+                build_protocol(barriers, q_stage, persistent, kv_load),
+                RESCALE_THRESHOLDS["sm90"], 0.0, notes)
 
 
 # ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm90, op by op ----
-def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = False) -> Protocol:
+def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = False,
+                   kv_load: str = "tma") -> Protocol:
     """The producer warp and the consumers' shared code in the order fwd_sm90.py runs them: per
     work tile, in a loop over the CTA's tiles when `persistent` (Note [sm90 persistent CTAs]).
 
@@ -291,21 +325,28 @@ def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = Fals
     block's value wgmma is issued without a turn. The turn and epilogue barrier ids are picked
     per consumer in unrolled branches (`Unroll` over t). A persistent CTA passes first and
     takes the last pass once, around its tile loop.
+
+    With `kv_load` "cp.async" (Note [cp.async pages]) a K or V slot is waited for, copied by
+    every producer thread, then each thread's cp.async arrival is armed on its full side (no
+    expect_tx: the barrier counts threads, not bytes).
     """
     E = Op   # noqa: N806
 
     def tiles(*body) -> tuple:   # the CTA's work tiles: Note [sm90 persistent CTAs]
         return (TileLoop(body),) if persistent else body
+
+    def fill(x: str, slot: str) -> tuple:   # one K or V slot: wait, arm, copy (or copy, arrive)
+        empty, full = f"{x.lower()}_empty", f"{x.lower()}_full"
+        if kv_load == "cp.async":
+            return (E("wait", empty, slot), Step(f"load {x}", slot),
+                    E("cp_async_arrive", full, slot))
+        return (E("wait", empty, slot), E("expect_tx", full, slot, one=True),
+                Step(f"load {x}", slot))
     load = tiles(*((E("wait", "q_empty", "0"),) if persistent else ()),
                  E("expect_tx", "q_full", "0", one=True), Step("load Q"),
-                 E("wait", "k_empty", "K"), E("expect_tx", "k_full", "K", one=True),
-                 Step("load K", "K"),
-                 Loop("N - 1", (E("wait", "k_empty", "K+1"),
-                                E("expect_tx", "k_full", "K+1", one=True), Step("load K", "K+1"),
-                                E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
-                                Step("load V", "V"))),
-                 E("wait", "v_empty", "V"), E("expect_tx", "v_full", "V", one=True),
-                 Step("load V", "V"))
+                 *fill("K", "K"),
+                 Loop("N - 1", (*fill("K", "K+1"), *fill("V", "V"))),
+                 *fill("V", "V"))
     pingpong = q_stage >= 2
     take = (Unroll("t", "q", (If("c == t", (E("sync", "mma_turn{t}"),)),)),) if pingpong else ()
     give = ((Unroll("t", "q", (If("c == t", (E("named_arrive", "mma_turn{(t + 1) % q}"),)),)),)
@@ -343,8 +384,11 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
     consumers' wgmmas unordered by the ping-pong are a hazard."""
     catalogue = _steps(plan, costs, n_blocks)
     proto, q = plan.protocol, plan.tiles.q_stage
-    return {role: expand(proto, role, plan.role(role).threads if role != "load" else 1,
-                         n_blocks, masked_blocks, q, catalogue, n_tiles)
+    threads = {role: plan.role(role).threads for role in proto.roles()}
+    if plan.tiles.kv_load != "cp.async":
+        threads["load"] = 1   # one elected thread issues every TMA
+    return {role: expand(proto, role, threads[role], n_blocks, masked_blocks, q, catalogue,
+                         n_tiles)
             for role in proto.roles()}
 
 
@@ -364,6 +408,7 @@ def _steps(plan: Plan, costs, n_blocks: int):
     pv = costs.mma_op_cycles(hw, plan.mma("value"))
     q_bytes = t_.cta_m * d * eb
     k_bytes, v_bytes = n * d * eb, n * dv * eb
+    cp_async = t_.kv_load == "cp.async"
 
     def sref(name, i):
         if name == "o" and o_region.alias_of:
@@ -383,6 +428,9 @@ def _steps(plan: Plan, costs, n_blocks: int):
         if w in ("load K", "load V"):
             buf, blk = slot(stage, env)
             name, nbytes = w[-1].lower(), (k_bytes if w[-1] == "K" else v_bytes)
+            if cp_async:   # lands on the thread's cp_async_arrive (a Commit), not by bytes
+                return [Issue("cpasync", f"{w[-1]}{blk}", costs.tma_cycles(nbytes),
+                              writes=(sref(name, buf),))]
             return [Issue("tma", f"{w[-1]}{blk}", costs.tma_cycles(nbytes),
                           writes=(sref(name, buf),), complete_tx=(f"{name}_full", buf, nbytes))]
         if w == "QK":

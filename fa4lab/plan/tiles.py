@@ -41,6 +41,7 @@ class Tiles:
     head_dim_v: int
     pack_gqa: bool = False  # M rows are packed (position, query head) rows of one KV head
     order: str = "grid"     # tile dispatch order, "grid" or "lpt" (fa4lab.tiling.SCHEDULERS)
+    kv_load: str = "tma"    # how K/V reach SMEM: "tma" or "cp.async" (fa4lab.limits.page_loader)
 
     @property
     def cta_m(self) -> int:

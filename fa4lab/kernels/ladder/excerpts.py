@@ -23,6 +23,7 @@ import fa4lab
 
 _ROOT = Path(fa4lab.__file__).resolve().parent.parent
 _VERBS = {"wait": "waits", "arrive": "arrives on", "commit": "commits (tcgen05.commit)",
+          "cp_async_arrive": "arrives on once its cp.async copies land",
           "expect_tx": "arms (expect_tx)", "sync": "syncs on (bar.sync)",
           "named_arrive": "arrives on (bar.arrive)"}
 
