@@ -1,8 +1,11 @@
 """The cost of the parity cases (padded head dims, copied views, small pages, seqused_q) beside
 upstream FA4, one run.
 
-    python benchmarks/parity_cost.py      # on an H100/H200 with flash_attn.cute installed
+    python benchmarks/parity_cost.py           # on an H100/H200 with flash_attn.cute installed
+    python benchmarks/parity_cost.py pages     # the paged rows only
 """
+import sys
+
 import torch
 from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
@@ -22,9 +25,12 @@ def ms(fn, reps=30):
 
 
 def main():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if sys.argv[1:] == ["pages"]:
+        small_pages(g)
+        return
     print(f"# {torch.cuda.get_device_name(0)}, bf16, batch 4, 16/4 heads, causal, CUDA events")
     print("case | seqlen | fa4lab ms | FA4 ms | fa4lab / FA4 speed")
-    g = torch.Generator(device="cuda").manual_seed(0)
     for d, dv, view in ((32, 32, ""), (80, 80, ""), (144, 64, ""), (128, 128, "strided")):
         for s in (1024, 4096):
             q, k, v = (torch.randn(4, s, h, e, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -64,10 +70,12 @@ def _cache(g, batch, seqlen, page, hkv, d):
 
 def small_pages(g):
     """Paged decode (batch 32, 4096 keys each, 32/8 heads, hd128) and paged causal prefill
-    (batch 4, 4096 queries over 4096 keys) at pages of 1, 4, 16, 128, default arguments."""
-    print("\n# paged, bf16, 32/8 heads, hd128, default arguments of both")
+    (batch 4, 4096 queries over 4096 keys) at pages of 1 to 128, default arguments: pages
+    below 16 through the cp.async producer (Note [cp.async pages] in fa4lab.limits)."""
+    print(f"\n# paged, {torch.cuda.get_device_name(0)}, bf16, 32/8 heads, hd128, default "
+          f"arguments of both")
     print("case | fa4lab ms | FA4 ms | fa4lab / FA4 speed | fa4lab / HBM floor")
-    for page in (1, 4, 16, 128):
+    for page in (1, 2, 4, 8, 16, 128):
         _paged_decode(g, page)
         _paged_prefill(g, page)
 

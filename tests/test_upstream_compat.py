@@ -345,7 +345,7 @@ def test_pages_below_16_are_planned():
 
 
 SMALL_PAGES = [(64, 64, 1), (128, 128, 1), (128, 128, 4), (96, 96, 8), (256, 256, 4),
-               (192, 128, 2), (128, 128, 8), (96, 96, 2)]
+               (192, 128, 2), (128, 128, 8), (96, 96, 2), (96, 96, 1), (64, 64, 16)]
 
 
 @pytest.mark.gpu
@@ -357,6 +357,8 @@ def test_small_pages_on_the_kernels(d, dv, page_size):
     float64."""
     from kernel_checks import check_kernel, check_sequences
 
+    from fa4lab.errors import PlanError
+    from fa4lab.limits import arch_of_capability, min_page
     from fa4lab.reference import attention_varlen_reference
 
     b, hq, seqlen = 2, 8, 300
@@ -365,6 +367,11 @@ def test_small_pages_on_the_kernels(d, dv, page_size):
     g, kc, vc, table, k, v = _paged_cache(page_size + d, b, 2, pages_per_seq, page_size, d, dv,
                                           spare=3)
     q = torch.randn(b, 45, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    if page_size % min_page(arch_of_capability(torch.cuda.get_device_capability()), d, dv):
+        # sm100's TMA gather: a page's SMEM slice starts 128-byte aligned (fa4lab.limits)
+        with pytest.raises(PlanError, match=f"page_size={page_size}"):
+            fa4lab.attention(q, kc, vc, page_table=table, causal=True)
+        return
     check_kernel(lambda *a, **kw: fa4lab.attention(q, kc, vc, page_table=table, **kw),
                  q, k, v, causal=True)
     # decode: one query per sequence, ragged key counts
