@@ -149,13 +149,15 @@ def min_gather_page(head_dim: int, head_dim_v: int,
 
 
 # Note [cp.async pages]
-# The sm90 kernel reads pages smaller than CP_ASYNC_PAGES_BELOW tokens not with one TMA copy per
-# page, issued by one thread, but with cp.async: the producer warpgroup's 128 threads each copy
-# 16-byte chunks of the block's rows, every row from its own page (upstream FA4's non-TMA paged
-# loader; Note [cp.async gather] in fa4lab.kernels.device.page_rows). A row lands wherever the
-# swizzled layout puts it, so no 128-byte alignment limits the page (pages of one key at
-# head_dim 96 too). The TMA gather of one box per page ran at 0.19x FA4 with pages of 1 and
-# 0.62x with pages of 4, 1.03x with pages of 16 (H200, prefill 4 x 4096 causal, hd128;
+# The sm90 kernel reads pages smaller than CP_ASYNC_PAGES_BELOW tokens, and pages that no TMA read
+# fits (neither a multiple nor a divisor of the key block: 24 at a block of 128, 100, 1000), not
+# with TMA boxes issued by one thread but with cp.async: the producer warpgroup's 128 threads
+# each copy 16-byte chunks of the block's rows, every row from its own page (upstream FA4's
+# non-TMA paged loader; Note [cp.async gather] in fa4lab.kernels.device.page_rows). A row lands
+# wherever the swizzled layout puts it, so no 128-byte alignment limits the page (pages of one
+# key at head_dim 96 too) and a block may start and end anywhere in a page: every page size
+# is read at the tuned key block. The TMA gather of one box per page ran at 0.19x FA4 with pages
+# of 1 and 0.62x with pages of 4, 1.03x with pages of 16 (H200, prefill 4 x 4096 causal, hd128;
 # benchmarks/2026-12-02_nvidia-h200_small-pages-seqused.txt): from 16 on it stays.
 CP_ASYNC_PAGES_BELOW = {"sm90": 16}
 
@@ -164,8 +166,10 @@ def page_loader(arch: str, page_size: int | None, n_block: int) -> str:
     """How `arch`'s kernel with key blocks of `n_block` rows reads a cache of `page_size`-token
     pages: "tma" (unpaged, one box per block, or a TMA gather of one box per page) or
     "cp.async" (Note [cp.async pages])."""
-    below = CP_ASYNC_PAGES_BELOW.get(_arch_key(arch), 0)
-    if page_size is not None and page_size < min(below, n_block):
+    key = _arch_key(arch)
+    if page_size is None or key not in CP_ASYNC_PAGES_BELOW:
+        return "tma"
+    if page_size < min(CP_ASYNC_PAGES_BELOW[key], n_block) or not page_fits(page_size, n_block):
         return "cp.async"
     return "tma"
 
@@ -194,8 +198,8 @@ def cp_async_rows_per_pass(head_dim: int, head_dim_v: int,
 
 
 def min_page(arch: str, head_dim: int, head_dim_v: int) -> int:
-    """The smallest page `arch`'s kernel reads at these head dims: 1 where small pages go
-    through cp.async (`page_loader`), else the TMA gather's `min_gather_page`."""
+    """The smallest page `arch`'s kernel reads at these head dims: 1 where pages no TMA read
+    fits go through cp.async (`page_loader`), else the TMA gather's `min_gather_page`."""
     if _arch_key(arch) in CP_ASYNC_PAGES_BELOW:
         return 1
     return min_gather_page(head_dim, head_dim_v)

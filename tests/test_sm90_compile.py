@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from fa4lab import tiling
 from fa4lab.kernels.device import scheduler
-from fa4lab.limits import KERNEL_HEAD_DIMS
+from fa4lab.limits import (
+    KERNEL_HEAD_DIMS,
+    cp_async_row_threads,
+    cp_async_rows_per_pass,
+    page_loader,
+)
 from fa4lab.spec import AttentionSpec, effective_window
 
 _SIDE = st.one_of(st.none(), st.integers(0, 3000))
@@ -228,9 +233,10 @@ def test_audit_against_plan(q_stage):
         assert len(rows) >= 3 and all(r.ok for r in rows), rows
 
 
-# Paged K/V caches (Note [paged key blocks] in fa4lab.kernels.device.paged): a gather of pages
-# per key block (1, 4, 16, 32, 64: pages of 1 in four groups of 32) and one TMA box per block
-# (128, 256); the decode shape (seqlen_q 1, GQA 8 packed) on some of each.
+# Paged K/V caches: rows copied by cp.async (pages 1, 4: Note [cp.async gather] in
+# fa4lab.kernels.device.page_rows), a TMA gather of pages per key block (16, 32, 64: Note [paged
+# key blocks] in fa4lab.kernels.device.paged) and one TMA box per block (128, 256); the decode
+# shape (seqlen_q 1, GQA 8 packed) on some of each.
 PAGED = [(16, True, False), (32, False, False), (64, False, False), (128, True, True),
          (256, False, False), (16, True, True), (1, True, False), (4, False, True)]
 
@@ -263,9 +269,19 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
     ptx = cf.ptx_path.read_text()
     # (a page of one key is a 3-d box: its unit key mode folds away)
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.[34]d\.shared::cta\.global", ptx))
-    # Q: one copy per consumer and 64-column half; K and V at four sites (first K, the loop's
-    # K and V, last V), each the pieces of one iteration of the gather's loop times the halves.
-    assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
+    rows = len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
+    arrives = len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx))
+    # Q: one copy per consumer and 64-column half. K and V at four sites (first K, the loop's
+    # K and V, last V): pages below 16 by cp.async, each site a block's passes times its
+    # 16-byte spans per thread and one arrival (Note [cp.async gather]); larger pages by TMA,
+    # each site the pieces of one iteration of the gather's loop times the halves.
+    if page_loader("sm90", page_size, plan.tiles.n_block) == "cp.async":
+        tpr = cp_async_row_threads(128, 128)
+        per_block = plan.tiles.n_block // cp_async_rows_per_pass(128, 128) * (128 * 2 // 16 // tpr)
+        assert (loads, rows, arrives) == (plan.tiles.q_stage * 2, 4 * per_block, 4)
+    else:
+        assert rows == arrives == 0
+        assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
 
 
 # Split-KV over a paged cache (Note [empty splits] in fa4lab.kernels.device.split): the decode

@@ -93,7 +93,6 @@ from fa4lab.kernels.device.softmax import (
     store_lse,
 )
 from fa4lab.kernels.protocol import Sites
-from fa4lab.limits import min_page
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -221,11 +220,11 @@ class FlashForwardSm90:
         self.window_size = spec.window_size
         # A paged K/V cache of page_size-token pages (Note [paged key blocks]), or None.
         self.page_size = spec.page_size
-        if self.page_size is not None:
-            paged.check_page_size(self.page_size, self.n_block,
-                                  min_page("sm90", self.head_dim, self.head_dim_v))
-        # Small pages: every producer thread copies rows with cp.async (Note [cp.async gather]).
+        # Pages no TMA read fits: every producer thread copies rows with cp.async (Note
+        # [cp.async gather]).
         self.cp_async = t.kv_load == "cp.async"
+        if self.page_size is not None and not self.cp_async:
+            paged.check_page_size(self.page_size, self.n_block)
         self.row_threads = page_rows.row_threads(self.head_dim, self.head_dim_v, cutlass.BFloat16)
         self.producer_regs, self.consumer_regs = _role_registers(plan)
         self.num_consumers = t.q_stage

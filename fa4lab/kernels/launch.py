@@ -419,15 +419,18 @@ def compile_plan(plan, example):
 def check_paged_call(key: tuple, mods) -> None:
     """Before a paged launch (key's page size not None): no mods (their block table and key
     indices assume contiguous K/V) and a page size the kernel's key blocks take
-    (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit)."""
+    (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit; a
+    cp.async producer reads any page, Note [cp.async pages])."""
     from fa4lab.kernels.device.paged import check_page_size
-    from fa4lab.limits import min_page
+    from fa4lab.limits import min_page, page_loader
 
     if mods:
         raise InputError("score_mod / mask_mod do not take a paged K/V cache yet: gather the "
                          "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
                          "on contiguous tensors")
-    check_page_size(key[_PAGE_SIZE], cta_tiles(key)[1], min_page(key[0], key[1], key[2]))
+    n_block = cta_tiles(key)[1]
+    if page_loader(key[0], key[_PAGE_SIZE], n_block) == "tma":   # cp.async reads any page
+        check_page_size(key[_PAGE_SIZE], n_block, min_page(key[0], key[1], key[2]))
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
 from fa4lab.limits import (
+    CP_ASYNC_PAGES_BELOW,
     Q_TILE_ROWS,
     RESCALE_THRESHOLDS,
+    cp_async_row_threads,
     cp_async_rows_per_pass,
     kernel_builds,
     key_block_for_pages,
-    min_page,
     page_loader,
     unsupported_head_dims,
 )
@@ -229,9 +230,10 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if not kernel_builds("sm90", d, dv):
         raise PlanError(unsupported_head_dims("sm90", d, dv))
     tuning = SM90_TUNING[(d, dv)]
-    if n_block is None:
-        n_block = key_block_for_pages(tuning.n_block, spec.page_size,
-                                      min_page=min_page("sm90", d, dv))
+    if n_block is None:   # pages a TMA read fits take it (Note [cp.async pages])
+        n_block = tuning.n_block
+        if (spec.page_size or 0) >= CP_ASYNC_PAGES_BELOW["sm90"]:
+            n_block = key_block_for_pages(n_block, spec.page_size)
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
         # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third
@@ -255,10 +257,13 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if persistent is None:
         persistent = persistent_default(d, dv, spec.causal, spec.seqlen_q, spec.seqlen_k)
     kv_load = page_loader("sm90", spec.page_size, n_block)
-    if kv_load == "cp.async" and n_block % cp_async_rows_per_pass(d, dv):
-        raise PlanError(f"n_block={n_block}: a cp.async producer copies "
-                        f"{cp_async_rows_per_pass(d, dv)} rows per pass at head dims ({d}, {dv}) "
-                        f"(Note [cp.async pages]); take a multiple of it")
+    rows = cp_async_rows_per_pass(d, dv)
+    if kv_load == "cp.async" and (n_block % rows or n_block > rows * cp_async_row_threads(d, dv)):
+        raise PlanError(f"n_block={n_block}: a cp.async producer copies {rows} rows per pass "
+                        f"at head dims ({d}, {dv}), at most {cp_async_row_threads(d, dv)} "
+                        f"passes a block (one page index per thread: Note [cp.async gather] in "
+                        f"fa4lab.kernels.device.page_rows); take a multiple of {rows} up to "
+                        f"{rows * cp_async_row_threads(d, dv)}")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm90"),
                   order=kernel_tile_order(spec.causal, "sm90"), kv_load=kv_load)
