@@ -141,18 +141,21 @@ def test_launch_key_and_kernel_name_carry_the_page_size():
     spec = launch.spec_of_key(key)
     assert spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16")
+    launch.check_paged_call(key[:-1] + (9,), None)   # sm90: cp.async reads any page
+    on_b200 = launch.key_of(q, kc, vc, "sm100", True, False, None, page_table=table)
     with pytest.raises(PlanError, match="page_size=9"):
-        launch.check_paged_call(key[:-1] + (9,), None)
+        launch.check_paged_call(on_b200[:-1] + (9,), None)
 
 
 @pytest.mark.parametrize("arch,page_size,fits", [
-    ("sm90", 16, True), ("sm90", 48, True), ("sm90", 24, True), ("sm90", 9, False),
-    ("sm90", 1, True), ("sm100", 64, True), ("sm100", 32, True), ("sm100", 16, True),
-    ("sm100", 48, True), ("sm100", 8, True), ("sm100", 4, True), ("sm100", 100, False)])
+    ("sm90", 16, True), ("sm90", 48, True), ("sm90", 24, True), ("sm90", 9, True),
+    ("sm90", 1, True), ("sm90", 100, True), ("sm90", 1000, True), ("sm100", 64, True),
+    ("sm100", 32, True), ("sm100", 16, True), ("sm100", 48, True), ("sm100", 8, True),
+    ("sm100", 4, True), ("sm100", 100, False)])
 def test_kernels_refuse_page_sizes_they_do_not_build(arch, page_size, fits):
     """Built from the plan, before any compile: a page size the kernel does not read is a
-    PlanError naming it; both kernels gather any divisor of their key block, pages of 1 to 64
-    (Note [paged key blocks])."""
+    PlanError naming it. The sm100 kernel gathers any divisor of its key block (Note [paged key
+    blocks]); the sm90 kernel reads every other page with cp.async (Note [cp.async pages])."""
     from fa4lab.kernels.compile import kernel_class
     from fa4lab.plan import plan_forward
     from fa4lab.spec import AttentionSpec
@@ -374,8 +377,10 @@ def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatc
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 def test_gathered_pages_start_128_byte_aligned(arch):
     """A gathered page's SMEM slice starts on a 128-byte boundary (what a TMA copy needs): at
-    head_dim 96, whose swizzle rows are 64 bytes, a page of 1 is refused before any compile,
-    naming the sizes that fit; pages of 2 are taken (`fa4lab.limits.min_gather_page`)."""
+    head_dim 96, whose swizzle rows are 64 bytes, the sm100 kernel refuses a page of 1 before
+    any compile, naming the sizes that fit, and takes pages of 2 (`fa4lab.limits
+    .min_gather_page`); the sm90 kernel copies pages below 16 by cp.async, where no alignment
+    limits the page (Note [cp.async pages])."""
     from fa4lab.kernels.compile import kernel_class
     from fa4lab.limits import min_gather_page, swizzle_bytes
     from fa4lab.plan import plan_forward
@@ -388,5 +393,56 @@ def test_gathered_pages_start_128_byte_aligned(arch):
     two = plan_forward(AttentionSpec(2, 1, 1024, 8, 2, 96, page_size=2), arch)
     assert make(two).page_size == 2
     one = plan_forward(AttentionSpec(2, 1, 1024, 8, 2, 96, page_size=1), arch)
+    if arch == "sm90":
+        assert one.tiles.kv_load == two.tiles.kv_load == "cp.async"
+        assert make(one).page_size == 1
+        return
     with pytest.raises(PlanError, match=r"page_size=1 does not fit .* multiple of 2 .*128-byte"):
         make(one)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_which_pages_cp_async_reads(d, dv):
+    """sm90: pages below 16 and pages no TMA read fits go through cp.async at the tuned key
+    block, the rest through TMA; sm100 reads every page it takes by TMA (Note [cp.async
+    pages] in fa4lab.limits). A cp.async block is whole passes of the 128 producer threads."""
+    from fa4lab.limits import (
+        CP_ASYNC_THREADS,
+        cp_async_row_threads,
+        cp_async_rows_per_pass,
+        page_fits,
+        page_loader,
+    )
+    from fa4lab.plan import plan_forward
+    from fa4lab.plan.sm90 import SM90_TUNING
+    from fa4lab.spec import AttentionSpec
+
+    tuned = SM90_TUNING[(d, dv)].n_block
+    tpr = cp_async_row_threads(d, dv)
+    assert tpr * 16 in (64, 128) and cp_async_rows_per_pass(d, dv) * tpr == CP_ASYNC_THREADS
+    for page_size in (1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 64, 100, 128, 256, 1000):
+        p = plan_forward(AttentionSpec(2, 300, 1024, 8, 2, d, dv, page_size=page_size), "sm90")
+        n = p.tiles.n_block
+        cp_async = page_size < 16 or not page_fits(page_size, n)
+        assert p.tiles.kv_load == ("cp.async" if cp_async else "tma"), page_size
+        assert page_loader("sm90", page_size, n) == p.tiles.kv_load
+        if cp_async:
+            assert n == tuned and n % cp_async_rows_per_pass(d, dv) == 0
+            assert n // cp_async_rows_per_pass(d, dv) <= tpr
+        assert page_loader("sm100", page_size, n) == "tma"
+    assert plan_forward(AttentionSpec(2, 300, 1024, 8, 2, d, dv), "sm90").tiles.kv_load == "tma"
+
+
+def test_cp_async_key_blocks_are_whole_passes():
+    """An explicit key block a cp.async producer cannot copy in whole passes, or in more passes
+    than a thread holds page indices for, is a PlanError naming the blocks it takes."""
+    from fa4lab.plan import plan_forward
+    from fa4lab.spec import AttentionSpec
+
+    spec = AttentionSpec(2, 300, 1024, 8, 2, 64, page_size=4)
+    assert plan_forward(spec, "sm90", n_block=64).tiles.kv_load == "cp.async"
+    with pytest.raises(PlanError, match=r"n_block=144: .* 16 rows per pass .*, at most 8 passes"):
+        plan_forward(spec, "sm90", n_block=144)
+    wide = AttentionSpec(2, 300, 1024, 8, 2, 96, page_size=4)
+    with pytest.raises(PlanError, match="n_block=48: .* 32 rows per pass"):
+        plan_forward(wide, "sm90", n_block=48)

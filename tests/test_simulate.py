@@ -496,3 +496,27 @@ def test_one_tile_plans_refuse_persistence():
         plan("sm90", 256, persistent=True)
     r = simulate(plan("sm100", 128, persistent=False), 3, 2)
     assert r.n_tiles == 1   # one work tile per CTA: the simulator runs one
+
+
+@pytest.mark.parametrize("hd,page_size", [(64, 1), (96, 1), (128, 4), (128, 100), (256, 8)])
+def test_cp_async_plans_run_clean_and_every_edge_counts(hd, page_size):
+    """A cp.async producer (Note [cp.async pages] in fa4lab.limits): K and V fulls count the
+    128 producer threads' arrivals, no bytes; the table runs clean, and dropping any edge or
+    any arrival is seen as on the TMA plan."""
+    from fa4lab.plan.sm90 import SM90_CP_ASYNC_REGISTERS
+
+    p = plan_forward(AttentionSpec(2, 4096, 4096, 8, 8, hd, causal=True, page_size=page_size),
+                     "sm90")
+    assert p.tiles.kv_load == "cp.async"
+    full = {b.name: b for b in p.barriers.barriers if b.name in ("k_full", "v_full")}
+    assert {(b.arrive_count, b.tx_bytes) for b in full.values()} == {(128, 0)}
+    assert (p.role("load").registers, p.role("consumer0").registers) \
+        == SM90_CP_ASYNC_REGISTERS[p.tiles.q_stage]
+    for n, masked in ((1, 1), (5, 2)):
+        r = simulate(p, n, masked_blocks=masked)
+        assert r.ok and r.leftover == {}, r.summary()
+    checks = mutation_check(p)
+    assert {k for k, v in checks.items() if not v} == unguarded(p), checks
+    for barrier in full:
+        r = simulate(p, 4, drop=barrier, mutation="drop_arrive")
+        assert r.deadlock and any(barrier in line for line in r.deadlock), r.summary()
