@@ -284,6 +284,34 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
         assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
 
 
+# cp.async pages at every other head dim (Note [cp.async gather] in
+# fa4lab.kernels.device.page_rows): a page of one key at head_dim 96 (four threads a row, 32 rows
+# a pass), three consumers at 64, key blocks of 112 and 80 keys, a page no TMA read fits (100).
+CP_ASYNC = [(96, 96, 1, True), (64, 64, 4, False), (192, 128, 2, True), (256, 256, 100, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,dv,page_size,causal", CP_ASYNC,
+                         ids=[f"hd{d}x{dv}-page{p}" for d, dv, p, _ in CP_ASYNC])
+def test_cp_async_pages_compile_at_every_head_dim(d, dv, page_size, causal, tmp_path):
+    """The audit holds (no spills, the producer's and consumers' setmaxnreg, k_full / v_full
+    initialised with 128 arrivals, the protocol table op by op), and the PTX copies each key
+    block in 16-byte cp.async rows: a block's passes times each thread's spans, K then V."""
+    from audit_checks import compile_and_audit
+
+    from fa4lab.plan import plan_forward
+
+    spec = AttentionSpec(2, 300, 1024, 8, 2, d, dv, causal=causal, page_size=page_size)
+    plan = plan_forward(spec, "sm90")
+    assert plan.tiles.kv_load == "cp.async"
+    cf = compile_and_audit(plan, "sm90a", tmp_path)
+    ptx = cf.ptx_path.read_text()
+    tpr, passes = cp_async_row_threads(d, dv), plan.tiles.n_block // cp_async_rows_per_pass(d, dv)
+    per_block = passes * (d * 2 // 16 // tpr + dv * 2 // 16 // tpr)   # K's spans, then V's
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 2 * per_block
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 4
+
+
 # Split-KV over a paged cache (Note [empty splits] in fa4lab.kernels.device.split): the decode
 # shape (seqlen_q 1, GQA 8 packed) one CTA per tile, as paged launches run (ragged key counts:
 # `persistent_default`), a gather of 8 and 2 pages per key block and one TMA box per block;
