@@ -44,7 +44,8 @@ VARLEN = ("varlen", "paged_varlen", "chunked_prefill")
 LAYOUTS = ("contiguous", "packed", "transposed", "padded", "misaligned", "strided_last")
 # The page sizes the kernels take (Note [paged key blocks] in fa4lab.kernels.device.paged: any
 # divisor or multiple of the key block, pages of 1 to 4 inside a swizzle atom) and a few that
-# only a smaller key block fits (48) or none does (12, 100: refused).
+# only a smaller key block fits (48) or none does (12, 100: the sm90 kernel reads them by
+# cp.async, Note [cp.async pages] in fa4lab.limits; the sm100 kernel refuses them).
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ODD_PAGE_SIZES = (12, 48, 100)
 # score_mod / mask_mod of a dense case (`fa4lab.fuzz.inputs.case_mods`).
@@ -58,7 +59,7 @@ ODDS = {
     "softmax_scale": 0.3,       # a scale other than 1/sqrt(head_dim)
     "mod": 0.4,                 # a score_mod / mask_mod, of a dense call
     "mod_probe": 0.04,          # ... of a paged call (refused: mods take no paged cache)
-    "odd_page_size": 0.05,      # a page size the kernels refuse
+    "odd_page_size": 0.05,      # a page size no TMA read fits (cp.async on sm90)
     "seqused_k": 0.3,           # of a packed varlen call (chunked prefill: 0.8)
     "q_longer": 0.2,            # dense seqlen_q > seqlen_k: causal leaves rows with no key
     "extreme_logits": 0.15,     # q scaled by 30..100

@@ -41,7 +41,10 @@ How it is built (every number from `plan_forward(spec, arch="sm90")`):
 * Paged K/V (`spec.page_size`, Note [paged key blocks] in fa4lab.kernels.device.paged): k, v
   are a cache of pages and the producer reads each key block's pages from the page table: one
   TMA box per block for pages of a multiple of n_block, a gather of one box per page for
-  smaller pages (16, 32, 64), all on the block's one full barrier; split-KV too (below).
+  smaller pages (16, 32, 64), all on the block's one full barrier; every other page size (1 to
+  15, 100, ...) copied row by row with cp.async by the four producer warps, each thread's
+  copies arriving on the full barrier (Note [cp.async gather] in
+  fa4lab.kernels.device.page_rows); split-KV too (below).
 * pack-GQA (`plan.tiles.pack_gqa`, Note [sm90 pack-GQA kernel]): a CTA serves the
   qhead_per_kvhead query heads of one KV head, its rows being packed rows; only the Q/O views,
   the grid, the block ranges, the mask's row index and the LSE and sink addresses change.

@@ -62,8 +62,8 @@ WARP_LANES = 32
 #   starts on a row of the stage, so the stage is laid out exactly as one (n_block, d) box
 #   would have left it, whether the slice starts on a swizzle atom (pages of 8 or more) or
 #   inside one (pages of 1, 2, 4). At head_dim 96 a row of the atom is 64 bytes (the 64-byte
-#   swizzle), so there a slice is 128-byte aligned only at an even row: pages of 1 are refused
-#   at head_dim 96 (`fa4lab.limits.min_gather_page`). All copies of a block arrive on the
+#   swizzle), so there a slice is 128-byte aligned only at an even row: the sm100 kernel refuses
+#   pages of 1 at head_dim 96 (`fa4lab.limits.min_gather_page`). All copies of a block arrive on the
 #   block's one full barrier, whose transaction bytes stay the block's. A block of more than
 #   32 pages (pages of 1 or 2 with 128-key blocks) is gathered 32 pages at a time
 #   (`page_groups`): lane j of the load warp reads the page of piece 32 g + j of group g.
@@ -71,7 +71,8 @@ WARP_LANES = 32
 #   ran at 0.19x FA4's cp.async gather (H200, prefill 4 x 4096 causal, hd128); pages of 4 at
 #   0.62x, 16 at 1.03x (benchmarks/2026-12-02_nvidia-h200_parity-cost.txt). Eight pieces per
 #   iteration instead of two gained 10% at pages of 1: the TMA issue, not the loop, is the
-#   limit. A gather of many lanes' cp.async copies (upstream's) is the way past it.
+#   limit. The sm90 kernel copies pages below 16 with cp.async instead, all 128 producer
+#   threads at once (Note [cp.async gather] in fa4lab.kernels.device.page_rows).
 #   On sm100 the stages are the MMA operands' layouts, read here in their plain (keys, d) form
 #   (`plain`; V as (d, keys), keys_mode 1, since its head_dim is contiguous).
 #   The copies are a run-time loop over the pieces (`copy_block`), GATHER_UNROLL of them per
