@@ -345,21 +345,25 @@ def test_pages_below_16_are_planned():
 
 
 SMALL_PAGES = [(64, 64, 1), (128, 128, 1), (128, 128, 4), (96, 96, 8), (256, 256, 4),
-               (192, 128, 2), (128, 128, 8), (96, 96, 2), (96, 96, 1), (64, 64, 16)]
+               (192, 128, 2), (128, 128, 8), (96, 96, 2), (96, 96, 1), (64, 64, 16),
+               (128, 128, 3), (64, 64, 12), (128, 128, 100), (192, 128, 5)]
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("d, dv, page_size", SMALL_PAGES)
 def test_small_pages_on_the_kernels(d, dv, page_size):
-    """Pages of 1, 2, 4, 8 through the kernels' gather: a dense paged call (prefill over the
-    pages, causal) and the varlen decode batch over the same cache, held to FA4's rule against
-    float64."""
+    """Pages of 1 to 16, and sizes that straddle key blocks (3, 5, 12, 100), through the
+    kernels' gathers (cp.async on sm90: Note [cp.async pages] in fa4lab.limits): a dense paged
+    call (prefill over the pages, causal) and the varlen decode batch over the same cache, held
+    to FA4's rule against float64; sm100 refuses the sizes its TMA gather cannot read."""
     from kernel_checks import check_kernel, check_sequences
 
     from fa4lab.errors import PlanError
-    from fa4lab.limits import arch_of_capability, min_page
+    from fa4lab.limits import arch_of_capability, min_page, page_fits, page_loader
+    from fa4lab.plan import plan_forward
     from fa4lab.reference import attention_varlen_reference
+    from fa4lab.spec import AttentionSpec
 
     b, hq, seqlen = 2, 8, 300
     pages_per_seq = -(-seqlen // page_size)
@@ -367,8 +371,12 @@ def test_small_pages_on_the_kernels(d, dv, page_size):
     g, kc, vc, table, k, v = _paged_cache(page_size + d, b, 2, pages_per_seq, page_size, d, dv,
                                           spare=3)
     q = torch.randn(b, 45, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
-    if page_size % min_page(arch_of_capability(torch.cuda.get_device_capability()), d, dv):
-        # sm100's TMA gather: a page's SMEM slice starts 128-byte aligned (fa4lab.limits)
+    arch = arch_of_capability(torch.cuda.get_device_capability())
+    n_block = plan_forward(AttentionSpec(b, 45, full, hq, 2, d, dv, causal=True,
+                                         page_size=page_size), arch).tiles.n_block
+    if page_loader(arch, page_size, n_block) == "tma" and not page_fits(
+            page_size, n_block, min_page(arch, d, dv)):
+        # sm100's TMA gather: a divisor of the block whose SMEM slices start 128-byte aligned
         with pytest.raises(PlanError, match=f"page_size={page_size}"):
             fa4lab.attention(q, kc, vc, page_table=table, causal=True)
         return
