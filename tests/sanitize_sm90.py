@@ -10,7 +10,8 @@ masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) w
 tiles per CTA, two and three consumers; split-KV (a packed GQA decode in three splits and
 their combine) and a variable-length batch (the tile table, the row-by-row O store; an empty
 and a length-1 sequence), and a paged decode (one launch, the page table read per key block,
-seqused_k ending inside a page, 0 included; pages of 1 and 4 through the cp.async producer,
+seqused_k ending inside a page, 0 included; pages of 1, 4 and 12 (pages across key blocks)
+through the cp.async producer,
 Note [cp.async gather]), and a chunked prefill over pages (the one varlen
 launch over a paged cache, `fa4lab.kernels.launch.forward_varlen(page_table=)`: its padding
 tiles' phantom sequence past the table's last row). Each output is also checked against the float64
@@ -93,6 +94,8 @@ def main() -> int:
                       ("paged decode, pages of 128", paged_decode_case(128)),
                       ("paged decode, pages of 4 (cp.async)", paged_decode_case(4)),
                       ("paged decode, pages of 1 (cp.async)", paged_decode_case(1)),
+                      ("paged decode, pages of 12 (cp.async, across key blocks)",
+                       paged_decode_case(12)),
                       ("chunked prefill over pages of 16", paged_prefill_case(16)),
                       ("chunked prefill over pages of 2 (cp.async)", paged_prefill_case(2)),
                       ("chunked prefill over pages of 128", paged_prefill_case(128))):
