@@ -10,9 +10,8 @@ masked); and persistent CTAs (Note [sm90 persistent CTAs] in fa4lab.plan.sm90) w
 tiles per CTA, two and three consumers; split-KV (a packed GQA decode in three splits and
 their combine) and a variable-length batch (the tile table, the row-by-row O store; an empty
 and a length-1 sequence), and a paged decode (one launch, the page table read per key block,
-seqused_k ending inside a page, 0 included; pages of 1, 4 and 12 (pages across key blocks)
-through the cp.async producer,
-Note [cp.async gather]), and a chunked prefill over pages (the one varlen
+seqused_k ending inside a page, 0 included; pages of 1, 4 and 12, across key blocks, through
+the cp.async producer, Note [cp.async gather]), and a chunked prefill over pages (the one varlen
 launch over a paged cache, `fa4lab.kernels.launch.forward_varlen(page_table=)`: its padding
 tiles' phantom sequence past the table's last row). Each output is also checked against the float64
 reference, so a run that the tool passes but that computes garbage still fails. Small sizes:
