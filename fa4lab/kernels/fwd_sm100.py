@@ -774,9 +774,9 @@ class FlashForwardSm100:
     # causal), and as sequential `if`s it has none. The audit counts spills for both.
 
     def set_registers(self, role: str) -> None:
-        """setmaxnreg to the role's count (plan.roles): .inc above the launch budget of 65536 /
-        threads registers per thread, .dec below it (ptxas refuses a .dec above it)."""
-        if self.registers[role] > 65536 // self.threads_per_cta:
+        """setmaxnreg to the role's count (plan.roles): .inc above the launch budget (the SM's
+        register file over the CTA's threads), .dec below it (ptxas refuses a .dec above it)."""
+        if self.registers[role] > self.plan.hardware.registers_per_sm // self.threads_per_cta:
             cute.arch.setmaxregister_increase(self.registers[role])
         else:
             cute.arch.setmaxregister_decrease(self.registers[role])
