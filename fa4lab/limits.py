@@ -162,14 +162,21 @@ def min_gather_page(head_dim: int, head_dim_v: int,
 CP_ASYNC_PAGES_BELOW = {"sm90": 16}
 
 
+def small_pages_by_cp_async(arch: str, page_size: int | None) -> bool:
+    """Whether `arch`'s kernel copies pages of `page_size` tokens by cp.async whatever its key
+    block: pages below CP_ASYNC_PAGES_BELOW (Note [cp.async pages])."""
+    below = CP_ASYNC_PAGES_BELOW.get(_arch_key(arch))
+    return page_size is not None and below is not None and page_size < below
+
+
 def page_loader(arch: str, page_size: int | None, n_block: int) -> str:
     """How `arch`'s kernel with key blocks of `n_block` rows reads a cache of `page_size`-token
     pages: "tma" (unpaged, one box per block, or a TMA gather of one box per page) or
-    "cp.async" (Note [cp.async pages])."""
-    key = _arch_key(arch)
-    if page_size is None or key not in CP_ASYNC_PAGES_BELOW:
+    "cp.async" (Note [cp.async pages]): small pages, and on a kernel that has cp.async, pages
+    no TMA read of the block fits."""
+    if page_size is None or _arch_key(arch) not in CP_ASYNC_PAGES_BELOW:
         return "tma"
-    if page_size < min(CP_ASYNC_PAGES_BELOW[key], n_block) or not page_fits(page_size, n_block):
+    if small_pages_by_cp_async(arch, page_size) or not page_fits(page_size, n_block):
         return "cp.async"
     return "tma"
 

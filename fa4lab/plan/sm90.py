@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from fa4lab.errors import PlanError
 from fa4lab.hardware import H200
 from fa4lab.limits import (
-    CP_ASYNC_PAGES_BELOW,
     Q_TILE_ROWS,
     RESCALE_THRESHOLDS,
     cp_async_row_threads,
@@ -28,6 +27,7 @@ from fa4lab.limits import (
     kernel_builds,
     key_block_for_pages,
     page_loader,
+    small_pages_by_cp_async,
     unsupported_head_dims,
 )
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
@@ -232,7 +232,7 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     tuning = SM90_TUNING[(d, dv)]
     if n_block is None:   # pages a TMA read fits take it (Note [cp.async pages])
         n_block = tuning.n_block
-        if (spec.page_size or 0) >= CP_ASYNC_PAGES_BELOW["sm90"]:
+        if not small_pages_by_cp_async("sm90", spec.page_size):
             n_block = key_block_for_pages(n_block, spec.page_size)
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
     if q_stage is None:
@@ -257,13 +257,13 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
     if persistent is None:
         persistent = persistent_default(d, dv, spec.causal, spec.seqlen_q, spec.seqlen_k)
     kv_load = page_loader("sm90", spec.page_size, n_block)
-    rows = cp_async_rows_per_pass(d, dv)
-    if kv_load == "cp.async" and (n_block % rows or n_block > rows * cp_async_row_threads(d, dv)):
+    rows, passes = cp_async_rows_per_pass(d, dv), cp_async_row_threads(d, dv)
+    if kv_load == "cp.async" and (n_block % rows or n_block > rows * passes):
         raise PlanError(f"n_block={n_block}: a cp.async producer copies {rows} rows per pass "
-                        f"at head dims ({d}, {dv}), at most {cp_async_row_threads(d, dv)} "
-                        f"passes a block (one page index per thread: Note [cp.async gather] in "
+                        f"at head dims ({d}, {dv}), at most {passes} passes a block (one page "
+                        f"index per thread: Note [cp.async gather] in "
                         f"fa4lab.kernels.device.page_rows); take a multiple of {rows} up to "
-                        f"{rows * cp_async_row_threads(d, dv)}")
+                        f"{rows * passes}")
     tiles = Tiles(m_block, n_block, q_stage, kv_stage, d, dv,
                   pack_gqa=check_pack_gqa(spec, m_block, pack_gqa, "sm90"),
                   order=kernel_tile_order(spec.causal, "sm90"), kv_load=kv_load)
