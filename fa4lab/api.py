@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fa4lab.canonical import empty_answer, for_kernel, narrow_out
+from fa4lab.canonical import empty_answer, for_kernel, narrow_out, tma_ready
 from fa4lab.errors import Fa4labError, InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
@@ -631,17 +631,19 @@ def sdpa_same_dtype(q, k, v, *, causal=False, softmax_scale=None, window_size=(N
 
     GQA through `enable_gqa`, causal and a window through an explicit bottom-right bool mask
     (`fa4lab.reference.visible_mask`; SDPA's `is_causal` is top-left aligned). Rows that see no
-    key come out NaN here; callers drop them. It reads fresh contiguous copies of q, k, v: on an
-    H200 (torch 2.11) SDPA's cuDNN path faulted with a misaligned address on a decode q whose
-    data pointer was one element off 16 bytes, a layout the fuzzer draws (its seed 4203, case
-    14); the yardstick's answer does not depend on the layout, its crash would kill the run.
+    key come out NaN here; callers drop them. Views TMA could not read either are copied first
+    (`fa4lab.canonical.tma_ready`): on an H200 (torch 2.11) SDPA's cuDNN path faulted with a
+    misaligned address on a decode q whose data pointer was one element off 16 bytes, a layout
+    the fuzzer draws (its seed 4203, case 14); the yardstick's answer does not depend on the
+    layout, its crash would kill the run.
     """
     import torch
     import torch.nn.functional as F
 
     from fa4lab.reference import visible_mask
 
-    q, k, v = (x.clone(memory_format=torch.contiguous_format) for x in (q, k, v))
+    q, k, v = (x if tma_ready(x) else x.clone(memory_format=torch.contiguous_format)
+               for x in (q, k, v))
 
     sq, sk = q.shape[1], k.shape[1]
     mask = None
