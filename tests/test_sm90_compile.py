@@ -251,6 +251,15 @@ def _pieces_per_iteration(plan, page_size):
                                                  GATHER_UNROLL)
 
 
+def _cp_async_copies_per_block(plan):
+    """The 16-byte cp.async copies of one key block's K and V per thread in the PTX: the block's
+    passes times each row's spans a thread takes (Note [cp.async gather])."""
+    d, dv = plan.tiles.head_dim, plan.tiles.head_dim_v
+    tpr = cp_async_row_threads(d, dv)
+    passes = plan.tiles.n_block // cp_async_rows_per_pass(d, dv)
+    return passes * (d * 2 // 16 // tpr + dv * 2 // 16 // tpr)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("page_size,causal,decode", PAGED, ids=[
     f"page{p}-{'causal' if c else 'full'}{'-decode' if d else ''}" for p, c, d in PAGED])
@@ -276,9 +285,8 @@ def test_paged_compiles_for_sm90a(page_size, causal, decode, tmp_path):
     # 16-byte spans per thread and one arrival (Note [cp.async gather]); larger pages by TMA,
     # each site the pieces of one iteration of the gather's loop times the halves.
     if page_loader("sm90", page_size, plan.tiles.n_block) == "cp.async":
-        tpr = cp_async_row_threads(128, 128)
-        per_block = plan.tiles.n_block // cp_async_rows_per_pass(128, 128) * (128 * 2 // 16 // tpr)
-        assert (loads, rows, arrives) == (plan.tiles.q_stage * 2, 4 * per_block, 4)
+        assert (loads, rows, arrives) == (plan.tiles.q_stage * 2,
+                                          2 * _cp_async_copies_per_block(plan), 4)
     else:
         assert rows == arrives == 0
         assert loads == plan.tiles.q_stage * 2 + 4 * _pieces_per_iteration(plan, page_size) * 2
@@ -306,9 +314,8 @@ def test_cp_async_pages_compile_at_every_head_dim(d, dv, page_size, causal, tmp_
     assert plan.tiles.kv_load == "cp.async"
     cf = compile_and_audit(plan, "sm90a", tmp_path)
     ptx = cf.ptx_path.read_text()
-    tpr, passes = cp_async_row_threads(d, dv), plan.tiles.n_block // cp_async_rows_per_pass(d, dv)
-    per_block = passes * (d * 2 // 16 // tpr + dv * 2 // 16 // tpr)   # K's spans, then V's
-    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 2 * per_block
+    copies = 2 * _cp_async_copies_per_block(plan)   # K and V each at two sites
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == copies
     assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 4
 
 
