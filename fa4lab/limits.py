@@ -40,8 +40,35 @@ def arch_of_capability(capability: tuple[int, int]) -> str | None:
 Q_TILE_ROWS = {"sm90": 64, "sm100": 128}
 
 
-def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int) -> bool:
-    """What `pack_gqa=None` (the API's default) means: pack when it takes fewer Q tiles.
+# Note [narrow windows pack]
+# A Q tile of `rows` packed rows holds rows / g positions, an unpacked one `rows` positions; a
+# window of span w = left + right + 1 keys makes each tile read about (positions + w) keys, of
+# which w per row are seen. So packing cuts the keys a tile reads (and the scores the window
+# then hides) by (rows + w) / (rows / g + w), large when w is narrow beside the tile. Measured on
+# the H200 (benchmarks/2026-12-04_nvidia-h200_features-profile.txt, sink + window (128, 0),
+# hd64, 64 / 8 heads, s4096): packed 0.376 ms, unpacked 0.406 ms (that gain 1.41); window
+# (1024, 0), hd128, 16 / 4 heads, s8192: 0.288 / 0.286 ms (gain 1.05); packing costs about 8%
+# where it saves nothing (full causal, same GPT-OSS shape: 1.421 / 1.302 ms). Packing is the
+# default from a gain of NARROW_WINDOW_PACK_GAIN on; on sm90 only, the one arch measured.
+NARROW_WINDOW_PACK_GAIN = 1.25
+
+
+def narrow_window_gain(rows: int, qhead_per_kvhead: int, window: tuple) -> float:
+    """(rows + w) / (rows / g + w): how many times fewer keys a packed Q tile of `rows` rows
+    reads than an unpacked one under a window of span w (Note [narrow windows pack]); 1.0 when
+    a side of the window is unbounded. `window`: (left, right), right = 0 under causal."""
+    left, right = window
+    if left is None or right is None:
+        return 1.0
+    span = left + right + 1
+    return (rows + span) / (rows / qhead_per_kvhead + span)
+
+
+def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int,
+                     window: tuple = (None, None)) -> bool:
+    """What `pack_gqa=None` (the API's default) means: pack when it takes fewer Q tiles, or on
+    sm90 when a narrow window makes packed tiles read far fewer keys (Note [narrow windows
+    pack]; `window` = (left, right), right = 0 under causal, None unbounded).
 
     Packing puts the g query heads of a KV head in one CTA's rows (a tile must hold whole groups:
     g divides the tile's rows), so the seqlen_q * g rows of a group fill ceil(seqlen_q * g /
@@ -55,7 +82,9 @@ def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int) -> bool:
     g = qhead_per_kvhead
     if g == 1 or rows % g:
         return False
-    return -(-seqlen_q * g // rows) < g * -(-seqlen_q // rows)
+    if -(-seqlen_q * g // rows) < g * -(-seqlen_q // rows):
+        return True
+    return arch == "sm90" and narrow_window_gain(rows, g, window) >= NARROW_WINDOW_PACK_GAIN
 
 
 def _arch_key(arch: str) -> str:

@@ -111,6 +111,39 @@ def test_pack_gqa_default_packs_when_it_takes_fewer_tiles():
         assert plan_forward(spec(), arch).tiles.m_block == rows   # the plans' tile, said once
 
 
+
+@pytest.mark.parametrize("g", [2, 4, 8, 16])
+def test_pack_gqa_default_packs_narrow_windows_on_sm90(g):
+    """Under a window, a packed tile's rows hold g times fewer positions, so it reads fewer
+    keys: counted here tile by tile (the keys from its first row's window start to its last
+    row's window end), packed against unpacked; pack_gqa=None packs on sm90 where that count
+    falls by NARROW_WINDOW_PACK_GAIN or more (Note [narrow windows pack]), never on sm100."""
+    from fa4lab.limits import NARROW_WINDOW_PACK_GAIN, Q_TILE_ROWS, pack_gqa_default
+
+    rows, seqlen = Q_TILE_ROWS["sm90"], 4096
+
+    def keys_read(positions_of_tiles, left, right):
+        return sum(min(seqlen - 1, hi + right) - max(0, lo - left) + 1
+                   for lo, hi in positions_of_tiles)
+
+    unpacked = [(t, min(t + rows, seqlen) - 1) for t in range(0, seqlen, rows)]
+    packed = [(r // g, (min(r + rows, seqlen * g) - 1) // g) for r in range(0, seqlen * g, rows)]
+    decided = 0
+    for left, right in [(0, 0), (16, 0), (63, 0), (128, 0), (127, 128), (256, 0), (512, 0),
+                        (1024, 0), (4096, 0), (None, 0), (128, None)]:
+        window = (left, right)
+        if left is None or right is None:
+            assert not pack_gqa_default("sm90", g, seqlen, window)
+            continue
+        gain = g * keys_read(unpacked, left, right) / keys_read(packed, left, right)
+        assert not pack_gqa_default("sm100", g, seqlen, window), window
+        if abs(gain - NARROW_WINDOW_PACK_GAIN) < 0.05:     # the edge of a sequence decides
+            continue
+        assert pack_gqa_default("sm90", g, seqlen, window) == (gain >= NARROW_WINDOW_PACK_GAIN), \
+            (g, window, gain)
+        decided += 1
+    assert decided >= 6
+
 # ------------------------------------------------------- the kernel's index maps (emulated)
 
 def kernel_row_map(m_block, wg, r, kv_head, g):
