@@ -45,6 +45,19 @@ def _failures(text: str) -> str:
     return "\n".join(text.splitlines()[-60:])
 
 
+# pytest's exit status when a run selected no test: a shard of fewer modules than shards.
+NO_TESTS = 5
+
+
+def shards_status(codes: list[int]) -> int:
+    """The run's exit status: the first failing shard's; a shard that got no test is not a
+    failure unless none got any (then the selection was empty: NO_TESTS)."""
+    failed = [c for c in codes if c not in (0, NO_TESTS)]
+    if failed:
+        return failed[0]
+    return NO_TESTS if codes and all(c == NO_TESTS for c in codes) else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=4, help="processes (default 4)")
@@ -70,14 +83,13 @@ def main(argv=None) -> int:
         states = ", ".join(f"{k}: {'done' if p.poll() is not None else _progress(log)}"
                            for k, (p, log) in enumerate(zip(procs, logs)))
         print(f"[{time.monotonic() - start:6.0f} s] shards {states}", flush=True)
-    status = 0
     for k, (p, log) in enumerate(zip(procs, logs)):
         text = log.read_text(errors="replace")
         print(f"shard {k}/{args.jobs} (exit {p.returncode}): {_summary(text)}  [{log}]")
-        if p.returncode and not status:
-            status = p.returncode
+    codes = [p.returncode for p in procs]
+    status = shards_status(codes)
     for k, (p, log) in enumerate(zip(procs, logs)):
-        if p.returncode:
+        if p.returncode not in (0, NO_TESTS):
             print(f"\n---- shard {k} ----\n{_failures(log.read_text(errors='replace'))}")
     return status
 
