@@ -60,7 +60,7 @@ def narrow_window_gain(rows: int, qhead_per_kvhead: int, window: tuple) -> float
     left, right = window
     if left is None or right is None:
         return 1.0
-    span = left + right + 1
+    span = max(1, left + right + 1)     # a negative side can leave no key to see (span <= 0)
     return (rows + span) / (rows / qhead_per_kvhead + span)
 
 

@@ -143,6 +143,8 @@ def test_pack_gqa_default_packs_narrow_windows_on_sm90(g):
             (g, window, gain)
         decided += 1
     assert decided >= 6
+    # negative sides (upstream's: no key seen near the diagonal) leave a span of 0 or less
+    assert pack_gqa_default("sm90", g, seqlen, (-40, 8)) == (g > 1)
 
 # ------------------------------------------------------- the kernel's index maps (emulated)
 

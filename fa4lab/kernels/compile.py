@@ -59,7 +59,9 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 # what can hide a key (left <= seqlen_k, right <= seqlen_q: a wider side hides nothing either)
 # and, for a negative side, what can show one (left >= -seqlen_q, right >= -seqlen_k: beyond,
 # every row sees no key either), so i + d + right and i + d - left stay far from the Int32
-# range's ends. The learnable sink is
+# range's ends. Under pack_gqa=None a window's width can still pick the packed kernel over the
+# unpacked one (Note [narrow windows pack] in fa4lab.limits): two kernels at most. The learnable
+# sink is
 # a (heads_q,) float32 tensor argument after lse, None when the spec has none (Note [sinks] in
 # fa4lab.kernels.device.softmax).
 
