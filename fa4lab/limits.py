@@ -47,9 +47,11 @@ Q_TILE_ROWS = {"sm90": 64, "sm100": 128}
 # then hides) by (rows + w) / (rows / g + w), large when w is narrow beside the tile. Measured on
 # the H200 (benchmarks/2026-12-04_nvidia-h200_features-profile.txt, sink + window (128, 0),
 # hd64, 64 / 8 heads, s4096): packed 0.376 ms, unpacked 0.406 ms (that gain 1.41); window
-# (1024, 0), hd128, 16 / 4 heads, s8192: 0.288 / 0.286 ms (gain 1.05); packing costs about 8%
-# where it saves nothing (full causal, same GPT-OSS shape: 1.421 / 1.302 ms). Packing is the
-# default from a gain of NARROW_WINDOW_PACK_GAIN on; on sm90 only, the one arch measured.
+# (1024, 0), hd128, 16 / 4 heads, s8192: 0.288 / 0.286 ms (gain 1.05); packing costs 8-17%
+# where it saves nothing (full causal, same GPT-OSS shape: 1.421 / 1.302 ms). The gain is
+# counted at the arch's Q tile (Q_TILE_ROWS; a CTA's m_block is a multiple, where it only
+# grows). Packing is the default from a gain of NARROW_WINDOW_PACK_GAIN on; on sm90 only, the
+# one arch measured.
 NARROW_WINDOW_PACK_GAIN = 1.25
 
 
