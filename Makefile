@@ -55,10 +55,11 @@ browser-deps:
 	fi
 
 # What CI runs: lint first (fails in seconds), then every test (compile matrix and browser
-# included) and every notebook.
+# included) and every notebook; each run ends with its time and its 20 slowest tests (or
+# notebooks), where the tier's time goes.
 test: lint browser-deps
-	CI=$${CI:-} $(VENV)/bin/python -m pytest -q tests/
-	$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/
+	CI=$${CI:-} $(VENV)/bin/python -m pytest -q tests/ --durations=20
+	$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/ --durations=20
 
 # The edit loop: pure Python (plans, references, the simulator, figures, widgets) in a minute or
 # two; no compiles, browser or notebooks. A test that compiles a kernel without the `compile`
