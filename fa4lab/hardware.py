@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fa4lab.limits import arch_key
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -120,12 +122,7 @@ PUBLISHED_FA4_B200_FORWARD = (
 
 
 def hardware_for(arch: str) -> Hardware:
-    key = arch.lower().replace("_", "")
-    if key not in BY_ARCH:
-        raise ValueError(
-            f"unknown arch {arch!r}: fa4lab plans for 'sm100' (B200) or 'sm90' (H100/H200)"
-        )
-    return BY_ARCH[key]
+    return BY_ARCH[arch_key(arch)]
 
 
 # Interconnect figures the ring-attention model reads (fa4lab.distributed.schedule, notebook 09):

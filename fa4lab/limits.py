@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from fa4lab.errors import PlanError
+
 # ---- which kernel runs where ------------------------------------------------------------------
 # The (head_dim, head_dim_v) pairs each arch's kernel builds: the one table every entry point
 # (input check, dispatch, planners, kernels, compile matrices, notebooks) reads. (192, 128) is
@@ -89,18 +91,22 @@ def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int,
     return arch == "sm90" and narrow_window_gain(rows, g, window) >= NARROW_WINDOW_PACK_GAIN
 
 
-def _arch_key(arch: str) -> str:
+def arch_key(arch: str) -> str:
+    """"sm100" or "sm90" from any spelling of the two ("sm_90a", "SM100a", "sm90"): the one
+    place an arch's name is read (the plan, the hardware table, the compile target). Any other
+    name raises PlanError (a ValueError) naming the two."""
     key = str(arch).lower().replace("_", "").removesuffix("a")
     if key not in KERNEL_HEAD_DIMS:
-        raise ValueError(f"unknown arch {arch!r}: fa4lab has kernels for 'sm100' (B200) and "
-                         f"'sm90' (H100/H200)")
+        raise PlanError(f"unknown arch {arch!r}: fa4lab plans and builds kernels for 'sm100' "
+                        f"(B200, tcgen05 + TMEM) and 'sm90' (H100/H200, wgmma), in any "
+                        f"spelling ('sm_90a', 'sm100a')")
     return key
 
 
 def head_dims_for(arch: str) -> tuple[tuple[int, int], ...]:
     """The (head_dim, head_dim_v) pairs the kernel of `arch` ("sm90"/"sm100", with or without
     the "a") builds."""
-    return KERNEL_HEAD_DIMS[_arch_key(arch)]
+    return KERNEL_HEAD_DIMS[arch_key(arch)]
 
 
 def kernel_builds(arch: str, head_dim: int, head_dim_v: int | None = None) -> bool:
@@ -140,7 +146,7 @@ def unsupported_head_dims(arch: str, head_dim: int, head_dim_v: int) -> str:
     """The error for a (head_dim, head_dim_v) pair the kernel of `arch` does not build: what
     each kernel builds and, when a built pair covers it (`covering_head_dims`), that the API
     runs it zero-padded to that pair; else (a side above the widest built one) what to do."""
-    key = _arch_key(arch)
+    key = arch_key(arch)
     built = "; ".join(f"{a} ({ARCH_GPUS[a]}): {head_dims_text(a)}" for a in KERNEL_HEAD_DIMS)
     cover = covering_head_dims(key, head_dim, head_dim_v)
     if cover is not None:
@@ -196,7 +202,7 @@ CP_ASYNC_PAGES_BELOW = {"sm90": 16}
 def small_pages_by_cp_async(arch: str, page_size: int | None) -> bool:
     """Whether `arch`'s kernel copies pages of `page_size` tokens by cp.async whatever its key
     block: pages below CP_ASYNC_PAGES_BELOW (Note [cp.async pages])."""
-    below = CP_ASYNC_PAGES_BELOW.get(_arch_key(arch))
+    below = CP_ASYNC_PAGES_BELOW.get(arch_key(arch))
     return page_size is not None and below is not None and page_size < below
 
 
@@ -205,7 +211,7 @@ def page_loader(arch: str, page_size: int | None, n_block: int) -> str:
     pages: "tma" (unpaged, one box per block, or a TMA gather of one box per page) or
     "cp.async" (Note [cp.async pages]): small pages, and on a kernel that has cp.async, pages
     no TMA read of the block fits."""
-    if page_size is None or _arch_key(arch) not in CP_ASYNC_PAGES_BELOW:
+    if page_size is None or arch_key(arch) not in CP_ASYNC_PAGES_BELOW:
         return "tma"
     if small_pages_by_cp_async(arch, page_size) or not page_fits(page_size, n_block):
         return "cp.async"
@@ -238,7 +244,7 @@ def cp_async_rows_per_pass(head_dim: int, head_dim_v: int,
 def min_page(arch: str, head_dim: int, head_dim_v: int) -> int:
     """The smallest page `arch`'s kernel reads at these head dims: 1 where pages no TMA read
     fits go through cp.async (`page_loader`), else the TMA gather's `min_gather_page`."""
-    if _arch_key(arch) in CP_ASYNC_PAGES_BELOW:
+    if arch_key(arch) in CP_ASYNC_PAGES_BELOW:
         return 1
     return min_gather_page(head_dim, head_dim_v)
 

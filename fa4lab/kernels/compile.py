@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from fa4lab.limits import arch_key
 from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
@@ -68,13 +69,7 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 
 def normalize_arch(arch: str) -> str:
     """"sm100a" or "sm90a" from any spelling ("sm100", "sm_90a", ...)."""
-    key = arch.lower().replace("_", "")
-    if key in ("sm100", "sm100a"):
-        return "sm100a"
-    if key in ("sm90", "sm90a"):
-        return "sm90a"
-    raise ValueError(f"arch {arch!r} is not supported: compile for 'sm100a' (B200) or 'sm90a' "
-                     f"(H100/H200)")
+    return arch_key(arch) + "a"
 
 
 def kernel_class(arch: str):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import Hardware, hardware_for
+from fa4lab.limits import arch_key
 from fa4lab.plan.barriers import BarrierGraph
 from fa4lab.plan.protocol import Protocol
 from fa4lab.plan.roles import Role, register_usage
@@ -159,10 +160,7 @@ def plan_forward(spec: AttentionSpec, arch: str = "sm100", **overrides) -> Plan:
     """
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"plan_forward takes an AttentionSpec, got {type(spec).__name__}")
-    key = str(arch).lower().replace("_", "").rstrip("a")
-    if key not in ARCHS:
-        raise PlanError(f"unknown arch {arch!r}: plan for 'sm100' (B200, tcgen05 + TMEM) or "
-                        f"'sm90' (H100/H200, wgmma)")
+    key = arch_key(arch)
     pack_gqa = overrides.pop("pack_gqa", False)
     if not isinstance(pack_gqa, bool):
         raise PlanError(f"override pack_gqa={pack_gqa!r} must be True or False")
