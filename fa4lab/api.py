@@ -83,7 +83,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fa4lab.canonical import empty_answer, for_kernel, narrow_out, tma_ready
-from fa4lab.errors import Fa4labError, InputError, InputTypeError, UnsupportedArchError
+from fa4lab.errors import Fa4labError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
@@ -135,12 +135,10 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
     num_splits = check_num_splits(num_splits)
     mods, aux = None, ()
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
-        from fa4lab.mods import check_mods
+        from fa4lab.mods import check_mods, refuse_split_with_mods
 
         mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
-        if num_splits not in (None, 1):
-            raise InputError(f"num_splits={num_splits}: split-KV does not take a score_mod / "
-                             f"mask_mod yet; pass num_splits=None or 1 with mods")
+        refuse_split_with_mods(num_splits not in (None, 1), True, num_splits)
     if page_table is not None:
         from fa4lab.varlen import gather_paged, paged_seqlen_k
 

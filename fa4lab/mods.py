@@ -423,6 +423,15 @@ def kernel_mods(score_mod, mask_mod, aux: tuple) -> KernelMods:
     return KernelMods(score_mod, mask_mod, bool(score_aux), bool(mask_aux), sig)
 
 
+def refuse_split_with_mods(splits: bool, has_mods: bool, num_splits: int | None = None) -> None:
+    """The one rule, at the API and in both kernels: the split-KV kernel takes no score_mod /
+    mask_mod yet (InputError, a ValueError, naming num_splits when the call gave one)."""
+    if splits and has_mods:
+        asked = f"num_splits={num_splits}: " if num_splits is not None else ""
+        raise InputError(f"{asked}split-KV does not take a score_mod / mask_mod yet; pass "
+                         f"num_splits=None or 1 with mods")
+
+
 def check_mods(score_mod, mask_mod, aux_tensors, device) -> tuple[KernelMods, tuple]:
     """The one check of mods and aux tensors, before anything runs: callables of the right
     arity, aux_tensors a sequence of float32 / int32 tensors on `device` (q's), each mod tried

@@ -96,6 +96,7 @@ from fa4lab.kernels.device.opaque import opaque_zero
 from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed, unpack_row
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, min_gather_page, unsupported_head_dims
+from fa4lab.mods import refuse_split_with_mods
 from fa4lab.online_softmax import emulated_pairs
 from fa4lab.plan.sm100 import p_split
 
@@ -242,9 +243,7 @@ class FlashForwardSm100:
         self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
         # Split-KV (fa4lab.kernels.device.split): float32 partials, num_splits at run time.
         self.split_kv = spec.split_kv
-        if self.split_kv and self.mods is not None:
-            raise ValueError("the split-KV kernel takes no score_mod / mask_mod: call without "
-                             "num_splits (or num_splits=1) to use mods")
+        refuse_split_with_mods(self.split_kv, self.mods is not None)
         # Code sites (the audit multiplies the plan's per-tile counts by them): each MMA is
         # issued in a peeled block and in the loop body, per Q tile; each Q tile's softmax
         # step exists in a masked and an unmasked variant.

@@ -96,6 +96,7 @@ from fa4lab.kernels.device.softmax import (
     store_lse,
 )
 from fa4lab.kernels.protocol import Sites
+from fa4lab.mods import refuse_split_with_mods
 from fa4lab.plan.sm90 import MAX_CONSUMERS
 
 _WG = 128  # threads per warpgroup
@@ -215,9 +216,7 @@ class FlashForwardSm90:
         self.has_mask_mod = self.mods is not None and mods.mask_mod is not None
         # Split-KV (fa4lab.kernels.device.split): float32 partials, num_splits at run time.
         self.split_kv = spec.split_kv
-        if self.split_kv and self.mods is not None:
-            raise ValueError("the split-KV kernel takes no score_mod / mask_mod: call without "
-                             "num_splits (or num_splits=1) to use mods")
+        refuse_split_with_mods(self.split_kv, self.mods is not None)
         # Which sides of a window the kernel has; their sizes are runtime arguments (Note
         # [runtime window]): causal is right = 0, a constant.
         self.window_size = spec.window_size

@@ -468,14 +468,12 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
     causal, window_size = normalize_mask(causal, window_size)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
-    from fa4lab.mods import check_mods
+    from fa4lab.mods import check_mods, refuse_split_with_mods
     from fa4lab.splitkv import check_num_splits
 
     num_splits = check_num_splits(num_splits)
     mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
-    if mods and num_splits not in (None, 1):
-        raise InputError(f"num_splits={num_splits}: split-KV does not take a score_mod / "
-                         f"mask_mod yet; pass num_splits=None or 1 with mods")
+    refuse_split_with_mods(num_splits not in (None, 1), bool(mods), num_splits)
     out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
                        float(softcap), window_size, learnable_sink, mods if mods else None, aux,
                        persistent, num_splits, page_table)
