@@ -192,7 +192,7 @@ class FlashForwardSm100:
         # Note [persistent CTAs] in fa4lab.plan.sm100: min(tiles, SMs) CTAs loop over the tiles.
         self.persistent = plan.protocol.persistent
         self.num_ctas = plan.hardware.num_sms
-        self.bytes_per_key = 2 * (spec.head_dim + spec.head_dim_v)  # K + V rows, 16-bit
+        self.bytes_per_key = spec.element_bytes * (spec.head_dim + spec.head_dim_v)  # K + V rows
         self.return_lse = spec.return_lse
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         tiles = plan.tiles

@@ -200,7 +200,7 @@ class FlashForwardSm90:
         # Note [sm90 persistent CTAs] in fa4lab.plan.sm90: min(tiles, SMs) CTAs loop over tiles.
         self.persistent = plan.protocol.persistent
         self.num_ctas = plan.hardware.num_sms
-        self.bytes_per_key = 2 * (t.head_dim + t.head_dim_v)  # K + V rows, 16-bit
+        self.bytes_per_key = spec.element_bytes * (t.head_dim + t.head_dim_v)  # K + V rows
         self.qhead_per_kvhead = spec.qhead_per_kvhead
         # See Note [sm90 pack-GQA kernel]: g query heads per CTA row group, else 1.
         self.pack_gqa = bool(getattr(t, "pack_gqa", False))
