@@ -707,6 +707,23 @@ class CostModel:
 L2_KV_BUDGET_BYTES = 50 * 1024 * 1024
 
 
+def pow2_floor(x):
+    """The largest power of two <= x, for 1 <= x < 2**31 (int or Int32: shifts and ors only)."""
+    for s in (1, 2, 4, 8, 16):
+        x = x | (x >> s)
+    return x - (x >> 1)
+
+
+def l2_swizzle(seqlen_k, bytes_per_key: int, budget: int = L2_KV_BUDGET_BYTES, *, imax=max):
+    """(batch, head) pairs per L2 section (Note [L2 swizzle]): the largest power of two whose
+    K + V (seqlen_k * bytes_per_key each) fit `budget`, at least 1. The one rule, for Python
+    ints (the order the plan and notebooks draw) and in the kernels (DSL Int32,
+    imax=cutlass.max)."""
+    # budget // bytes_per_key is a compile-time number: no product that could overflow Int32.
+    fit = (budget // bytes_per_key) // imax(seqlen_k, 1)
+    return pow2_floor(imax(fit, 1))
+
+
 @dataclass(frozen=True)
 class Workload:
     """The (batch, head, m_block) work items of one forward call.
@@ -751,7 +768,7 @@ class Workload:
                    seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k, m_block_size=m_block_size,
                    n_block_size=n_block_size, causal=spec.causal, qhead_per_kvhead=group,
                    head_dim=spec.head_dim, head_dim_v=spec.head_dim_v,
-                   element_size=2, window_size=spec.window_size)
+                   element_size=spec.element_bytes, window_size=spec.window_size)
 
     @property
     def num_m_blocks(self) -> int:
@@ -765,9 +782,7 @@ class Workload:
     def l2_swizzle(self) -> int:
         """(batch, head) pairs per L2 section. See Note [L2 swizzle]."""
         hdv = self.head_dim if self.head_dim_v is None else self.head_dim_v
-        one_head = self.seqlen_k * (self.head_dim + hdv) * self.element_size
-        fit = L2_KV_BUDGET_BYTES // one_head
-        return 1 if fit < 1 else 1 << (fit.bit_length() - 1)
+        return l2_swizzle(self.seqlen_k, (self.head_dim + hdv) * self.element_size)
 
     def blocks_per_m_block(self) -> tuple[np.ndarray, np.ndarray]:
         """(unmasked, masked) K/V block counts per m_block (the same for every batch, head);

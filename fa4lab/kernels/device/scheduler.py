@@ -121,21 +121,6 @@ def grid_shape(rows, heads, batch, cta_m, order: str = "grid", num_ctas=None) ->
     return (n_m, heads, batch)
 
 
-def pow2_floor(x):
-    """The largest power of two <= x, for 1 <= x < 2**31 (int or Int32: shifts and ors only)."""
-    for s in (1, 2, 4, 8, 16):
-        x = x | (x >> s)
-    return x - (x >> 1)
-
-
-def l2_swizzle(seqlen_k, bytes_per_key: int, budget: int):
-    """(batch, head) pairs per L2 section: the largest power of two whose K + V (seqlen_k *
-    bytes_per_key each) fit `budget`, at least 1. Same rule as `fa4lab.tiling.Workload`."""
-    # budget // bytes_per_key is a compile-time number: no product that could overflow Int32.
-    fit = (budget // bytes_per_key) // cutlass.max(seqlen_k, 1)
-    return pow2_floor(cutlass.max(fit, 1))
-
-
 def coords(t, order: str, num_m, heads, batch, swizzle=1):
     """(m_block, head, batch) of linear tile t in `order` (`fa4lab.tiling.tile_at`)."""
     b, h, m = tiling.tile_at(t, order, num_m, heads, batch, swizzle, imin=_DSL_MIN_MAX["imin"])
@@ -202,7 +187,8 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
         tile = cute.arch.block_idx()[0]
     swizzle = 1
     if cutlass.const_expr(order == "lpt"):
-        swizzle = l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES)
+        swizzle = tiling.l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES,
+                                    imax=cutlass.max)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
                   cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)
 
