@@ -97,7 +97,7 @@ def h200_l2_text() -> str:
     return f"H200 L2 {H200_L2_BYTES / 2**20:g} MiB: " + "; ".join(H200_L2_SOURCES)
 
 
-BY_ARCH = {"sm100": B200, "sm100a": B200, "sm90": H200, "sm90a": H200}
+BY_ARCH = {"sm100": B200, "sm90": H200}     # keyed by limits.arch_key, any spelling
 
 # Published FA4 figures (labelled as such wherever they are shown): never measured here.
 PUBLISHED_FA4_B200 = {

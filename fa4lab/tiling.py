@@ -39,6 +39,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from fa4lab.limits import ELEMENT_BYTES
 from fa4lab.spec import effective_window, normalize_mask, visible_key_counts
 
 __all__ = [
@@ -743,7 +744,7 @@ class Workload:
     qhead_per_kvhead: int = 1
     head_dim: int = 128
     head_dim_v: int | None = None
-    element_size: int = 2
+    element_size: int = ELEMENT_BYTES["bf16"]
     window_size: tuple = (None, None)
 
     def __post_init__(self):

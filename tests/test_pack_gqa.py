@@ -144,7 +144,7 @@ def test_pack_gqa_default_packs_narrow_windows_on_sm90(g):
         decided += 1
     assert decided >= 6
     # negative sides (upstream's: no key seen near the diagonal) leave a span of 0 or less
-    assert pack_gqa_default("sm90", g, seqlen, (-40, 8)) == (g > 1)
+    assert pack_gqa_default("sm90", g, seqlen, (-40, 8))
 
 # ------------------------------------------------------- the kernel's index maps (emulated)
 

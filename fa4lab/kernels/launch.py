@@ -43,7 +43,7 @@ import tvm_ffi  # noqa: F401
 from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels.compile import scale_args, window_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
-from fa4lab.spec import AttentionSpec, normalize_dtype, normalize_mask
+from fa4lab.spec import AttentionSpec, effective_window, normalize_dtype, normalize_mask
 from fa4lab.tiling import num_n_blocks
 
 _lock = threading.Lock()
@@ -89,9 +89,8 @@ def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | 
     if varlen:
         packed = False
     else:
-        window = (window_size[0], 0 if causal else window_size[1])
-        packed = (pack_gqa_default(arch, g, q.shape[1], window) if pack_gqa is None
-                  else pack_gqa and g > 1)
+        packed = (pack_gqa_default(arch, g, q.shape[1], effective_window(causal, window_size))
+                  if pack_gqa is None else pack_gqa and g > 1)
     sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":
         from fa4lab.plan.sm90 import persistent_default

@@ -35,7 +35,6 @@ import cutlass.cute as cute
 
 from fa4lab import tiling
 from fa4lab.kernels.device import split as split_mod
-from fa4lab.tiling import L2_KV_BUDGET_BYTES
 
 _DSL_MIN_MAX = {"imin": cutlass.min, "imax": cutlass.max}
 
@@ -187,8 +186,7 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
         tile = cute.arch.block_idx()[0]
     swizzle = 1
     if cutlass.const_expr(order == "lpt"):
-        swizzle = tiling.l2_swizzle(seqlen_k, bytes_per_key, L2_KV_BUDGET_BYTES,
-                                    imax=cutlass.max)
+        swizzle = tiling.l2_swizzle(seqlen_k, bytes_per_key, imax=cutlass.max)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
                   cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)
 
