@@ -16,8 +16,8 @@ Dispatch:
 Pack-GQA folds the query heads that share a KV head into one CTA's rows, so K/V are read once
 per group (decode and short seqlen_q gain most). By default (`pack_gqa=None`) it is on whenever
 heads_q / heads_kv > 1 divides the Q tile's rows (64 on Hopper, 128 on the B200) and packing
-takes fewer Q tiles than not, or (on Hopper) a narrow window makes packed tiles read far fewer
-keys (`fa4lab.limits.pack_gqa_default`); `pack_gqa=True` / `False` force it
+takes fewer Q tiles than not, or (on Hopper) at head_dim 64 or where a narrow window makes packed
+tiles read far fewer keys (`fa4lab.limits.pack_gqa_default`); `pack_gqa=True` / `False` force it
 (True with a ratio that does not divide the tile raises PlanError). The B200 packed kernel is
 compiled and audited but not yet run on a B200. The reference ignores it.
 

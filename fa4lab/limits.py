@@ -57,6 +57,21 @@ Q_TILE_ROWS = {"sm90": 64, "sm100": 128}
 NARROW_WINDOW_PACK_GAIN = 1.25
 
 
+# Note [sm90 packs head_dim 64]
+# At head_dim 64 the sm90 kernel runs three consumers, a 192-row CTA (Note [sm90 tuning table]
+# in fa4lab.plan.sm90), packed or not. A packed CTA holds 192 / g positions of g heads instead
+# of 192 positions of one: the causal diagonal hides fewer of its scores, and each K/V block
+# feeds g heads. Measured on the H200 (benchmarks/2026-12-04_nvidia-h200_sm90-tuning.txt, bf16,
+# packed / unpacked ms, FA4 in the same process): GQA 16:1 s2048 b8 causal 0.341 / 0.365, 64 / 8
+# heads s4096 b4 causal 1.221 / 1.288, with a learnable sink 1.218 / 1.281, non-causal 2.163 /
+# 2.219; with a sink and window (128, 0), packed already by the narrow window, three consumers
+# against the two packed tiles used to keep: 0.325 / 0.379. Packing wins at every GQA shape
+# there, so on sm90 it is the default at these head dims. At head_dim 128 (two consumers, 128
+# rows) it measured 0.5-1.7% slower at long prompts (16 / 4 heads s8192, causal and not), and
+# packs only by the other two rules.
+SM90_PACKED_HEAD_DIMS = (64,)
+
+
 def narrow_window_gain(rows: int, qhead_per_kvhead: int, window: tuple) -> float:
     """(rows + w) / (rows / g + w): how many times fewer keys a packed Q tile of `rows` rows
     reads than an unpacked one under a window of span w (Note [narrow windows pack]); 1.0 when
@@ -69,10 +84,11 @@ def narrow_window_gain(rows: int, qhead_per_kvhead: int, window: tuple) -> float
 
 
 def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int,
-                     window: tuple = (None, None)) -> bool:
+                     window: tuple = (None, None), head_dim: int | None = None) -> bool:
     """What `pack_gqa=None` (the API's default) means: pack when it takes fewer Q tiles, or on
-    sm90 when a narrow window makes packed tiles read far fewer keys (Note [narrow windows
-    pack]; `window` = (left, right), right = 0 under causal, None unbounded).
+    sm90 at the head dims of SM90_PACKED_HEAD_DIMS (Note [sm90 packs head_dim 64]), or on sm90
+    when a narrow window makes packed tiles read far fewer keys (Note [narrow windows pack];
+    `window` = (left, right), right = 0 under causal, None unbounded).
 
     Packing puts the g query heads of a KV head in one CTA's rows (a tile must hold whole groups:
     g divides the tile's rows), so the seqlen_q * g rows of a group fill ceil(seqlen_q * g /
@@ -88,7 +104,8 @@ def pack_gqa_default(arch: str, qhead_per_kvhead: int, seqlen_q: int,
         return False
     if -(-seqlen_q * g // rows) < g * -(-seqlen_q // rows):
         return True
-    return arch == "sm90" and narrow_window_gain(rows, g, window) >= NARROW_WINDOW_PACK_GAIN
+    return arch == "sm90" and (head_dim in SM90_PACKED_HEAD_DIMS
+                               or narrow_window_gain(rows, g, window) >= NARROW_WINDOW_PACK_GAIN)
 
 
 def arch_key(arch: str) -> str:

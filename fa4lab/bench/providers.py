@@ -131,8 +131,8 @@ def fa4lab_plan_runner(**overrides) -> Runner:
             b, sq, hq, d = q.shape
             spec = AttentionSpec(b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3],
                                  dtype=normalize_dtype(q.dtype), causal=bool(causal))
-            plan = plan_forward(spec, arch, pack_gqa=pack_gqa_default(arch, hq // k.shape[2],
-                                                                      sq), **overrides)
+            packed = pack_gqa_default(arch, hq // k.shape[2], sq, head_dim=d)
+            plan = plan_forward(spec, arch, pack_gqa=packed, **overrides)
             runners[key] = compile_plan(plan, (q, k, v))[0]
         return runners[key](q, k, v, causal, softmax_scale)
 

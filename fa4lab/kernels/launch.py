@@ -89,7 +89,8 @@ def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | 
     if varlen:
         packed = False
     else:
-        packed = (pack_gqa_default(arch, g, q.shape[1], effective_window(causal, window_size))
+        packed = (pack_gqa_default(arch, g, q.shape[1], effective_window(causal, window_size),
+                                    q.shape[-1])
                   if pack_gqa is None else pack_gqa and g > 1)
     sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":

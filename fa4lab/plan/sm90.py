@@ -241,11 +241,9 @@ def build_sm90(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None,
         if not small_pages_by_cp_async("sm90", spec.page_size):
             n_block = key_block_for_pages(n_block, spec.page_size)
     kv_stage = tuning.kv_stage if kv_stage is None else kv_stage
-    if q_stage is None:
-        # Packed tiles serve short query lengths (decode, small seqlen_q * g), where a third
-        # 64-row tile would mostly be padding; they keep two consumers.
-        q_stage = min(tuning.q_stage, 2) if pack_gqa and spec.qhead_per_kvhead > 1 \
-            else tuning.q_stage
+    # Packed or not, a plan keeps its tuning's consumers (Note [sm90 packs head_dim 64] in
+    # fa4lab.limits).
+    q_stage = tuning.q_stage if q_stage is None else q_stage
     if m_block != M_BLOCK:
         raise PlanError(f"m_block={m_block}: sm90 consumers own 64 rows each (wgmma M = 64)")
     if q_stage not in SM90_REGISTERS:
