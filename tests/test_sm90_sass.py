@@ -13,7 +13,7 @@ import pytest
 from fa4lab.spec import AttentionSpec
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sass(head_dim: int, causal: bool) -> str:
     from fa4lab.kernels import binary, compile_forward
 
