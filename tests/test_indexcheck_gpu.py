@@ -137,9 +137,11 @@ def test_a_bad_page_never_faults_and_the_next_call_raises(page_size, bad, monkey
 
 # The kernels do not clamp a sequence's offsets and lengths yet (a first clamp broke every
 # varlen launch and was withdrawn): a sequence running past the packed total stores outside
-# out. Known, documented (check_indices=True where cu_seqlens are untrusted), and held here.
-_UNCLAMPED = pytest.mark.xfail(strict=False, reason="cu_seqlens are not clamped in the kernels: "
-                                "whether these stay inside depends on the tile order")
+# out. Known and documented (check_indices=True where cu_seqlens are untrusted). These cases
+# are skipped, not expected to fail: a store past the allocation can raise an illegal address,
+# which leaves the process's CUDA context unusable and fails every later test of the run.
+_UNCLAMPED = pytest.mark.skip(reason="cu_seqlens are not clamped in the kernels yet: a bad one "
+                              "can store outside out and poison the CUDA context")
 
 
 @pytest.mark.parametrize("cu_q, words", [
