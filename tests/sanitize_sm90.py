@@ -37,6 +37,8 @@ CASES = [  # (head_dim, causal, seqlen_q, seqlen_k, heads_q, heads_kv, pack_gqa,
     (128, False, 400, 300, 4, 2, False, {"window_size": (70, 5), "sink": True}),
     (64, True, 300, 333, 8, 2, True, {"window_size": (100, 0)}),
     (128, True, 300, 300, 2, 2, False, {"documents": 3}),
+    ((192, 128), True, 333, 300, 4, 4, False, {}),   # O staged in Q's bytes, 128-key blocks
+    (64, True, 700, 700, 16, 2, True, {}),           # packed, three consumers
 ]
 
 
@@ -65,11 +67,12 @@ def on_cpu(kw: dict) -> dict:
 def main() -> int:
     torch.manual_seed(0)
     worst = 0.0
-    for d, causal, sq, sk, hq, hkv, pack, opts in CASES:
+    for dims, causal, sq, sk, hq, hkv, pack, opts in CASES:
+        d, dv = dims if isinstance(dims, tuple) else (dims, dims)
         b = opts.get("batch", 1)
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, sk, hkv, dv, device="cuda", dtype=torch.bfloat16)
         kw = options_of(opts, hq)
         out, lse = attention_sm90(q, k, v, causal=causal, return_lse=True, pack_gqa=pack,
                                   persistent=opts.get("persistent"), **kw)
@@ -80,7 +83,7 @@ def main() -> int:
         finite = torch.isfinite(torch.as_tensor(ref_lse))
         lse_err = (lse.double().cpu() - torch.as_tensor(ref_lse))[finite].abs().max().item()
         same_inf = torch.equal(torch.isinf(lse.cpu()), ~finite)
-        print(f"hd{d} causal={causal} {sq}x{sk} heads {hq}/{hkv} pack={pack} {opts}: "
+        print(f"hd{dims} causal={causal} {sq}x{sk} heads {hq}/{hkv} pack={pack} {opts}: "
               f"max|out - ref| {err:.2e}, max|lse - ref| {lse_err:.2e}, -inf rows agree "
               f"{same_inf}", flush=True)
         if not same_inf:
