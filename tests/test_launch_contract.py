@@ -97,7 +97,7 @@ def test_every_launch_path_keeps_the_kernel_contract(recorded, family, arch, d, 
     assert len(recorded) == 1
     key, rec = recorded[0]
     assert len(rec.calls) == 1, "one launch"
-    contract = fake_args(launch.plan_of_key(key).spec)
+    contract = fake_args(key.plan().spec)
     assert contract_mismatches(contract, list(rec.calls[0])) == []
 
 
@@ -107,7 +107,7 @@ def test_a_launch_that_breaks_the_contract_is_named(recorded):
     _launch("paged", "sm90", 128, 128)
     key, rec = recorded[0]
     args = list(rec.calls[0])
-    contract = fake_args(launch.plan_of_key(key).spec)
+    contract = fake_args(key.plan().spec)
     slot = {name: i for i, name in enumerate(ARG_NAMES)}
     short = list(args)
     short[slot["page_table"]] = args[slot["page_table"]][:-1]

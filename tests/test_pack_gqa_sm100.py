@@ -84,7 +84,8 @@ def test_kernel_key_tells_packed_from_unpacked():
     from fa4lab.kernels.launch import key_of
 
     def key(s, arch, packed=False):
-        q, k = torch.empty(1, 8, s.heads_q, s.head_dim), torch.empty(1, 8, s.heads_kv, s.head_dim)
+        q = torch.empty(1, 8, s.heads_q, s.head_dim, dtype=torch.bfloat16)
+        k = torch.empty(1, 8, s.heads_kv, s.head_dim, dtype=torch.bfloat16)
         return key_of(q, k, k, arch, s.causal, s.return_lse, packed)
 
     s = spec()

@@ -7,6 +7,8 @@ tests/test_paged_gpu.py and tests/test_paged_decode_gpu.py on an H200.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import pytest
@@ -131,20 +133,21 @@ def test_paged_inputs_are_checked_before_anything_runs():
 
 def test_launch_key_and_kernel_name_carry_the_page_size():
     from fa4lab.kernels import launch
-    from fa4lab.kernels.compile import config_name
+    from fa4lab.plan.key import config_name
 
     q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
                         for t in _paged(d=128))
     key = launch.key_of(q, kc, vc, "sm90", True, False, None, page_table=table)
     dense = launch.key_of(q, kc, vc, "sm90", True, False, None)
-    assert key[-1] == kc.shape[1] and dense[-1] is None and key[:-1] == dense[:-1]
-    spec = launch.spec_of_key(key)
+    assert key.page_size == kc.shape[1] and dense.page_size is None
+    assert dataclasses.replace(key, page_size=None, persistent=dense.persistent) == dense
+    spec = key.spec()
     assert spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16")
-    launch.check_paged_call(key[:-1] + (9,), None)   # sm90: cp.async reads any page
+    launch.check_paged_call(dataclasses.replace(key, page_size=9), None)   # sm90: cp.async
     on_b200 = launch.key_of(q, kc, vc, "sm100", True, False, None, page_table=table)
     with pytest.raises(PlanError, match="page_size=9"):
-        launch.check_paged_call(on_b200[:-1] + (9,), None)
+        launch.check_paged_call(dataclasses.replace(on_b200, page_size=9), None)
 
 
 @pytest.mark.parametrize("arch,page_size,fits", [
@@ -241,12 +244,12 @@ def test_split_kernel_key_carries_the_page_size():
     """A paged call's split kernel is one key: split_kv and the page size, one compiled kernel
     (`-page16-splitkv`)."""
     from fa4lab.kernels import launch
-    from fa4lab.kernels.compile import config_name
+    from fa4lab.plan.key import config_name
 
     q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
                         for t in _paged(d=128))
     key = launch.key_of(q, kc, vc, "sm90", False, False, None, split_kv=True, page_table=table)
-    spec = launch.spec_of_key(key)
+    spec = key.spec()
     assert spec.split_kv and spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16-splitkv")
 

@@ -116,15 +116,15 @@ def test_reference_path_takes_num_splits():
 
 
 def test_launch_key_holds_split_kv_and_its_spec_compiles_the_split_kernel():
-    from fa4lab.kernels.compile import config_name
-    from fa4lab.kernels.launch import key_of, spec_of_key
+    from fa4lab.kernels.launch import key_of
+    from fa4lab.plan.key import config_name
 
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(1, 4096, 1, 128, dtype=torch.bfloat16)
     plain = key_of(q, k, k, "sm90", False, True, None)
     split = key_of(q, k, k, "sm90", False, False, None, split_kv=True)
-    assert plain != split and not spec_of_key(plain).split_kv and spec_of_key(split).split_kv
-    assert config_name(spec_of_key(split), "sm90a").endswith("-splitkv")
+    assert plain != split and not plain.spec().split_kv and split.spec().split_kv
+    assert config_name(split.spec(), "sm90a").endswith("-splitkv")
 
 
 def test_a_given_num_splits_is_capped_at_the_key_blocks():

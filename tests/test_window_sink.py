@@ -111,8 +111,8 @@ def _tensors(hq=8, hkv=2, d=128, sq=8, sk=8):
 
 
 def test_launch_key_holds_sides_and_sink_not_values():
-    from fa4lab.kernels.compile import config_name
-    from fa4lab.kernels.launch import key_of, spec_of_key
+    from fa4lab.kernels.launch import key_of
+    from fa4lab.plan.key import config_name
 
     q, k, v = _tensors()
     sink = torch.zeros(8)
@@ -126,7 +126,7 @@ def test_launch_key_holds_sides_and_sink_not_values():
     assert key(sink=sink) == key(sink=torch.ones(8)) != base
     names = set()
     for args in [(), ((64, None),), ((None, 5),), ((5, 5),), ((5, None), sink, True)]:
-        spec = spec_of_key(key(*args))
+        spec = key(*args).spec()
         assert [s is None for s in spec.window_size] == [
             s is None for s in (args[0] if args else (None, None))]
         assert spec.learnable_sink == (len(args) > 1)

@@ -7,9 +7,10 @@ A kernel is stored under `<root>/<fingerprint>/<key>.so` (`root`: FA4LAB_CACHE_D
 $XDG_CACHE_HOME/fa4lab/kernels, else ~/.cache/fa4lab/kernels). The fingerprint hashes what
 every kernel depends on besides its configuration: fa4lab's version and the sources of the
 modules that plan and build kernels, the CuTe DSL and TVM-FFI versions, the Python version and
-the machine. The key hashes what one kernel bakes in: for `fa4lab.attention`, the launch key
-(arch, head dims, dtype, causal, GQA ratio, LSE, pack-GQA, softcap on or off, a window's
-sides, a learnable sink or not), from which the sources derive the plan; for any other plan,
+the machine. The key hashes what one kernel bakes in: for `fa4lab.attention`, the call's
+`fa4lab.plan.key.KernelKey` (its `disk_key`: arch, head dims, dtype, causal, GQA ratio, LSE,
+pack-GQA, softcap on or off, a window's sides, a learnable sink or not, persistence, layout),
+from which the sources derive the plan; for any other plan,
 the plan itself (`plan_key`). Never the values the kernel takes at run time: sizes, the scale,
 the cap, the window's sizes, the sink's logits. Any change to either gives
 a new file name, so a stale kernel is never loaded; `fa4lab cache info` lists the folders of
@@ -44,6 +45,7 @@ from functools import cache
 from pathlib import Path
 
 import fa4lab
+from fa4lab.plan.key import digest
 
 # The modules whose source a compiled kernel depends on (relative to the fa4lab package).
 SOURCES = ("kernels", "plan", "tiling.py", "limits.py", "spec.py", "hardware.py", "errors.py",
@@ -91,10 +93,6 @@ def fingerprint_of(package: Path, versions: list[str]) -> str:
             h.update(src.relative_to(package).as_posix().encode())
             h.update(src.read_bytes())
     return h.hexdigest()[:16]
-
-
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def plan_key(plan) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fa4lab.limits import arch_key
+from fa4lab.plan.key import config_name, switches_suffix
 from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
@@ -367,21 +368,6 @@ def _plan_of(spec_or_plan, plan_arch: str):
     return plan
 
 
-def config_name(spec: AttentionSpec, arch: str) -> str:
-    """e.g. "sm100a-hd128-causal-gqa4-lse-bf16" ("hd192x128" when head_dim_v differs): what a
-    compiled kernel bakes in."""
-    s = spec
-    hd = f"{s.head_dim}" + (f"x{s.head_dim_v}" if s.head_dim_v != s.head_dim else "")
-    left, right = s.window_size     # its sides, not their sizes: Note [runtime window]
-    window = ("L" if left is not None else "") + ("R" if right is not None else "")
-    return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
-            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
-            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
-            + ("-varlen" if s.varlen else "")
-            + (f"-page{s.page_size}" if s.page_size is not None else "")
-            + ("-splitkv" if s.split_kv else ""))
-
-
 def newest_artifact(keep_dir: Path, suffix: str, since: float) -> Path:
     """The newest `*suffix` file the DSL wrote into keep_dir at or after `since`."""
     found = [p for p in keep_dir.glob(f"*{suffix}") if p.stat().st_mtime >= since - 1]
@@ -416,7 +402,7 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
     # One folder per configuration: the DSL names artifacts after the kernel class and the
     # fake tensors' types, so two configurations would overwrite each other in one folder.
     name = (config_name(plan.spec, arch) + _tiles_suffix(plan, arch)
-            + ("-packgqa" if getattr(plan.tiles, "pack_gqa", False) else "")
+            + switches_suffix(getattr(plan.tiles, "pack_gqa", False), None)
             + ("-mutated" if mutation is not None else "")
             + ("-mods" if mods else "")
             + ("-seqused" if seqused_k and not plan.spec.varlen

@@ -43,11 +43,12 @@ import tvm_ffi  # noqa: F401
 from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels.compile import scale_args, window_args
 from fa4lab.limits import arch_of_capability, pack_gqa_default
-from fa4lab.spec import AttentionSpec, effective_window, normalize_dtype, normalize_mask
+from fa4lab.plan.key import KernelKey
+from fa4lab.spec import effective_window, normalize_dtype, normalize_mask
 from fa4lab.tiling import num_n_blocks
 
 _lock = threading.Lock()
-_kernels: dict[tuple, object] = {}
+_kernels: dict = {}   # KernelKey, or (KernelKey, mods key) -> compiled function
 _stats: Counter = Counter()    # "compiled" / "loaded": misses of the in-process dict
 
 
@@ -75,37 +76,32 @@ def device_arch(index: int) -> str | None:
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
            softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
            persistent: bool | None = None, varlen: bool = False, split_kv: bool = False,
-           page_table=None) -> tuple:
-    """The configuration's key; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
+           page_table=None) -> KernelKey:
+    """The `KernelKey` of a call; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
     on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
-    the canonical spec of the key has no shape). causal and window_size in
-    `fa4lab.spec.normalize_mask`'s form: the key holds which sides the window has, not their
-    sizes (Note [runtime window]). `varlen`: q, k, v are packed (total, heads, d) tensors
-    (`forward_varlen`), planned without pack-GQA. split_kv: the split-KV kernel
-    (`fa4lab.splitkv`), whose split count is a runtime value. With a page_table, k and v are
-    the paged cache and the key ends with its page size (None without)."""
+    the key has no shape). causal and window_size in `fa4lab.spec.normalize_mask`'s form: the
+    key holds which sides the window has, not their sizes (Note [runtime window]). `varlen`: q,
+    k, v are packed (total, heads, d) tensors (`forward_varlen`), planned without pack-GQA.
+    split_kv: the split-KV kernel (`fa4lab.splitkv`), whose split count is a runtime value.
+    With a page_table, k and v are the paged cache and the key holds its page size."""
     g = q.shape[-2] // k.shape[-2]
-    page_size = None if page_table is None else k.shape[1]
     if varlen:
         packed = False
     else:
         packed = (pack_gqa_default(arch, g, q.shape[1], effective_window(causal, window_size),
                                     q.shape[-1])
                   if pack_gqa is None else pack_gqa and g > 1)
-    sides = (window_size[0] is not None, window_size[1] is not None)
     if persistent is None and arch == "sm90":
         from fa4lab.plan.sm90 import persistent_default
 
         persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
                                         _seqlen_k(k, page_table),
                                         ragged=varlen or page_table is not None)
-    return (arch, q.shape[-1], v.shape[-1], q.dtype, causal, g, return_lse, bool(softcap), sides,
-            learnable_sink is not None, persistent, packed, bool(varlen),
-            bool(split_kv), page_size)
-
-
-# The launch key's fields read by name (`key_of`'s tuple).
-_PERSISTENT, _PACKED, _VARLEN, _SPLIT_KV, _PAGE_SIZE = 10, 11, 12, 13, 14
+    return KernelKey(arch, q.shape[-1], v.shape[-1], normalize_dtype(q.dtype), causal, g,
+                     return_lse, bool(softcap),
+                     (window_size[0] is not None, window_size[1] is not None),
+                     learnable_sink is not None, persistent, packed, bool(varlen),
+                     bool(split_kv), None if page_table is None else k.shape[1])
 
 
 def _seqlen_k(k, page_table) -> int:
@@ -117,65 +113,41 @@ def _seqlen_k(k, page_table) -> int:
     return paged_seqlen_k(k, page_table)
 
 
-def spec_of_key(key: tuple) -> AttentionSpec:
-    """A canonical spec of `key`: one batch, one KV head, 128 rows; sizes the plan ignores
-    (a window side's size included)."""
-    _, d, dv, dtype, causal, g, lse, capped, (left, right), sink = key[:10]
-    window = (0 if left else None, 1 if right else None)
-    return AttentionSpec(1, 128, 128, g, 1, d, dv, dtype=normalize_dtype(dtype), causal=causal,
-                         return_lse=lse, softcap=1.0 if capped else 0.0, window_size=window,
-                         learnable_sink=sink, varlen=key[_VARLEN], split_kv=key[_SPLIT_KV],
-                         page_size=key[_PAGE_SIZE])
-
-
-def plan_of_key(key: tuple):
-    """The plan of the kernel of `key`: its canonical spec with the key's switches."""
-    from fa4lab.plan import plan_forward
-
-    return plan_forward(spec_of_key(key), arch=key[0], pack_gqa=key[_PACKED],
-                        persistent=key[_PERSISTENT])
-
-
-def _build(key: tuple):
+def _build(key: KernelKey):
     from fa4lab.kernels import cache
-    from fa4lab.kernels.compile import compile_plan, config_name
-
-    arch, persistent, packed = key[0], key[_PERSISTENT], key[_PACKED]
+    from fa4lab.kernels.compile import compile_plan
 
     def compile_default_plan():
-        return compile_plan(plan_of_key(key))[1]
+        return compile_plan(key.plan())[1]
 
     # The plan is a function of the key and of the sources the cache's fingerprint hashes, so
     # a disk hit needs neither the planner nor the DSL.
-    what = (config_name(spec_of_key(key), arch + "a") + ("-packgqa" if packed else "")
-            + {None: "", True: "-persistent", False: "-onetile"}[persistent])
-    disk_key = "fwd-" + cache.digest(what)
-    fn, how, _ = cache.load_or_compile(disk_key, compile_default_plan, what)
+    fn, how, _ = cache.load_or_compile(key.disk_key, compile_default_plan, key.name)
     _stats[how] += 1
     return fn
 
 
-def _build_with_mods(key: tuple, mods):
+def _build_with_mods(key: KernelKey, mods):
     """The kernel of `key` with `mods` compiled in: in this process only, never on disk
     (Note [mods in the kernels] in fa4lab.mods)."""
     from fa4lab.kernels.compile import compile_plan
 
-    fn = compile_plan(plan_of_key(key), mods=mods)[1]
+    fn = compile_plan(key.plan(), mods=mods)[1]
     _stats["compiled"] += 1
     return fn
 
 
 @cache
-def cta_tiles(key: tuple) -> tuple[int, int, int]:
+def cta_tiles(key: KernelKey) -> tuple[int, int, int]:
     """(cta_m, n_block, pack) of the kernel of `key`: the tiles a mask_mod's block table is
     made for (`fa4lab.mods_blocks.block_table`)."""
-    plan = plan_of_key(key)
+    plan = key.plan()
     t = plan.tiles
     pack = plan.spec.qhead_per_kvhead if getattr(t, "pack_gqa", False) else 1
     return t.m_block * t.q_stage, t.n_block, pack
 
 
-def mask_blocks_for(key: tuple, mods, aux: tuple, q, k):
+def mask_blocks_for(key: KernelKey, mods, aux: tuple, q, k):
     """The block table of `mods`' mask_mod for the kernel of `key` (Note [mask_mod block
     table] in fa4lab.tiling), or None without a mask_mod."""
     if mods is None or mods.mask_mod is None:
@@ -188,10 +160,10 @@ def mask_blocks_for(key: tuple, mods, aux: tuple, q, k):
                        device=q.device)
 
 
-def kernel_for(key: tuple, mods=None):
+def kernel_for(key: KernelKey, mods=None):
     """The compiled function of `key` (and of `mods`, a `fa4lab.mods.KernelMods`, by
     `mods.key`), built on the first miss."""
-    full = key + (mods.key,) if mods else key
+    full = (key, mods.key) if mods else key
     fn = _kernels.get(full)
     if fn is None:
         with _lock:
@@ -210,7 +182,7 @@ def num_sms(index: int) -> int:
 
 
 @cache
-def _chosen_splits(key: tuple, batch: int, heads: int, rows: int, seqlen_k: int,
+def _chosen_splits(key: KernelKey, batch: int, heads: int, rows: int, seqlen_k: int,
                    sms: int) -> int:
     from fa4lab.splitkv import choose_num_splits
 
@@ -223,7 +195,7 @@ def _chosen_splits(key: tuple, batch: int, heads: int, rows: int, seqlen_k: int,
 AUTO_SPLIT_ARCHS = ("sm90",)
 
 
-def splits_for(key: tuple, q, k, num_splits: int | None, page_table=None) -> int:
+def splits_for(key: KernelKey, q, k, num_splits: int | None, page_table=None) -> int:
     """The call's split count: num_splits, or with None `fa4lab.splitkv.choose_num_splits` for
     the shape and the kernel of `key` (its tiles, its pack-GQA rows and grid heads) on q's GPU
     (Note [choosing num_splits]): decode shapes split, prefill does not; 1 on an arch not in
@@ -233,7 +205,7 @@ def splits_for(key: tuple, q, k, num_splits: int | None, page_table=None) -> int
     seqlen_k = _seqlen_k(k, page_table)
     if num_splits is not None:   # more splits than key blocks would only add empty ones
         return min(num_splits, num_n_blocks(seqlen_k, cta_tiles(key)[1]))
-    if key[0] not in AUTO_SPLIT_ARCHS:
+    if key.arch not in AUTO_SPLIT_ARCHS:
         return 1
     _, _, pack = cta_tiles(key)
     heads = k.shape[2] if pack > 1 else q.shape[2]
@@ -385,7 +357,7 @@ def compile_plan(plan, example):
 
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan as compile_kernel
-    from fa4lab.kernels.compile import config_name
+    from fa4lab.plan.key import config_name
     from fa4lab.spec import check_inputs
 
     spec = plan.spec
@@ -417,7 +389,7 @@ def compile_plan(plan, example):
     return run, seconds
 
 
-def check_paged_call(key: tuple, mods) -> None:
+def check_paged_call(key: KernelKey, mods) -> None:
     """Before a paged launch (key's page size not None): no mods (their block table and key
     indices assume contiguous K/V) and a page size the kernel's key blocks take
     (`fa4lab.kernels.device.paged.check_page_size`: a PlanError naming the sizes that fit; a
@@ -430,8 +402,9 @@ def check_paged_call(key: tuple, mods) -> None:
                          "sequences' K/V (fa4lab.varlen.gather_paged) and call fa4lab.attention "
                          "on contiguous tensors")
     n_block = cta_tiles(key)[1]
-    if page_loader(key[0], key[_PAGE_SIZE], n_block) == "tma":   # cp.async reads any page
-        check_page_size(key[_PAGE_SIZE], n_block, min_page(key[0], key[1], key[2]))
+    if page_loader(key.arch, key.page_size, n_block) == "tma":   # cp.async reads any page
+        check_page_size(key.page_size, n_block, min_page(key.arch, key.head_dim,
+                                                         key.head_dim_v))
 
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",

@@ -107,7 +107,8 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
     import cutlass
     import cutlass.cute as cute
 
-    from fa4lab.kernels.compile import config_name, fake_args, newest_artifact, target_arch
+    from fa4lab.kernels.compile import fake_args, newest_artifact, target_arch
+    from fa4lab.plan.key import config_name
 
     fa4 = _import_fa4()
     root = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="fa4lab-peer-"))

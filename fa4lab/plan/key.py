@@ -1,0 +1,104 @@
+"""The identity of one compiled forward kernel, and its one name.
+
+    from fa4lab.plan.key import KernelKey
+    key = KernelKey("sm90", 128, 128, "bf16", causal=True, qhead_per_kvhead=4)
+    key.name        # "sm90a-hd128-causal-gqa4-nolse-bf16-onetile"
+    key.plan()      # the plan the kernel is compiled from
+    key.disk_key    # where `fa4lab.kernels.cache` keeps it
+
+A kernel bakes in what the call cannot change at run time: the arch, the head dims, the dtype,
+the mask's kind (causal, which sides a window has: Note [runtime window] in
+fa4lab.kernels.compile), the GQA ratio, the switches (LSE, softcap, learnable sink, persistent
+CTAs, pack-GQA) and the layout (varlen, split-KV, paged and its page size). `KernelKey` is that
+list and nothing else: the launch makes one per call (`fa4lab.kernels.launch.key_of` resolves
+the defaults from the call's shape first), the kernel caches are keyed by it, and its `name` is
+the one name a kernel has, in the disk cache and in the folder of its kept PTX and cubin
+(`fa4lab.kernels.compile.compile_forward`, which adds what only an audit compiles: other tiles,
+mutated barriers, mods).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from fa4lab.spec import AttentionSpec
+
+
+def digest(text: str) -> str:
+    """The short hash the disk cache files a name under."""
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def config_name(spec: AttentionSpec, arch: str) -> str:
+    """e.g. "sm100a-hd128-causal-gqa4-lse-bf16" ("hd192x128" when head_dim_v differs): what a
+    compiled kernel of `spec` bakes in (`arch` as the compiler spells it, "sm90a" / "sm100a")."""
+    s = spec
+    hd = f"{s.head_dim}" + (f"x{s.head_dim_v}" if s.head_dim_v != s.head_dim else "")
+    left, right = s.window_size     # its sides, not their sizes: Note [runtime window]
+    window = ("L" if left is not None else "") + ("R" if right is not None else "")
+    return (f"{arch}-hd{hd}-{'causal' if s.causal else 'full'}-gqa{s.qhead_per_kvhead}-"
+            f"{'lse' if s.return_lse else 'nolse'}-{s.dtype}" + ("-softcap" if s.softcap else "")
+            + (f"-window{window}" if window else "") + ("-sink" if s.learnable_sink else "")
+            + ("-varlen" if s.varlen else "")
+            + (f"-page{s.page_size}" if s.page_size is not None else "")
+            + ("-splitkv" if s.split_kv else ""))
+
+
+def switches_suffix(pack_gqa: bool, persistent: bool | None) -> str:
+    """The name's tail for the two switches a spec does not hold."""
+    return (("-packgqa" if pack_gqa else "")
+            + {None: "", True: "-persistent", False: "-onetile"}[persistent])
+
+
+@dataclass(frozen=True, slots=True)
+class KernelKey:
+    """One compiled forward kernel (see the module's doc). `arch` "sm90" or "sm100"; `dtype`
+    "bf16" or "fp16"; `window_sides` (left, right): which sides a window has; `persistent`
+    None where the arch decides (sm100) or a resolved bool (sm90)."""
+
+    arch: str
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    causal: bool
+    qhead_per_kvhead: int
+    return_lse: bool = False
+    softcap: bool = False
+    window_sides: tuple[bool, bool] = (False, False)
+    sink: bool = False
+    persistent: bool | None = None
+    pack_gqa: bool = False
+    varlen: bool = False
+    split_kv: bool = False
+    page_size: int | None = None
+
+    def spec(self) -> AttentionSpec:
+        """A canonical spec of the key: one batch, one KV head, 128 rows, and sizes the plan
+        ignores (a window side's size included) where the key holds none."""
+        left, right = self.window_sides
+        return AttentionSpec(1, 128, 128, self.qhead_per_kvhead, 1, self.head_dim,
+                             self.head_dim_v, dtype=self.dtype, causal=self.causal,
+                             return_lse=self.return_lse, softcap=1.0 if self.softcap else 0.0,
+                             window_size=(0 if left else None, 1 if right else None),
+                             learnable_sink=self.sink, varlen=self.varlen,
+                             split_kv=self.split_kv, page_size=self.page_size)
+
+    def plan(self):
+        """The plan the kernel is compiled from: the canonical spec with the key's switches."""
+        from fa4lab.plan.plan import plan_forward
+
+        return plan_forward(self.spec(), arch=self.arch, pack_gqa=self.pack_gqa,
+                            persistent=self.persistent)
+
+    @property
+    def name(self) -> str:
+        """The kernel's one name (disk cache, kept artifacts): e.g.
+        "sm90a-hd64-causal-gqa8-nolse-bf16-packgqa-onetile"."""
+        return (config_name(self.spec(), self.arch + "a")
+                + switches_suffix(self.pack_gqa, self.persistent))
+
+    @property
+    def disk_key(self) -> str:
+        """Where `fa4lab.kernels.cache` files the compiled kernel."""
+        return "fwd-" + digest(self.name)
