@@ -8,7 +8,6 @@ tests/test_paged_gpu.py and tests/test_paged_decode_gpu.py on an H200.)"""
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 
 import pytest
