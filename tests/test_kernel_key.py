@@ -47,3 +47,30 @@ def test_every_field_changes_the_name():
         if name == "head_dim":
             changed = dataclasses.replace(changed, head_dim_v=64)
         assert changed.name != base.name, name
+
+
+def _snake(name: str) -> str:
+    """mCuSeqlensQ -> cu_seqlens_q, mLSE -> lse, mOPartial -> out_partial: a kernel parameter's
+    KernelArgs name."""
+    import re
+
+    if name.startswith("m") and name[1:2].isupper():
+        name = {"mO": "mOut", "mOPartial": "mOutPartial", "mLSEPartial": "mLsePartial",
+                "mLSE": "mLse", "mSeqUsedK": "mSequsedK"}.get(name, name)[1:]
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@pytest.mark.parametrize("module,cls", [("fa4lab.kernels.fwd_sm90", "FlashForwardSm90"),
+                                        ("fa4lab.kernels.fwd_sm100", "FlashForwardSm100")])
+def test_both_kernels_take_kernel_args_in_order(module, cls):
+    """Each kernel's __call__ takes KernelArgs' slots, in their order, then the stream: the one
+    signature the launches fill by name and `fake_args` fakes."""
+    import importlib
+    import inspect
+
+    from fa4lab.kernels.compile import ARG_NAMES
+    from fa4lab.kernels.device.arguments import KernelArgs
+
+    call = getattr(importlib.import_module(module), cls).__call__
+    params = list(inspect.signature(inspect.unwrap(call)).parameters)[1:]
+    assert [_snake(p) for p in params] == [*KernelArgs._fields, "stream"] == list(ARG_NAMES)

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from fa4lab.kernels.device.arguments import KernelArgs
 from fa4lab.limits import arch_key
 from fa4lab.plan.key import config_name, switches_suffix
 from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
@@ -207,16 +208,16 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
         lse_partial = make_fake_tensor(cutlass.Float32, (splits, b, sq, hq),
                                        (*(cute.sym_int64() for _ in range(3)), 1),
                                        assumed_align=4)
-    return [q, k, v, o, lse, sink, cutlass.Float32(scale_log2), cutlass.Float32(pre_scale),
-            cutlass.Int32(left), cutlass.Int32(right), fake_aux(mods), fake_mask_blocks(mods),
-            *varlen, page_table, cutlass.Int32(1), out_partial, lse_partial,
-            make_fake_stream(use_tvm_ffi_env_stream=True)]
+    cu_q, cu_k, used, tiles = varlen
+    args = KernelArgs(q, k, v, o, lse, sink, cutlass.Float32(scale_log2),
+                      cutlass.Float32(pre_scale), cutlass.Int32(left), cutlass.Int32(right),
+                      fake_aux(mods), fake_mask_blocks(mods), cu_q, cu_k, used, tiles,
+                      page_table, cutlass.Int32(1), out_partial, lse_partial)
+    return [*args, make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
 # The names of `fake_args`' slots, in order (the stream last): what `contract_mismatches` says.
-ARG_NAMES = ("q", "k", "v", "out", "lse", "sink", "scale_log2", "pre_scale", "window_left",
-             "window_right", "aux", "mask_blocks", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
-             "tile_table", "page_table", "num_splits", "out_partial", "lse_partial", "stream")
+ARG_NAMES = (*KernelArgs._fields, "stream")
 
 
 def contract_mismatches(fake: list, real: list) -> list[str]:

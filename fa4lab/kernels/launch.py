@@ -42,6 +42,7 @@ import tvm_ffi  # noqa: F401
 
 from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels.compile import scale_args, window_args
+from fa4lab.kernels.device.arguments import KernelArgs
 from fa4lab.limits import arch_of_capability, pack_gqa_default
 from fa4lab.plan.key import KernelKey
 from fa4lab.spec import effective_window, normalize_dtype, normalize_mask
@@ -233,9 +234,10 @@ def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | N
     out_p = torch.empty((num_splits, b, sq, hq, dv), dtype=torch.float32, device=q.device)
     lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
     unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
-    fn(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
-       *window_args(window_size, sq, seqlen_k), None, None,
-       *padded_launch_args(page_table, seqused_k, seqlen_k, q, num_splits, out_p, lse_p))
+    fn(*KernelArgs(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
+                   *window_args(window_size, sq, seqlen_k),
+                   **padded_launch_args(page_table, seqused_k, seqlen_k, q, num_splits, out_p,
+                                        lse_p)))
     return out_p, lse_p
 
 
@@ -269,25 +271,26 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
     score_mod = mods is not None and mods.score_mod is not None
-    fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, d, softcap, score_mod),
-       *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
-       mask_blocks_for(key, mods, aux, q, k),
-       *padded_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q))
+    fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
+                   *scale_args(softmax_scale, d, softcap, score_mod),
+                   *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
+                   mask_blocks_for(key, mods, aux, q, k),
+                   **padded_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q)))
     return out, lse
 
 
 def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int = 1,
-                       out_partial=None, lse_partial=None) -> tuple:
-    """The kernel's (cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
-    out_partial, lse_partial) of a padded launch: with a page table, seqused_k always (the
-    caller's, or seqlen_k for every sequence: Note [paged key blocks] in
-    fa4lab.kernels.device.paged); the split count and the partials of a split-KV kernel (one
-    split and None without)."""
+                       out_partial=None, lse_partial=None) -> dict:
+    """The `KernelArgs` slots of a padded launch's layout (no cu_seqlens, no tile table): with a
+    page table, seqused_k always (the caller's, or seqlen_k for every sequence: Note [paged key
+    blocks] in fa4lab.kernels.device.paged); the split count and the partials of a split-KV
+    kernel (one split and None without)."""
     import torch
 
     if page_table is not None and seqused_k is None:
         seqused_k = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
-    return None, None, seqused_k, None, page_table, num_splits, out_partial, lse_partial
+    return {"seqused_k": seqused_k, "page_table": page_table, "num_splits": num_splits,
+            "out_partial": out_partial, "lse_partial": lse_partial}
 
 
 # The archs on which `fa4lab.attention_varlen` runs a paged batch with ragged query counts
@@ -341,9 +344,11 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     cu_q, cu_k, keys, table = made
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
-    fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[-1], softcap),
-       *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k), None, None,
-       cu_q, cu_k, keys, table, page_table, 1, None, None)
+    fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
+                   *scale_args(softmax_scale, q.shape[-1], softcap),
+                   *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k),
+                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=keys, tile_table=table,
+                   page_table=page_table))
     return out, lse
 
 
@@ -381,9 +386,9 @@ def compile_plan(plan, example):
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
-        fn(q, k, v, out, lse, learnable_sink, *scale_args(softmax_scale, q.shape[3], spec.softcap),
-           *window_args(window, sq, k.shape[1]), None, None,
-           *padded_launch_args(None, None, k.shape[1], q))
+        fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
+                       *scale_args(softmax_scale, q.shape[3], spec.softcap),
+                       *window_args(window, sq, k.shape[1])))
         return out
 
     return run, seconds

@@ -1,7 +1,8 @@
 """The forward kernels' argument contract, checked once for both (host side, at trace time).
 
-The sm90 and sm100 kernels take the same arguments in the same order (their `__call__`s,
-which `fa4lab.kernels.launch` fills): which of them a variant takes follows from its spec --
+The sm90 and sm100 kernels take the same arguments in the same order (`KernelArgs`: their
+`__call__`s, which `fa4lab.kernels.launch` fills): which of them a variant takes follows from
+its spec --
 a mask_mod its block table, a paged cache its page table and seqused_k, a varlen batch its
 cu_seqlens and tile table, a split-KV kernel its partials -- and this module says so once.
 `check_variant` runs in a kernel's constructor (the combinations no kernel builds yet),
@@ -12,7 +13,35 @@ call's packed (total, ...) tensors the batch mode the kernels' views expect.
 
 from __future__ import annotations
 
-from fa4lab.kernels.device import seqlen
+from typing import NamedTuple
+
+
+class KernelArgs(NamedTuple):
+    """The forward kernels' arguments in their order: both kernels' `__call__`s take them so
+    (then the stream), `fa4lab.kernels.compile.fake_args` makes them fake, and every launch in
+    `fa4lab.kernels.launch` fills them by name (`fn(*KernelArgs(...))`). A variant takes the
+    optional tensors its spec says (`check_call`); the rest stay None (num_splits 1)."""
+
+    q: object
+    k: object
+    v: object
+    out: object
+    lse: object = None
+    sink: object = None
+    scale_log2: object = None
+    pre_scale: object = None
+    window_left: object = 0
+    window_right: object = 0
+    aux: object = None
+    mask_blocks: object = None
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    seqused_k: object = None
+    tile_table: object = None
+    page_table: object = None
+    num_splits: object = 1
+    out_partial: object = None
+    lse_partial: object = None
 
 
 def check_variant(varlen: bool, split_kv: bool, pack_gqa: bool, note: str) -> None:
@@ -53,6 +82,8 @@ def packed_views(varlen: bool, paged: bool, mQ, mK, mV, mO, mLSE) -> tuple:
     the tensors themselves when not varlen."""
     if not varlen:
         return mQ, mK, mV, mO, mLSE
+    from fa4lab.kernels.device import seqlen  # the DSL, at trace time only
+
     mQ, mO = [seqlen.as_batch_of_one(x) for x in (mQ, mO)]
     if not paged:
         mK, mV = [seqlen.as_batch_of_one(x) for x in (mK, mV)]
