@@ -1083,7 +1083,7 @@ class FlashForwardSm100:
                 v_state = kv_state.clone()
                 kv_state.advance()
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    tiled_mma_pv = self.value_mma(
+                    tiled_mma_pv = self.value_mma(  # ladder: value mma
                         tiled_mma_pv, tOtO[stage], tOrP[stage],
                         tOrV[None, None, None, v_state.index], pipe_s, pipe_o, p_part, stage,
                         p_phase, o_phase, accumulate)
@@ -1208,7 +1208,7 @@ class FlashForwardSm100:
         is a runtime flag (a K block after the first always accumulates)."""
         k_end = cute.size(tA, mode=[2]) if cutlass.const_expr(k_end is None) else k_end
         for k in cutlass.range_constexpr(k_first, k_end):
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate or k != 0)  # ladder: accumulate
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
         # Returned so callers rebind it: the ACCUMULATE field is traced state that must flow
         # through the caller's staged loops and branches as a plain local variable.
@@ -1393,7 +1393,7 @@ class FlashForwardSm100:
                 softmax_mod.chain_into(sum_chains, j // 2, (tSrS[j], tSrS[j + 1]),
                                        cute.arch.add_packed_f32x2, width=1)
             tSrP_c[None, c].store(tSrS_c[None, c].load().to(self.dtype))
-            cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])
+            cute.copy(thr_store, tSrP_f32[None, None, c], tStP_r2t[None, None, c])  # ladder: p-tmem
             if cutlass.const_expr((c + 1) * chunk == self.p_split):
                 # P's first p_split keys are in TMEM: Note [split P hand-off]
                 cute.arch.fence_view_async_tmem_store()
@@ -1509,7 +1509,7 @@ class FlashForwardSm100:
             cute.copy(thr_load, cute.make_tensor(tOtO_t2r.iterator + c * cols, tOtO_t2r.layout),
                       tOrO)
             for j in cutlass.range_constexpr(0, cute.size(tOrO), 2):
-                tOrO[j], tOrO[j + 1] = cute.arch.mul_packed_f32x2(
+                tOrO[j], tOrO[j + 1] = cute.arch.mul_packed_f32x2(  # ladder: o-rescale
                     (tOrO[j], tOrO[j + 1]), (row_scale, row_scale))
             cute.copy(thr_store, tOrO,
                       cute.make_tensor(tOtO_r2t.iterator + c * cols, tOtO_r2t.layout))
