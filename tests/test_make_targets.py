@@ -100,10 +100,11 @@ def test_the_version_is_said_once():
     assert version("fa4lab") == fa4lab.__version__
 
 
+@pytest.mark.slow       # three pytest processes collecting: 30 s on a 2-core machine
 def test_shards_run_each_test_once():
     """`--shard K/N` (tests/conftest.py) partitions what a selection collects by whole
     modules: the N shards' tests are disjoint and together the whole selection; a bad shard is
-    a usage error."""
+    a usage error (`test_a_bad_shard_is_a_usage_error`)."""
     files = ["tests/test_online_softmax.py", "tests/test_spec.py", "tests/test_tiling.py"]
 
     def collected(*extra):
@@ -118,8 +119,15 @@ def test_shards_run_each_test_once():
     assert all(shards) and len(set(sum(shards, []))) == len(everything)
     modules = [{test.split("::")[0] for test in shard} for shard in shards]
     assert not modules[0] & modules[1]          # a module's tests stay in one process
-    bad, _ = collected("--shard=2/2")
-    assert bad.returncode != 0 and "0 <= K < N" in bad.stderr + bad.stdout
+
+
+def test_a_bad_shard_is_a_usage_error():
+    from conftest import shard_of
+
+    assert shard_of("1/2") == (1, 2)
+    for bad in ("2/2", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(pytest.UsageError, match="0 <= K < N"):
+            shard_of(bad)
 
 
 def test_a_shard_left_without_tests_is_not_a_failure():
