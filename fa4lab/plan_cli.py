@@ -51,7 +51,7 @@ def add_cli(subparsers) -> None:
     p.add_argument("--q-stage", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None, metavar="P",
                    help="also show how a paged K/V cache of P-token pages maps to the plan's "
-                        "K/V blocks (`fa4lab.varlen.key_block_pages`)")
+                        "K/V blocks (`fa4lab.varlen_tiles.key_block_pages`)")
     p.add_argument("--format", default="md", choices=["md", "json"])
     p.set_defaults(func=run)
 

@@ -423,7 +423,7 @@ def block_counts(m_blocks, seqlen_q, seqlen_k, *, m_block_size: int, n_block_siz
     batch's tiles at once), as int64 arrays: the three runs of `n_block_left_masked_range` and
     `n_block_masked_range` (`block_range` and `mask_split` on whole arrays), the masked count
     holding both edges of a window. A tile whose rows see no key counts 0 and 0. numpy arrays,
-    or torch tensors (on any device, the lengths then tensors too: `fa4lab.varlen.tile_rows`
+    or torch tensors (on any device, the lengths then tensors too: `fa4lab.varlen_tiles.tile_rows`
     builds a launch's tile table on the GPU with it)."""
     if _is_torch(m_blocks):
         m, sq, sk = (x.to(m_blocks.device, _torch_int64()) for x in _torch_broadcast(

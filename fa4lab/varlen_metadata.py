@@ -17,7 +17,7 @@ from fa4lab.errors import InputError
 # Note [scheduler metadata]
 # A varlen call's host work grows with what it derives from the index tensors: the value
 # check, the phantom sequences of seqused_q, the cu_seqlens and key counts of the launch and
-# its tile table (Note [launch tile table] in fa4lab.varlen) are each a few small GPU ops,
+# its tile table (Note [launch tile table] in fa4lab.varlen_tiles) are each a few small GPU ops,
 # about 35 of them, 1.5 ms of host time per call on the H200's host where FA4's whole call
 # takes 0.1-0.2 ms (torch profiler, 8 sequences). They depend on the index tensors only, so a
 # `SchedulerMetadata` made once per batch holds them, and the calls that take it do none of

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fa4lab
-from fa4lab import indexcheck, varlen
+from fa4lab import indexcheck, varlen, varlen_tiles
 from fa4lab.errors import InputError, InputTypeError
 from fa4lab.indexcheck import CheckContext, IndexCheckPlan, Rule, Verdict, message
 
@@ -237,8 +237,8 @@ def test_tile_rows_of_bad_lengths_stay_in_the_table():
         lens_q = torch.tensor(rng.integers(-2**31, 2**31 - 1, batch), dtype=torch.int64)
         lens_k = torch.tensor(rng.integers(-100, 1000, batch), dtype=torch.int64)
         rows = int(rng.integers(1, 20))
-        table, _, _ = varlen.tile_rows(lens_q, lens_k, rows, m_block_size=128, n_block_size=128,
-                                       causal=bool(rng.integers(0, 2)))
+        table, _, _ = varlen_tiles.tile_rows(lens_q, lens_k, rows, m_block_size=128,
+                                             n_block_size=128, causal=bool(rng.integers(0, 2)))
         assert table.shape == (rows, 2)
         assert ((table[:, 0] >= 0) & (table[:, 0] <= batch)).all()
         assert ((table[:, 1] >= 0) & (table[:, 1] < rows)).all()

@@ -1,5 +1,5 @@
 """Paged K/V caches on the CPU: the kernels' block -> page mapping against
-`fa4lab.varlen.key_block_pages`, the page sizes a kernel takes, the checks and the reference
+`fa4lab.varlen_tiles.key_block_pages`, the page sizes a kernel takes, the checks and the reference
 path of `fa4lab.attention(q, k_cache, v_cache, page_table=...)`, the launch key, and the
 batch view of `fa4lab.attention_varlen`'s one paged decode launch.
 (The kernels themselves: tests/test_sm90_compile.py, tests/test_compile_sm100.py on the CPU,
@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 from fa4lab.errors import InputError, InputTypeError, PlanError  # noqa: E402
 from fa4lab.kernels.device import paged  # noqa: E402
 from fa4lab.tiling import ceil_div  # noqa: E402
-from fa4lab.varlen import gather_paged, key_block_pages  # noqa: E402
+from fa4lab.varlen import gather_paged  # noqa: E402
+from fa4lab.varlen_tiles import key_block_pages  # noqa: E402
 
 N_BLOCKS = [80, 96, 112, 128, 176]
 

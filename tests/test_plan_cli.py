@@ -176,7 +176,7 @@ def test_python_m_fa4lab_plan_takes_the_mask_flags():
 def test_page_size_shows_how_pages_meet_the_blocks(capsys, page_size):
     """Note [paged blocks in the plan]: the blocks' pieces come from key_block_pages, in order;
     every key of the sequence is read once, from the slot that holds it."""
-    from fa4lab.varlen import key_block_pages
+    from fa4lab.varlen_tiles import key_block_pages
 
     rc, out = run_cli(capsys, "--arch", "sm90", "--seqlen", "1000", "--page-size",
                       str(page_size), "--format", "json")

@@ -25,15 +25,8 @@ from fa4lab.api import GradientNotSupportedError, SlowReferenceWarning
 from fa4lab.errors import InputError, InputTypeError
 from fa4lab.reference import attention_reference, attention_varlen_reference, visible_mask
 from fa4lab.tiling import CostModel, ceil_div
-from fa4lab.varlen import (
-    check_varlen,
-    gather_paged,
-    key_block_pages,
-    pack,
-    pad,
-    unpack,
-    varlen_tiles,
-)
+from fa4lab.varlen import check_varlen, gather_paged, pack, pad, unpack
+from fa4lab.varlen_tiles import key_block_pages, varlen_tiles
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,7 +13,7 @@ from test_varlen import assert_lpt_by_sequence
 from fa4lab import tiling
 from fa4lab.errors import PlanError
 from fa4lab.spec import AttentionSpec
-from fa4lab.varlen import varlen_tile_table, varlen_tiles
+from fa4lab.varlen_tiles import varlen_tile_table, varlen_tiles
 
 _LENGTHS = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 400)), min_size=1,
                     max_size=6)
@@ -176,7 +176,7 @@ def test_device_tile_rows_are_the_table_then_padding(lengths, cta_m, n_block, ca
     host table's rows, then padding rows (batch, 0) of the phantom sequence, cost -1."""
     import torch
 
-    from fa4lab.varlen import max_tile_rows, tile_rows
+    from fa4lab.varlen_tiles import max_tile_rows, tile_rows
 
     lens_q, lens_k = [a for a, _ in lengths], [b for _, b in lengths]
     opts = dict(m_block_size=cta_m, n_block_size=n_block, causal=causal, window_size=window)
@@ -205,7 +205,7 @@ def test_launch_tile_rows_hold_every_real_tile_by_sequence(lengths, cta_m, causa
     their longest tiles' costs do."""
     import torch
 
-    from fa4lab.varlen import launch_tile_rows, max_tile_rows
+    from fa4lab.varlen_tiles import launch_tile_rows, max_tile_rows
 
     if causal and window[1] is not None:
         window = (window[0], 0)

@@ -87,13 +87,13 @@ def test_the_contract_is_checked():
 @pytest.mark.parametrize("paged", [False, True])
 def test_metadata_on_the_kernels_builds_one_table(paged, monkeypatch):
     """On the kernels: the same bits with and without, and one tile table for all layers."""
-    from fa4lab import varlen
+    from fa4lab import varlen_tiles
 
     q, k, v, index = _batch("cuda", torch.bfloat16, paged)
     index["max_seqlen_q"] = 33
     built = []
-    real = varlen.launch_tile_rows
-    monkeypatch.setattr(varlen, "launch_tile_rows", lambda *a, **kw: built.append(1) or
+    real = varlen_tiles.launch_tile_rows
+    monkeypatch.setattr(varlen_tiles, "launch_tile_rows", lambda *a, **kw: built.append(1) or
                         real(*a, **kw))
     meta = _equal_with_and_without(q, k, v, index, causal=True)
     assert len(meta.launch) <= 1

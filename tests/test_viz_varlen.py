@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from fa4lab.errors import InputError
-from fa4lab.varlen import varlen_tiles
+from fa4lab.varlen_tiles import varlen_tiles
 from fa4lab.viz.varlen import varlen_tiles_figure
 
 

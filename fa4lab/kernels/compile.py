@@ -172,7 +172,7 @@ def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
                                  assumed_align=16)
                 for d in (spec.head_dim, spec.head_dim_v))
         # A varlen launch's seqused_k has one more entry than the table has rows (the
-        # padding tiles' phantom sequence: `fa4lab.varlen.launch_lengths`), so the rows are
+        # padding tiles' phantom sequence: `fa4lab.varlen_tiles.launch_lengths`), so the rows are
         # their own size there.
         rows = cute.sym_int() if spec.varlen else b
         page_table = make_fake_tensor(cutlass.Int32, (rows, cute.sym_int()),

@@ -308,7 +308,7 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
     fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
-    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen.launch_tile_rows`,
+    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen_tiles.launch_tile_rows`,
     Note [launch tile table]), sized
     by `max_tile_rows`, and the key counts go to the kernel as seqused_k. With `page_table`,
     k and v are a paged cache read in place (Note [paged key blocks] in
@@ -317,7 +317,7 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     keeps the launch's lengths and tile table per tiling across calls."""
     import torch
 
-    from fa4lab.varlen import launch_lengths, launch_tile_rows, max_tile_rows
+    from fa4lab.varlen_tiles import launch_lengths, launch_tile_rows, max_tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
                  None, varlen=True, page_table=page_table)

@@ -432,7 +432,7 @@ def risks(plan) -> list[str]:
 
 # ---- CLI ----
 # Note [paged blocks in the plan]
-# How a paged K/V cache meets the plan's K/V blocks, from `fa4lab.varlen.key_block_pages` (one
+# How a paged K/V cache meets the plan's K/V blocks, from `fa4lab.varlen_tiles.key_block_pages` (one
 # rule for the plan, notebook 02 and the gather): a page size that is a multiple of n_block
 # serves whole blocks, each one contiguous box (what a TMA load of the block needs); a smaller
 # page makes each block a gather of n_block / page_size pages; a size that does not divide
@@ -442,7 +442,7 @@ def risks(plan) -> list[str]:
 def paged_section(plan, page_size: int, show: int = 4) -> dict:
     """The plan's K/V blocks over pages of `page_size` tokens, in page-table slots (a table in
     order: slot s is page s). Note [paged blocks in the plan]."""
-    from fa4lab.varlen import key_block_pages
+    from fa4lab.varlen_tiles import key_block_pages
 
     n = plan.tiles.n_block
     blocks = key_block_pages(plan.spec.seqlen_k, page_size, n)

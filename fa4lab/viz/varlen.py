@@ -1,6 +1,6 @@
 """Figures of variable-length batches (notebook 02): the real tiles against the padded grid.
 
-The tiles come from `fa4lab.varlen.varlen_tiles` (nothing is recomputed here). CPU only:
+The tiles come from `fa4lab.varlen_tiles.varlen_tiles` (nothing is recomputed here). CPU only:
 
     from fa4lab.viz.varlen import varlen_tiles_figure
     varlen_tiles_figure([700, 90, 1, 300], [700, 90, 1, 300], heads=1, m_block_size=128,
@@ -15,7 +15,7 @@ from matplotlib.colors import Normalize
 from matplotlib.patches import Patch, Rectangle
 
 from fa4lab.errors import InputError
-from fa4lab.varlen import varlen_tiles
+from fa4lab.varlen_tiles import varlen_tiles
 from fa4lab.viz._live import subplots
 
 __all__ = ["PADDING_COLOR", "varlen_tiles_figure"]

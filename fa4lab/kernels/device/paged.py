@@ -11,7 +11,7 @@ change (Note [paged key blocks]).
   multiple of n_block, or a divisor of it), a `PlanError` otherwise;
 * `block_read` / `block_reads`: piece j of key block n, or all its pieces, (slot, row block,
   rows) each: THE mapping, on Python ints or DSL Int32 (tests check it against
-  `fa4lab.varlen.key_block_pages`);
+  `fa4lab.varlen_tiles.key_block_pages`);
 * `seqlen_k`: a paged launch's key count per sequence before seqused_k caps it;
 * `page_tma`, `plain`, `stage_pieces`, `page_coords` (host side), `read_pages` and
   `copy_block` (producer side): the TMA atom of one piece, the SMEM slices and cache
@@ -261,7 +261,7 @@ def read_pages(mPageTable: cute.Tensor, batch, n, seqlen_k, page_size: cutlass.C
     [paged key blocks], Note [clamped indices]). A sequence with no key still loads block 0,
     fully masked: slot 0, read as page 0 if it holds a pad (-1). The row is clamped to the
     table's last: a varlen launch's padding tiles belong to a phantom sequence one past the
-    last (Note [tile rows on the device] in fa4lab.varlen), which has no key and no row of its
+    last (Note [tile rows on the device] in fa4lab.varlen_tiles), which has no key and no row of its
     own. A negative page reads page 0 (Note [clamped indices]). Called by every lane of the
     load warp."""
     per_block = pages_per_block(page_size, n_block)

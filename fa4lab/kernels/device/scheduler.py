@@ -140,8 +140,8 @@ def num_tiles(mQ: cute.Tensor, cta_m: int, splits=1):
 
 
 # Note [varlen tile table]
-# A varlen launch runs only real tiles (Note [varlen tiles] in fa4lab.varlen): the host builds
-# `fa4lab.varlen.varlen_tile_table`, (rows, 2) int32 (batch, m_block) in LPT order, uploads it
+# A varlen launch runs only real tiles (Note [varlen tiles] in fa4lab.varlen_tiles): the host builds
+# `fa4lab.varlen_tiles.varlen_tile_table`, (rows, 2) int32 (batch, m_block) in LPT order, uploads it
 # as mTileTable, and launches rows * heads linear tiles (one CTA each, or persistent CTAs
 # looping over them). Linear tile t is row t // heads, head t % heads: the heads of one
 # (sequence, m_block) run side by side (they read the same K/V rows with GQA, the same
