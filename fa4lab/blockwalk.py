@@ -2,7 +2,7 @@
 tile of either kernel visits K/V and folds it into its online softmax.
 
 For every CTA tile of a plan's tiles (cta_m rows; with pack-GQA, packed rows: the query heads
-of one KV head, Note [pack-GQA rows] in fa4lab.tiling), `walk`
+of one KV head, Note [pack-GQA rows] in fa4lab.gqa), `walk`
   * takes the tile's key range and masked runs from `fa4lab.tiling` (`block_range`,
     `mask_split`: causal and window-aware), narrowed by a mask_mod's block table
     (`fa4lab.mods_blocks.block_table`, `tiling.table_range` / `table_split`);

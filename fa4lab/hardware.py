@@ -81,7 +81,7 @@ H200 = Hardware(
 # no L2 line; the H100 architecture whitepaper gives the full GH100 die, the chip the H200 uses,
 # and the H100 SXM5, which enables less of it. The whitepaper's MB are binary, so the device
 # and the full die agree. Everything else (the cold-L2 rotation of Note [cold L2] in
-# fa4lab.bench.timing, the L2 sections of Note [L2 swizzle] in fa4lab.tiling, notebook 07,
+# fa4lab.bench.timing, the L2 sections of Note [L2 swizzle] in fa4lab.scheduling, notebook 07,
 # benchmarks/README.md) reads H200_L2_BYTES or shows h200_l2_text().
 H200_L2_BYTES = 60 * 1024 * 1024
 H200_L2_SOURCES = (

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from fa4lab.errors import InputError
-from fa4lab.tiling import CostModel, block_counts, ceil_div, num_m_blocks
+from fa4lab.scheduling import CostModel
+from fa4lab.tiling import block_counts, ceil_div, num_m_blocks
 
 if TYPE_CHECKING:
     from fa4lab.varlen import VarlenLengths
@@ -36,7 +37,7 @@ __all__ = ["PageRead", "VarlenTileTable", "VarlenTiles", "key_block_pages", "lau
 # short sequences leave tiles with no query row at all, which still start, find nothing to do
 # and exit. A varlen launch enumerates only real tiles, ceil(len_q[b] / m_block) per sequence
 # and head (with pack-GQA the M extent is len_q[b] * qhead_per_kvhead, `tiling.num_m_blocks`).
-# The cost of a tile is `tiling.CostModel`'s, from the key blocks `tiling`'s block-range
+# The cost of a tile is `scheduling.CostModel`'s, from the key blocks `tiling`'s block-range
 # functions give it on its own sequence's (len_q, len_k) (Note [tile cost model]). A tile's
 # cost does not depend on its head, so the order is one of (batch, m_block) rows
 # (`varlen_tile_table`) with the heads expanded innermost: the heads of one row run side by

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_walk import check_walk
 
-from fa4lab import tiling
+from fa4lab import gqa, tiling
 from fa4lab.errors import PlanError
 from fa4lab.kernels.device import scheduler
 from fa4lab.plan import Plan, plan_forward
@@ -170,9 +170,9 @@ def test_row_map_matches_tiling(g):
                     row, head, pos = kernel_row_map(m, wg, r, kv, g)
                     if row >= sq * g:
                         continue
-                    assert (head, pos) == tiling.unpack_gqa_row(
+                    assert (head, pos) == gqa.unpack_gqa_row(
                         kv, row, heads_q=hq, heads_kv=hkv, seqlen_q=sq)
-                    assert tiling.pack_gqa_row(head, pos, heads_q=hq, heads_kv=hkv,
+                    assert gqa.pack_gqa_row(head, pos, heads_q=hq, heads_kv=hkv,
                                                seqlen_q=sq) == (kv, row)
 
 
@@ -240,7 +240,7 @@ def test_packed_tma_view_coordinates():
     assert seen["tiles"] == tiling.ceil_div(sq * g, M_BLOCK)
     for t in (0, 3, 18):
         for r in range(M_BLOCK):
-            head, pos = tiling.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq,
+            head, pos = gqa.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq,
                                               heads_kv=hq // g, seqlen_q=sq + M_BLOCK)
             assert seen[(t, r)] == (5, head, pos, batch), (t, r)
 

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_walk import check_walk
 
-from fa4lab import tiling
+from fa4lab import gqa, tiling
 from fa4lab.errors import PlanError, UnsupportedArchError
 from fa4lab.kernels.device import scheduler
 from fa4lab.plan import Plan, plan_forward
@@ -118,7 +118,7 @@ def test_row_map_matches_tiling(g):
                     row, head, pos = kernel_row_map(m, stage, r, kv, g)
                     if row >= sq * g:
                         continue
-                    assert (head, pos) == tiling.unpack_gqa_row(
+                    assert (head, pos) == gqa.unpack_gqa_row(
                         kv, row, heads_q=hq, heads_kv=hkv, seqlen_q=sq)
 
 
@@ -224,7 +224,7 @@ def test_packed_q_and_o_tma_views(g):
     assert seen["tiles"] == (n_tiles,) * 3
     for t in picks:
         for r in range(M_BLOCK):
-            head, pos = tiling.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq, heads_kv=hq // g,
+            head, pos = gqa.unpack_gqa_row(kv, t * M_BLOCK + r, heads_q=hq, heads_kv=hq // g,
                                               seqlen_q=sq + M_BLOCK)
             assert seen[("q", t, r)] == (5, head, pos, batch), (t, r)
             assert seen[("o", t, r)] == (5, head, pos, batch), (t, r)

@@ -268,7 +268,7 @@ WINDOWS = [   # (causal, window_size, seqlen_q, seqlen_k)
 @pytest.mark.parametrize("causal,window,sq,sk", WINDOWS)
 def test_prediction_follows_the_visible_blocks(arch, causal, window, sq, sk):
     """Greedy dispatch (each tile to the first free SM) ends between total work / SMs and that
-    plus the longest tile; a persistent plan's round-robin CTAs (tiling.schedule_persistent)
+    plus the longest tile; a persistent plan's round-robin CTAs (scheduling.schedule_persistent)
     between total work / SMs and their tile count times the longest tile. The work is the
     visible blocks of classify_tiles, so a window's prediction shrinks with the blocks it
     skips."""

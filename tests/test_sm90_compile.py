@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fa4lab import tiling
+from fa4lab import scheduling, tiling
 from fa4lab.kernels.device import scheduler
 from fa4lab.limits import (
     KERNEL_HEAD_DIMS,
@@ -48,20 +48,20 @@ def test_block_ranges_match_tiling(sq, sk, cta_m, n, causal, left, right, data):
 def test_lpt_coords_follow_tiling_lpt_order(batch, heads, sq, sk, cta_m, head_dim):
     # The kernel's device formula (run here on Python ints) against the numpy order notebook 02
     # teaches: same tile at every linear index, so every tile exactly once.
-    work = tiling.Workload(batch=batch, heads=heads, seqlen_q=sq, seqlen_k=sk,
+    work = scheduling.Workload(batch=batch, heads=heads, seqlen_q=sq, seqlen_k=sk,
                            m_block_size=cta_m, n_block_size=128, causal=True, head_dim=head_dim)
-    swizzle = tiling.l2_swizzle(sk, 4 * head_dim, imax=cutlass.max)   # as the kernel reads it
+    swizzle = scheduling.l2_swizzle(sk, 4 * head_dim, imax=cutlass.max)   # as the kernel reads it
     assert swizzle == work.l2_swizzle
     n_m = scheduler.num_m_blocks(sq, cta_m)
     grid = scheduler.grid_shape(sq, heads, batch, cta_m, "lpt")
     assert grid == (work.num_tiles, 1, 1)
     got = [scheduler.lpt_coords(t, n_m, heads, batch, swizzle) for t in range(grid[0])]
-    want = [(m, h, b) for b, h, m in tiling.lpt_order(work).tolist()]
+    want = [(m, h, b) for b, h, m in scheduling.lpt_order(work).tolist()]
     assert got == want
 
 
 def test_pow2_floor_and_orders():
-    assert [tiling.pow2_floor(x) for x in (1, 2, 3, 4, 5, 1023, 1024, 2**31 - 1)] == [
+    assert [scheduling.pow2_floor(x) for x in (1, 2, 3, 4, 5, 1023, 1024, 2**31 - 1)] == [
         1, 2, 2, 4, 4, 512, 1024, 2**30]
     assert scheduler.grid_shape(1000, 8, 2, 128, "grid") == (8, 8, 2)
     assert scheduler.grid_shape(1000, 8, 2, 128, "grid_reversed") == (8, 8, 2)
@@ -84,7 +84,7 @@ def test_plans_name_their_tile_order(causal):
     assert plan_forward(spec, "sm100").tiles.order == ("lpt" if causal else "grid")
     assert plan_forward(spec, "sm100", persistent=False).tiles.order == (
         "grid_reversed" if causal else "grid")
-    assert plan_forward(spec, "sm90").tiles.order in tiling.SCHEDULERS
+    assert plan_forward(spec, "sm90").tiles.order in scheduling.SCHEDULERS
 
 
 # Every (head_dim, head_dim_v) pair the kernel builds; 64, 128 and 256 both ways of causal, the

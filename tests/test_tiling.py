@@ -9,31 +9,35 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from fa4lab.spec import AttentionSpec, effective_window
-from fa4lab.tiling import (
-    SCHEDULERS,
-    CostModel,
-    TileKind,
-    Workload,
-    classify_tiles,
+from fa4lab.gqa import (
     gqa_group_size,
-    grid_order,
-    grid_reversed_order,
     kv_head_of,
-    lpt_order,
-    n_block_left_masked_range,
-    n_block_masked_range,
-    n_block_range,
     pack_gqa_row,
-    persistent_tiles,
     q_heads_of,
     query_to_kv_heads,
+    unpack_gqa_row,
+)
+from fa4lab.scheduling import (
+    SCHEDULERS,
+    CostModel,
+    Workload,
+    grid_order,
+    grid_reversed_order,
+    lpt_order,
+    persistent_tiles,
     schedule,
     schedule_grid,
     schedule_lpt,
     schedule_persistent,
     schedule_static_persistent,
-    unpack_gqa_row,
+)
+from fa4lab.spec import AttentionSpec, effective_window
+from fa4lab.tiling import (
+    TileKind,
+    classify_tiles,
+    n_block_left_masked_range,
+    n_block_masked_range,
+    n_block_range,
 )
 
 
@@ -620,9 +624,9 @@ def test_kernel_scheduler_calls_the_tiling_rules():
 def test_persistent_ctas_visit_every_tile_once(batch, heads, seqlen_q, seqlen_k, num_ctas,
                                                order):
     # The persistent kernel's loop (CTA c: tiles c, c + G, ...) through the one index formula
-    # (tiling.tile_at, what the device scheduler calls), against the numpy order of the same
+    # (scheduling.tile_at, what the device scheduler calls), against the numpy order of the same
     # name: together the CTAs run each tile exactly once, and the t-th tile is the order's t-th.
-    from fa4lab.tiling import persistent_tiles, tile_at
+    from fa4lab.scheduling import persistent_tiles, tile_at
 
     w = Workload(batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                  m_block_size=256, n_block_size=128, causal=True)
@@ -639,7 +643,7 @@ def test_persistent_ctas_visit_every_tile_once(batch, heads, seqlen_q, seqlen_k,
 
 
 def test_tile_at_rejects_an_unknown_order():
-    from fa4lab.tiling import tile_at
+    from fa4lab.scheduling import tile_at
 
     with pytest.raises(ValueError, match="unknown tile order"):
         tile_at(0, "spiral", 4, 2, 1)

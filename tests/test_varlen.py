@@ -24,7 +24,8 @@ import fa4lab
 from fa4lab.api import GradientNotSupportedError, SlowReferenceWarning
 from fa4lab.errors import InputError, InputTypeError
 from fa4lab.reference import attention_reference, attention_varlen_reference, visible_mask
-from fa4lab.tiling import CostModel, ceil_div
+from fa4lab.scheduling import CostModel
+from fa4lab.tiling import ceil_div
 from fa4lab.varlen import check_varlen, gather_paged, pack, pad, unpack
 from fa4lab.varlen_tiles import key_block_pages, varlen_tiles
 

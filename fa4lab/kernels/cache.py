@@ -48,8 +48,8 @@ import fa4lab
 from fa4lab.plan.key import digest
 
 # The modules whose source a compiled kernel depends on (relative to the fa4lab package).
-SOURCES = ("kernels", "plan", "tiling.py", "limits.py", "spec.py", "hardware.py", "errors.py",
-           "online_softmax.py", "splitkv.py")
+SOURCES = ("kernels", "plan", "tiling.py", "scheduling.py", "limits.py", "spec.py", "hardware.py",
+           "errors.py", "online_softmax.py", "splitkv.py")
 EXPORT_NAME = "fa4lab_fwd"
 LOCK_TIMEOUT_S = 600.0   # a compile takes seconds; a holder that long is stuck
 

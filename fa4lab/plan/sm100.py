@@ -53,7 +53,7 @@ from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
 from fa4lab.plan.tmem import TmemPlan, TmemRegion, alloc_columns
-from fa4lab.tiling import kernel_tile_order
+from fa4lab.scheduling import kernel_tile_order
 
 # Defaults (FA4 on B200). Tuning knobs sit together.
 M_BLOCK = Q_TILE_ROWS["sm100"]  # one TMEM lane per query row: the MMA's M and a softmax warpgroup
@@ -145,7 +145,7 @@ def p_split(tiles: Tiles) -> int:
 # Note [sm100 pack-GQA]
 # As on sm90 (Note [sm90 pack-GQA] in fa4lab.plan.sm90): with pack_gqa the qhead_per_kvhead (g)
 # query heads of a KV head share one CTA, whose 2 x 128 M rows are packed rows (position * g +
-# head within the group, Note [pack-GQA rows] in fa4lab.tiling). The grid has heads_kv columns
+# head within the group, Note [pack-GQA rows] in fa4lab.gqa). The grid has heads_kv columns
 # and ceil(seqlen_q * g / cta_m) row tiles; K/V are loaded once per group. Q and O keep their
 # TMA: a 128-row tile is a (g, 128 / g) box over (head, position), so g must divide m_block.
 # TMEM, SMEM, barriers, roles and MMAs are those of the unpacked plan. With g == 1 there is
@@ -170,8 +170,8 @@ def p_split(tiles: Tiles) -> int:
 
 # Note [persistent CTAs]
 # A persistent plan launches min(work tiles, SMs) CTAs (`plan.hardware.num_sms`, a build-time
-# figure); CTA c runs linear tiles c, c + gridDim.x, ... (`fa4lab.tiling.persistent_tiles`),
-# mapped to (m_block, head, batch) by `fa4lab.tiling.tile_at` in `plan.tiles.order` (the grid
+# figure); CTA c runs linear tiles c, c + gridDim.x, ... (`fa4lab.scheduling.persistent_tiles`),
+# mapped to (m_block, head, batch) by `fa4lab.scheduling.tile_at` in `plan.tiles.order` (the grid
 # order, or LPT for causal), as upstream FA4's static persistent scheduler does. Every role
 # loops over the CTA's tiles (the table's TileLoop) with its pipeline states carried across
 # them: barriers are initialised once, phases run on, TMEM is allocated once. q_empty and

@@ -36,7 +36,7 @@ from fa4lab.plan.protocol import If, Loop, Op, Program, Protocol, Step, TileLoop
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
-from fa4lab.tiling import kernel_tile_order
+from fa4lab.scheduling import kernel_tile_order
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 
 # Note [sm90 pack-GQA]
 # With pack_gqa the qhead_per_kvhead (g) query heads of a KV head share one CTA: its M rows are
-# packed rows (position * g + head within the group, Note [pack-GQA rows] in fa4lab.tiling), so
+# packed rows (position * g + head within the group, Note [pack-GQA rows] in fa4lab.gqa), so
 # the grid has heads_kv columns and ceil(seqlen_q * g / cta_m) row tiles, and K/V are loaded once
 # per group instead of g times (what decode and short seqlen_q need). The kernel keeps TMA for
 # Q and O: a 64-row tile is a (g, 64 / g) box over (head, position), which needs g to divide
@@ -108,7 +108,7 @@ TURN_BARRIER_ID = EPILOGUE_BARRIER_ID + MAX_CONSUMERS
 
 # Note [sm90 persistent CTAs]
 # A persistent sm90 plan launches min(work tiles, SMs) CTAs; CTA c runs linear tiles c,
-# c + gridDim.x, ... in the plan's order (`fa4lab.tiling.persistent_tiles` and `tile_at`, as on
+# c + gridDim.x, ... in the plan's order (`fa4lab.scheduling.persistent_tiles` and `tile_at`, as on
 # sm100: Note [persistent CTAs] in fa4lab.plan.sm100). What changes against one CTA per tile:
 #   * Q is loaded once per tile into the same bytes, so it needs q_empty: each consumer thread
 #     arrives once its last score wgmma of the tile has completed (after the block loop; the

@@ -5,8 +5,8 @@ the first M of them masked. `block_cycles` fits that time as linear in both coun
 [tile time]); `predict` gives every (batch, head, m_block) tile its own counts from
 `fa4lab.tiling` (the causal diagonal, both edges of a sliding window and the seqlen_k tail
 mask a block; blocks outside the window are never loaded), dispatches the tiles in the plan's
-order to the first free SM (`fa4lab.tiling.schedule`; a persistent plan's CTAs take them
-round-robin, `fa4lab.tiling.schedule_persistent`) and divides the visible scores' FLOPs by
+order to the first free SM (`fa4lab.scheduling.schedule`; a persistent plan's CTAs take them
+round-robin, `fa4lab.scheduling.schedule_persistent`) and divides the visible scores' FLOPs by
 the makespan. So a window that skips half the blocks predicts about half the time.
 
     from fa4lab.plan.throughput import predict
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fa4lab import tiling
+from fa4lab import scheduling, tiling
 from fa4lab.plan.calibration import costs_for
 from fa4lab.plan.costs import CostModel
 from fa4lab.plan.simulate import simulate
@@ -78,12 +78,12 @@ def tile_cost(plan, costs: CostModel | None = None, causal: bool | None = None,
     return b.fixed + masked * (b.masked - b.unmasked), b.unmasked
 
 
-def workload(plan, spec=None) -> tiling.Workload:
+def workload(plan, spec=None) -> scheduling.Workload:
     """The work tiles the plan's kernel runs for `spec` (default `plan.spec`): one per (batch,
     head, CTA of cta_m rows), K/V blocks of n_block keys, heads packed as the plan packs them,
     the spec's causal mask and window."""
     t = plan.tiles
-    return tiling.Workload.from_spec(spec or plan.spec, m_block_size=t.cta_m,
+    return scheduling.Workload.from_spec(spec or plan.spec, m_block_size=t.cta_m,
                                      n_block_size=t.n_block, pack_gqa=t.pack_gqa)
 
 
@@ -113,8 +113,8 @@ def predict(plan, costs: CostModel | None = None, spec=None) -> Prediction:
     """Predicted forward TFLOP/s of `plan` on `spec` (default `plan.spec`): every work tile's
     simulated time (`block_cycles` times its unmasked and masked blocks, `workload`),
     dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
-    hardware hands out a grid's CTAs (`fa4lab.tiling.schedule`), or round-robin to the CTAs of
-    a persistent plan (`fa4lab.tiling.schedule_persistent`). `costs` defaults to the
+    hardware hands out a grid's CTAs (`fa4lab.scheduling.schedule`), or round-robin to the CTAs of
+    a persistent plan (`fa4lab.scheduling.schedule_persistent`). `costs` defaults to the
     calibrated model of the plan's chip (`fa4lab.plan.calibration.costs_for`)."""
     costs = costs_for(plan.hardware) if costs is None else costs
     return predict_with(plan, block_cycles(plan, costs), spec)
@@ -128,10 +128,10 @@ def predict_with(plan, b: BlockCycles, spec=None) -> Prediction:
     hw = plan.hardware
     # tiling counts work in unmasked K/V blocks. A masked block never costs less than an
     # unmasked one (it does the same work and the mask); see Note [tile time] for the clamp.
-    unit = tiling.CostModel(masked_block_cost=max(b.masked / b.unmasked, 1.0),
+    unit = scheduling.CostModel(masked_block_cost=max(b.masked / b.unmasked, 1.0),
                             tile_overhead=max(b.fixed, 0.0) / b.unmasked)
     # A persistent kernel's CTAs take the tiles round-robin; a grid's go to the first free SM.
-    run = tiling.schedule_persistent if plan.protocol.persistent else tiling.schedule
+    run = scheduling.schedule_persistent if plan.protocol.persistent else scheduling.schedule
     sched = run(plan.tiles.order, workload(plan, spec), num_sms=hw.num_sms, cost=unit)
     seconds = sched.makespan * b.unmasked / (hw.clock_ghz * 1e9)
     return Prediction(useful_flops(spec) / seconds / 1e12, seconds, b, len(sched.order),

@@ -6,7 +6,7 @@ through `kv_stage` shared-memory buffers. `MmaPlan` describes the two matrix pro
 K/V block for one Q tile: the score MMA S = Q K^T and the value MMA O += P V.
 
 `pack_gqa` (both archs) folds the query heads that share a KV head into M: a tile's rows are
-packed rows (see Note [pack-GQA rows] in `fa4lab.tiling`), so K/V are loaded once for them.
+packed rows (see Note [pack-GQA rows] in fa4lab.gqa), so K/V are loaded once for them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Tiles:
     head_dim: int
     head_dim_v: int
     pack_gqa: bool = False  # M rows are packed (position, query head) rows of one KV head
-    order: str = "grid"     # tile dispatch order, "grid" or "lpt" (fa4lab.tiling.SCHEDULERS)
+    order: str = "grid"     # tile dispatch order, "grid" or "lpt" (fa4lab.scheduling.SCHEDULERS)
     kv_load: str = "tma"    # how K/V reach SMEM: "tma" or "cp.async" (fa4lab.limits.page_loader)
 
     @property

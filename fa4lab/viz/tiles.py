@@ -20,19 +20,10 @@ from matplotlib.colors import ListedColormap, Normalize
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from fa4lab.gqa import gqa_group_size, unpack_gqa_row
 from fa4lab.hardware import B200, H200
-from fa4lab.tiling import (
-    SCHEDULERS,
-    CostModel,
-    Schedule,
-    TileClasses,
-    TileKind,
-    Workload,
-    classify_tiles,
-    gqa_group_size,
-    schedule,
-    unpack_gqa_row,
-)
+from fa4lab.scheduling import SCHEDULERS, CostModel, Schedule, Workload, schedule
+from fa4lab.tiling import TileClasses, TileKind, classify_tiles
 from fa4lab.viz._live import LiveFigure, View, subplots
 
 __all__ = [
@@ -82,7 +73,7 @@ def tile_grid_figure(tiles: TileClasses, *, ax=None, title: str | None = None):
     ax.axvline(tiles.seqlen_k, color="k", ls="--", lw=1)
     ax.axhline(rows, color="k", ls="--", lw=1)
     # the diagonal key of position p is p + seqlen_k - seqlen_q; row r is position
-    # r // qhead_per_kvhead (Note [pack-GQA rows] in fa4lab.tiling)
+    # r // qhead_per_kvhead (Note [pack-GQA rows] in fa4lab.gqa)
     r = np.array([0.0, rows])
     diagonal = r / tiles.qhead_per_kvhead + tiles.seqlen_k - tiles.seqlen_q
     if tiles.causal:

@@ -18,7 +18,7 @@ the softmax step gives them probability exactly 0; a row with no visible key sta
 the softmax's finalize turns it into output 0 and LSE -inf (Note [empty rows]).
 
 With pack-GQA (`qhead_per_kvhead` = g > 1) a tile row is a packed row: the rule compares keys
-with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.tiling).
+with its POSITION (m_offset + row) // g (Note [pack-GQA rows] in fa4lab.gqa).
 
 Which blocks need this at all comes from `fa4lab.kernels.device.scheduler.mask_split`: FULL
 blocks skip it, the others (both edges of a window, the diagonal, the seqlen_k tail) call

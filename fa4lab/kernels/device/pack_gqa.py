@@ -1,7 +1,7 @@
 """pack-GQA views for TMA: Q and O addressed by packed rows (host-side layout code, both archs).
 
 Shared by the sm90 and sm100 kernels. With g = qhead_per_kvhead query heads per KV head packed
-into M (Note [pack-GQA rows] in fa4lab.tiling: packed row r is position r // g of query head
+into M (Note [pack-GQA rows] in fa4lab.gqa: packed row r is position r // g of query head
 kv * g + r % g), a tile of `rows` packed rows is a TMA box of g heads x rows / g positions whose
 SMEM rows come out head-fastest -- exactly the packed order. That needs g to divide `rows`
 (the plans check it: `fa4lab.plan.tiles.check_pack_gqa`).
@@ -26,7 +26,7 @@ from cutlass.cute.nvgpu import cpasync
 def unpack_row(row, head, pack: int):
     """(position, query head) of tile row `row` of grid head `head`: (row, head) unpacked;
     with pack = g > 1, head is the KV head and the row is packed: (row // g, head * g + row %
-    g) (Note [pack-GQA rows] in fa4lab.tiling). Ints or DSL Int32, row >= 0."""
+    g) (Note [pack-GQA rows] in fa4lab.gqa). Ints or DSL Int32, row >= 0."""
     if pack == 1:
         return row, head
     pos = row // pack

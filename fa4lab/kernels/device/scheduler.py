@@ -22,8 +22,8 @@ or a runtime Int32 (`window_left` / `window_right`, Note [runtime window] in
 
 Scheduling: one CTA per (m_block, head, batch) tile, or persistent CTAs that loop over linear
 tiles (sm100, Note [persistent CTAs] in fa4lab.plan.sm100), in the order the plan names
-(`plan.tiles.order`, from `fa4lab.tiling.kernel_tile_order`; see Note [tile order]); linear
-index -> tile is `fa4lab.tiling.tile_at`. A varlen launch instead reads its tiles from a table
+(`plan.tiles.order`, from `fa4lab.scheduling.kernel_tile_order`; see Note [tile order]); linear
+index -> tile is `fa4lab.scheduling.tile_at`. A varlen launch instead reads its tiles from a table
 (`varlen_coords`, Note [varlen tile table]). `work_tiles` and `work` are each kernel's one way
 to ask: its persistent loop's range and a linear tile's (m_block, head, batch, split).
 """
@@ -33,7 +33,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from fa4lab import tiling
+from fa4lab import scheduling, tiling
 from fa4lab.kernels.device import split as split_mod
 
 _DSL_MIN_MAX = {"imin": cutlass.min, "imax": cutlass.max}
@@ -91,11 +91,11 @@ def num_m_blocks(rows, cta_m):
 #   non-causal problem costs the same, so nothing is gained by reordering them.
 # "lpt": causal. Tile costs grow with m_block, and a grid that ends with some head's longest
 #   tiles leaves most SMs idle while a few finish them (the ragged last wave of notebook 02).
-#   Linear tile t is `fa4lab.tiling.tile_at`'s t-th tile in FA4's longest-processing-time-first
-#   order: (batch, head) pairs in L2 sections (Note [L2 swizzle] in fa4lab.tiling), inside a
+#   Linear tile t is `fa4lab.scheduling.tile_at`'s t-th tile in FA4's longest-processing-time-first
+#   order: (batch, head) pairs in L2 sections (Note [L2 swizzle] in fa4lab.scheduling), inside a
 #   section the last m_block of every pair first. One CTA per tile (sm90): the hardware hands
 #   each next CTA to the first free SM, greedy LPT list scheduling. Persistent (sm100): CTA c
-#   takes tiles c, c + gridDim.x, ... (`fa4lab.tiling.persistent_tiles`), longest first.
+#   takes tiles c, c + gridDim.x, ... (`fa4lab.scheduling.persistent_tiles`), longest first.
 # "grid_reversed": causal, one CTA per tile on sm100 (the plans that stage O in Q's bytes: Note
 #   [persistent CTAs] in fa4lab.plan.sm100): the grid with blockIdx.x read as m_blocks - 1 - x,
 #   so each head's longest tile starts first but heads still follow one another.
@@ -109,8 +109,8 @@ def grid_shape(rows, heads, batch, cta_m, order: str = "grid", num_ctas=None) ->
 
     `rows` are the query rows of one grid head (seqlen_q, or seqlen_q * g packed)."""
     n_m = num_m_blocks(rows, cta_m)
-    if order not in tiling.TILE_ORDERS:
-        raise ValueError(f"unknown tile order {order!r}: one of {tiling.TILE_ORDERS}")
+    if order not in scheduling.TILE_ORDERS:
+        raise ValueError(f"unknown tile order {order!r}: one of {scheduling.TILE_ORDERS}")
     if num_ctas is not None:
         tiles = n_m * heads * batch
         return (min(tiles, num_ctas) if isinstance(tiles, int) else cutlass.min(tiles, num_ctas),
@@ -121,13 +121,13 @@ def grid_shape(rows, heads, batch, cta_m, order: str = "grid", num_ctas=None) ->
 
 
 def coords(t, order: str, num_m, heads, batch, swizzle=1):
-    """(m_block, head, batch) of linear tile t in `order` (`fa4lab.tiling.tile_at`)."""
-    b, h, m = tiling.tile_at(t, order, num_m, heads, batch, swizzle, imin=_DSL_MIN_MAX["imin"])
+    """(m_block, head, batch) of linear tile t in `order` (`fa4lab.scheduling.tile_at`)."""
+    b, h, m = scheduling.tile_at(t, order, num_m, heads, batch, swizzle, imin=_DSL_MIN_MAX["imin"])
     return m, h, b
 
 
 def lpt_coords(t, num_m, heads, batch, swizzle):
-    """(m_block, head, batch) of linear tile t in the LPT order (`fa4lab.tiling.tile_at`)."""
+    """(m_block, head, batch) of linear tile t in the LPT order (`fa4lab.scheduling.tile_at`)."""
     return coords(t, "lpt", num_m, heads, batch, swizzle)
 
 
@@ -186,7 +186,7 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
         tile = cute.arch.block_idx()[0]
     swizzle = 1
     if cutlass.const_expr(order == "lpt"):
-        swizzle = tiling.l2_swizzle(seqlen_k, bytes_per_key, imax=cutlass.max)
+        swizzle = scheduling.l2_swizzle(seqlen_k, bytes_per_key, imax=cutlass.max)
     return coords(tile, order, num_m_blocks(cute.size(mQ.shape[0]), cta_m),
                   cute.size(mQ.shape[2]) * splits, cute.size(mQ.shape[3]), swizzle)
 
@@ -195,7 +195,7 @@ def tile_coords(order: cutlass.Constexpr[str], mQ: cute.Tensor, seqlen_k,
 # bytes_per_key) ----
 def work_tiles(kernel, mQ: cute.Tensor, varlen: tuple, num_splits):
     """(start, stop, step) of this CTA's linear work tiles (cutlass.range's arguments):
-    `fa4lab.tiling.persistent_tiles` over the grid's tiles, or the varlen tile table's rows
+    `fa4lab.scheduling.persistent_tiles` over the grid's tiles, or the varlen tile table's rows
     times the heads; mQ (or mO) as the kernel views it, `varlen` its varlen tuple."""
     splits = num_splits if cutlass.const_expr(kernel.split_kv) else 1
     stop = num_tiles(mQ, kernel.cta_m, splits)
@@ -205,7 +205,7 @@ def work_tiles(kernel, mQ: cute.Tensor, varlen: tuple, num_splits):
 
 
 def work(kernel, mQ: cute.Tensor, seqlen_k, varlen: tuple, num_splits, tile=None):
-    """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.tiling.tile_at`, or the
+    """(m_block, head, batch, split) of linear tile `tile` (`fa4lab.scheduling.tile_at`, or the
     tile table's with varlen; None: this CTA's one tile); split is None without split-KV
     (`fa4lab.kernels.device.split.split_of` unfolds it from the grid's head axis)."""
     splits = num_splits if cutlass.const_expr(kernel.split_kv) else 1

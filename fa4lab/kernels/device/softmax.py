@@ -220,7 +220,7 @@ def store_lse(mLSE: cute.Tensor, row, lse: Float32, head, batch, seqlen_q,
     """LSE of tile row `row` into mLSE (seqlen_q, heads_q, batch); rows past seqlen_q dropped.
 
     With pack-GQA (pack = g > 1) the row is a packed row: position row // g of query head
-    head * g + row % g, `head` being the KV head (Note [pack-GQA rows] in fa4lab.tiling).
+    head * g + row % g, `head` being the KV head (Note [pack-GQA rows] in fa4lab.gqa).
     """
     if row < seqlen_q * pack:
         pos, q_head = unpack_row(row, head, pack)
