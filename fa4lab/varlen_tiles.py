@@ -52,7 +52,7 @@ __all__ = ["PageRead", "VarlenTileTable", "VarlenTiles", "key_block_pages", "lau
 # 2.14 GB and runs at 0.99x FA4 end to end, its kernel 1.04x (H200, one run beside FA4's:
 # triton do_bench medians 11.20 / 11.12 ms, kernel medians 10.87 / 11.33 ms). A long prefill's
 # tiles still start before a batch of decodes' one-block tiles, and the last tiles to start
-# are the shortest sequence's. In `tiling`'s model the order loses nothing with one CTA per
+# are the shortest sequence's. In `scheduling`'s model the order loses nothing with one CTA per
 # tile (list scheduling: 1.0002x the average load at 132 SMs on that batch, as one LPT order)
 # and little with static persistent CTAs (1.012x against 1.006x at 148). A sequence whose
 # K/V alone overflow the L2 budget is still one section (heads are innermost in a row, so the
