@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from fa4lab.plan.key import KernelKey, config_name, digest
+from fa4lab.digest import digest
+from fa4lab.plan.key import KernelKey, config_name
 
 
 def test_key_is_frozen_hashable_and_names_its_switches():

@@ -45,7 +45,7 @@ from functools import cache
 from pathlib import Path
 
 import fa4lab
-from fa4lab.plan.key import digest
+from fa4lab.digest import digest
 
 # The modules whose source a compiled kernel depends on (relative to the fa4lab package).
 SOURCES = ("kernels", "plan", "tiling.py", "scheduling.py", "limits.py", "spec.py", "hardware.py",

@@ -19,15 +19,10 @@ mutated barriers, mods).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
+from fa4lab.digest import digest
 from fa4lab.spec import AttentionSpec
-
-
-def digest(text: str) -> str:
-    """The short hash the disk cache files a name under."""
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def config_name(spec: AttentionSpec, arch: str) -> str:
