@@ -269,3 +269,20 @@ def test_api_reference_ignores_pack_gqa():
         assert torch.equal(packed, fa4lab.attention(q, k, v, causal=True))
     with pytest.raises(TypeError, match=r"pack_gqa must be None \(choose\), True or False"):
         fa4lab.attention(q, k, v, pack_gqa="yes")
+
+
+def test_sm90_packs_head_dim_64_with_its_three_consumers():
+    """Note [sm90 packs head_dim 64]: pack_gqa=None packs a GQA call at head_dim 64 on sm90 (a
+    long prompt, where the tile count alone would not), never at 128 or on sm100, and the
+    packed plan keeps the tuning's three consumers."""
+    from fa4lab.limits import pack_gqa_default
+
+    for g in (2, 4, 8, 16):
+        assert pack_gqa_default("sm90", g, 4096, head_dim=64)
+        assert not pack_gqa_default("sm90", g, 4096, head_dim=128)
+        assert not pack_gqa_default("sm100", g, 4096, head_dim=64)
+    assert not pack_gqa_default("sm90", 1, 4096, head_dim=64)      # nothing to pack
+    assert not pack_gqa_default("sm90", 6, 4096, head_dim=64)      # 6 does not divide 64 rows
+    packed = plan_forward(spec(hd=64, hq=16, hkv=2, sq=4096, sk=4096), "sm90", pack_gqa=True)
+    unpacked = plan_forward(spec(hd=64, hq=16, hkv=2, sq=4096, sk=4096), "sm90")
+    assert packed.tiles.pack_gqa and packed.tiles.q_stage == unpacked.tiles.q_stage == 3
