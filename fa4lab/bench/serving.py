@@ -43,7 +43,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS, CheckSlice, reference_slice
 from fa4lab.bench.decode import (
@@ -67,6 +67,7 @@ from fa4lab.bench.records import OK, SERVING, ServingResult, make_floor_record
 from fa4lab.bench.serving_peers import (
     SDPA_NESTED,
     SDPA_PADDED,
+    VarlenArgs,
     sdpa_nested_provider,
     sdpa_padded_provider,
 )
@@ -334,22 +335,6 @@ def serving_cases(*, quick: bool = False, dtype: str = "bf16",
 
 
 # ---- inputs ------------------------------------------------------------------------------------
-@dataclass
-class VarlenArgs:
-    """What a varlen or paged call takes besides q, k, v, under upstream's (and fa4lab's) names;
-    filled by `serving_inputs`, read by the runners at call time (None: not used)."""
-
-    cu_seqlens_q: object = None
-    cu_seqlens_k: object = None
-    max_seqlen_q: int | None = None
-    max_seqlen_k: int | None = None
-    seqused_k: object = None
-    page_table: object = None
-
-    def kwargs(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
 def serving_inputs(case: ServingCase, device: str, args: VarlenArgs) -> tuple:
     """(q, k, v) of the case, standard normal in its dtype, and `args` filled in. varlen: q
     (total_q, heads_q, d), k / v (total_k, heads_kv, d) packed. paged: q (batch, heads_q, d),

@@ -5,21 +5,35 @@ q, k, v wrapped as (batch, heads, jagged, d) views, no copy); `sdpa_padded_provi
 a paged cache's K/V gathered into a padded dense layout with a key-padding mask (the gather
 outside the timed call, the padding inside). Both fall back to K/V heads repeated to the query
 heads where `enable_gqa` is refused (`_gqa_or_repeated`), and say so in their row's note.
-Their labels are `fa4lab.bench.serving.SERVING_LABELS`; `args` is the case's
-`fa4lab.bench.serving.VarlenArgs`, read when called.
+Their labels are `fa4lab.bench.serving.SERVING_LABELS`; `args` is the case's `VarlenArgs`
+(filled by `fa4lab.bench.serving.serving_inputs`), read when called.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
 
 from fa4lab.bench.providers import Provider, short_error
 
-if TYPE_CHECKING:
-    from fa4lab.bench.serving import VarlenArgs
-
 SDPA_NESTED, SDPA_PADDED = "sdpa-nested", "sdpa-padded"
+
+
+@dataclass
+class VarlenArgs:
+    """What a varlen or paged call takes besides q, k, v, under upstream's (and fa4lab's) names;
+    filled by `fa4lab.bench.serving.serving_inputs`, read by the runners at call time (None:
+    not used)."""
+
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    seqused_k: object = None
+    page_table: object = None
+
+    def kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _repeat_heads(t, group: int):
