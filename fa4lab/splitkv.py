@@ -12,8 +12,9 @@ What is here (CPU or GPU tensors):
 - `split_blocks` / `split_range`: each split's half-open key-block range, balanced (the one
   rule, for ints and the kernels' Int32);
 - `partial_attention_reference`: the float64 partial outputs and LSEs a split kernel must write;
-- `combine`: the N-way merge (any float dtype in, float32 math, float64 kept as float64); float32
-  partials on an sm90 / sm100 GPU go to the combine kernel (`fa4lab.kernels.combine`);
+- `combine`: the N-way merge in torch (any float dtype in, float32 math, float64 kept as
+  float64); `fa4lab.kernels.combine.combine` hands float32 partials on an sm90 / sm100 GPU to
+  the combine kernel;
 - `choose_num_splits`: how many splits a decode shape gets (Note [choosing num_splits]).
 
 An empty split (more splits than blocks, or a window that hides its whole range) writes out 0
@@ -33,8 +34,9 @@ from fa4lab.errors import InputError, InputTypeError, check_same_device
 from fa4lab.tiling import ceil_div, num_m_blocks, num_n_blocks
 
 __all__ = ["MAX_SPLITS", "MIN_BLOCKS_PER_SPLIT", "SPLIT_EFFICIENCY_SLACK", "SPLIT_FILL_FRACTION",
-           "check_num_splits", "choose_num_splits", "combine", "partial_attention_reference",
-           "split_blocks", "split_range", "wave_efficiency"]
+           "check_num_splits", "check_partials", "choose_num_splits", "combine",
+           "merge_partials", "partial_attention_reference", "split_blocks", "split_range",
+           "wave_efficiency"]
 
 # Tuning knobs of `choose_num_splits` (Note [choosing num_splits]).
 SPLIT_FILL_FRACTION = 0.8       # a grid with this share of a wave of CTAs is not split
@@ -137,14 +139,18 @@ def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
     a row no split saw gives out 0 and lse -inf, never NaN. The merge is `merge_out_lse` folded
     over the splits (Note [merge rule]). learnable_sink (heads_q,) (lse_partial's LAST axis is
     the head axis) joins as one more partial with out 0 and lse sink[h]: a sink is a key with no
-    value. Float32 partials laid out as the split kernels write them (num_splits, batch,
-    seqlen_q, heads, head_dim_v) on an sm90 / sm100 GPU are merged by the combine kernel
-    (`fa4lab.kernels.combine.combine_cuda`, the same rule in device form); anything else in
-    torch, on the partials' device.
+    value. This is the merge in torch, on the partials' device; `fa4lab.kernels.combine.combine`
+    is the same call that hands float32 partials laid out as the split kernels write them
+    (num_splits, batch, seqlen_q, heads, head_dim_v) on an sm90 / sm100 GPU to the combine
+    kernel (the same rule in device form).
     """
-    import torch
+    out_dtype = check_partials(out_partial, lse_partial, learnable_sink, out_dtype)
+    return merge_partials(out_partial, lse_partial, learnable_sink, out_dtype)
 
-    from fa4lab.online_softmax import merge_out_lse
+
+def check_partials(out_partial, lse_partial, learnable_sink, out_dtype):
+    """The checks of `combine`'s arguments; returns the out dtype (out_partial's by default)."""
+    import torch
 
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor):
@@ -168,12 +174,15 @@ def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
     out_dtype = out_partial.dtype if out_dtype is None else out_dtype
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise InputTypeError(f"out_dtype must be a floating torch dtype, got {out_dtype!r}")
-    if _combine_kernel_takes(out_partial, lse_partial, out_dtype):
-        from fa4lab.kernels.combine import combine_cuda
+    return out_dtype
 
-        out, lse = combine_cuda(out_partial.contiguous(), lse_partial.contiguous(),
-                                out_dtype=out_dtype, learnable_sink=learnable_sink)
-        return out, lse.transpose(1, 2)
+
+def merge_partials(out_partial, lse_partial, learnable_sink, out_dtype):
+    """`combine`'s merge in torch, of arguments `check_partials` has checked."""
+    import torch
+
+    from fa4lab.online_softmax import merge_out_lse
+
     wide = torch.float64 in (out_partial.dtype, lse_partial.dtype)
     math_dtype = torch.float64 if wide else torch.float32
     outs = out_partial.to(math_dtype)
@@ -188,27 +197,6 @@ def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
     for s in range(outs.shape[0]):
         out, lse = merge_out_lse(out, lse, outs[s], lses[s])
     return out.to(out_dtype), lse
-
-
-def _combine_kernel_takes(out_partial, lse_partial, out_dtype) -> bool:
-    """Whether `combine_cuda` merges these partials: float32 split-kernel partials (rank 5) on a
-    GPU the kernels are compiled for, a head_dim_v and a split count its plan takes, and an out
-    dtype it writes."""
-    import torch
-
-    if not (out_partial.is_cuda and out_partial.dim() == 5 and out_partial.shape[0] <= MAX_SPLITS
-            and out_partial.dtype == lse_partial.dtype == torch.float32
-            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
-        return False
-    from fa4lab.errors import PlanError
-    from fa4lab.kernels.combine import CombinePlan
-    from fa4lab.kernels.launch import device_arch
-
-    try:
-        CombinePlan(int(out_partial.shape[-1]), "fp32")
-    except PlanError:
-        return False
-    return device_arch(out_partial.device.index) is not None
 
 
 # Note [choosing num_splits]

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from fa4lab.kernels.fwd_sm90 import attention_sm90
+from fa4lab.kernels.launch import attention_sm90
 from fa4lab.reference import attention_reference
 
 CASES = [  # (head_dim, causal, seqlen_q, seqlen_k, heads_q, heads_kv, pack_gqa, options)

@@ -256,26 +256,30 @@ def test_combine_cuda_with_a_learnable_sink(num_splits, rng):
 
 
 @pytest.mark.gpu
-def test_splitkv_combine_runs_the_kernel_on_the_gpu(rng):
-    """fa4lab.splitkv.combine on CUDA float32 partials is combine_cuda (lse as (b, sq, h), out
-    in out_partial's dtype by default); float64 partials stay on the torch path."""
+def test_the_launch_combine_runs_the_kernel_on_the_gpu(rng):
+    """fa4lab.kernels.combine.combine (the split-KV launch's merge) on CUDA float32 partials is
+    combine_cuda (lse as (b, sq, h), out in out_partial's dtype by default); float64 partials
+    stay on the torch path (fa4lab.splitkv.combine's)."""
     _need_kernel_gpu()
+    from fa4lab.kernels.combine import combine as launch_combine
     from fa4lab.kernels.combine import combine_cuda
 
     (q, k, v), causal, out_p, lse_p = _problem(PROBLEMS[1], 64, 7, int(rng.integers(2**31)))
-    out, lse = combine(out_p, lse_p)
+    out, lse = launch_combine(out_p, lse_p)
     assert out.is_cuda and out.dtype == torch.float32 and lse.shape == lse_p.shape[1:]
     k_out, k_lse = combine_cuda(out_p, lse_p, out_dtype=torch.float32)
     assert torch.equal(out, k_out) and torch.equal(lse, k_lse.transpose(1, 2))
     ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
     tolerances = _tolerances(lse_p, v.abs().max().item())
     _check(out, lse.transpose(1, 2), ref, ref_lse, torch.float32, *tolerances)
-    wide_out, wide_lse = combine(out_p.double(), lse_p.double())     # float64: torch
+    wide_out, wide_lse = launch_combine(out_p.double(), lse_p.double())     # float64: torch
     assert wide_out.dtype == wide_lse.dtype == torch.float64 and wide_out.is_cuda
+    assert torch.equal(wide_out, combine(out_p.double(), lse_p.double())[0])
     _check(wide_out, wide_lse.transpose(1, 2), ref, ref_lse, torch.float64, *tolerances)
     strided = torch.empty(out_p.shape[:-1] + (80,), device="cuda")[..., :64]
     strided.copy_(out_p)
-    assert torch.equal(combine(strided, lse_p)[0], out), "a strided view is copied, not refused"
+    assert torch.equal(launch_combine(strided, lse_p)[0], out), \
+        "a strided view is copied, not refused"
 
 
 @pytest.mark.gpu

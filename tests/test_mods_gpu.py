@@ -57,7 +57,7 @@ def _eager_same_dtype(q, k, v, *, causal, softcap, km, aux):
 
 def _check(q, k, v, *, causal=False, softcap=0.0, pack_gqa=False, score_mod=None,
            mask_mod=None, aux_tensors=None, atol=ATOL):
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
     from fa4lab.reference import attention_reference
 
     opts = dict(causal=causal, softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,

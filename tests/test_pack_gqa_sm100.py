@@ -247,7 +247,7 @@ def test_packed_kernel_compiles_and_passes_audit(gqa, head_dim, causal, tmp_path
 
 def test_attention_sm100_checks_pack_gqa_off_a_b200():
     torch = pytest.importorskip("torch")
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.sm100
 def _check(q, k, v, pack_gqa=False, **checks):
     """The unpacked kernel unless pack_gqa=True (the default, None, would pack GQA ratios that
     divide the Q tile: `fa4lab.limits.pack_gqa_default`)."""
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
 
     check_kernel(attention_sm100, q, k, v, pack_gqa=pack_gqa, **checks)
 
@@ -107,7 +107,7 @@ def test_persistent_ctas_run_many_tiles_each(head_dim, causal):
 
 
 def test_softmax_scale_and_no_lse():
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
     from fa4lab.reference import attention_reference
 
     q, k, v = _inputs(1, 257, 513, 4, 2, 64, torch.bfloat16, seed=5)
@@ -136,7 +136,7 @@ def test_pack_gqa_is_chosen_by_default():
     tiles (decode: the same kernel as pack_gqa=True, bit for bit), and not a ratio that does
     not divide it, nor a long prompt (the unpacked kernel)."""
     import fa4lab
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
 
     q, k, v = _inputs(2, 1, 700, 8, 2, 128, torch.bfloat16, seed=12)
     assert torch.equal(fa4lab.attention(q, k, v), attention_sm100(q, k, v, pack_gqa=True))
@@ -150,7 +150,7 @@ def test_pack_gqa_is_chosen_by_default():
 def test_pack_gqa_through_fa4lab_attention():
     import fa4lab
     from fa4lab.kernels import launch
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
 
     q, k, v = _inputs(2, 33, 513, 8, 2, 128, torch.bfloat16, seed=12)
     out = fa4lab.attention(q, k, v, causal=True, pack_gqa=True)

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 def test_cpu_tensors_raise_unsupported_arch_with_alternatives():
     from fa4lab.errors import UnsupportedArchError
-    from fa4lab.kernels.fwd_sm100 import attention_sm100
+    from fa4lab.kernels.launch import attention_sm100
 
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(UnsupportedArchError) as info:

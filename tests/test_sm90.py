@@ -52,7 +52,7 @@ pytestmark = pytest.mark.sm90
 def _check(q, k, v, pack_gqa=False, **checks):
     """The unpacked kernel unless pack_gqa=True (the default, None, would pack GQA ratios that
     divide the Q tile: `fa4lab.limits.pack_gqa_default`)."""
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     check_kernel(attention_sm90, q, k, v, pack_gqa=pack_gqa, **checks)
 
@@ -98,7 +98,7 @@ def test_extreme_logits(dtype, causal):
 
 
 def test_softmax_scale_and_no_lse():
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
     from fa4lab.reference import attention_reference
 
     q, k, v = _inputs(2, 129, 383, 4, 1, 64, torch.bfloat16, seed=9)
@@ -120,7 +120,7 @@ def test_packed_qkv_strides():
 
 def test_compiles_once_per_configuration():
     from fa4lab.kernels import launch
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     q, k, v = _inputs(1, 100, 100, 2, 2, 64, torch.bfloat16, seed=1)
     attention_sm90(q, k, v, causal=True)
@@ -202,7 +202,7 @@ def test_pack_gqa_is_chosen_by_default():
     tiles (decode: the same kernel as pack_gqa=True, bit for bit), and not a ratio that does
     not divide it, nor a long prompt (the unpacked kernel)."""
     import fa4lab
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     q, k, v = _inputs(2, 1, 700, 8, 2, 128, torch.bfloat16, seed=12)
     # num_splits=1: these shapes would split (fa4lab.splitkv), which attention_sm90 does not ask.
@@ -220,7 +220,7 @@ def test_pack_gqa_is_chosen_by_default():
 def test_pack_gqa_through_fa4lab_attention():
     import fa4lab
     from fa4lab.kernels import launch
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     q, k, v = _inputs(2, 33, 513, 8, 2, 128, torch.bfloat16, seed=11)
     out = fa4lab.attention(q, k, v, causal=True, pack_gqa=True, num_splits=1)
@@ -240,7 +240,7 @@ _PERSISTENT_DIMS = [dims for dims in KERNEL_HEAD_DIMS["sm90"]
 
 
 def _same_as_one_tile(q, k, v, **kw):
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     a = attention_sm90(q, k, v, return_lse=True, persistent=True, **kw)
     b = attention_sm90(q, k, v, return_lse=True, persistent=False, **kw)

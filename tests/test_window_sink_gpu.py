@@ -43,7 +43,7 @@ PAIRS = [(1, 1), (17, 1000), (1000, 17), (300, 777), (1000, 4097)]
 
 
 def _check(q, k, v, pack_gqa=False, **checks):
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     check_kernel(attention_sm90, q, k, v, pack_gqa=pack_gqa, **checks)
 
@@ -123,7 +123,7 @@ def test_window_sizes_and_sinks_do_not_recompile():
 
 def test_fa4lab_attention_and_the_op_take_windows_and_sinks():
     import fa4lab
-    from fa4lab.kernels.fwd_sm90 import attention_sm90
+    from fa4lab.kernels.launch import attention_sm90
 
     q, k, v = _inputs(2, 129, 700, 8, 2, 128, torch.bfloat16, seed=41)
     sink = _sinks(8, seed=2)

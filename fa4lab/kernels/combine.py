@@ -20,6 +20,9 @@ or not, num_splits_max, sink or not) and arch. Plain loads and stores only (no T
 the same code compiles for sm_90a and sm_100a. A learnable sink joins here, once (Note [sinks in
 the combine]).
 
+`combine` is `fa4lab.splitkv.combine` with this kernel where it takes the partials (the
+split-KV launch's merge).
+
     from fa4lab.kernels.combine import combine_cuda, compile_combine
     out, lse = combine_cuda(out_partial, lse_partial, out_dtype=torch.bfloat16, return_lse=True)
     cc = compile_combine(head_dim_v=128, dtype="bf16", arch="sm90a")   # on a CPU: cc.cubin_path
@@ -43,7 +46,7 @@ from fa4lab.errors import (
     check_same_device,
 )
 from fa4lab.kernels.device.merge import merge_basis, merge_finish, merge_weight
-from fa4lab.splitkv import MAX_SPLITS
+from fa4lab.splitkv import MAX_SPLITS, check_partials, merge_partials
 
 # Tuning knobs (Note [combine in two passes]).
 COMBINE_THREADS = 128      # four warps per CTA
@@ -348,7 +351,7 @@ def combine_plan_for(out_partial, lse_partial, *, out_dtype, return_lse: bool,
     head_dim_v and out dtype the plan builds, 16-byte rows, an sm90 / sm100 GPU)."""
     import torch
 
-    from fa4lab.kernels.launch import device_arch
+    from fa4lab.kernels.compile import device_arch
 
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor):
@@ -424,3 +427,35 @@ def combine_cuda(out_partial, lse_partial, *, out_dtype=None, return_lse: bool =
     if out.numel():
         _kernel(plan, arch)(out_partial, lse_partial, out, lse, learnable_sink)
     return out, lse
+
+
+def combine(out_partial, lse_partial, *, learnable_sink=None, out_dtype=None):
+    """`fa4lab.splitkv.combine` (the same arguments, checks and answer: out, lse laid out like
+    lse_partial without its split axis), merged by the combine kernel where it takes the
+    partials (`kernel_takes`: float32 split-kernel partials on a GPU it is built for), else by
+    `fa4lab.splitkv.merge_partials` in torch. The split-KV launch merges with this."""
+    out_dtype = check_partials(out_partial, lse_partial, learnable_sink, out_dtype)
+    if kernel_takes(out_partial, lse_partial, out_dtype):
+        out, lse = combine_cuda(out_partial.contiguous(), lse_partial.contiguous(),
+                                out_dtype=out_dtype, learnable_sink=learnable_sink)
+        return out, lse.transpose(1, 2)
+    return merge_partials(out_partial, lse_partial, learnable_sink, out_dtype)
+
+
+def kernel_takes(out_partial, lse_partial, out_dtype) -> bool:
+    """Whether `combine_cuda` merges these partials: float32 split-kernel partials (rank 5) on a
+    GPU the kernels are compiled for, a head_dim_v and a split count its plan takes, and an out
+    dtype it writes."""
+    import torch
+
+    from fa4lab.kernels.compile import device_arch
+
+    if not (out_partial.is_cuda and out_partial.dim() == 5 and out_partial.shape[0] <= MAX_SPLITS
+            and out_partial.dtype == lse_partial.dtype == torch.float32
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    try:
+        CombinePlan(int(out_partial.shape[-1]), "fp32")
+    except PlanError:
+        return False
+    return device_arch(out_partial.device.index) is not None

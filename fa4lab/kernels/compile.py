@@ -23,10 +23,11 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from fa4lab.kernels.device.arguments import KernelArgs
-from fa4lab.limits import arch_key
+from fa4lab.limits import arch_key, arch_of_capability
 from fa4lab.plan.key import config_name, switches_suffix
 from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
 
@@ -72,6 +73,14 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 def normalize_arch(arch: str) -> str:
     """"sm100a" or "sm90a" from any spelling ("sm100", "sm_90a", ...)."""
     return arch_key(arch) + "a"
+
+
+@cache
+def device_arch(index: int) -> str | None:
+    """The kernel arch ("sm90"/"sm100") of CUDA device `index`, or None: asked once per device."""
+    import torch
+
+    return arch_of_capability(torch.cuda.get_device_capability(index))
 
 
 def kernel_class(arch: str):

@@ -1631,32 +1631,3 @@ class FlashForwardSm100:
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
                            _phase_state(self.q_stage, stage, 0), stage=stage)
-
-
-def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1,
-                    page_table=None):
-    """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
-
-    q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
-    seqlen_k, heads_kv, head_dim_v), bf16 or fp16, (head_dim, head_dim_v) one of
-    `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`; lse is (batch, heads_q, seqlen_q) float32,
-    natural log.
-    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
-    kernel]); it needs qhead_per_kvhead to divide 128 (else PlanError) and changes nothing when
-    heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
-    aux_tensors: `fa4lab.mods`; compiled and audited, not yet run on a B200) and `page_table`
-    (a paged K/V cache, Note [paged key blocks]; pages of a multiple of the key block, or of
-    half of it, so far; compiled and audited only) as in `fa4lab.attention`. num_splits > 1:
-    split-KV (`fa4lab.kernels.device.split`; compiled and audited, not yet run on a B200); 1
-    (the default) no split; None chooses 1 here until it has run
-    (`fa4lab.kernels.launch.AUTO_SPLIT_ARCHS`).
-    """
-    from fa4lab.kernels.launch import attention_on
-
-    return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
-                        window_size=window_size, learnable_sink=learnable_sink,
-                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        num_splits=num_splits, page_table=page_table)

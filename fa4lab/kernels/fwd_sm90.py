@@ -65,8 +65,8 @@ tile's K/V loading under this tile's epilogue (Note [sm90 persistent CTAs] in fa
 which also says why causal stays one CTA per tile). Not done yet (notebook 06 lists it): cluster
 multicast of K/V.
 
-Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `attention_sm90(...)` below; compile on any
-machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
+Run: `fa4lab.attention(q, k, v)` on an H100/H200 or `fa4lab.kernels.launch.attention_sm90(...)`;
+compile on any machine with `fa4lab.kernels.compile.compile_forward(spec, arch="sm90a")`.
 """
 
 from __future__ import annotations
@@ -1134,31 +1134,6 @@ def port_table(spec) -> list[tuple[str, str, str]]:
         ("dynamic SMEM (plan)", f"{b.smem.total_bytes} B", f"{h.smem.total_bytes} B"),
     ]
     return rows
-
-
-def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                   pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
-                   score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
-                   num_splits=1, page_table=None):
-    """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
-
-    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
-    kernel]); it needs qhead_per_kvhead to divide 64 (else PlanError) and changes nothing when
-    heads_q == heads_kv. `window_size`, `learnable_sink` and the mods (score_mod, mask_mod,
-    aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`. `persistent` None: the plan's choice
-    for the shape (Note [sm90 persistent CTAs] in fa4lab.plan.sm90); True / False force it.
-    num_splits: split-KV as in `fa4lab.attention`, but 1 (no split) by default: this runs the
-    kernel as asked; None chooses for the shape as `fa4lab.attention` does. `page_table` makes
-    k, v a paged cache (Note [paged key blocks] in fa4lab.kernels.device.paged), as in
-    `fa4lab.attention`.
-    """
-    from fa4lab.kernels.launch import attention_on
-
-    return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
-                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
-                        window_size=window_size, learnable_sink=learnable_sink,
-                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
-                        persistent=persistent, num_splits=num_splits, page_table=page_table)
 
 
 def _role_registers(plan) -> tuple[int, int]:

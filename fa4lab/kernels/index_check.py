@@ -412,7 +412,7 @@ def check_async(context: CheckContext, cu_q=None, cu_k=None, used=None, table=No
     (`launch_sizes`). The tensors were checked for dtype, rank and device. False (nothing
     queued) on a GPU the kernel is not built for: the caller checks synchronously."""
     from fa4lab import indexcheck
-    from fa4lab.kernels.launch import device_arch
+    from fa4lab.kernels.compile import device_arch
 
     device = (cu_q if cu_q is not None else table).device
     arch = device_arch(device.index)

@@ -22,12 +22,13 @@ Note [block table cache] in `fa4lab.mods_blocks`).
 
 Split-KV (`fa4lab.splitkv`): with num_splits > 1 (or None and `splits_for`'s choice) `forward`
 runs the split kernel of the key with split_kv set (`partials`: float32 partial outputs and
-LSEs, the split count a runtime argument) and merges them with `fa4lab.splitkv.combine`; over
-contiguous K/V or a paged cache alike (each split cuts its sequence's own key count:
-Note [empty splits] in fa4lab.kernels.device.split).
+LSEs, the split count a runtime argument) and merges them with the combine kernel
+(`fa4lab.kernels.combine.combine`); over contiguous K/V or a paged cache alike (each split cuts
+its sequence's own key count: Note [empty splits] in fa4lab.kernels.device.split).
 
 `compile_plan(plan, example)` builds the kernel of any plan (other tiles than the default, as
-notebook 07's widget asks) and returns a runner for the bench.
+notebook 07's widget asks) and returns a runner for the bench. `attention_sm100` /
+`attention_sm90` run one arch's kernel and nothing else (`attention_on`: no reference fallback).
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from functools import cache
 import tvm_ffi  # noqa: F401
 
 from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
-from fa4lab.kernels.compile import scale_args, window_args
+from fa4lab.kernels.compile import device_arch, scale_args, window_args
 from fa4lab.kernels.device.arguments import KernelArgs
-from fa4lab.limits import arch_of_capability, pack_gqa_default
+from fa4lab.limits import pack_gqa_default
 from fa4lab.plan.key import KernelKey
 from fa4lab.spec import effective_window, normalize_dtype, normalize_mask
 from fa4lab.tiling import num_n_blocks
@@ -64,14 +65,6 @@ def clear() -> None:
     with _lock:
         _kernels.clear()
         _stats.clear()
-
-
-@cache
-def device_arch(index: int) -> str | None:
-    """The kernel arch ("sm90"/"sm100") of CUDA device `index`, or None: asked once per device."""
-    import torch
-
-    return arch_of_capability(torch.cuda.get_device_capability(index))
 
 
 def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
@@ -249,9 +242,9 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
     and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
     `fa4lab.mods.check_mods` (or None and ()). num_splits (`fa4lab.splitkv.check_num_splits`'s
     form) None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
-    (`fa4lab.splitkv.combine`, the learnable sink joining there). With `page_table`, k and v
-    are a paged cache (`padded_launch_args`), seqused_k (int32 (batch,), or None: every page's
-    keys) each sequence's key count, split or not."""
+    (`fa4lab.kernels.combine.combine`, the learnable sink joining there). With `page_table`, k
+    and v are a paged cache (`padded_launch_args`), seqused_k (int32 (batch,), or None: every
+    page's keys) each sequence's key count, split or not."""
     import torch
 
     key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
@@ -260,7 +253,7 @@ def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
         check_paged_call(key, mods)
     splits = 1 if mods is not None else splits_for(key, q, k, num_splits, page_table)
     if splits > 1:
-        from fa4lab.splitkv import combine
+        from fa4lab.kernels.combine import combine
 
         out_p, lse_p = partials(q, k, v, arch, causal, softmax_scale, pack_gqa, softcap,
                                 window_size, splits, persistent, page_table, seqused_k)
@@ -414,8 +407,8 @@ def check_paged_call(key: KernelKey, mods) -> None:
 
 GPU_NAMES = {"sm90": "a compute-capability-9.0 GPU (H100/H200)",
              "sm100": "a compute-capability-10 GPU (B200/GB200)"}
-OTHER_KERNEL = {"sm90": "fa4lab.kernels.fwd_sm100.attention_sm100 on a B200",
-                "sm100": "fa4lab.kernels.fwd_sm90.attention_sm90 on Hopper (H100/H200)"}
+OTHER_KERNEL = {"sm90": "fa4lab.kernels.launch.attention_sm100 on a B200",
+                "sm100": "fa4lab.kernels.launch.attention_sm90 on Hopper (H100/H200)"}
 
 
 def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
@@ -456,3 +449,53 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
                        float(softcap), window_size, learnable_sink, mods if mods else None, aux,
                        persistent, num_splits, page_table)
     return (out, lse) if return_lse else out
+
+
+def attention_sm100(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                    pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
+                    score_mod=None, mask_mod=None, aux_tensors=None, num_splits=1,
+                    page_table=None):
+    """Run the sm100 kernel on torch CUDA tensors of a B200-class GPU: out, or (out, lse).
+
+    q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v (batch,
+    seqlen_k, heads_kv, head_dim_v), bf16 or fp16, (head_dim, head_dim_v) one of
+    `fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`; lse is (batch, heads_q, seqlen_q) float32,
+    natural log.
+    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm100 pack-GQA
+    kernel] in fa4lab.kernels.fwd_sm100); it needs qhead_per_kvhead to divide 128 (else
+    PlanError) and changes nothing when heads_q == heads_kv. `window_size`, `learnable_sink` and
+    the mods (score_mod, mask_mod, aux_tensors: `fa4lab.mods`; compiled and audited, not yet run
+    on a B200) and `page_table` (a paged K/V cache, Note [paged key blocks] in
+    fa4lab.kernels.device.paged; pages of a multiple of the key block, or of half of it, so far;
+    compiled and audited only) as in `fa4lab.attention`. num_splits > 1: split-KV
+    (`fa4lab.kernels.device.split`; compiled and audited, not yet run on a B200); 1 (the
+    default) no split; None chooses 1 here until it has run (`AUTO_SPLIT_ARCHS`).
+    """
+    return attention_on("sm100", q, k, v, causal=causal, softmax_scale=softmax_scale,
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
+                        window_size=window_size, learnable_sink=learnable_sink,
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        num_splits=num_splits, page_table=page_table)
+
+
+def attention_sm90(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
+                   pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
+                   score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
+                   num_splits=1, page_table=None):
+    """Run the sm90 kernel on torch CUDA tensors: out, or (out, lse) when return_lse.
+
+    `pack_gqa=True` lets one CTA serve every query head of a KV head (Note [sm90 pack-GQA
+    kernel] in fa4lab.kernels.fwd_sm90); it needs qhead_per_kvhead to divide 64 (else
+    PlanError) and changes nothing when heads_q == heads_kv. `window_size`, `learnable_sink`
+    and the mods (score_mod, mask_mod, aux_tensors: `fa4lab.mods`) as in `fa4lab.attention`.
+    `persistent` None: the plan's choice for the shape (Note [sm90 persistent CTAs] in
+    fa4lab.plan.sm90); True / False force it. num_splits: split-KV as in `fa4lab.attention`,
+    but 1 (no split) by default: this runs the kernel as asked; None chooses for the shape as
+    `fa4lab.attention` does. `page_table` makes k, v a paged cache (Note [paged key blocks] in
+    fa4lab.kernels.device.paged), as in `fa4lab.attention`.
+    """
+    return attention_on("sm90", q, k, v, causal=causal, softmax_scale=softmax_scale,
+                        return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
+                        window_size=window_size, learnable_sink=learnable_sink,
+                        score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                        persistent=persistent, num_splits=num_splits, page_table=page_table)
