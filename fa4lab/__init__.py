@@ -26,6 +26,10 @@ def __getattr__(name):
     if name in lazy:
         import importlib
 
+        if name == "scheduler_metadata":
+            # Its device check comes with the launch path (Note [who launches the device
+            # check] in fa4lab.indexcheck).
+            importlib.import_module("fa4lab.kernels.launch")
         module, attr = lazy[name]
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'fa4lab' has no attribute {name!r}")

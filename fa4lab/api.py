@@ -130,6 +130,10 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
     arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
         else None
     causal, window_size = normalize_mask(causal, window_size)
+    if page_table is not None:
+        from fa4lab.varlen import check_paged, gather_paged, paged_seqlen_k
+
+        check_paged(q, k, v, page_table)
     check_inputs(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     num_splits = check_num_splits(num_splits)
@@ -140,8 +144,6 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
         mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
         refuse_split_with_mods(num_splits not in (None, 1), True, num_splits)
     if page_table is not None:
-        from fa4lab.varlen import gather_paged, paged_seqlen_k
-
         seqlen_k = paged_seqlen_k(k, page_table)
     else:
         seqlen_k = k.shape[1]

@@ -17,7 +17,9 @@ What is here, in plain Python and torch (no kernel, no CuTe DSL import):
   broken rule, used by the synchronous check (`fa4lab.varlen`) and the device verdicts alike;
 - the pending verdicts: `slot_for` (a device row, a pinned host row and an event of a small
   per-device pool), `submit`, `poll` (raises the oldest finished bad verdict; never waits) and
-  `check_errors` (waits for every pending verdict, then raises as `poll`).
+  `check_errors` (waits for every pending verdict, then raises as `poll`);
+- `queue_check`, the device check as the launch path installed it (`install_device_check`:
+  Note [who launches the device check]).
 
     import fa4lab
     out = fa4lab.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)   # checked on the device
@@ -35,7 +37,8 @@ from fa4lab.errors import InputError
 from fa4lab.tiling import ceil_div
 
 __all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Verdict", "check_errors",
-           "message", "pending", "poll", "slot_for", "submit"]
+           "install_device_check", "message", "pending", "poll", "queue_check", "slot_for",
+           "submit"]
 
 # Note [index check on the device]
 # The synchronous check (`check_indices=True`) evaluates the rules as device masks and reads
@@ -258,6 +261,32 @@ def slot_for(device) -> tuple[_Pool, int]:
         while not pool.free:
             _read(_queue.popleft(), wait=True)
         return pool, pool.free.pop()
+
+
+# Note [who launches the device check]
+# The check kernel and its launch (`fa4lab.kernels.index_check.check_async`) belong to the
+# kernels layer; the checks that ask for it (`fa4lab.varlen`'s, in "device" mode) sit below that
+# layer and never import it. The launch path hands it down instead: `fa4lab.kernels.launch`
+# installs it here when it is imported, which `fa4lab.api` does, so every `fa4lab.attention*`
+# call and `fa4lab.scheduler_metadata` check on the device. Until something installs it,
+# `queue_check` queues nothing and answers False, and the caller checks synchronously, as on a
+# GPU the kernel is not built for.
+_device_check = None
+
+
+def install_device_check(check) -> None:
+    """Make `check(context, cu_q, cu_k, used, table) -> bool` the launch `queue_check` runs
+    (Note [who launches the device check])."""
+    global _device_check
+    _device_check = check
+
+
+def queue_check(context: CheckContext, cu_q=None, cu_k=None, used=None, table=None) -> bool:
+    """Queue the device check of these CUDA index tensors (None where the call has none) and
+    its verdict for `poll` (Note [index check on the device]); False when nothing was queued
+    (no check installed: Note [who launches the device check]; or none for this GPU): then the
+    caller checks synchronously."""
+    return _device_check is not None and _device_check(context, cu_q, cu_k, used, table)
 
 
 def _current_device() -> int:

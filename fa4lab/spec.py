@@ -403,6 +403,17 @@ def check_kernel_layout(**tensors) -> None:
                              f"clone it)")
 
 
+def check_tensors(q, k, v) -> None:
+    """q, k, v are torch tensors: `check_inputs`'s first check (and a paged call's, before
+    `fa4lab.varlen.check_paged`)."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap "
+                                 f"numpy arrays with torch.from_numpy({name})")
+
+
 def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
                  window_size=(None, None), softcap=0.0, learnable_sink=None,
                  page_table=None) -> None:
@@ -414,20 +425,14 @@ def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
     bf16/fp16, a (head_dim, head_dim_v) pair it builds (`fa4lab.limits`), CUDA tensors, the
     last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying
     what is wrong and what to do. (It never reads tensor values: no device synchronisation.)
-    With a `page_table`, k and v are a paged cache and `fa4lab.varlen.check_paged` checks the
-    shapes and the table (it reads the table's values: one device-to-host copy)."""
+    With a `page_table`, k and v are a paged cache, whose shapes and table
+    `fa4lab.varlen.check_paged` checks: the entry points call it first (the varlen layout sits
+    above the spec), and this checks the rest."""
     import torch
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap "
-                                 f"numpy arrays with torch.from_numpy({name})")
+    check_tensors(q, k, v)
     if page_table is None:
         check_qkv_shapes(q, k, v)
-    else:
-        from fa4lab.varlen import check_paged
-
-        check_paged(q, k, v, page_table)
     if not q.is_floating_point():
         raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
                              f"with q.to(torch.bfloat16)")

@@ -45,7 +45,8 @@ from functools import cached_property
 from typing import NamedTuple
 
 from fa4lab.errors import InputError, InputTypeError, check_same_device
-from fa4lab.indexcheck import CheckContext, Rule, Verdict, message, poll
+from fa4lab.indexcheck import CheckContext, Rule, Verdict, message, poll, queue_check
+from fa4lab.spec import check_tensors
 from fa4lab.tiling import ceil_div
 
 __all__ = ["CHECK_MODES", "VarlenLengths", "check_mode", "check_paged", "check_varlen",
@@ -215,11 +216,8 @@ def _run_check(q, mode: str, context: CheckContext, rules: Callable[[], list[_Ru
         return
     if q.is_cuda:
         poll()
-        if mode == "device":
-            from fa4lab.kernels.index_check import check_async
-
-            if check_async(context, cu_q, cu_k, used, table):
-                return
+        if mode == "device" and queue_check(context, cu_q, cu_k, used, table):
+            return
     if mode != "off":
         _raise_first_broken(rules(), context)
 
@@ -416,9 +414,11 @@ def check_paged(q, k, v, page_table, *, check_indices="device") -> int:
     that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table;
     the table's values checked on the device by default, raising at a later call or at
     `fa4lab.check_errors()`, and skipped inside a CUDA graph capture: Note [reading the
-    lengths])."""
+    lengths]). `fa4lab.attention` and the kernels' launch path call it before
+    `fa4lab.spec.check_inputs`, which checks the rest of such a call."""
     import torch
 
+    check_tensors(q, k, v)
     mode = check_mode(check_indices)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise InputError(f"q has shape {tuple(getattr(q, 'shape', ()))}: with a page_table and "

@@ -21,7 +21,9 @@ atomics only: the same code compiles for sm_90a and sm_100a.
 The rules' per-entry tests (`entry_broken`, `entry_values`) are plain arithmetic on indexable
 tensors, written once: the kernel runs them on DSL values and `replay` on numpy arrays, so the
 CPU tests hold the kernel's own tests to the synchronous check (`fa4lab.varlen`). `check_async`
-queues a check and its verdict (`fa4lab.indexcheck.submit`).
+queues a check and its verdict (`fa4lab.indexcheck.submit`); `fa4lab.varlen`'s checks reach it
+through `fa4lab.indexcheck.queue_check`, where the launch path installs it (Note [who launches
+the device check] in `fa4lab.indexcheck`).
 
     from fa4lab.kernels.index_check import compile_index_check
     cc = compile_index_check(IndexCheckPlan(cu_q=True, cu_k=True, seqused_k=False,

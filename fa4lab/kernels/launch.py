@@ -41,6 +41,7 @@ from functools import cache
 # and importing tvm_ffi takes longer than loading a kernel (tens of milliseconds).
 import tvm_ffi  # noqa: F401
 
+from fa4lab import indexcheck
 from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels.compile import device_arch, scale_args, window_args
 from fa4lab.kernels.device.arguments import KernelArgs
@@ -48,6 +49,18 @@ from fa4lab.limits import pack_gqa_default
 from fa4lab.plan.key import KernelKey
 from fa4lab.spec import effective_window, normalize_dtype, normalize_mask
 from fa4lab.tiling import num_n_blocks
+
+
+def queue_index_check(context, cu_q=None, cu_k=None, used=None, table=None) -> bool:
+    """`fa4lab.kernels.index_check.check_async`, its module (and the CuTe DSL) loaded at the
+    first device check: the device check of `fa4lab.varlen`'s checks, installed in
+    `fa4lab.indexcheck` when this module loads (Note [who launches the device check])."""
+    from fa4lab.kernels.index_check import check_async
+
+    return check_async(context, cu_q, cu_k, used, table)
+
+
+indexcheck.install_device_check(queue_index_check)
 
 _lock = threading.Lock()
 _kernels: dict = {}   # KernelKey, or (KernelKey, mods key) -> compiled function
@@ -437,6 +450,10 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"{OTHER_KERNEL[arch]}, fa4lab.attention (which picks the kernel for the GPU it "
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
     causal, window_size = normalize_mask(causal, window_size)
+    if page_table is not None:
+        from fa4lab.varlen import check_paged
+
+        check_paged(q, k, v, page_table)
     check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
                  window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
     from fa4lab.mods import check_mods, refuse_split_with_mods
