@@ -96,7 +96,7 @@ def _mask_flags(spec) -> str:
 def _fallbacks(spec, arch: str, overrides: dict) -> list[str]:
     """Commands that do plan this spec: other overrides on this arch, the other arch."""
     from fa4lab.limits import kernel_builds
-    from fa4lab.plan.plan import fitting_overrides
+    from fa4lab.plan.forward import fitting_overrides
     from fa4lab.plan.sm90 import build_sm90
     from fa4lab.plan.sm100 import build_sm100
 

@@ -287,10 +287,10 @@ def run_sweep(shapes: Sequence[BenchShape], providers: Sequence[Provider], *,
 # ---- one plan: simulated (any machine) and measured (GPU) -------------------------------------
 def simulated_tflops(shapes: Iterable[BenchShape], arch: str = "sm90",
                      **overrides) -> dict[tuple[int, bool, int], float]:
-    """The planner's predicted TFLOP/s for each shape (`fa4lab.plan.simulate.predict` of
+    """The planner's predicted TFLOP/s for each shape (`fa4lab.plan.throughput.predict` of
     `plan_forward(shape.spec, arch, **overrides)`), keyed like Result.key."""
     from fa4lab.plan import plan_forward
-    from fa4lab.plan.simulate import predict
+    from fa4lab.plan.throughput import predict
 
     return {s.key: predict(plan_forward(s.spec, arch, **overrides)).tflops for s in shapes}
 

@@ -66,7 +66,7 @@ ANSWERS: dict[str, tuple[tuple[str, str], ...]] = {
     "merge_states": (("fa4lab.online_softmax", "merge_states"),),
     "n_block_range": (("fa4lab.tiling", "n_block_range"),),
     "classify_tiles": (("fa4lab.tiling", "classify_tiles"),),
-    "allocate_tmem": (("fa4lab.plan", "plan_forward"), ("fa4lab.plan.plan", "plan_forward")),
+    "allocate_tmem": (("fa4lab.plan", "plan_forward"), ("fa4lab.plan.forward", "plan_forward")),
 }
 
 

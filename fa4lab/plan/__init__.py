@@ -10,7 +10,8 @@
 
 from fa4lab.plan.barriers import Barrier, BarrierGraph
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
-from fa4lab.plan.plan import OVERRIDES, Plan, plan_forward
+from fa4lab.plan.forward import OVERRIDES, plan_forward
+from fa4lab.plan.plan import Plan
 from fa4lab.plan.roles import Role
 from fa4lab.plan.smem import SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles

@@ -24,7 +24,18 @@ from pathlib import Path
 
 from fa4lab.hardware import H200, PUBLISHED_FA4_B200_FORWARD, Hardware, hardware_for
 from fa4lab.paths import CALIBRATION_DIR
-from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
+
+# The stored fit lives beside the model (`fa4lab.plan.costs`); importable from here too.
+from fa4lab.plan.costs import (  # noqa: F401
+    B200_COSTS,
+    B200_OWN,
+    CALIBRATED,
+    DEFAULT_COSTS,
+    H200_COSTS,
+    CostModel,
+    b200_costs,
+    costs_for,
+)
 
 # Note [calibration]
 # What is fitted, to what, and why the B200 is not fitted.
@@ -90,31 +101,6 @@ FIT_BOUNDS = {
     "rescale_fraction": (0.0, 0.5),
 }
 _INTEGER = ("barrier_latency", "tma_latency")
-
-# The stored fit (`python -m fa4lab.bench.calibration` refits; tests/test_calibration.py checks
-# that a refit lands here and that these reproduce the stored tables, benchmarks/calibration/).
-H200_COSTS = DEFAULT_COSTS.with_(
-    mma_efficiency=0.8668, sm90_softmax_stall=0.5, barrier_latency=110, tma_latency=1200,
-    cta_start_cycles=2250.0, fma_ops_per_score=6.1407, fma_ops_per_masked_score=7.0,
-    rescale_fraction=0.25)
-B200_OWN = ("fma_ops_per_score", "fma_ops_per_masked_score", "sm90_softmax_stall")
-
-
-def b200_costs(h200: CostModel) -> CostModel:
-    """The B200 model from an H200 fit: its constants but B200_OWN (Note [calibration])."""
-    return h200.with_(**{k: getattr(DEFAULT_COSTS, k) for k in B200_OWN})
-
-
-B200_COSTS = b200_costs(H200_COSTS)
-CALIBRATED = {"sm90": H200_COSTS, "sm100": B200_COSTS}
-
-
-def costs_for(hw: Hardware | str) -> CostModel:
-    """The calibrated cost model of `hw` (a `Hardware` or an arch name). See Note
-    [calibration]."""
-    arch = hw.arch if isinstance(hw, Hardware) else hardware_for(hw).arch
-    return CALIBRATED[arch]
-
 
 @dataclass(frozen=True)
 class Point:

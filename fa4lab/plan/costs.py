@@ -4,14 +4,14 @@ Hardware figures (MMA FLOPs, MUFU exp2, FMA lanes, SMEM bytes per SM per cycle, 
 come from `fa4lab.hardware`. The few figures the datasheets do not give are ASSUMPTIONS, named
 here once, shown by `fa4lab plan` and varied by notebook 04's widgets. DEFAULT_COSTS holds
 them uncalibrated (the protocol checks use it); the values fitted per chip, which the
-planner predicts with, are `fa4lab.plan.calibration.costs_for(hw)` (Note [calibration]).
+planner predicts with, are `costs_for(hw)` (Note [calibration] in `fa4lab.plan.calibration`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from fa4lab.hardware import Hardware
+from fa4lab.hardware import Hardware, hardware_for
 from fa4lab.limits import ELEMENT_BYTES, EXP2_PAIR_FADD2, EXP2_PAIR_FFMA2
 
 
@@ -144,3 +144,30 @@ def balanced_exp2_fraction(hw: Hardware, costs: CostModel = DEFAULT_COSTS,
     f = (ratio - costs.fma_ops_per_score) / (ratio + costs.fma_ops_per_poly_exp2)
     f = min(max(f, 0.0), 1.0)
     return round(f * granularity) / granularity
+
+
+# The stored fit (Note [calibration] in fa4lab.plan.calibration; `python -m
+# fa4lab.bench.calibration` refits; tests/test_calibration.py checks that a refit lands here and
+# that these reproduce the stored tables, benchmarks/calibration/).
+H200_COSTS = DEFAULT_COSTS.with_(
+    mma_efficiency=0.8668, sm90_softmax_stall=0.5, barrier_latency=110, tma_latency=1200,
+    cta_start_cycles=2250.0, fma_ops_per_score=6.1407, fma_ops_per_masked_score=7.0,
+    rescale_fraction=0.25)
+B200_OWN = ("fma_ops_per_score", "fma_ops_per_masked_score", "sm90_softmax_stall")
+
+
+def b200_costs(h200: CostModel) -> CostModel:
+    """The B200 model from an H200 fit: its constants but B200_OWN (Note [calibration] in
+    fa4lab.plan.calibration)."""
+    return h200.with_(**{k: getattr(DEFAULT_COSTS, k) for k in B200_OWN})
+
+
+B200_COSTS = b200_costs(H200_COSTS)
+CALIBRATED = {"sm90": H200_COSTS, "sm100": B200_COSTS}
+
+
+def costs_for(hw: Hardware | str) -> CostModel:
+    """The calibrated cost model of `hw` (a `Hardware` or an arch name). See Note
+    [calibration] in fa4lab.plan.calibration."""
+    arch = hw.arch if isinstance(hw, Hardware) else hardware_for(hw).arch
+    return CALIBRATED[arch]

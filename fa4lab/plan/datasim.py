@@ -78,7 +78,7 @@ from fa4lab.tiling import n_block_range
 #               16 bits, and LSE to global
 #     epilogue  TMA store reading smem o[i] -> global out (rows past seqlen_q clipped); its
 #               drains wait for the older stores only (Note [store drains] in
-#               fa4lab.plan.simulate), so o_empty[0] may be released with store 1 in flight
+#               fa4lab.plan.steps), so o_empty[0] may be released with store 1 in flight
 #     TMEM      "alloc TMEM" (writes smem tmem_ptr) publishes the address; a role's "TMEM
 #               address" (reads tmem_ptr) takes it: before that its TMEM loads return garbage
 #               and its stores land elsewhere; "free TMEM" leaves garbage in the columns

@@ -81,7 +81,7 @@ class KernelKey:
 
     def plan(self):
         """The plan the kernel is compiled from: the canonical spec with the key's switches."""
-        from fa4lab.plan.plan import plan_forward
+        from fa4lab.plan.forward import plan_forward
 
         return plan_forward(self.spec(), arch=self.arch, pack_gqa=self.pack_gqa,
                             persistent=self.persistent)

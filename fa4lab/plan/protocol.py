@@ -52,6 +52,7 @@ parities in their pipeline states.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -203,9 +204,7 @@ class Protocol:
 
     # ---- JSON ----
     def to_dict(self) -> dict:
-        from fa4lab.plan.plan import _to_plain
-
-        return {"barriers": _to_plain(self.barriers),
+        return {"barriers": to_plain(self.barriers),
                 "programs": [{"name": p.name, "roles": list(p.roles), "var": p.var,
                               "shared_code": p.shared_code, "body": _nodes_to_plain(p.body)}
                              for p in self.programs]}
@@ -221,6 +220,17 @@ class Protocol:
 
 _NODES = {"Op": Op, "Step": Step, "Loop": Loop, "Unroll": Unroll, "If": If,
           "TileLoop": TileLoop}
+
+
+def to_plain(x):
+    """Dataclasses, dicts, lists and tuples as plain dicts and lists, for JSON."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: to_plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {k: to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_plain(v) for v in x]
+    return x
 
 
 def _nodes_to_plain(body) -> list:
@@ -351,7 +361,7 @@ def _stage(ex, b, stage: str, env) -> int:
 
 
 def _dynamic(ex: _Expansion, body, env) -> None:
-    from fa4lab.plan.simulate import Arrive, Commit, Wait
+    from fa4lab.plan.steps import Arrive, Commit, Wait
 
     for n in body:
         if isinstance(n, Op):

@@ -1,7 +1,8 @@
 """A protocol simulator: the roles' programs run against the barrier graph, cycle by cycle.
 
-Each role is a program (`Wait` on a barrier phase, `Work` for some cycles touching named TMEM /
-SMEM regions, `Issue` of an async TMA copy or tcgen05 MMA, `Arrive`, `Commit`). Barriers follow
+Each role is a program (`fa4lab.plan.steps`: `Wait` on a barrier phase, `Work` for some cycles
+touching named TMEM / SMEM regions, `Issue` of an async TMA copy or tcgen05 MMA, `Arrive`,
+`Commit`). Barriers follow
 mbarrier semantics: a phase completes after `arrive_count` arrivals and, for TMA barriers, once
 the expected transaction bytes landed; the k-th use of a stage waits for its k-th phase
 (parity k % 2); release barriers start completed. Costs come from `fa4lab.plan.costs`.
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 
+# The programs' steps (`fa4lab.plan.steps`), importable from here too.
+from fa4lab.plan.steps import Arrive, Commit, Issue, Op, Ref, Wait, WaitEngine, Work  # noqa: F401
+
 # Note [hazards by happens-before]
 # Every role, every async copy and the in-order tensor pipe carries a vector clock. An arrive
 # publishes the arriver's clock into the barrier phase; a wait that sees the phase complete
@@ -34,142 +38,6 @@ from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
 # uses the orders the barriers create rather than the order in which this run happened to
 # execute, removing any barrier edge that orders two accesses is reported even when the
 # simulated timing happens to be benign.
-
-
-# ---- programs ----
-@dataclass(frozen=True)
-class Ref:
-    """A region a step touches: TMEM columns [lo, hi) or one SMEM buffer (name, stage)."""
-
-    space: str          # "tmem" | "smem" | "turn"
-    name: str
-    stage: int
-    lo: int = 0
-    hi: int = 0
-
-    def cells(self) -> tuple:
-        if self.space == "tmem":
-            return tuple(("tmem", c) for c in range(self.lo // 8, (self.hi + 7) // 8))
-        return ((self.space, self.name, self.stage),)
-
-    def __str__(self) -> str:
-        where = f" cols {self.lo}-{self.hi - 1}" if self.space == "tmem" else ""
-        return f"{self.name}[{self.stage}]{where}"
-
-
-@dataclass(frozen=True)
-class Wait:
-    barrier: str
-    stage: int
-    k: int              # wait for this stage's k-th phase completion (k < 0: passes at once)
-
-    def __str__(self) -> str:
-        if self.k < 0:
-            return f"wait  {self.barrier}[{self.stage}] (released at start: passes)"
-        return f"wait  {self.barrier}[{self.stage}] phase {self.k} (parity {self.k % 2})"
-
-
-@dataclass(frozen=True)
-class Arrive:
-    barrier: str
-    stage: int
-    count: int
-    expect_tx: int = 0
-
-    def __str__(self) -> str:
-        tx = f" + expect {self.expect_tx} bytes" if self.expect_tx else ""
-        return f"arrive {self.barrier}[{self.stage}] x{self.count}{tx}"
-
-
-@dataclass(frozen=True)
-class Work:
-    label: str
-    cycles: float
-    unit: str | None = None          # shared execution unit held for the duration ("mufu", ...)
-    reads: tuple[Ref, ...] = ()
-    writes: tuple[Ref, ...] = ()
-    # Cycles the unit stays this role's after the op: one pass over the unit that the table
-    # cuts into two steps (Note [split P hand-off] in fa4lab.plan.sm100); the role's next op
-    # on the unit starts without queueing behind another role's.
-    hold: float = 0.0
-
-    def __str__(self) -> str:
-        return f"work  {self.label!r} {self.cycles:.0f} cycles{_unit(self.unit)}" \
-               f"{_touch(self.reads, self.writes)}"
-
-
-def _unit(unit) -> str:
-    return f" on {unit}" if unit else ""
-
-
-def _touch(reads, writes) -> str:
-    out = ""
-    if reads:
-        out += " reads " + ", ".join(map(str, reads))
-    if writes:
-        out += " writes " + ", ".join(map(str, writes))
-    return out
-
-
-@dataclass(frozen=True)
-class Issue:
-    """An async op on an engine: "tensor" (in order), "tma" (loads), "tma_store", "cpasync"
-    (a producer's cp.async copies of a block, landing on a `Commit`)."""
-
-    engine: str
-    label: str
-    cycles: float
-    reads: tuple[Ref, ...] = ()
-    writes: tuple[Ref, ...] = ()
-    complete_tx: tuple[str, int, int] | None = None   # (barrier, stage, bytes) on completion
-
-    def __str__(self) -> str:
-        done = (f"; lands on {self.complete_tx[0]}[{self.complete_tx[1]}]"
-                if self.complete_tx else "")
-        return f"issue {self.engine}: {self.label!r} {self.cycles:.0f} cycles" \
-               f"{_touch(self.reads, self.writes)}{done}"
-
-
-@dataclass(frozen=True)
-class Commit:
-    """tcgen05.commit ("tensor") or cp.async.mbarrier.arrive.noinc ("cpasync", `count` threads):
-    arrive on a barrier once this role's ops on the engine completed."""
-
-    engine: str
-    barrier: str
-    stage: int
-    count: int = 1
-
-    def __str__(self) -> str:
-        return f"commit {self.engine} -> {self.barrier}[{self.stage}]"
-
-
-@dataclass(frozen=True)
-class WaitEngine:
-    """Wait until at most `pending` of this role's newest ops on an engine are still in flight,
-    every older one completed (cp.async.bulk.wait_group.read N); `pending=0` waits for all.
-    See Note [store drains]."""
-
-    engine: str
-    pending: int = 0
-
-    def __str__(self) -> str:
-        if self.pending:
-            return (f"wait  until this role's {self.engine} ops but the newest {self.pending} "
-                    f"are done")
-        return f"wait  until this role's {self.engine} ops are done"
-
-
-# Note [store drains]
-# `cp.async.bulk.wait_group.read N` returns once at most N of the thread's most recent bulk
-# groups are pending and every earlier group is done (each TMA store is its own group). The
-# sm100 epilogue issues both O stores, then drains them in order: drain i waits with
-# N = q_stage - 1 - i, i.e. for the stores up to and including store i, and releases o_empty[i]
-# while the newer stores may still be in flight. `WaitEngine(engine, pending=N)` is that wait:
-# it takes in the completion times and clocks of all but the role's newest N ops on the engine.
-
-
-Op = Wait | Arrive | Work | Issue | Commit | WaitEngine
 
 
 # ---- results ----
@@ -620,15 +488,3 @@ def mutation_check(plan, n_blocks=(1, 6), n_tiles: int = 2,
     """Each barrier -> what its removal breaks ("" would mean the edge is redundant)."""
     return {b.name: edge_check(plan, b.name, n_blocks, n_tiles, costs)
             for b in plan.barriers.barriers}
-
-
-# ---- throughput: moved to fa4lab.plan.throughput, still importable from here ----
-_THROUGHPUT = ("Prediction", "predict", "tile_cost", "useful_flops")
-
-
-def __getattr__(name: str):
-    if name in _THROUGHPUT:
-        from fa4lab.plan import throughput
-
-        return getattr(throughput, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

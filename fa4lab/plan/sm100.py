@@ -564,7 +564,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
 def _steps(plan: Plan, costs, n_blocks: int):
     """Step name -> simulator ops (labels "S{i}=Q{i}K{j}", "O{i}+=P{i}V{j}", "K{j}", ...: j is
     the K/V block index, block N - 1 - step)."""
-    from fa4lab.plan.simulate import Issue, Ref, WaitEngine, Work
+    from fa4lab.plan.steps import Issue, Ref, WaitEngine, Work
 
     hw, t_, tm = plan.hardware, plan.tiles, plan.tmem
     m, n, d, dv = t_.m_block, t_.n_block, t_.head_dim, t_.head_dim_v

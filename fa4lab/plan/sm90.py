@@ -403,7 +403,7 @@ def programs(plan: Plan, n_blocks: int, n_tiles: int, costs, masked_blocks: int 
 
 def _steps(plan: Plan, costs, n_blocks: int):
     """Step name -> simulator ops (labels "S{c}=Q{c}K{j}", "O{c}+=P{c}V{j}": j the block)."""
-    from fa4lab.plan.simulate import Issue, Ref, WaitEngine, Work
+    from fa4lab.plan.steps import Issue, Ref, WaitEngine, Work
 
     hw, t_ = plan.hardware, plan.tiles
     q, S, m, n = t_.q_stage, t_.kv_stage, t_.m_block, t_.n_block

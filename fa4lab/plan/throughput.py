@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fa4lab import scheduling, tiling
-from fa4lab.plan.calibration import costs_for
-from fa4lab.plan.costs import CostModel
+from fa4lab.plan.costs import CostModel, costs_for
 from fa4lab.plan.simulate import simulate
 
 # Note [tile time]
@@ -115,7 +114,7 @@ def predict(plan, costs: CostModel | None = None, spec=None) -> Prediction:
     dispatched in the plan's tile order (`plan.tiles.order`) to the first free SM, as the
     hardware hands out a grid's CTAs (`fa4lab.scheduling.schedule`), or round-robin to the CTAs of
     a persistent plan (`fa4lab.scheduling.schedule_persistent`). `costs` defaults to the
-    calibrated model of the plan's chip (`fa4lab.plan.calibration.costs_for`)."""
+    calibrated model of the plan's chip (`fa4lab.plan.costs.costs_for`)."""
     costs = costs_for(plan.hardware) if costs is None else costs
     return predict_with(plan, block_cycles(plan, costs), spec)
 
