@@ -130,6 +130,21 @@ def test_the_dense_paged_check_is_the_synchronous_one(monkeypatch):
         assert message(verdict, context) == str(sync.value)
 
 
+def test_the_launch_path_installs_the_device_check(monkeypatch):
+    """fa4lab.varlen's checks reach the check kernel through `indexcheck.queue_check`, which the
+    launch path installs (Note [who launches the device check]); with nothing installed it
+    queues nothing and the caller checks synchronously."""
+    from fa4lab.kernels import launch
+
+    assert indexcheck._device_check is launch.queue_index_check
+    calls = []
+    monkeypatch.setattr(indexcheck, "_device_check", lambda *args: calls.append(args) or True)
+    assert indexcheck.queue_check(CheckContext(total_q=3), table="t") is True
+    assert calls == [(CheckContext(total_q=3), None, None, None, "t")]
+    monkeypatch.setattr(indexcheck, "_device_check", None)
+    assert indexcheck.queue_check(CheckContext(total_q=3)) is False
+
+
 def test_check_indices_modes():
     assert [varlen.check_mode(m) for m in ("device", True, "sync", False, "off")] == [
         "device", "sync", "sync", "off", "off"]

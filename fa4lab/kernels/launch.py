@@ -53,8 +53,8 @@ from fa4lab.tiling import num_n_blocks
 
 def queue_index_check(context, cu_q=None, cu_k=None, used=None, table=None) -> bool:
     """`fa4lab.kernels.index_check.check_async`, its module (and the CuTe DSL) loaded at the
-    first device check: the device check of `fa4lab.varlen`'s checks, installed in
-    `fa4lab.indexcheck` when this module loads (Note [who launches the device check])."""
+    first device check: the device check of `fa4lab.varlen`'s checks, installed when this
+    module loads (Note [who launches the device check] in fa4lab.indexcheck)."""
     from fa4lab.kernels.index_check import check_async
 
     return check_async(context, cu_q, cu_k, used, table)
