@@ -1,10 +1,16 @@
-"""The package's layers: the planner never imports the bench or the figures (counting imports
-inside functions), so the plan reads no benchmark record and draws nothing; the bench hands it
-what it reads (`fa4lab.bench.records.sweep_figures`, `fa4lab.bench.calibration`)."""
+"""The package's layers, counting imports inside functions: no import circle anywhere; no
+module imports a layer above its own (bottom to top: limits / errors / digest / paths, the
+spec, the core modules, plan/, kernels/, the API, then the tools: bench/, fuzz/, viz/,
+exercises/, distributed/, the CLIs); the core modules never import the kernels (a device path
+is handed down: `fa4lab.indexcheck.queue_check`, `fa4lab.kernels.combine.combine`); the planner
+never imports the bench, the figures or the kernels, so the plan reads no benchmark record and
+draws nothing; the bench hands it what it reads (`fa4lab.bench.records.sweep_figures`,
+`fa4lab.bench.calibration`)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import fa4lab
@@ -30,15 +36,161 @@ def test_imported_sees_imports_inside_functions(tmp_path):
     assert {"os", "fa4lab.bench", "fa4lab.bench.records"} <= imported(f)
 
 
-def test_the_plan_layer_imports_neither_bench_nor_viz():
+def test_the_plan_layer_imports_neither_bench_viz_nor_kernels():
     bad = {}
     for path in sorted((PACKAGE / "plan").glob("*.py")):
         up = sorted(m for m in imported(path)
-                    if m.startswith(("fa4lab.bench", "fa4lab.viz"))
-                    or m in ("fa4lab.bench", "fa4lab.viz"))
+                    if m.startswith(("fa4lab.bench.", "fa4lab.viz.", "fa4lab.kernels."))
+                    or m in ("fa4lab.bench", "fa4lab.viz", "fa4lab.kernels"))
         if up:
             bad[path.name] = up
     assert not bad, f"plan modules importing upward: {bad}"
+
+
+# The package's modules by name ("fa4lab", "fa4lab.plan", "fa4lab.plan.key", ...): a package is
+# its __init__.py.
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def module_imports(name: str, path: Path, modules=MODULES) -> set[str]:
+    """The modules of `modules` that module `name` (file `path`) imports, at any depth of the
+    file: `import a.b.c` and `from a.b import c` name module a.b.c where that is a module, else
+    the nearest module above it (`from a.b import f`: a.b, a package's __init__); relative
+    imports are resolved against `name`'s package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + [base] * bool(base))
+            targets = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph(modules=None) -> dict[str, set[str]]:
+    """Each module -> the modules it imports; the package's (`MODULES`) by default, read once."""
+    if modules is None:
+        return _package_graph()
+    return {name: module_imports(name, path, modules) for name, path in modules.items()}
+
+
+@functools.cache
+def _package_graph() -> dict[str, set[str]]:
+    return import_graph(MODULES)
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): each is a
+    set of modules that import one another round a circle."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_import_circles_are_found(tmp_path):
+    pkg = tmp_path / "fa4lab"
+    (pkg / "sub").mkdir(parents=True)
+    files = {"__init__.py": "", "a.py": "def f():\n    from fa4lab.sub import b\n",
+             "sub/__init__.py": "", "sub/b.py": "from .. import c\n",
+             "c.py": "import fa4lab.a\n", "d.py": "from fa4lab.a import f\n"}
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    modules = {".".join(("fa4lab", *Path(rel).with_suffix("").parts)).removesuffix(".__init__"):
+               pkg / rel for rel in files}
+    graph = import_graph(modules)
+    assert graph["fa4lab.sub.b"] == {"fa4lab.c"} and graph["fa4lab.d"] == {"fa4lab.a"}
+    assert import_circles(graph) == [["fa4lab.a", "fa4lab.c", "fa4lab.sub.b"]]
+
+
+def test_the_package_has_no_import_circle():
+    graph = import_graph()
+    circles = import_circles(graph)
+    assert not circles, "import circles (each module with its imports inside the circle):" + \
+        "".join(f"\n{len(c)} modules:" + "".join(f"\n  {m} -> {sorted(graph[m] & set(c))}"
+                                                   for m in c) for c in circles)
+
+
+# Bottom to top; a module's layer is its top-level module's or package's under fa4lab.
+LAYERS = (
+    ("limits", "errors", "digest", "paths", "hardware", "lessons"),
+    ("__init__", "spec", "canonical"),
+    ("reference", "online_softmax", "tiling", "gqa", "scheduling", "varlen", "varlen_tiles",
+     "varlen_forms", "varlen_metadata", "mods", "mods_blocks", "indexcheck", "splitkv",
+     "blockwalk"),
+    ("plan",),
+    ("kernels",),
+    ("api",),
+    ("bench", "fuzz", "viz", "exercises", "distributed", "cli", "environment", "variants",
+     "acceptance", "plan_cli", "__main__"),
+)
+# The modules below plan/: none imports the kernels, not even inside a function.
+CORE = tuple(name for layer in LAYERS[:3] for name in layer if name != "__init__")
+
+
+def layer_of(name: str) -> int | None:
+    top = name.split(".")[1] if "." in name else "__init__"
+    return next((i for i, layer in enumerate(LAYERS) if top in layer), None)
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in MODULES if layer_of(m) is None] == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    up = sorted((m, t) for m, targets in import_graph().items() for t in targets
+                if layer_of(t) > layer_of(m))
+    assert not up, f"upward imports: {up}"
+
+
+def test_the_core_modules_never_import_the_kernels():
+    bad = {}
+    for name in CORE:
+        path = PACKAGE / f"{name}.py"
+        kernels = sorted(m for m in imported(path)
+                         if m == "fa4lab.kernels" or m.startswith("fa4lab.kernels."))
+        if kernels:
+            bad[name] = kernels
+    assert not bad, f"core modules importing fa4lab.kernels: {bad}"
 
 
 def test_the_bench_modes_do_not_import_their_dispatcher():
