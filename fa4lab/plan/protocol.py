@@ -6,8 +6,9 @@ carried by the plan as `plan.protocol`. Everything that speaks of barriers reads
   * the kernels: their SharedStorage declares the barrier arrays in this order with these
     stages, and every wait / arrive goes through `fa4lab.kernels.protocol`, by barrier name,
     checked at trace time against this table's sites;
-  * the simulator: `expand` turns a program into `fa4lab.plan.simulate` ops (Wait, Arrive,
-    Commit, Issue, Work) for a CTA's T work tiles of N K/V blocks each;
+  * the simulator: `expand` turns a program into the steps `fa4lab.plan.simulate` runs
+    (`fa4lab.plan.steps`: Wait, Arrive, Commit, Issue, Work) for a CTA's T work tiles of N K/V
+    blocks each;
   * the audit: `sites` is the static list of code sites (loops once, Q stages unrolled) that
     the compiled PTX must show, in order, role by role.
 

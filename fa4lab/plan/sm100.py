@@ -120,7 +120,7 @@ S_CHUNK = 32                # S columns per tcgen05.ld (32x32b.x32) and per soft
 #     block, so a phase never completes before the wait on the one before (the simulator
 #     reports a "phase overrun" otherwise).
 # In the timing model (`_steps`) the softmax's exp2 is two steps around the p_part arrive, the
-# first holding the MUFU for the second (Work.hold in fa4lab.plan.simulate): the kernel's exp2
+# first holding the MUFU for the second (Work.hold in fa4lab.plan.steps): the kernel's exp2
 # chunks run back to back, so the other warpgroup's exp2 does not slip in between (that would
 # undo the two warpgroups' ping-pong, a loss the kernel does not have). Calibrated, the hd64
 # and hd128 B200 plans are bound by the K/V ring's loads (the MMA warp waits on kv_full), so a
