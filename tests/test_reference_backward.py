@@ -52,7 +52,8 @@ def _assert_same(explicit, autograd, rtol=1e-10):
     for name, e, a in zip(("dq", "dk", "dv", "dsink"), explicit, autograd):
         assert not torch.isnan(e).any(), f"{name} has NaN"
         scale = max(1.0, a.abs().max().item())
-        torch.testing.assert_close(e, a, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(e, a, rtol=rtol, atol=rtol * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---- (a) gradcheck: the reference forward against finite differences ----------------------
