@@ -26,7 +26,7 @@ from fa4lab.errors import GradientNotSupportedError
 from fa4lab.spec import normalize_mask
 
 __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward",
-           "grad_error", "needs_grad", "refuse_gradients_on_cuda"]
+           "dense_backward", "grad_error", "needs_grad", "refuse_gradients_on_cuda"]
 
 
 # Note [backward on CPU, not yet on the GPU]
