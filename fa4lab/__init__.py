@@ -15,6 +15,8 @@ def __getattr__(name):
     # Lazy so `import fa4lab` stays light (no cutlass import until a kernel is needed).
     lazy = {
         "attention_reference": ("fa4lab.reference", "attention_reference"),
+        "attention_backward_reference": ("fa4lab.reference_backward",
+                                         "attention_backward_reference"),
         "online_attention": ("fa4lab.online_softmax", "online_attention"),
         "plan_forward": ("fa4lab.plan", "plan_forward"),
         "attention": ("fa4lab.api", "attention"),

@@ -47,12 +47,14 @@ Each new mod compiles once per process (never cached on disk), and a call with m
 custom op: torch.compile graph-breaks there (Note [mods in the kernels] in `fa4lab.mods`).
 
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
-`fa4lab.spec.check_inputs`). Inputs that require grad raise `GradientNotSupportedError` while
-grad mode is on: there is no backward pass yet, and a silently dropped gradient is worse than
-an error. Compiled kernels are kept per configuration (`fa4lab.kernels.launch`) and on disk
-(`fa4lab.kernels.cache`, shared across processes): the same head_dim, dtype, causal flag, GQA
-ratio and LSE flag never compile twice, whatever the batch, sequence lengths or softmax scale
-(a runtime argument of the kernel).
+`fa4lab.spec.check_inputs`). Gradients: on CPU tensors that require grad, autograd
+differentiates the float64 reference (`fa4lab.backward`: the explicit backward of
+`fa4lab.reference_backward`); on CUDA tensors there is no backward kernel yet, and inputs that
+require grad raise `GradientNotSupportedError` while grad mode is on (a silently dropped
+gradient is worse than an error). Compiled kernels are kept per configuration
+(`fa4lab.kernels.launch`) and on disk (`fa4lab.kernels.cache`, shared across processes): the
+same head_dim, dtype, causal flag, GQA ratio and LSE flag never compile twice, whatever the
+batch, sequence lengths or softmax scale (a runtime argument of the kernel).
 
 `page_table` (int32 (batch, pages_per_seq)) makes k and v a paged K/V cache (num_pages,
 page_size, heads_kv, d), `fa4lab.varlen`'s layout: sequence b's keys are its pages
@@ -82,8 +84,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fa4lab import backward
+from fa4lab.backward import needs_grad, refuse_gradients_on_cuda
 from fa4lab.canonical import empty_answer, for_kernel, narrow_out, tma_ready
-from fa4lab.errors import Fa4labError, InputTypeError, UnsupportedArchError
+from fa4lab.errors import GradientNotSupportedError, InputTypeError, UnsupportedArchError
 from fa4lab.kernels import launch
 from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
 from fa4lab.splitkv import check_num_splits
@@ -97,10 +101,6 @@ class SlowReferenceWarning(UserWarning):
     """No fa4lab kernel runs on these tensors; the float64 reference computed the answer."""
 
 
-class GradientNotSupportedError(Fa4labError, RuntimeError):
-    """fa4lab has a forward pass only: an input that needs a gradient would silently lose it."""
-
-
 # Note [the attention op]
 # `fa4lab::attention_forward` is a torch custom op (torch.library.custom_op) with a fake
 # implementation, so torch.compile (fullgraph too) treats a call as one opaque node with known
@@ -110,17 +110,11 @@ class GradientNotSupportedError(Fa4labError, RuntimeError):
 # sits between the caller and the tensors: torch.compile tracing, a dispatch or function mode
 # (FakeTensorMode, FlopCounterMode, ...), or a tensor subclass.
 #
-# Gradients: `attention` raises before launch when an input requires grad and grad mode is on
-# (the alternative is named in the error); the op's autograd formula raises the same error, so
-# calling the op directly cannot drop a gradient silently either.
-
-
-def _grad_error() -> GradientNotSupportedError:
-    return GradientNotSupportedError(
-        "fa4lab.attention has no backward pass yet, and an input requires grad: the gradient "
-        "would be lost. For training use torch.nn.functional.scaled_dot_product_attention (or "
-        "upstream flash_attn.cute.flash_attn_func); for inference call fa4lab.attention under "
-        "torch.no_grad() / torch.inference_mode(), or pass q.detach(), k.detach(), v.detach().")
+# Gradients (Note [backward on CPU, not yet on the GPU] in fa4lab.backward): on CPU tensors
+# that require grad, `attention` calls the op (not `_forward`) so autograd records it, and the
+# op's autograd formula runs the float64 reference backward through its own op,
+# `fa4lab::attention_backward`. On CUDA tensors `attention` raises before launch, and so does
+# the op's autograd setup when the op is called directly: a gradient is never dropped silently.
 
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
@@ -168,29 +162,48 @@ def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: b
 
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                       num_splits=None, page_table=None):
+                       num_splits=None, page_table=None, grad: bool = False):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
     custom op, so a call with mods is a graph break (Note [mods in the kernels]). Eager calls
     (nothing tracing) call `_forward` directly: `torch.compiler.disable` imports torch._dynamo
-    (about a second), which `import fa4lab` should not pay for."""
-    if not torch.compiler.is_compiling():
-        return _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                        num_splits, page_table)
-    return _outside_graph()(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                            window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                            num_splits, page_table)
+    (about a second), which `import fa4lab` should not pay for. With `grad` (an input requires
+    grad) the call is differentiated by `fa4lab.backward.ReferenceWithMods`."""
+    fn = _differentiable_with_mods if grad else _forward
+    if torch.compiler.is_compiling():
+        fn = _outside_graph(fn)
+    return fn(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
+              learnable_sink, score_mod, mask_mod, aux_tensors, num_splits, page_table)
 
 
-_DISABLED = []
+def _differentiable_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
+                              window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
+                              num_splits=None, page_table=None):
+    """`_forward` with mods, recorded for autograd (CPU tensors; CUDA ones raise: Note
+    [backward on CPU, not yet on the GPU] in fa4lab.backward)."""
+    refuse_gradients_on_cuda(q, k, v, learnable_sink)
+
+    def forward(q, k, v, learnable_sink):
+        return _forward(q, k, v, causal, softmax_scale, True, pack_gqa, softcap, window_size,
+                        learnable_sink, score_mod, mask_mod, aux_tensors, num_splits,
+                        page_table)
+
+    causal_n, window_n = normalize_mask(causal, window_size)
+    options = dict(causal=causal_n, softmax_scale=softmax_scale, softcap=float(softcap),
+                   window_size=window_n, score_mod=score_mod, mask_mod=mask_mod,
+                   aux_tensors=aux_tensors, page_table=page_table)
+    out, lse = backward.ReferenceWithMods.apply(q, k, v, learnable_sink, forward, options)
+    return out, (lse if return_lse else None)
 
 
-def _outside_graph():
-    """`_forward` under torch.compiler.disable, made at the first traced call with mods (a
-    tracer has imported torch._dynamo by then)."""
-    if not _DISABLED:
-        _DISABLED.append(torch.compiler.disable(_forward))
-    return _DISABLED[0]
+_DISABLED: dict = {}
+
+
+def _outside_graph(fn):
+    """`fn` under torch.compiler.disable, made at the first traced call with mods (a tracer has
+    imported torch._dynamo by then)."""
+    if fn not in _DISABLED:
+        _DISABLED[fn] = torch.compiler.disable(fn)
+    return _DISABLED[fn]
 
 
 @torch.library.custom_op("fa4lab::attention_forward", mutates_args=())
@@ -227,25 +240,8 @@ def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa
             q.new_empty(lse_shape, dtype=torch.float32))
 
 
-# Note [no backward yet]
-# An input that requires grad, with grad mode on, raises GradientNotSupportedError before
-# anything runs: eagerly in `attention` / `attention_varlen`, and under torch.compile (where
-# an exception raised in the traced Python becomes dynamo's "Observed exception", fa4lab's
-# message buried in its debug context) from the ops' autograd: AOTAutograd traces the forward
-# with its autograd context when a graph input requires grad, so `_no_grad_inputs` raises at
-# compile time, and a backward that somehow runs raises too.
-
-
-def _no_backward(ctx, grad_out, grad_lse):
-    raise _grad_error()
-
-
-def _no_grad_inputs(ctx, inputs, output):
-    if any(getattr(t, "requires_grad", False) for t in inputs):
-        raise _grad_error()
-
-
-attention_forward.register_autograd(_no_backward, setup_context=_no_grad_inputs)
+attention_forward.register_autograd(backward.attention_forward_backward,
+                                    setup_context=backward.save_attention)
 
 
 def _intercepted(*tensors) -> bool:
@@ -289,16 +285,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     dims the kernel does not build run zero-padded to a built pair, and views TMA cannot read
     are copied first (`fa4lab.canonical.for_kernel`: what each costs)."""
     _check_switches(pack_gqa, deterministic)
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
-        raise _grad_error()     # traced, the op's autograd raises it (Note [no backward yet])
+    grad = needs_grad(q, k, v, learnable_sink)
+    if grad and not torch.compiler.is_compiling():
+        refuse_gradients_on_cuda(q, k, v, learnable_sink)   # traced: the op's autograd setup
     causal, return_lse = bool(causal), bool(return_lse)
     num_splits = check_num_splits(num_splits)
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
                                       softcap, window_size, learnable_sink, score_mod, mask_mod,
-                                      aux_tensors, num_splits, page_table)
-    elif _intercepted(q, k, v, learnable_sink, page_table):
+                                      aux_tensors, num_splits, page_table, grad)
+    elif grad or _intercepted(q, k, v, learnable_sink, page_table):
         scale = None if softmax_scale is None else float(softmax_scale)
         causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
@@ -380,16 +376,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     is deterministic whatever it says.
 
     Bad inputs raise before anything runs (`fa4lab.varlen.check_varlen`, then the options as
-    `attention` checks them); inputs that require grad raise `GradientNotSupportedError` while
-    grad mode is on, as in `attention`. The index tensors' values (cu_seqlens, seqused_k,
-    page_table, against the max_seqlens) are checked as `check_indices` says (Note [reading the
-    lengths] in fa4lab.varlen): "device" (the default) by one small kernel on the GPU, with no
-    wait: a bad value raises its InputError (naming the tensor and its first bad index) at the
-    next varlen or paged call after the check has run, or at `fa4lab.check_errors()`, which
-    waits for it; the bad call itself has run by then, its outputs not meaningful (the kernels
-    clamp page ids, so a bad page table never faults; bad cu_seqlens are not clamped yet: pass
-    True where they are untrusted). True checks before the launch
-    (one device-to-host copy: a synchronisation, for debugging); False skips the check where
+    `attention` checks them); gradients as in `attention`: the float64 reference's on CPU
+    tensors, `GradientNotSupportedError` on CUDA ones. The index tensors' values (cu_seqlens,
+    seqused_k, page_table, against the max_seqlens) are checked as `check_indices` says (Note
+    [reading the lengths] in fa4lab.varlen): "device" (the default) by one small kernel on the
+    GPU, with no wait: a bad value raises its InputError (naming the tensor and its first bad
+    index) at the next varlen or paged call after the check has run, or at
+    `fa4lab.check_errors()`, which waits for it; the bad call itself has run by then, its
+    outputs not meaningful (the kernels clamp page ids, so a bad page table never faults; bad
+    cu_seqlens are not clamped yet: pass True where they are untrusted). True checks before the
+    launch (one device-to-host copy: a synchronisation, for debugging); False skips the check where
     the caller vouches for the values. On CPU tensors "device" is True. A CUDA graph capture
     skips the check. Nothing else of the kernel path reads the values: the call never waits for
     the GPU and can be captured.
@@ -413,14 +409,15 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op]); a traced call derives
     what it needs itself, whatever `scheduler_metadata` says.
     """
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink))):
-        raise _grad_error()     # traced, the op's autograd raises it (Note [no backward yet])
+    grad = needs_grad(q, k, v, learnable_sink)
+    if grad and not torch.compiler.is_compiling():     # traced: the op's autograd setup
+        refuse_gradients_on_cuda(q, k, v, learnable_sink, entry="fa4lab.attention_varlen")
     causal, return_lse = bool(causal), bool(return_lse)
     _check_switches(pack_gqa, deterministic)
     num_splits = check_num_splits(num_splits)
-    intercepted = _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                               page_table, learnable_sink)
+    # On CPU tensors that require grad, the op: autograd records it (fa4lab.backward).
+    intercepted = grad or _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                       seqused_k, page_table, learnable_sink)
     if not intercepted:     # one path: the index work of Note [scheduler metadata]
         from fa4lab.varlen_metadata import SchedulerMetadata
         from fa4lab.varlen_metadata import scheduler_metadata as make
@@ -601,7 +598,8 @@ def _attention_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
             q.new_empty((heads_q, total_q) if return_lse else (0,), dtype=torch.float32))
 
 
-attention_varlen_forward.register_autograd(_no_backward, setup_context=_no_grad_inputs)
+attention_varlen_forward.register_autograd(backward.attention_varlen_forward_backward,
+                                           setup_context=backward.save_attention_varlen)
 
 
 def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,

@@ -29,3 +29,9 @@ def check_same_device(name: str, device, other_name: str, other_device) -> None:
 class InputTypeError(Fa4labError, TypeError):
     """An input of the wrong kind or dtype (e.g. int64 where the kernels read int32), raised
     before anything runs."""
+
+
+class GradientNotSupportedError(Fa4labError, RuntimeError):
+    """An input requires grad where no backward runs (CUDA tensors: no backward kernel yet), so
+    the gradient would silently be lost (Note [backward on CPU, not yet on the GPU] in
+    fa4lab.backward)."""

@@ -165,7 +165,7 @@ def check_sink(learnable_sink, q, kind: str):
     if not floating:
         raise TypeError(f"learnable_sink has dtype {learnable_sink.dtype}: sink logits are "
                         f"floating point; cast with .float() / .astype(np.float32)")
-    sink = (learnable_sink.detach().to(torch.float64) if kind == "torch"
+    sink = (learnable_sink.to(torch.float64) if kind == "torch"
             else torch.from_numpy(np.asarray(learnable_sink, dtype=np.float64)))
     if torch.isnan(sink).any() or (sink == math.inf).any():
         raise ValueError("learnable_sink contains NaN or +inf: each sink is a finite logit "
@@ -173,9 +173,23 @@ def check_sink(learnable_sink, q, kind: str):
     return sink
 
 
+# Note [gradients of the reference]
+# The reference is differentiable: torch autograd through it gives dQ, dK, dV and d(sink) of
+# the float64 function it computes, the second opinion `fa4lab.reference_backward` (the explicit
+# FlashAttention backward) is tested against, and what gradcheck checks against finite
+# differences. Three details keep that gradient the true one, NaN-free:
+#   * the row max m is a stabiliser, not a term: out and lse = m + log(sum_j e^{s_j - m}) are
+#     the same for every m, so m is detached (d lse / d s_j = e^{s_j - m} / sum = P_j exactly,
+#     with no +m -m pair for autograd to cancel in floating point);
+#   * a masked score is -inf, e^{-inf - m} = 0, and masked_fill sends it no gradient;
+#   * a row that sees no key (and no sink) has row_sum 0: its lse is -inf by a `where`, and the
+#     log reads 1 there, so no 1/0 reaches the gradient (d lse = 0: lse is a constant there).
+
+
 def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, None),
                      softcap: float = 0.0, sink=None, mods=None, aux: tuple = ()):
-    """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries.
+    """float64 torch tensors in, (out, lse) float64 out. Chunked over batch, heads, queries
+    (`score_chunks`); differentiable in q, k, v and sink (Note [gradients of the reference]).
 
     `sink` is None or float64 (heads_q,) on q's device (`check_sink`); `mods` a
     `fa4lab.mods.KernelMods` (or None) whose functions read `aux`."""
@@ -191,45 +205,64 @@ def _attention_torch(q, k, v, *, causal: bool, scale: float, window_size=(None, 
     mask = torch.as_tensor(visible_mask(seqlen_q, seqlen_k, causal, window_size=window_size),
                            device=dev)
 
-    # Chunk sizes: as many heads as fit the budget with all queries, else one head and a
-    # slice of queries.
+    for b, heads, rows in score_chunks(batch, seqlen_q, heads_q, seqlen_k):
+        kb = k[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim)
+        vb = v[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim_v)
+        s = capped_scores(q[b, rows, heads], kb, scale, softcap)
+        visible = mask[rows]
+        if mods:
+            s, visible = apply_mods(mods, aux, s, visible, b, heads, rows, seqlen_k)
+        s = s.masked_fill(~visible, -math.inf)
+        # The row max only keeps exp in range: out and lse do not depend on it, so neither does
+        # their gradient (Note [gradients of the reference]).
+        row_max = s.amax(dim=-1, keepdim=True).detach()
+        if sink is not None:
+            sink_h = sink[heads][:, None, None]          # (hc, 1, 1)
+            row_max = torch.maximum(row_max, sink_h.detach())
+        # A fully masked row has max -inf; subtract 0 there so exp gives 0, not NaN.
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        p = torch.exp(s - row_max)
+        row_sum = p.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            row_sum = row_sum + torch.exp(sink_h - row_max)
+        o = torch.einsum("hqk,khd->qhd", p, vb)
+        seen = row_sum > 0
+        denom = torch.where(seen, row_sum, torch.ones_like(row_sum))
+        out[b, rows, heads] = o / denom.squeeze(-1).transpose(0, 1)[..., None]
+        row_lse = torch.where(seen, row_max + torch.log(denom), -math.inf)
+        lse[b, heads, rows] = row_lse.squeeze(-1)
+    return out, lse
+
+
+def score_chunks(batch: int, seqlen_q: int, heads_q: int, seqlen_k: int):
+    """(b, heads, rows) slices of the (batch, heads_q, seqlen_q) rows, each chunk's scores at
+    most `_SCORE_BUDGET` elements: as many heads as fit with all queries, else one head and a
+    slice of queries. The forward and `fa4lab.reference_backward` walk the same chunks."""
     per_head = seqlen_q * seqlen_k
     head_chunk = max(1, min(heads_q, _SCORE_BUDGET // per_head))
     q_chunk = seqlen_q if head_chunk > 1 or per_head <= _SCORE_BUDGET else max(
         1, _SCORE_BUDGET // seqlen_k)
     for b in range(batch):
         for h0 in range(0, heads_q, head_chunk):
-            heads = slice(h0, min(heads_q, h0 + head_chunk))
-            kb = k[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim)
-            vb = v[b][:, kv_of[heads]]          # (seqlen_k, hc, head_dim_v)
             for i0 in range(0, seqlen_q, q_chunk):
-                rows = slice(i0, min(seqlen_q, i0 + q_chunk))
-                s = torch.einsum("qhd,khd->hqk", q[b, rows, heads], kb) * scale
-                if softcap:
-                    s = softcap * torch.tanh(s / softcap)
-                visible = mask[rows]
-                if mods:
-                    s, visible = _apply_mods(mods, aux, s, visible, b, heads, rows, seqlen_k)
-                s = s.masked_fill(~visible, -math.inf)
-                row_max = s.amax(dim=-1, keepdim=True)
-                if sink is not None:
-                    sink_h = sink[heads][:, None, None]          # (hc, 1, 1)
-                    row_max = torch.maximum(row_max, sink_h)
-                # A fully masked row has max -inf; subtract 0 there so exp gives 0, not NaN.
-                row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-                p = torch.exp(s - row_max)
-                row_sum = p.sum(dim=-1, keepdim=True)
-                if sink is not None:
-                    row_sum = row_sum + torch.exp(sink_h - row_max)
-                o = torch.einsum("hqk,khd->qhd", p, vb)
-                denom = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-                out[b, rows, heads] = o / denom.squeeze(-1).transpose(0, 1)[..., None]
-                lse[b, heads, rows] = (row_max + torch.log(row_sum)).squeeze(-1)
-    return out, lse
+                yield (b, slice(h0, min(heads_q, h0 + head_chunk)),
+                       slice(i0, min(seqlen_q, i0 + q_chunk)))
 
 
-def _apply_mods(mods, aux: tuple, s, visible, b: int, heads: slice, rows: slice,
-                seqlen_k: int):
+def capped_scores(q_rows, k_heads, scale: float, softcap: float):
+    """(hc, qc, seqlen_k) scores of one chunk: softmax_scale * q.k, then the softcap
+    softcap * tanh(s / softcap) when softcap > 0 (Note [order of score transforms] in
+    fa4lab.mods). q_rows (qc, hc, d), k_heads (seqlen_k, hc, d): each query head's K."""
+    import torch
+
+    s = torch.einsum("qhd,khd->hqk", q_rows, k_heads) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def apply_mods(mods, aux: tuple, s, visible, b: int, heads: slice, rows: slice,
+               seqlen_k: int):
     """(score_mod(s), visible & mask_mod) on one chunk: s (hc, qc, seqlen_k) float64, indices
     int64 shaped (1, 1, 1), (hc, 1, 1), (1, qc, 1), (1, 1, seqlen_k) to broadcast over it."""
     import torch
@@ -273,7 +306,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
         tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(t, dtype=np.float64))
                       for t in (q, k, v))
     else:
-        tq, tk, tv = (t.detach().to(torch.float64) for t in (q, k, v))
+        tq, tk, tv = (t.to(torch.float64) for t in (q, k, v))
     sink = check_sink(learnable_sink, q, kind)
     from fa4lab.mods import check_mods
 

@@ -1,6 +1,8 @@
 """`fa4lab.attention` as a torch op: opcheck, torch.compile(fullgraph=True) of a Llama-style
-block, fake tensors, and no silent gradient loss. On CPU the op computes the float64 reference
-(the kernels need a GPU); tests/test_attention_op_gpu.py runs the same checks on a GPU."""
+block, fake tensors, gradients on CPU tensors (the float64 reference's, through the backward
+op) and no silent gradient loss on CUDA ones (fake CUDA tensors here). On CPU the op computes the
+float64 reference (the kernels need a GPU); tests/test_attention_op_gpu.py runs the same checks
+on a GPU."""
 
 from __future__ import annotations
 
@@ -123,36 +125,140 @@ def test_fake_tensors_give_shapes_and_dtypes():
                              torch.empty(3, 40, 3, 64, dtype=torch.bfloat16))
 
 
-def test_inputs_that_require_grad_raise_before_launch(gen):
+def _reference_grads(inputs, dout, dlse=None, **options):
+    """Autograd of the float64 reference at float64 copies of `inputs` (q, k, v[, sink])."""
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    sink = leaves[3] if len(leaves) > 3 else None
+    out, lse = attention_reference(*leaves[:3], learnable_sink=sink, return_lse=True, **options)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse) * dlse.double()).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def test_cpu_inputs_that_require_grad_get_the_references_gradients(gen):
+    """Note [backward on CPU, not yet on the GPU]: float32 q, k or v that requires grad gets
+    the float64 reference's gradient, rounded once to float32; no_grad still runs no autograd."""
     q, k, v = _qkv(gen)
     for which in range(3):
-        args = [q, k, v]
-        args[which] = args[which].clone().requires_grad_()
+        args = [x.clone() for x in (q, k, v)]
+        args[which].requires_grad_()
+        out = fa4lab.attention(*args, causal=True)
+        dout = torch.randn(out.shape, generator=gen)
+        (grad,) = torch.autograd.grad(out, args[which], dout)
+        assert grad.dtype == torch.float32 and grad.shape == args[which].shape
+        want = _reference_grads((q, k, v), dout, causal=True)[which]
+        torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            assert not fa4lab.attention(*args, causal=True).requires_grad
+
+
+@pytest.mark.parametrize("options", [
+    dict(window_size=(3, -1), softcap=2.0),
+    dict(causal=True, sink=True),          # the first rows see no key: lse is the sink
+    dict(window_size=(1, 1), sink=True, softmax_scale=30.0),   # extreme logits
+])
+def test_every_option_and_the_lse_are_differentiated(gen, options):
+    """float64 inputs: through the op and its backward op, gradients equal autograd of the
+    reference to float64 round-off, the lse's gradient included."""
+    options = dict(options)
+    q, k, v = (x.double() for x in _qkv(gen, sq=9, sk=6))
+    inputs = [q, k, v] + ([torch.randn(4, generator=gen)] if options.pop("sink", False) else [])
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    sink = leaves[3] if len(leaves) > 3 else None
+    out, lse = fa4lab.attention(*leaves[:3], learnable_sink=sink, return_lse=True, **options)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    got = torch.autograd.grad((out * dout).sum() + (lse.double() * dlse).sum(), leaves)
+    want = _reference_grads(inputs, dout, dlse, **options)
+    for g, w in zip(got, want):
+        assert g.dtype == (torch.float32 if g.dim() == 1 else torch.float64)
+        torch.testing.assert_close(g.double(), w, rtol=1e-6 if g.dim() == 1 else 1e-10,
+                                   atol=1e-6 if g.dim() == 1 else 1e-10)
+
+
+def test_a_paged_cache_and_mods_are_differentiated(gen):
+    """The pages get the gradients of the keys they hold (a page read by both sequences sums
+    them); a score_mod call (which skips the op) is differentiated too."""
+    from fa4lab.mods import alibi
+
+    q = torch.randn(2, 5, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    cache = torch.randn(2, 3, 4, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    table = torch.tensor([[0, 2], [2, 1]], dtype=torch.int32)
+    out = fa4lab.attention(q, cache[0], cache[1], page_table=table, causal=True)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dq, dcache = torch.autograd.grad(out, (q, cache), dout)
+    k, v = (torch.stack([c[table[b].long()].flatten(0, 1) for b in range(2)]) for c in cache)
+    want = torch.autograd.grad(attention_reference(q, k, v, causal=True), (q, cache), dout)
+    torch.testing.assert_close(dq, want[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dcache, want[1], rtol=1e-10, atol=1e-10)
+
+    mod, aux = alibi(torch.rand(4, generator=gen))
+    kd, vd = k.detach().requires_grad_(), v.detach().requires_grad_()
+    out = fa4lab.attention(q, kd, vd, causal=True, score_mod=mod, aux_tensors=aux)
+    got = torch.autograd.grad(out, (q, kd, vd), dout)
+    ref = attention_reference(q, kd, vd, causal=True, score_mod=mod, aux_tensors=aux)
+    for g, w in zip(got, torch.autograd.grad(ref, (q, kd, vd), dout)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_cuda_inputs_that_require_grad_raise_before_launch():
+    """Fake CUDA tensors (no GPU needed): `attention` raises GradientNotSupportedError naming
+    the alternatives, and so does the op's autograd setup (what a direct call of the op runs
+    first; tests/test_attention_op_gpu.py calls it on a GPU); no_grad runs."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4lab.backward import save_attention
+
+    with FakeTensorMode():
+        q = torch.empty(1, 16, 2, 64, device="cuda", requires_grad=True)
+        k = torch.empty(1, 16, 2, 64, device="cuda")
         with pytest.raises(GradientNotSupportedError,
-                           match="scaled_dot_product_attention.*torch.no_grad"):
-            fa4lab.attention(*args)
-        with torch.no_grad():  # inference: fine, and the answer is right
-            out = fa4lab.attention(*args, causal=True)
-        torch.testing.assert_close(out.double(), attention_reference(q, k, v, causal=True))
+                           match="on cuda:0 requires grad.*scaled_dot_product_attention"
+                                 ".*torch.no_grad"):
+            fa4lab.attention(q, k, k)
+        with pytest.raises(GradientNotSupportedError, match="no backward kernel on the GPU"):
+            save_attention(SimpleNamespace(), (q, k, k, False, None, False, False, 0.0, None,
+                                               None, None, None, None), (q, q))
+        with pytest.raises(GradientNotSupportedError):
+            fa4lab.attention(q.detach(), k, k,
+                             learnable_sink=torch.zeros(2, device="cuda", requires_grad=True))
+        with torch.no_grad():
+            out, _ = torch.ops.fa4lab.attention_forward(q, k, k, False, None, False, False, 0.0)
+        assert out.shape == q.shape and not out.requires_grad
 
 
-def test_a_training_block_raises_instead_of_dropping_gradients(gen):
+def test_a_training_block_gets_sdpas_gradients(gen):
+    """The Llama block trains on CPU with fa4lab inside: its parameters' gradients are SDPA's
+    (float32: what the two attentions' own rounding allows)."""
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     block = LlamaBlock().train()
     x = torch.randn(2, 9, 64, generator=gen)
-    with pytest.raises(GradientNotSupportedError):
-        block(x)
+    ours = torch.autograd.grad(block(x).square().sum(), block.parameters())
+    block.attn = _sdpa_causal
+    theirs = torch.autograd.grad(block(x).square().sum(), block.parameters())
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_the_op_itself_never_drops_a_gradient(gen):
-    """Called directly (no wrapper check), the op raises at the call when an input requires
-    grad (its autograd's setup, Note [no backward yet]); without grad mode it runs."""
+def test_the_op_itself_records_its_gradient(gen):
+    """Called directly (no wrapper), the op's autograd formula runs its backward op: opcheck of
+    both with inputs that require grad (schema, fakes, autograd registration, AOT dispatch)."""
     q, k, v = _qkv(gen)
-    q.requires_grad_()
-    with pytest.raises(GradientNotSupportedError):
-        torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
-    with torch.no_grad():
-        out, _ = torch.ops.fa4lab.attention_forward(q, k, v, False, None, False, False, 0.0)
-    assert not out.requires_grad
+    sink = torch.randn(4, generator=gen)
+    grads = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    op = torch.ops.fa4lab.attention_forward.default
+    torch.library.opcheck(op, (*grads[:3], True, None, True, False, 0.0, 2, None, grads[3]))
+    out, lse = op(*grads[:3], True, None, True, False, 0.0, 2, None, grads[3])
+    dout = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, grads, dout)
+    want = _reference_grads((q, k, v, sink), dout, causal=True, window_size=(2, None))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6)
+    backward_op = torch.ops.fa4lab.attention_backward.default
+    torch.library.opcheck(backward_op, (dout, lse.detach(), q, k, v, True, None, 0.0, 2, None, sink,
+                                        None))
 
 
 def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
@@ -165,29 +271,21 @@ def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
     torch.testing.assert_close(out, out2)
 
 
-def test_a_compiled_call_with_an_input_that_requires_grad_says_why():
-    """Note [no backward yet]: under torch.compile(fullgraph=True) the error carries fa4lab's
-    GradientNotSupportedError (in its chain and its text, not buried in a debug context); under
-    no_grad the same compiled function runs."""
+def test_a_compiled_call_with_an_input_that_requires_grad_differentiates():
+    """On CPU tensors torch.compile(fullgraph=True) of a call whose q requires grad gives the
+    eager gradient: AOTAutograd traces the op's autograd formula and its backward op through
+    their fakes (Note [the backward ops] in fa4lab.backward)."""
     import warnings
-
-    import fa4lab
-    from fa4lab.api import GradientNotSupportedError
 
     torch._dynamo.reset()
     q = torch.randn(1, 16, 2, 64, requires_grad=True)
     k, v = torch.randn(1, 16, 2, 64), torch.randn(1, 16, 2, 64)
-    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v), fullgraph=True,
-                      backend="eager")
+    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v, causal=True), fullgraph=True,
+                      backend="aot_eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(Exception) as err:
-            f(q, k, v)
-        chain, e = [], err.value
-        while e is not None:
-            chain.append(e)
-            e = e.__cause__ or e.__context__
-        assert any(isinstance(x, GradientNotSupportedError) for x in chain)
-        assert "fa4lab.attention has no backward pass yet" in str(err.value)
+        (compiled,) = torch.autograd.grad(f(q, k, v).sum(), q)
+        (eager,) = torch.autograd.grad(fa4lab.attention(q, k, v, causal=True).sum(), q)
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
         with torch.no_grad():
             assert f(q, k, v).shape == (1, 16, 2, 64)

@@ -82,11 +82,32 @@ def test_opcheck_on_cuda():
 
 
 def test_requires_grad_raises_on_the_gpu_too():
+    """No backward kernel yet (Note [backward on CPU, not yet on the GPU] in fa4lab.backward):
+    the eager call, the op called directly (its autograd setup) and a compiled call raise
+    GradientNotSupportedError (under torch.compile in the error's chain and text)."""
+    import warnings
+
     from fa4lab.api import GradientNotSupportedError
 
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = q.detach()
+    with pytest.raises(GradientNotSupportedError, match="no backward kernel on the GPU"):
+        fa4lab.attention(q, k, k)
     with pytest.raises(GradientNotSupportedError):
-        fa4lab.attention(q, q.detach(), q.detach())
+        torch.ops.fa4lab.attention_forward(q, k, k, False, None, False, False, 0.0)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v), fullgraph=True,
+                      backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception) as err:
+            f(q, k, k)
+    chain, e = [], err.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(isinstance(x, GradientNotSupportedError) for x in chain)
+    assert "no backward kernel on the GPU" in str(err.value)
 
 
 def test_a_second_process_loads_the_kernel_from_disk():

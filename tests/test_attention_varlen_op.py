@@ -1,8 +1,9 @@
 """`fa4lab.attention_varlen` as a torch op (Note [the varlen op] in fa4lab.api): opcheck on
 packed and paged batches, torch.compile(fullgraph=True) of a packed-sequence block against the
 float64 reference, one graph for every batch under dynamic shapes, fake tensors, bad lengths
-raising from inside a compiled graph, and no silent gradient loss. On CPU the op computes the
-float64 reference; tests/test_attention_op_gpu.py runs the kernels through it on a GPU."""
+raising from inside a compiled graph, gradients on CPU tensors (the float64 reference's) and no
+silent gradient loss on CUDA ones. On CPU the op computes the float64 reference;
+tests/test_attention_op_gpu.py runs the kernels through it on a GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 import fa4lab  # noqa: E402
 from fa4lab.api import GradientNotSupportedError  # noqa: E402
 from fa4lab.errors import InputError  # noqa: E402
-from fa4lab.reference import attention_varlen_reference  # noqa: E402
+from fa4lab.reference import attention_reference, attention_varlen_reference  # noqa: E402
 
 OP = torch.ops.fa4lab.attention_varlen_forward.default
 
@@ -181,22 +182,91 @@ def test_fake_tensors_give_shapes_and_dtypes():
                                     None, None)
 
 
-def test_inputs_that_require_grad_raise_before_launch(gen):
-    q, k, v, cu_q, cu_k = _packed(gen, [3, 5], [4, 6])
-    for which in range(3):
-        args = [q, k, v]
-        args[which] = args[which].clone().requires_grad_()
-        with pytest.raises(GradientNotSupportedError, match="torch.no_grad"):
-            fa4lab.attention_varlen(*args, cu_q, cu_k, None, None)
+def _reference_grads(inputs, cu_q, cu_k, dout, dlse, **options):
+    """Autograd of the float64 varlen reference at float64 copies of (q, k, v, sink)."""
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    out, lse = attention_varlen_reference(*leaves[:3], cu_q, cu_k, learnable_sink=leaves[3],
+                                          return_lse=True, **options)
+    loss = (out * dout.double()).sum() + (lse * dlse.double()).sum()
+    return torch.autograd.grad(loss, leaves)
 
 
-def test_the_op_itself_never_drops_a_gradient(gen):
-    """Called directly with an input that requires grad, the op raises at the call (Note [no
-    backward yet] in fa4lab.api)."""
-    q, k, v, cu_q, cu_k = _packed(gen, [3, 5], [4, 6])
-    q.requires_grad_()
-    with pytest.raises(GradientNotSupportedError):
-        OP(*_args(q, k, v, cu_q, cu_k))
+@pytest.mark.parametrize("paged", [False, True])
+def test_cpu_inputs_that_require_grad_get_the_references_gradients(gen, paged):
+    """Note [backward on CPU, not yet on the GPU] in fa4lab.backward: packed sequences (one
+    empty) or a paged cache (a page read by two sequences), causal, a window and a sink; the
+    gradients of q, k, v (or the cache) and the sink are the float64 reference's."""
+    if paged:
+        q, k, v, cu_q, table, used = _paged(gen, [3, 1, 4], [7, 12, 5])
+        cu_k, extra = None, dict(seqused_k=used, page_table=table)
+    else:
+        q, k, v, cu_q, cu_k = _packed(gen, [3, 0, 5], [4, 2, 6])
+        extra = {}
+    sink = torch.randn(4, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    options = dict(causal=True, window_size=(3, None), **extra)
+    out, lse = fa4lab.attention_varlen(*leaves[:3], cu_q, cu_k, learnable_sink=leaves[3],
+                                       return_lse=True, **options)
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), leaves)
+    want = _reference_grads((q, k, v, sink), cu_q, cu_k, dout, dlse, **options)
+    for g, w, x in zip(got, want, (q, k, v, sink)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dense_form_is_differentiated(gen):
+    """Upstream's dense q (cu_seqlens_q None) and seqused_q go through the same op: the rows
+    past seqused_q come back 0 and get no gradient."""
+    q = torch.randn(2, 5, 4, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 6, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, 6, 2, 16, generator=gen, requires_grad=True)
+    seqused_q = torch.tensor([5, 2], dtype=torch.int32)
+    out = fa4lab.attention_varlen(q, k, v, causal=True, seqused_q=seqused_q)
+    dout = torch.randn(out.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert (dq[1, 2:] == 0).all() and (dq[1, :2] != 0).all()
+    ref = attention_reference(q[1:, :2], k[1:], v[1:], causal=True)
+    want = torch.autograd.grad(ref, (q, k, v), dout[1:, :2].double())
+    torch.testing.assert_close(dq[1, :2], want[0][1, :2], rtol=1e-5, atol=1e-5)
+    ref0 = attention_reference(q[:1], k[:1], v[:1], causal=True)
+    want0 = torch.autograd.grad(ref0, (k,), dout[:1].double())[0]
+    torch.testing.assert_close(dk, want0 + want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_inputs_that_require_grad_raise_before_launch(gen):
+    """Fake CUDA tensors (no GPU needed): `attention_varlen` raises, as does the op's autograd
+    setup (what a direct call of the op runs first)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4lab.backward import save_attention_varlen
+
+    with FakeTensorMode():
+        q, k = torch.empty(8, 4, 16, device="cuda"), torch.empty(10, 2, 16, device="cuda")
+        v = torch.empty_like(k)
+        cu_q, cu_k = (torch.empty(3, dtype=torch.int32, device="cuda") for _ in range(2))
+        for which in range(3):
+            args = [q, k, v]
+            args[which] = args[which].clone().requires_grad_()
+            with pytest.raises(GradientNotSupportedError, match="attention_varlen.*torch.no_grad"):
+                fa4lab.attention_varlen(*args, cu_q, cu_k, None, None)
+        with pytest.raises(GradientNotSupportedError, match="no backward kernel on the GPU"):
+            save_attention_varlen(SimpleNamespace(), (*_args(q.clone().requires_grad_(), k,
+                                                             v, cu_q, cu_k), None, None), (q, q))
+
+
+def test_the_op_itself_records_its_gradient(gen):
+    """opcheck of the op with inputs that require grad, and of its backward op."""
+    q, k, v, cu_q, cu_k = _packed(gen, [3, 0, 5], [4, 2, 6])
+    sink = torch.randn(4, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    torch.library.opcheck(OP, _args(*leaves[:3], cu_q, cu_k, causal=True, sink=leaves[3]))
+    out, lse = OP(*_args(q, k, v, cu_q, cu_k, causal=True, sink=sink))
+    torch.library.opcheck(torch.ops.fa4lab.attention_varlen_backward.default,
+                          (torch.randn(out.shape, generator=gen), torch.randn(lse.shape),
+                           q, k, v, cu_q, cu_k, None, None, True, None, 0.0, None, None, sink))
 
 
 def test_the_slow_reference_warning_names_the_callers_line(gen):

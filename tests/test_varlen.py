@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fa4lab
-from fa4lab.api import GradientNotSupportedError, SlowReferenceWarning
+from fa4lab.api import SlowReferenceWarning
 from fa4lab.errors import InputError, InputTypeError
 from fa4lab.reference import attention_reference, attention_varlen_reference, visible_mask
 from fa4lab.scheduling import CostModel
@@ -245,15 +245,20 @@ def test_attention_varlen_on_cpu_is_the_reference(rng, dtype, paged):
                            out)
 
 
-def test_attention_varlen_refuses_inputs_that_need_grad():
+def test_attention_varlen_differentiates_cpu_inputs():
+    """CPU inputs that require grad get the reference's gradient (tests/
+    test_attention_varlen_op.py checks it against the reference); under no_grad nothing is
+    recorded."""
     q = torch.randn(3, 2, 8, requires_grad=True)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     cu = torch.tensor([0, 3], dtype=I32)
-    with pytest.raises(GradientNotSupportedError, match="no backward"):
-        fa4lab.attention_varlen(q, k, v, cu, cu, 3, 3)
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", SlowReferenceWarning)
-        fa4lab.attention_varlen(q, k, v, cu, cu, 3, 3)
+        (dq,) = torch.autograd.grad(fa4lab.attention_varlen(q, k, v, cu, cu, 3, 3,
+                                                            causal=True)[2].sum(), q)
+        assert (dq[2] != 0).any() and (dq[:2] == 0).all()     # only row 2 was read
+        with torch.no_grad():
+            assert not fa4lab.attention_varlen(q, k, v, cu, cu, 3, 3).requires_grad
 
 
 def test_attention_varlen_checks_the_options_like_attention():

@@ -229,13 +229,21 @@ def test_bad_windows_and_sinks_raise_before_anything_runs(gen, kwargs, exc, word
         fa4lab.attention(q, k, v, **kwargs)
 
 
-def test_a_sink_that_requires_grad_raises(gen):
+def test_a_sink_that_requires_grad_gets_its_gradient(gen):
+    """On CPU the sink's gradient is the float64 reference's: -sum over its rows of
+    P_sink * rowsum(dO * O) (Note [sink backward] in fa4lab.reference_backward)."""
     import fa4lab
-    from fa4lab.api import GradientNotSupportedError
+    from fa4lab.reference import attention_reference
 
     q, k, v = _qkv(gen)
-    with pytest.raises(GradientNotSupportedError):
-        fa4lab.attention(q, k, v, learnable_sink=torch.zeros(4, requires_grad=True))
+    sink = torch.randn(4, generator=gen).requires_grad_()
+    out = fa4lab.attention(q, k, v, learnable_sink=sink, window_size=(4, 0))
+    dout = torch.randn(out.shape, generator=gen)
+    (got,) = torch.autograd.grad(out, sink, dout)
+    ref = attention_reference(q, k, v, learnable_sink=sink, window_size=(4, 0))
+    (want,) = torch.autograd.grad(ref, sink, dout.double())
+    assert got.dtype == torch.float32 and (got != 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_signature_is_flash_attn_funcs():

@@ -220,7 +220,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False,
     passed around the ring of `group` (default: the whole world). See the module docstring."""
     import torch.distributed as dist
 
-    from fa4lab.api import _grad_error
+    from fa4lab.backward import grad_error
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention runs inside a torch.distributed process group: call "
@@ -230,7 +230,7 @@ def ring_attention(q, k, v, *, group=None, causal: bool = False,
                         aux_tensors=aux_tensors))
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, learnable_sink)):
-        raise _grad_error()
+        raise grad_error(entry="fa4lab.distributed.ring_attention")
     causal = bool(causal)
     scale = _check_local(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                          softcap=softcap, learnable_sink=learnable_sink)

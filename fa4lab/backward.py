@@ -1,0 +1,246 @@
+"""The backward of `fa4lab.attention` and `fa4lab.attention_varlen`: their ops' autograd.
+
+    out = fa4lab.attention(q, k, v, causal=True)     # CPU tensors that require grad
+    out.sum().backward()                              # q.grad, k.grad, v.grad: float64 math
+
+On CPU tensors the forward is the float64 reference, and so is the backward: the explicit
+FlashAttention backward of `fa4lab.reference_backward`, with every option the forward takes
+(causal, windows, softcap, the learnable sink, GQA, score_mod / mask_mod, varlen, paged K/V),
+rounded once to the inputs' dtypes. On CUDA tensors there is no backward kernel yet: an input
+that requires grad raises `GradientNotSupportedError` before anything runs (Note [backward on
+CPU, not yet on the GPU]).
+
+The autograd formulas are registered on the forward ops (`torch.library.register_autograd`,
+in `fa4lab.api`) and call backward ops of their own, `torch.ops.fa4lab.attention_backward` and
+`attention_varlen_backward`, with fake implementations, so a compiled training step traces
+the backward as one opaque node too (Note [the backward ops]). A call with mods, which skips the
+forward op, is differentiated by `ReferenceWithMods` (an autograd.Function over the same
+backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fa4lab.errors import GradientNotSupportedError
+from fa4lab.spec import normalize_mask
+
+__all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward",
+           "dense_backward", "grad_error", "needs_grad", "refuse_gradients_on_cuda"]
+
+
+# Note [backward on CPU, not yet on the GPU]
+# An input that requires grad, with grad mode on, is differentiated where the forward was the
+# float64 reference's: CPU tensors (any non-CUDA device). There the saved tensors are the
+# inputs, and the backward recomputes the float64 O and LSE from them rather than reading the
+# forward's outputs: those are rounded to q's dtype and a float32 LSE, and P = exp(S - LSE) is
+# only as exact as the LSE it reads (a GPU backward kernel will read its forward's saved O and
+# LSE, as Note [the FlashAttention backward] in fa4lab.reference_backward does when given
+# them). On CUDA tensors no backward kernel exists yet, and a silently dropped gradient is worse
+# than an error, so GradientNotSupportedError is raised before anything runs: eagerly in
+# `attention` / `attention_varlen`, and under torch.compile (where an exception raised in the
+# traced Python becomes dynamo's "Observed exception", fa4lab's message buried in its debug
+# context) from the ops' autograd setup: AOTAutograd traces the forward with its autograd
+# context when a graph input requires grad, so `save_attention` raises at compile time; the
+# backward ops raise on CUDA tensors too.
+
+
+def grad_error(device=None, entry: str = "fa4lab.attention") -> GradientNotSupportedError:
+    """The error of an input that requires grad where no backward runs (`device` a CUDA
+    device: Note [backward on CPU, not yet on the GPU]; None: `entry` has no backward at all)."""
+    where = (f"has no backward kernel on the GPU yet, and an input on {device} requires grad"
+             if device is not None else "has no backward pass yet, and an input requires grad")
+    cpu = (f" On CPU tensors {entry} does differentiate: the float64 reference's backward "
+           f"(fa4lab.reference_backward)." if device is not None else "")
+    return GradientNotSupportedError(
+        f"{entry} {where}: the gradient would be lost.{cpu} For training use "
+        f"torch.nn.functional.scaled_dot_product_attention (or upstream "
+        f"flash_attn.cute.flash_attn_func); for inference call {entry} under torch.no_grad() / "
+        f"torch.inference_mode(), or pass q.detach(), k.detach(), v.detach().")
+
+
+def needs_grad(*tensors) -> bool:
+    """Grad mode is on and one of `tensors` (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                           for t in tensors)
+
+
+def refuse_gradients_on_cuda(*tensors, entry: str = "fa4lab.attention") -> None:
+    """GradientNotSupportedError (naming `entry`) when a gradient is asked of CUDA tensors
+    (Note [backward on CPU, not yet on the GPU]); the tensors may include None."""
+    if needs_grad(*tensors):
+        cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if cuda is not None:
+            raise grad_error(cuda.device, entry)
+
+
+# Note [the backward ops]
+# `fa4lab::attention_backward` and `fa4lab::attention_varlen_backward` take the gradients of
+# (out, lse) and what the forward op saved, and give (dq, dk, dv, dsink); dsink is an empty
+# tensor without a sink (an op returns tensors, not None), dlse an empty tensor when the lse
+# was not returned. Their fakes give the inputs' shapes, so AOTAutograd traces a backward
+# graph with one node per call and never runs Python on fake values. On CUDA tensors they
+# raise GradientNotSupportedError: no backward kernel yet.
+
+
+def _options(causal, softmax_scale, softcap, window_left, window_right) -> dict:
+    causal, window_size = normalize_mask(causal, (window_left, window_right))
+    return dict(causal=causal, softmax_scale=softmax_scale, softcap=float(softcap),
+                window_size=window_size)
+
+
+def _finish(grads, q, k, v, learnable_sink):
+    """The float64 gradients in the inputs' dtypes; an empty dsink without a sink."""
+    dq, dk, dv, dsink = grads
+    dsink = q.new_empty((0,)) if learnable_sink is None else dsink.to(learnable_sink.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+
+
+def dense_backward(dout, dlse, q, k, v, learnable_sink, page_table, **options):
+    """Float64 `Gradients` of `attention`'s forward on CPU tensors (dlse None or (batch,
+    heads_q, seqlen_q)); with a page_table k and v are the cache, each sequence's keys gathered
+    for the reference backward and their gradients scattered back to the pages."""
+    from fa4lab.reference_backward import attention_backward_reference, scatter_paged
+
+    if page_table is None:
+        return attention_backward_reference(q, k, v, dout, dlse=dlse,
+                                            learnable_sink=learnable_sink, finite=False,
+                                            **options)
+    from fa4lab.varlen import gather_paged, paged_seqlen_k
+
+    seqlens = [paged_seqlen_k(k, page_table)] * q.shape[0]
+    kd, vd = (torch.stack(gather_paged(x, page_table, seqlens)) if seqlens
+              else x.new_zeros((0, 0, *x.shape[2:])) for x in (k, v))
+    g = attention_backward_reference(q, kd, vd, dout, dlse=dlse, learnable_sink=learnable_sink,
+                                     finite=False, **options)
+    return g._replace(dk=scatter_paged(list(g.dk), page_table, k.shape),
+                      dv=scatter_paged(list(g.dv), page_table, v.shape))
+
+
+@torch.library.custom_op("fa4lab::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       softmax_scale: float | None, softcap: float, window_left: int | None,
+                       window_right: int | None, learnable_sink: torch.Tensor | None,
+                       page_table: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops])."""
+    if q.is_cuda:
+        raise grad_error(q.device)
+    g = dense_backward(dout, dlse if dlse.numel() else None, q, k, v, learnable_sink,
+                       page_table, **_options(causal, softmax_scale, softcap, window_left,
+                                              window_right))
+    return _finish(g, q, k, v, learnable_sink)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, dlse, q, k, v, causal, softmax_scale, softcap, window_left,
+                             window_right, learnable_sink, page_table):
+    dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def _materialized(dout, dlse, out_like):
+    """Autograd hands None for an output the loss did not read."""
+    dout = torch.zeros_like(out_like) if dout is None else dout
+    return dout, (out_like.new_empty((0,)) if dlse is None else dlse)
+
+
+def save_attention(ctx, inputs, output) -> None:
+    """setup_context of `fa4lab::attention_forward`: refuse CUDA (Note [backward on CPU, not
+    yet on the GPU]), save the inputs the reference backward reads."""
+    (q, k, v, causal, softmax_scale, _return_lse, _pack_gqa, softcap, window_left,
+     window_right, learnable_sink, _num_splits, page_table) = inputs
+    refuse_gradients_on_cuda(q, k, v, learnable_sink)
+    ctx.save_for_backward(q, k, v, learnable_sink, page_table)
+    ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
+    ctx.out_like = output[0]
+
+
+def attention_forward_backward(ctx, dout, dlse):
+    """The autograd formula of `fa4lab::attention_forward`: its backward op, gradients for
+    q, k, v and the sink, None for the other arguments."""
+    q, k, v, learnable_sink, page_table = ctx.saved_tensors
+    dout, dlse = _materialized(dout, dlse, ctx.out_like)
+    dq, dk, dv, dsink = torch.ops.fa4lab.attention_backward(
+        dout, dlse, q, k, v, *ctx.options, learnable_sink, page_table)
+    return (dq, dk, dv, None, None, None, None, None, None, None,
+            None if learnable_sink is None else dsink, None, None)
+
+
+@torch.library.custom_op("fa4lab::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor | None,
+                              seqused_k: torch.Tensor | None,
+                              page_table: torch.Tensor | None, causal: bool,
+                              softmax_scale: float | None, softcap: float,
+                              window_left: int | None, window_right: int | None,
+                              learnable_sink: torch.Tensor | None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) of `fa4lab::attention_varlen_forward` (Note [the backward ops]):
+    dk, dv shaped like k, v (the paged cache's with a page_table)."""
+    from fa4lab.reference_backward import attention_varlen_backward_reference
+
+    if q.is_cuda:
+        raise grad_error(q.device, "fa4lab.attention_varlen")
+    g = attention_varlen_backward_reference(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, dout, seqused_k=seqused_k, page_table=page_table,
+        learnable_sink=learnable_sink, dlse=dlse if dlse.numel() else None, finite=False,
+        **_options(causal, softmax_scale, softcap, window_left, window_right))
+    return _finish(g, q, k, v, learnable_sink)
+
+
+@attention_varlen_backward.register_fake
+def _attention_varlen_backward_fake(dout, dlse, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                    page_table, causal, softmax_scale, softcap, window_left,
+                                    window_right, learnable_sink):
+    dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+def save_attention_varlen(ctx, inputs, output) -> None:
+    """setup_context of `fa4lab::attention_varlen_forward`, as `save_attention`."""
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, _max_q, _max_k, seqused_k, page_table, causal,
+     softmax_scale, window_left, window_right, softcap, learnable_sink, _return_lse,
+     _check_indices, _num_splits, _pack_gqa) = inputs
+    refuse_gradients_on_cuda(q, k, v, learnable_sink, entry="fa4lab.attention_varlen")
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
+                          learnable_sink)
+    ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
+    ctx.out_like = output[0]
+
+
+def attention_varlen_forward_backward(ctx, dout, dlse):
+    """The autograd formula of `fa4lab::attention_varlen_forward`."""
+    q, k, v, cu_q, cu_k, seqused_k, page_table, learnable_sink = ctx.saved_tensors
+    dout, dlse = _materialized(dout, dlse, ctx.out_like)
+    dq, dk, dv, dsink = torch.ops.fa4lab.attention_varlen_backward(
+        dout, dlse, q, k, v, cu_q, cu_k, seqused_k, page_table, *ctx.options, learnable_sink)
+    return ((dq, dk, dv) + (None,) * 11 + (None if learnable_sink is None else dsink,)
+            + (None,) * 4)
+
+
+class ReferenceWithMods(torch.autograd.Function):
+    """`attention` with score_mod / mask_mod on CPU tensors that require grad: a callable
+    cannot be an argument of the forward op, so this Function carries the call instead.
+    forward(q, k, v, learnable_sink, forward_fn, options) runs `forward_fn(q, k, v,
+    learnable_sink)` -> (out, lse) (`fa4lab.api._forward` with the call's options, lse always
+    computed); backward is `dense_backward` with the mods in `options`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, learnable_sink, forward_fn, options: dict):
+        refuse_gradients_on_cuda(q, k, v, learnable_sink)
+        out, lse = forward_fn(q, k, v, learnable_sink)
+        ctx.save_for_backward(q, k, v, learnable_sink)
+        ctx.options = options
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, learnable_sink = ctx.saved_tensors
+        options = dict(ctx.options)
+        page_table = options.pop("page_table")
+        g = dense_backward(dout, dlse, q, k, v, learnable_sink, page_table, **options)
+        dq, dk, dv, dsink = _finish(g, q, k, v, learnable_sink)
+        return dq, dk, dv, (None if learnable_sink is None else dsink), None, None
