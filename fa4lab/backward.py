@@ -65,10 +65,14 @@ def needs_grad(*tensors) -> bool:
                                            for t in tensors)
 
 
-def refuse_gradients_on_cuda(*tensors, entry: str = "fa4lab.attention") -> None:
+def refuse_gradients_on_cuda(*tensors, entry: str = "fa4lab.attention",
+                             recording: bool = False) -> None:
     """GradientNotSupportedError (naming `entry`) when a gradient is asked of CUDA tensors
-    (Note [backward on CPU, not yet on the GPU]); the tensors may include None."""
-    if needs_grad(*tensors):
+    (Note [backward on CPU, not yet on the GPU]); the tensors may include None. `recording`:
+    the caller is an op's setup_context, which autograd calls only when it records the op, and
+    with grad mode off (the forward ran below autograd), so grad mode is not asked."""
+    if (recording and any(getattr(t, "requires_grad", False) for t in tensors)
+            or needs_grad(*tensors)):
         cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
         if cuda is not None:
             raise grad_error(cuda.device, entry)
@@ -151,7 +155,7 @@ def save_attention(ctx, inputs, output) -> None:
     yet on the GPU]), save the inputs the reference backward reads."""
     (q, k, v, causal, softmax_scale, _return_lse, _pack_gqa, softcap, window_left,
      window_right, learnable_sink, _num_splits, page_table) = inputs
-    refuse_gradients_on_cuda(q, k, v, learnable_sink)
+    refuse_gradients_on_cuda(q, k, v, learnable_sink, recording=True)
     ctx.save_for_backward(q, k, v, learnable_sink, page_table)
     ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
     ctx.out_like = output[0]
@@ -204,7 +208,8 @@ def save_attention_varlen(ctx, inputs, output) -> None:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, _max_q, _max_k, seqused_k, page_table, causal,
      softmax_scale, window_left, window_right, softcap, learnable_sink, _return_lse,
      _check_indices, _num_splits, _pack_gqa) = inputs
-    refuse_gradients_on_cuda(q, k, v, learnable_sink, entry="fa4lab.attention_varlen")
+    refuse_gradients_on_cuda(q, k, v, learnable_sink, entry="fa4lab.attention_varlen",
+                             recording=True)
     ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table,
                           learnable_sink)
     ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
