@@ -121,4 +121,4 @@ def test_page_size_is_in_the_launch_key():
                                                                           (128, 5))]
     keys = [launch.key_of(q, kc, vc, "sm90", True, True, None, page_table=t)
             for q, kc, vc, t, _, _ in inputs]
-    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[1][-1] == 128
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[1].page_size == 128
