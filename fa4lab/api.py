@@ -383,8 +383,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     GPU, with no wait: a bad value raises its InputError (naming the tensor and its first bad
     index) at the next varlen or paged call after the check has run, or at
     `fa4lab.check_errors()`, which waits for it; the bad call itself has run by then, its
-    outputs not meaningful (the kernels clamp page ids, so a bad page table never faults; bad
-    cu_seqlens are not clamped yet: pass True where they are untrusted). True checks before the
+    outputs not meaningful (the kernels clamp page ids and sequences into their tensors, so a
+    bad index never faults or writes outside out). True checks before the
     launch (one device-to-host copy: a synchronisation, for debugging); False skips the check where
     the caller vouches for the values. On CPU tensors "device" is True. A CUDA graph capture
     skips the check. Nothing else of the kernel path reads the values: the call never waits for

@@ -62,11 +62,10 @@ __all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Verdict", "che
 #    (`event.synchronize()`) and raises likewise. So a bad index surfaces at the first varlen /
 #    paged call after its check has run on the GPU (usually the next one), or at the next
 #    `check_errors()`, whichever comes first; the call it describes has already run, and its
-#    outputs are not meaningful. The kernels clamp page ids into the cache, so a bad page
-#    table costs a wrong answer, never a fault (Note [clamped indices] in
-#    fa4lab.kernels.device.paged); bad cu_seqlens are NOT clamped yet and can make a varlen
-#    launch touch memory outside its tensors before the error surfaces: pass
-#    check_indices=True where they are untrusted.
+#    outputs are not meaningful. The kernels clamp page ids into the cache (Note [clamped
+#    indices] in fa4lab.kernels.device.paged) and each sequence's rows into the packed tensors
+#    (Note [clamped lengths] in fa4lab.kernels.device.seqlen), so a bad index costs a wrong
+#    answer, never a fault or a store outside out and lse.
 # Per call that is one kernel launch, one 16-byte copy, one event record and a few list
 # operations on the host, whatever the batch: the pool's rows (POOL_SLOTS per device, made and
 # synchronised once per process) are reused, and a slot is handed out again only after its

@@ -70,8 +70,8 @@ __all__ = ["CHECK_MODES", "VarlenLengths", "check_mode", "check_paged", "check_v
 #   raises its InputError at the first varlen or paged call after the check has run on the GPU
 #   (usually the very next call), or at `fa4lab.check_errors()`, which waits for it; the call
 #   whose indices were bad has run by then, and its outputs are not meaningful (the kernels
-#   clamp page ids into the cache, never a fault; bad cu_seqlens are not clamped yet, so pass
-#   True where they are untrusted). On CPU tensors, and on
+#   clamp page ids and sequences into their tensors, so a bad index never faults: Note [index
+#   check on the device] in fa4lab.indexcheck). On CPU tensors, and on
 #   a GPU without the check kernel, this is the synchronous check below.
 # * True: synchronous, before anything launches: the rules as device masks of broken entries,
 #   ONE device-to-host copy of a flag per rule deciding whether to raise, and only then the

@@ -114,11 +114,9 @@ def max_tile_rows(total_q: int, batch: int, m_block_size: int, qhead_per_kvhead:
 # one tile per sequence. The lengths may be bad (the default check reports them after the launch:
 # Note [reading the lengths]), so each sequence's tile count is clamped into [0, rows]: the
 # cumulative counts stay sorted (what searchsorted needs) and every m_block is below `rows` (m_block
-# * m_block_size cannot overflow int32). The kernels do not clamp a sequence's own offsets and
-# lengths (a first clamp of them gave wrong answers on the H200 and was withdrawn): bad cu_seqlens
-# under the default check can still make a varlen launch read or store outside its tensors before
-# the error is raised; pass check_indices=True where they are untrusted. On good lengths the clamp
-# changes nothing.
+# * m_block_size cannot overflow int32); the kernels clamp each sequence's own offsets and
+# lengths into the packed tensors (Note [clamped lengths] in fa4lab.kernels.device.seqlen). On
+# good lengths the clamp changes nothing.
 
 
 def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_size: int,

@@ -135,24 +135,14 @@ def test_a_bad_page_never_faults_and_the_next_call_raises(page_size, bad, monkey
                       q, k, v, cu_q, None, None, None, seqused_k=used, page_table=good))
 
 
-# The kernels do not clamp a sequence's offsets and lengths yet (a first clamp broke every
-# varlen launch and was withdrawn): a sequence running past the packed total stores outside
-# out. Known and documented (check_indices=True where cu_seqlens are untrusted). These cases
-# are skipped, not expected to fail: a store past the allocation can raise an illegal address,
-# which leaves the process's CUDA context unusable and fails every later test of the run.
-_UNCLAMPED = pytest.mark.skip(reason="cu_seqlens are not clamped in the kernels yet: a bad one "
-                              "can store outside out and poison the CUDA context")
-
-
+# A sequence running past the packed total, or starting before the previous one's end, is
+# clamped into the packed rows (Note [clamped lengths] in fa4lab.kernels.device.seqlen): the
+# guard bands around out and lse stay untouched.
 @pytest.mark.parametrize("cu_q, words", [
-    pytest.param([0, 100, 5000],
-                 r"cu_seqlens_q's last entry is 5000 but the packed q have 300 tokens",
-                 marks=_UNCLAMPED),
-    pytest.param([0, 250, 100], r"cu_seqlens_q decreases at index 2 \(cu_seqlens_q\[1\] = 250",
-                 marks=_UNCLAMPED),
+    ([0, 100, 5000], r"cu_seqlens_q's last entry is 5000 but the packed q have 300 tokens"),
+    ([0, 250, 100], r"cu_seqlens_q decreases at index 2 \(cu_seqlens_q\[1\] = 250"),
     ([-2**31, 0, 300], r"cu_seqlens_q must start at 0, got cu_seqlens_q\[0\] = -2147483648"),
-    pytest.param([0, 2**31 - 1, 300], r"cu_seqlens_q decreases at index 2",
-                 marks=_UNCLAMPED),
+    ([0, 2**31 - 1, 300], r"cu_seqlens_q decreases at index 2"),
 ])
 def test_bad_cu_seqlens_stay_inside_out(cu_q, words, monkeypatch):
     from fa4lab import attention_varlen, check_errors

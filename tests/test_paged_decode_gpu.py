@@ -53,7 +53,7 @@ def ragged(batch, pages_per_seq, page_size, seed) -> list[int]:
 
 
 def _check(q, k_cache, v_cache, table, cu_q, seqused_k, *, causal=False,
-           window_size=(None, None), learnable_sink=None, launches=1):
+           window_size=(None, None), learnable_sink=None, launches=1, pack_gqa=None):
     from fa4lab import attention_varlen
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_varlen_reference
@@ -73,7 +73,7 @@ def _check(q, k_cache, v_cache, table, cu_q, seqused_k, *, causal=False,
     try:
         out, lse = attention_varlen(q, k_cache, v_cache, cu_q, None, max(lens_q), max(used),
                                     seqused_k=seqused_k, page_table=table, return_lse=True,
-                                    **opts)
+                                    pack_gqa=pack_gqa, **opts)
     finally:
         launch.forward = forward
     assert calls.count(True) == launches and (launches == 0 or len(calls) == 1), \
@@ -107,6 +107,25 @@ def test_several_queries_per_sequence(page_size):
     _check(*inputs, causal=True, window_size=(200, 0))
     sink = torch.linspace(-3.0, 3.0, 16, device="cuda")
     _check(*inputs, causal=False, learnable_sink=sink)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_equal_chunks_over_many_tiles(pack_gqa):
+    """L = 256 queries in each of 8 sequences, causal, over a cache of 4096 keys per sequence
+    with ragged key counts: one launch of several m_blocks in the LPT order, with more (batch,
+    head) pairs than its L2 sections hold. Every re-read of a tile's coordinates must take the
+    launch's key count, as its first read did (Note [the launch's sizes] in
+    fa4lab.kernels.fwd_sm90): a sequence's own count gives another swizzle, and its output
+    would land on another tile's rows."""
+    from fa4lab.scheduling import l2_swizzle
+
+    pages, page_size = 32, 128
+    used = ragged(8, pages, page_size, seed=5)
+    bytes_per_key = 2 * (128 + 128)
+    swizzles = {l2_swizzle(n, bytes_per_key) for n in (*used, pages * page_size)}
+    assert len(swizzles) > 1 and min(swizzles) < 8 * 8, "the case must cross L2 sections"
+    _check(*decode_inputs(used, 256, pages, page_size, 32, 8, 128, seed=57), causal=True,
+           pack_gqa=pack_gqa)
 
 
 def test_ragged_query_counts_run_per_sequence():

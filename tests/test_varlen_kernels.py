@@ -74,6 +74,26 @@ def test_sequence_reads_offsets_and_lengths(lengths, with_used, data):
     assert s.reread_offset_k() == s.offset_k
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-2**31, 2**31 - 1), min_size=2, max_size=6),
+       st.lists(st.integers(-2**31, 2**31 - 1), min_size=2, max_size=6),
+       st.integers(0, 5000), st.integers(0, 5000), st.data())
+def test_bad_cu_seqlens_stay_inside_the_packed_rows(cu_q, cu_k, total_q, total_k, data):
+    """Note [clamped lengths]: whatever cu_seqlens hold, a sequence's rows lie inside the
+    launch's packed totals (so every store and plain load stays inside the tensors), and the
+    re-read of offset_k is clamped the same way."""
+    from fa4lab.kernels.device.seqlen import sequence
+
+    batch = min(len(cu_q), len(cu_k)) - 1
+    b = data.draw(st.integers(0, batch - 1))
+    s = sequence(b, total_q, total_k, cu_q, cu_k)
+    assert 0 <= s.offset_q and 0 <= s.seqlen_q and s.offset_q + s.seqlen_q <= total_q
+    assert 0 <= s.offset_k and 0 <= s.seqlen_k and s.offset_k + s.seqlen_k <= total_k
+    assert s.reread_offset_k() == s.offset_k
+    if 0 <= cu_q[b] <= cu_q[b + 1] <= total_q:      # a good entry: the clamp changes nothing
+        assert (s.offset_q, s.seqlen_q) == (cu_q[b], cu_q[b + 1] - cu_q[b])
+
+
 def test_varlen_plans_refuse_pack_gqa():
     from fa4lab.plan import plan_forward
 

@@ -773,7 +773,8 @@ class FlashForwardSm90:
         wg = self._consumer_index()  # 0 .. q_stage-1
         tid = tidx % _WG
         m_block, head, batch, split = scheduler.work(self, mO, seqlen_k, varlen, num_splits, tile)
-        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
+        launch = (seqlen_q, seqlen_k)   # Note [the launch's sizes]
+        seq = self.sequence(batch, *launch, varlen)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         thr_qk = tiled_mma_qk.get_slice(tid)
@@ -841,10 +842,17 @@ class FlashForwardSm90:
         if const_expr(not self.persistent):
             self.close_ring()
 
+        # Note [the launch's sizes]
         # The tile's coordinates are read again rather than kept live through the block loop
         # (registers are the scarce resource there; these reads are cheap special registers).
-        # With LSE at head_dim 64, causal, this saves 4 spill instructions.
-        m_block, head, batch, split = scheduler.work(self, mO, seqlen_k, varlen, num_splits, tile)
+        # With LSE at head_dim 64, causal, this saves 4 spill instructions. The re-reads take
+        # the launch's seqlen_q and seqlen_k, as the first reads did, never the tile's own: the
+        # LPT order's L2 swizzle reads seqlen_k (a paged or seqused_k launch's own key count
+        # would give another swizzle, and the tile's output would go to another tile's rows),
+        # and the sequence's clamp reads both totals (Note [clamped lengths] in
+        # fa4lab.kernels.device.seqlen).
+        m_block, head, batch, split = scheduler.work(self, mO, launch[1], varlen, num_splits,
+                                                     tile)
         wg = self._consumer_index()
         m_offset = (m_block * self.q_stage + wg) * self.m_block
         sinks = None
@@ -855,7 +863,7 @@ class FlashForwardSm90:
                 sinks[r] = sink_log2(mSink, m_offset + tScS_mn[r, 0][0], head, self.pack)
         inv_sum, lse = softmax.finalize(sinks)
         softmax.rescale(acc_mn_view(acc_O), inv_sum)
-        seq = self.sequence(batch, seqlen_q, seqlen_k, varlen)
+        seq = self.sequence(batch, *launch, varlen)
         if const_expr(self.split_kv):
             self.epilogue_split(tiled_mma_pv, mOPartial, mLSEPartial, acc_O, lse, tScS_mn, wg,
                                 tidx % _WG, head, batch, split, m_offset, seq.seqlen_q)

@@ -21,6 +21,31 @@ row past seqlen_q is never stored, and a key past seqlen_k is masked (the seqlen
 masked block of `fa4lab.kernels.device.scheduler.mask_split`). Storing them is not: a TMA store
 of a whole tile would overwrite the next sequence's output, so a varlen kernel stores O and LSE
 row by row, predicated on row < seqlen_q.
+
+Note [clamped lengths]
+The lengths come from tensors whose values nothing on the host has read (Note [reading the
+lengths] in fa4lab.varlen): with the default device check a bad cu_seqlens or seqused_k is
+reported after the launch (Note [index check on the device] in fa4lab.indexcheck), so the
+kernel must stay inside its tensors whatever they say. What can leave them is a store and a
+plain load; a TMA load cannot (the unit zero-fills a box outside the tensor's view). So
+`sequence` clamps each sequence's rows into the packed tensors, whose row counts are the
+launch's `seqlen_q` / `seqlen_k` when cu_seqlens are given: its first row into [0, total], its
+end into [first row, total] (four min/max per tile and axis). Every predicated store of O and
+LSE (Note [varlen rows past a sequence]) then writes rows of out and lse, and K / V offsets
+stay inside the packed keys. On good values every clamp is a no-op; on bad ones the answer is
+wrong, and nothing outside the tensors is touched.
+The totals must be the launch's, never a sequence's own lengths: a kernel that asks for a
+sequence again (the sm90 epilogue does, rather than keep the offsets live through the block
+loop) passes the launch's sizes again, not the ones `sequence` returned the first time. (A
+first version of this clamp was withdrawn after the sm90 epilogue passed its tile's own
+seqlen_q as the total, which moved every later sequence's first row into the first sequence's
+rows: wrong output on every varlen launch. The same re-read also feeds the tile order its L2
+swizzle, which reads seqlen_k: Note [the launch's sizes] in fa4lab.kernels.fwd_sm90.)
+seqused_k is not clamped: past a sequence's keys it only makes TMA loads read the next
+sequence's keys or zeros, and the one plain load it steers, the page table's slot, is clamped
+into the table's row by `fa4lab.kernels.device.paged.read_pages` (Note [clamped indices]
+there). (A clamp of seqused_k into the page capacity made the sm100 load warp, at 48
+registers, spill 6 instructions with pages of 16.)
 """
 
 from __future__ import annotations
@@ -41,30 +66,42 @@ class Sequence(NamedTuple):
     seqlen_k: object
     cu_seqlens_k: object = None
     batch: object = None
+    total_k: object = None
 
     def reread_offset_k(self):
         """offset_k loaded again from cu_seqlens_k (a load in a loop, rather than a value
-        kept live through it where registers are scarce)."""
+        kept live through it where registers are scarce), clamped as `sequence` clamps it."""
         if self.cu_seqlens_k is None:
             return self.offset_k
-        return self.cu_seqlens_k[self.batch]
+        return _clamp(self.cu_seqlens_k[self.batch], 0, self.total_k)
+
+
+def _clamp(x, lo, hi):
+    return cutlass.min(cutlass.max(x, lo), hi)
+
+
+def _within(start, end, total) -> tuple:
+    """(first, length) of the rows [start, end) clamped into [0, total) (Note [clamped
+    lengths])."""
+    first = _clamp(start, 0, total)
+    return first, _clamp(end, first, total) - first
 
 
 def sequence(batch, seqlen_q, seqlen_k, cu_seqlens_q=None, cu_seqlens_k=None,
              seqused_k=None) -> Sequence:
     """Sequence `batch`'s offsets and lengths: from cu_seqlens_q / cu_seqlens_k ((batch + 1,)
     int32) where given, else 0 and the fixed `seqlen_q` / `seqlen_k`; `seqused_k` ((batch,)
-    int32), where given, is the key count (it caps what cu_seqlens_k gives)."""
-    offset_q, offset_k = 0, 0
+    int32), where given, is the key count (it caps what cu_seqlens_k gives). With cu_seqlens
+    the fixed sizes are the launch's packed totals, and every offset and length is clamped into
+    them (Note [clamped lengths])."""
+    offset_q, offset_k, total_k = 0, 0, seqlen_k
     if cu_seqlens_q is not None:
-        offset_q = cu_seqlens_q[batch]
-        seqlen_q = cu_seqlens_q[batch + 1] - offset_q
+        offset_q, seqlen_q = _within(cu_seqlens_q[batch], cu_seqlens_q[batch + 1], seqlen_q)
     if cu_seqlens_k is not None:
-        offset_k = cu_seqlens_k[batch]
-        seqlen_k = cu_seqlens_k[batch + 1] - offset_k
-    if seqused_k is not None:
+        offset_k, seqlen_k = _within(cu_seqlens_k[batch], cu_seqlens_k[batch + 1], seqlen_k)
+    if seqused_k is not None:     # not clamped: Note [clamped lengths]
         seqlen_k = seqused_k[batch]
-    return Sequence(offset_q, seqlen_q, offset_k, seqlen_k, cu_seqlens_k, batch)
+    return Sequence(offset_q, seqlen_q, offset_k, seqlen_k, cu_seqlens_k, batch, total_k)
 
 
 def of_launch(batch, seqlen_q, seqlen_k, varlen) -> Sequence:
