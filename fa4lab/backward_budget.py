@@ -21,8 +21,8 @@ from fa4lab.hardware import B200
 from fa4lab.limits import ELEMENT_BYTES
 from fa4lab.plan.tmem import TmemPlan, TmemRegion, alloc_columns
 
-__all__ = ["SCHEMES", "DqCost", "step_bytes", "step_flops", "dq_costs", "machine_balance",
-           "backward_tmem", "tmem_table_markdown"]
+__all__ = ["SCHEMES", "DqCost", "saved_bytes", "step_bytes", "step_flops", "dq_costs",
+           "machine_balance", "backward_tmem", "tmem_table_markdown"]
 
 SCHEMES = ("atomic", "deterministic", "separate pass")
 
@@ -54,6 +54,15 @@ SCHEMES = ("atomic", "deterministic", "separate pass")
 
 def _dims(head_dim: int, head_dim_v: int | None) -> tuple[int, int]:
     return int(head_dim), int(head_dim if head_dim_v is None else head_dim_v)
+
+
+def saved_bytes(seqlen: int, head_dim_v: int = 128, *, dtype: str = "bf16") -> dict[str, int]:
+    """What the forward could keep for the backward, per (batch, head) of `seqlen` queries and
+    keys: `P` (seqlen^2 probabilities in the inputs' dtype) against what FlashAttention keeps,
+    `O` (seqlen x head_dim_v, the output anyway) and `LSE` (one fp32 per query row)."""
+    e = ELEMENT_BYTES[dtype]
+    return {"P": seqlen * seqlen * e, "O": seqlen * head_dim_v * e,
+            "LSE": seqlen * ELEMENT_BYTES["fp32"]}
 
 
 def step_bytes(head_dim: int = 128, head_dim_v: int | None = None, *, block_m: int = 128,

@@ -11,6 +11,7 @@ from fa4lab.backward_budget import (
     backward_tmem,
     dq_costs,
     machine_balance,
+    saved_bytes,
     step_bytes,
     step_flops,
     tmem_table_markdown,
@@ -20,6 +21,13 @@ from fa4lab.hardware import B200, H200
 from fa4lab.viz.backward import plot_dq_schemes
 
 KIB = 1024
+
+
+def test_what_the_forward_keeps_grows_linearly_and_p_quadratically():
+    small, large = saved_bytes(1024), saved_bytes(4096)
+    assert small == {"P": 2 * 1024 ** 2, "O": 1024 * 128 * 2, "LSE": 1024 * 4}
+    assert large["P"] == 16 * small["P"] and large["O"] == 4 * small["O"]
+    assert saved_bytes(8, 64, dtype="fp32") == {"P": 256, "O": 2048, "LSE": 32}
 
 
 def test_one_step_at_head_dim_128_moves_what_the_lesson_says():
