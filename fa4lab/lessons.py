@@ -52,6 +52,11 @@ LESSONS = (
            "and over gloo, zig-zag vs contiguous sharding, a modelled timeline and scaling "
            "efficiency from 128k to 1M tokens",
            "CPU (gloo, model); 2+ GPUs to measure (NCCL, not yet measured)"),
+    Lesson("10_backward.ipynb", "The backward pass",
+           "why the forward keeps O and LSE, not P; D = rowsum(dO * O) and the five MMAs of a "
+           "tile; key blocks outside and three ways to accumulate dQ (a model); the backward's "
+           "TMEM map at head_dim 64 and 128; graded: one tile's backward step",
+           "CPU (float64; costs and TMEM are a model, no GPU backward kernel yet)"),
 )
 
 

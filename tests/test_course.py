@@ -43,6 +43,7 @@ EXERCISES = {
                               exercises.check_chunked_local_mask)],
     "08_design_your_variant.ipynb": [("prediction_held", "prediction_held",
                                       exercises.check_prediction_held)],
+    "10_backward.ipynb": [("backward_step", "my_backward_step", exercises.check_backward_step)],
 }
 
 
@@ -100,7 +101,8 @@ def test_instructor_solutions_do_not_call_what_they_are_graded_against():
     graded = {"update_state": "osm.update_state", "merge_states": "osm.merge_states",
               "n_block_range": "tiling.", "classify_tiles": "tiling.", "allocate_tmem": "plan",
               "lse_program": "plan.protocol.program", "chunked_local_mask": "same_chunk",
-              "softcap_score_mod": "reference", "prediction_held": "judge"}
+              "softcap_score_mod": "reference", "prediction_held": "judge",
+              "backward_step": "backward_blocks"}
     for name, exs in EXERCISES.items():
         for grade_id, _, _ in exs:
             assert graded[grade_id] not in _solution_source(name, grade_id), grade_id

@@ -14,6 +14,7 @@ returns a one-line summary.
     notebook 05: check_softcap_score_mod                      (fa4lab.mods, the sm100 kernel)
     notebook 06: check_chunked_local_mask                     (fa4lab.mods, the sm90 kernel)
     notebook 08: check_prediction_held                        (fa4lab.variants.judge)
+    notebook 10: check_backward_step                          (fa4lab.backward_blocks)
 
 Each check takes `seed=` to replay a failure (messages quote the seed). A failure of fa4lab or
 of the machine rather than of the answer is a `GradingError`, or a part the summary says was
@@ -23,6 +24,7 @@ release|grade`.
 """
 
 from fa4lab.exercises._core import ExerciseFailed, GradingError
+from fa4lab.exercises.backward import check_backward_step
 from fa4lab.exercises.barriers import check_lse_program
 from fa4lab.exercises.experiment import check_prediction_held
 from fa4lab.exercises.masks import check_chunked_local_mask
@@ -34,4 +36,4 @@ from fa4lab.exercises.variants import check_softcap_score_mod
 __all__ = ["ExerciseFailed", "GradingError", "check_update_state", "check_merge_states",
            "check_n_block_range", "check_classify_tiles", "check_allocate_tmem",
            "check_lse_program", "check_softcap_score_mod", "check_chunked_local_mask",
-           "check_prediction_held"]
+           "check_prediction_held", "check_backward_step"]

@@ -67,6 +67,7 @@ ANSWERS: dict[str, tuple[tuple[str, str], ...]] = {
     "n_block_range": (("fa4lab.tiling", "n_block_range"),),
     "classify_tiles": (("fa4lab.tiling", "classify_tiles"),),
     "allocate_tmem": (("fa4lab.plan", "plan_forward"), ("fa4lab.plan.forward", "plan_forward")),
+    "backward_step": (("fa4lab.backward_blocks", "backward_step"),),
 }
 
 
