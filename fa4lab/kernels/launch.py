@@ -314,8 +314,9 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
     one launch over the batch's real tiles (Note [varlen tile table] in
     fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
-    in fa4lab.varlen): the tile table is built on the GPU (`fa4lab.varlen_tiles.launch_tile_rows`,
-    Note [launch tile table]), sized
+    in fa4lab.varlen): the tile table is built on the GPU in one launch
+    (`fa4lab.kernels.tile_table`, Note [one CTA builds the table]; the rows of
+    `fa4lab.varlen_tiles.launch_tile_rows`, Note [launch tile table]), sized
     by `max_tile_rows`, and the key counts go to the kernel as seqused_k. With `page_table`,
     k and v are a paged cache read in place (Note [paged key blocks] in
     fa4lab.kernels.device.paged: no cu_seqlens_k, each sequence's keys its lengths.keys).
@@ -323,7 +324,8 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     keeps the launch's lengths and tile table per tiling across calls."""
     import torch
 
-    from fa4lab.varlen_tiles import launch_lengths, launch_tile_rows, max_tile_rows
+    from fa4lab.kernels.tile_table import build_launch_tables
+    from fa4lab.varlen_tiles import max_tile_rows
 
     key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
                  None, varlen=True, page_table=page_table)
@@ -340,11 +342,8 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     tiling = (cta_m, causal, tuple(window_size))
     made = None if tables is None else tables.get(tiling)
     if made is None:
-        lens_q = (lengths.cu_q[1:] - lengths.cu_q[:-1]).long()
-        made = (*launch_lengths(lengths),
-                launch_tile_rows(lens_q, lengths.keys.long(),
-                                 max_tile_rows(total_q, lengths.batch, cta_m),
-                                 m_block_size=cta_m, causal=causal, window_size=window_size))
+        made = build_launch_tables(lengths, max_tile_rows(total_q, lengths.batch, cta_m),
+                                   m_block=cta_m, causal=causal, window_size=window_size)
         if tables is not None:
             tables[tiling] = made
     cu_q, cu_k, keys, table = made
