@@ -42,9 +42,7 @@ from fa4lab.kernels.binary import (
     count_prefix,
     describe,
     mbarrier_inits,
-    program_order,
     ptx_count,
-    ptx_loops,
     ptxas_report,
     resource_usage,
     sass,
@@ -56,6 +54,7 @@ from fa4lab.kernels.binary import (
     steady_loop,
     tmem_alloc_columns,
 )
+from fa4lab.kernels.ptx_flow import program_order, ptx_loops
 from fa4lab.limits import (
     ALL_HEAD_DIMS,
     EXP2_PAIR_FADD2,
@@ -99,7 +98,7 @@ def smem_gap_is_alignment(plan, struct_bytes: int) -> bool:
 # the warp index (Note [values per thread] in fa4lab.kernels.binary), so `epilogue{c}` is
 # checked as epilogue0 in consumer0's threads, epilogue1 in consumer1's. A barrier instruction
 # no marker claims fails (bar.sync 0, the CTA-wide setup barrier, is shown apart). The markers
-# of each code path, read in an order that follows the control flow (`binary.program_order`),
+# of each code path, read in an order that follows the control flow (`ptx_flow.program_order`),
 # must be the table's sites in order, and a marker is inside a PTX loop exactly when its site
 # is inside a table loop, one PTX loop per table loop.
 _OPCODES = {"wait": ("mbarrier.try_wait", "mbarrier.test_wait"),
