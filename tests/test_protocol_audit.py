@@ -30,7 +30,7 @@ def _compile(mutation, tmp_path_factory):
 
 
 def _failures(plan, ptx):
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
 
     return [r for r in protocol_rows(plan, ptx) if not r.ok]
 
@@ -122,7 +122,7 @@ def test_stats_mailbox_offset_is_read_from_the_binary(tmp_path_factory):
     lays the mailbox out before O fails on both regions."""
     import dataclasses
 
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
     from fa4lab.plan.smem import SmemPlan
 
     cf = _compile(None, tmp_path_factory)
@@ -233,7 +233,7 @@ def test_thread_values_follow_the_id_register_to_the_thread_index():
 def _sm90_rows(ptx, shift=0):
     import dataclasses
 
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
     from fa4lab.plan.barriers import BarrierGraph
 
     plan = plan_forward(SPEC, "sm90")
@@ -282,7 +282,7 @@ MAILBOX_PTX = """
 
 
 def test_stats_offset_is_read_from_the_mailbox_accesses():
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
 
     plan = plan_forward(SPEC, "sm100")
     at = plan.smem.offsets()["stats"]

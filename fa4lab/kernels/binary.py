@@ -65,6 +65,11 @@ class Audit:
         return "\n".join(lines)
 
 
+def audit_row(name, expected, found, ok=None, note="") -> AuditRow:
+    """A row that holds when `found == expected`, or as `ok` says."""
+    return AuditRow(name, expected, found, expected == found if ok is None else bool(ok), note)
+
+
 def describe(spec) -> str:
     """The configuration a compiled kernel bakes in, for an audit's title."""
     hd = f"{spec.head_dim}" + (f" (head_dim_v {spec.head_dim_v})"
