@@ -44,7 +44,7 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
     (rescales O in TMEM, then normalises it into shared memory), mma (one thread issues every
     tcgen05.mma), load (TMA of Q, K, V), epilogue (TMA store of O), empty;
   * TMEM (plan.tmem): S_i (fp32) for each Q tile, P_i (16-bit) written over S_i, O_i (fp32);
-  * barriers: the protocol table `plan.protocol` (fa4lab.plan.sm100.build_protocol). The
+  * barriers: the protocol table `plan.protocol` (fa4lab.plan.protocol_sm100.build_protocol). The
     SharedStorage struct is declared from plan.smem in its order, one Int64 array per mbarrier
     of the table; the mbarriers are built as DSL pipelines over the table's full/empty pairs
     (`_PIPELINES`), with the table's stages, arrival counts and TMA bytes; every wait / arrive /
