@@ -274,7 +274,8 @@ def _page_rule(table, keys, page_size: int, num_pages: int) -> _Rule:
 def check_varlen_shapes(q, k, v, paged: bool) -> None:
     """Kinds, dims, dtypes, devices and the shapes q, k, v must share: the part of
     `check_varlen` that reads no index tensor (and no size that varies from call to call), so
-    a fake tensor or a traced size passes through it (Note [the varlen op] in fa4lab.api)."""
+    a fake tensor or a traced size passes through it (Note [the varlen op] in
+    fa4lab.api.varlen)."""
     import torch
 
     kv_dims = ("(num_pages, page_size, heads_kv, head_dim)" if paged
@@ -427,7 +428,7 @@ def check_paged(q, k, v, page_table, *, check_indices="device") -> int:
     check_varlen_shapes(q.flatten(0, 1), k, v, paged=True)
     table = _page_table(page_table, q, int(q.shape[0]), "q has")
     seqlen_k = paged_seqlen_k(k, table)
-    if seqlen_k < 1 or q.numel() == 0:     # nothing to read: Note [empty calls] in fa4lab.api
+    if seqlen_k < 1 or q.numel() == 0:     # nothing to read: Note [empty calls] in fa4lab.canonical
         return seqlen_k
     context = CheckContext(num_pages=int(k.shape[0]), page_size=int(k.shape[1]),
                            pages_per_seq=int(table.shape[1]), entry="fa4lab.attention")

@@ -1,4 +1,4 @@
-"""`fa4lab.attention_varlen` as a torch op (Note [the varlen op] in fa4lab.api): opcheck on
+"""`fa4lab.attention_varlen` as a torch op (Note [the varlen op] in fa4lab.api.varlen): opcheck on
 packed and paged batches, torch.compile(fullgraph=True) of a packed-sequence block against the
 float64 reference, one graph for every batch under dynamic shapes, fake tensors, bad lengths
 raising from inside a compiled graph, gradients on CPU tensors (the float64 reference's) and no

@@ -146,7 +146,7 @@ def test_exp2_split_uses_both_pipes():
     assert 0.0 < plan.exp2_emulation_fraction < 1.0
     prog = ds.role_programs(plan, 1)
     sim = ds.DataSimulator(plan, prog, ds._needed(plan, prog), ds.DATA_COSTS, None,
-                           ds.work_tiles(plan), ds._fresh_memory(plan, None, None))
+                           ds.work_tiles(plan), ds.fresh_memory(plan, None, None))
     cols = sim.emulated
     assert cols.any() and not cols.all()
     assert (cols[0::2] == cols[1::2]).all()

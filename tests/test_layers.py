@@ -154,9 +154,9 @@ def test_the_package_has_no_import_circle():
 LAYERS = (
     ("limits", "errors", "digest", "paths", "hardware", "lessons"),
     ("__init__", "spec", "canonical"),
-    ("reference", "reference_backward", "backward_blocks", "online_softmax", "tiling", "gqa", "scheduling", "varlen", "varlen_tiles",
-     "varlen_forms", "varlen_metadata", "mods", "mods_blocks", "indexcheck", "splitkv",
-     "blockwalk"),
+    ("reference", "reference_backward", "backward_blocks", "online_softmax", "tiling", "gqa",
+     "scheduling", "varlen", "varlen_tiles", "varlen_forms", "varlen_metadata", "mods",
+     "mods_blocks", "indexcheck", "splitkv", "blockwalk"),
     ("plan", "backward_budget"),
     ("kernels",),
     ("api", "backward"),

@@ -169,7 +169,7 @@ def _fake_q(sq, hq, d, batch=2):
 @pytest.mark.compile
 @pytest.mark.parametrize("g", [4, 8])
 def test_packed_q_and_o_tma_views(g):
-    """Q through the kernel's `_q_tma` (tcgen05 A-operand atom) and O through `packed_tma`,
+    """Q through the kernel's `packed_a_tma` (tcgen05 A-operand atom) and O through `packed_tma`,
     tiled as the kernel tiles them: row r of tile t of KV head kv is TMA coordinate
     (col, kv * g + r % g, t * 128 / g + r // g, batch); the Q view also partitions for TMA."""
     pytest.importorskip("cutlass")
@@ -180,8 +180,7 @@ def test_packed_q_and_o_tma_views(g):
     from cutlass.tensor_utils import LayoutEnum
 
     from fa4lab.kernels.compile import target_arch
-    from fa4lab.kernels.device.pack_gqa import packed_tma
-    from fa4lab.kernels.fwd_sm100 import _q_tma
+    from fa4lab.kernels.device.pack_gqa import packed_a_tma, packed_tma
 
     sq, hq, d, kv, batch = 300, 2 * g, 128, 1, 1
     tiler = (M_BLOCK, 128, d)
@@ -198,8 +197,8 @@ def test_packed_q_and_o_tma_views(g):
             cute.nvgpu.OperandMajorMode.K, cutlass.Float32, tcgen05.CtaGroup.ONE, tiler[:2])
         cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma.thr_id.shape,))
         sQ = sm100_utils.make_smem_layout_a(mma, tiler, cutlass.BFloat16, Q_STAGE)
-        atom, q_coords = _q_tma(cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE), mQ,
-                                sQ, mma, tiler, cluster.shape, g)
+        atom, q_coords = packed_a_tma(cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE),
+                                      mQ, sQ, mma, tiler, cluster.shape, g)
         sO = sm100_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
                                               (M_BLOCK, d), Q_STAGE)
         _, o_coords = packed_tma(cpasync.CopyBulkTensorTileS2GOp(), mO,

@@ -202,7 +202,7 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
     packed q viewed as (batch, L, heads, d) and the launch's out / lse put back in varlen form
     are the varlen reference, seqused_k reaching the launch. The launch is stood in for by the
     float64 reference on each sequence's first seqused_k keys (the kernel's contract)."""
-    from fa4lab import api
+    from fa4lab.api import varlen as api_varlen
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_reference, attention_varlen_reference
     from fa4lab.varlen import check_varlen
@@ -233,7 +233,7 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
     lengths = check_varlen(q, kc, vc, cu_q, None, L, None, used, table)
     options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
                    learnable_sink=None)
-    out, lse = api._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    out, lse = api_varlen._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
     want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
                                                 page_table=table, causal=True, return_lse=True)
     torch.testing.assert_close(out, want)
@@ -283,7 +283,7 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
     the combine; the result is the varlen reference. The split kernel is stood in for by the
     float64 partials of each sequence's first seqused_k keys (its contract: every split cuts its
     sequence's own key blocks; a sequence with no key, or one key, leaves splits empty)."""
-    from fa4lab import api
+    from fa4lab.api import varlen as api_varlen
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.splitkv import partial_attention_reference
@@ -320,7 +320,7 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
     lengths = check_varlen(q, kc, vc, cu_q, None, 1, None, used, table)
     options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
                    learnable_sink=None)
-    out, lse = api._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    out, lse = api_varlen._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
     assert len(seen) == 1 and seen[0] > 1
     want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
                                                 page_table=table, causal=True, return_lse=True)

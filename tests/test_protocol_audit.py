@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from fa4lab.kernels import binary
+from fa4lab.kernels import binary, ptx_flow
 from fa4lab.plan import plan_forward
 from fa4lab.spec import AttentionSpec
 
@@ -30,7 +30,7 @@ def _compile(mutation, tmp_path_factory):
 
 
 def _failures(plan, ptx):
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
 
     return [r for r in protocol_rows(plan, ptx) if not r.ok]
 
@@ -122,7 +122,7 @@ def test_stats_mailbox_offset_is_read_from_the_binary(tmp_path_factory):
     lays the mailbox out before O fails on both regions."""
     import dataclasses
 
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
     from fa4lab.plan.smem import SmemPlan
 
     cf = _compile(None, tmp_path_factory)
@@ -193,13 +193,13 @@ def test_barrier_ops_kinds_ids_and_forms():
 
 def test_loops_and_program_order_follow_control_flow():
     lines = PTX.splitlines()
-    loops = binary.ptx_loops(PTX)
+    loops = ptx_flow.ptx_loops(PTX)
     arrive = next(i for i, ln in enumerate(lines) if "mbarrier.arrive" in ln)
     wait = next(i for i, ln in enumerate(lines) if "try_wait" in ln)
     sync = next(i for i, ln in enumerate(lines) if "barrier.sync \t1" in ln or
                 ln.strip().startswith("barrier.sync"))
     assert loops[arrive] == "$L__BB0_3" and loops[wait] is None and loops[sync] is None
-    order = binary.program_order(PTX)
+    order = ptx_flow.program_order(PTX)
     # $L__BB0_9 is laid out before the loop but runs after it (the loop branches to it).
     assert order.index(wait) < order.index(arrive) < order.index(sync)
 
@@ -233,7 +233,7 @@ def test_thread_values_follow_the_id_register_to_the_thread_index():
 def _sm90_rows(ptx, shift=0):
     import dataclasses
 
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
     from fa4lab.plan.barriers import BarrierGraph
 
     plan = plan_forward(SPEC, "sm90")
@@ -282,7 +282,7 @@ MAILBOX_PTX = """
 
 
 def test_stats_offset_is_read_from_the_mailbox_accesses():
-    from fa4lab.kernels.audit import protocol_rows
+    from fa4lab.kernels.protocol_audit import protocol_rows
 
     plan = plan_forward(SPEC, "sm100")
     at = plan.smem.offsets()["stats"]
@@ -325,7 +325,7 @@ def test_nested_loops_name_the_innermost():
     """Each line's loop is its innermost one: the block loop's lines are not the tile loop's, so
     the audit can match each table loop (TileLoop, Loop) to one PTX loop."""
     lines = NESTED_PTX.splitlines()
-    loops = binary.ptx_loops(NESTED_PTX)
+    loops = ptx_flow.ptx_loops(NESTED_PTX)
 
     def at(text):
         return loops[next(i for i, ln in enumerate(lines) if text in ln)]
@@ -376,11 +376,11 @@ def test_a_conditional_latch_ends_its_loop():
     """The code after a loop whose latch is a conditional branch falls through it and is not
     part of the loop (nor before it in program order)."""
     lines = GATHER_PTX.splitlines()
-    loops = binary.ptx_loops(GATHER_PTX)
+    loops = ptx_flow.ptx_loops(GATHER_PTX)
     body = next(i for i, ln in enumerate(lines) if "gather loop body" in ln)
     latch = next(i for i, ln in enumerate(lines) if "bra" in ln)
     after = next(i for i, ln in enumerate(lines) if "mbarrier.arrive" in ln)
     assert loops[body] == loops[latch] == "$L__BB2_1"
     assert loops[after] is None
-    order = binary.program_order(GATHER_PTX)
+    order = ptx_flow.program_order(GATHER_PTX)
     assert order.index(body) < order.index(latch) < order.index(after)

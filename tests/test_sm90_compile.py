@@ -199,9 +199,8 @@ def test_mods_compile_for_sm90a(which, head_dim, softcap, tmp_path):
 
 
 def test_port_table_reads_the_plans():
-    pytest.importorskip("cutlass")
-    from fa4lab.kernels.fwd_sm90 import port_table
     from fa4lab.plan import plan_forward
+    from fa4lab.viz.port import port_table
 
     spec = AttentionSpec(1, 2048, 2048, 8, 8, 128, causal=True)
     rows = {what: (b, h) for what, b, h in port_table(spec)}

@@ -100,7 +100,7 @@ def test_split_lets_the_value_mma_start_before_the_last_keys_of_p():
 
 def _one_hand_off(p):
     """`p` with the table of one hand-off (p_part gone): the plan before the split."""
-    from fa4lab.plan.sm100 import build_protocol
+    from fa4lab.plan.protocol_sm100 import build_protocol
 
     bars = p.barriers.without("p_part")
     return dataclasses.replace(p, protocol=build_protocol(bars, p.tiles.q_stage,

@@ -10,7 +10,8 @@ and `fa4lab.kernels.peer_sm100` (upstream FA4's kernel, shown beside it) both bu
 The CUDA tools come from pip's nvidia packages (nvidia-cuda-nvcc, -cuobjdump, -nvdisasm, pinned in
 pyproject.toml): the DSL emits PTX ISA 9.4, which ptxas reads from CUDA 13.4 on (a system ptxas
 13.0 rejects it). FA4LAB_CUDA_BIN overrides the folder.
-`Audit` and `AuditRow` are the table every audit prints.
+`Audit` and `AuditRow` are the table every audit prints. The PTX's control flow (its loops, an
+order of its lines that follows it) is `fa4lab.kernels.ptx_flow`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class Audit:
             lines.append(f"| {r.name} | {r.expected} | {r.found} | "
                          f"{'yes' if r.ok else '**NO**'} | {r.note} |")
         return "\n".join(lines)
+
+
+def audit_row(name, expected, found, ok=None, note="") -> AuditRow:
+    """A row that holds when `found == expected`, or as `ok` says."""
+    return AuditRow(name, expected, found, expected == found if ok is None else bool(ok), note)
 
 
 def describe(spec) -> str:
@@ -509,187 +515,3 @@ def smem_accesses(ptx: str) -> list[tuple[int, str, int, bool]]:
         if where is not None:
             out.append((i, m.group(1), where[0], where[1]))
     return out
-
-
-def ptx_loops(ptx: str) -> dict[int, str | None]:
-    """Line -> the loop (a strongly connected set of basic blocks, named by its first label)
-    holding that line, or None. Inline assembly is opaque (a wait's retry loop is not a loop
-    here)."""
-    lines = ptx.splitlines()
-    blocks, order = _basic_blocks(lines)
-    inner = _innermost_loops(order, {b: blocks[b][2] for b in order})
-    out = {}
-    for name in order:
-        start, end, _ = blocks[name]
-        for i in range(start, end):
-            out[i] = inner.get(name)
-    return out
-
-
-def _innermost_loops(order, succ) -> dict:
-    """Block -> the innermost loop holding it (named by its first block), for nested loops (a
-    persistent kernel's tile loop around its block loops): a loop's strongly connected blocks
-    without the back edges to its header hold its inner loops."""
-    preds = {b: set() for b in order}
-    for b in order:
-        for s in succ[b]:
-            if s in preds:
-                preds[s].add(b)
-    out = {}
-
-    def walk(nodes, edges):
-        comp = _sccs(nodes, edges)
-        members: dict[str, list[str]] = {}
-        for b in nodes:
-            members.setdefault(comp[b][0], []).append(b)
-        for head, bs in members.items():
-            if not comp[head][1]:
-                continue
-            inside = set(bs)
-            entries = [b for b in bs if preds[b] - inside]
-            header = entries[0] if entries else bs[0]
-            for b in bs:
-                out[b] = header
-            walk(bs, {b: [s for s in edges[b] if s in inside and s != header] for b in bs})
-
-    walk(list(order), {b: list(succ[b]) for b in order})
-    return out
-
-
-def program_order(ptx: str) -> list[int]:
-    """Line numbers in an order that respects control flow: the loops (strongly connected
-    blocks) contracted and topologically sorted (ties by position), each loop's blocks ordered
-    the same way once the back edges to its header are cut, so nested loops (a persistent
-    kernel's tile loop around its block loops) come out in control-flow order too. PTX lays
-    blocks out in any order (a loop may follow the code after it)."""
-    lines = ptx.splitlines()
-    blocks, order = _basic_blocks(lines)
-    preds = {b: set() for b in order}
-    for b in order:
-        for x in blocks[b][2]:
-            if x in preds:
-                preds[x].add(b)
-    out = []
-    for b in _block_order(order, {b: [x for x in blocks[b][2] if x in preds] for b in order},
-                          preds, {b: blocks[b][0] for b in order}):
-        out += range(blocks[b][0], blocks[b][1])
-    return out
-
-
-def _block_order(nodes, edges, preds, pos) -> list[str]:
-    """`nodes` in control-flow order: SCCs topologically sorted, ties by text position, each
-    loop's blocks in turn ordered without the back edges to its header."""
-    import heapq
-
-    comp = _sccs(nodes, edges)
-    members: dict[str, list[str]] = {}
-    for b in nodes:
-        members.setdefault(comp[b][0], []).append(b)
-    dag = {c: set() for c in members}
-    indeg = dict.fromkeys(members, 0)
-    for b in nodes:
-        for x in edges[b]:
-            if comp[x][0] != comp[b][0] and comp[x][0] not in dag[comp[b][0]]:
-                dag[comp[b][0]].add(comp[x][0])
-                indeg[comp[x][0]] += 1
-    first = {c: min(pos[b] for b in bs) for c, bs in members.items()}
-    ready = [(first[c], c) for c, d in indeg.items() if d == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        _, c = heapq.heappop(ready)
-        bs = members[c]
-        if len(bs) > 1:
-            inside = set(bs)
-            entries = sorted((b for b in bs if preds[b] - inside), key=pos.get)
-            header = entries[0] if entries else min(bs, key=pos.get)
-            out += _block_order(bs, {b: [x for x in edges[b] if x in inside and x != header]
-                                     for b in bs}, preds, pos)
-        else:
-            out += bs
-        for x in dag[c]:
-            indeg[x] -= 1
-            if indeg[x] == 0:
-                heapq.heappush(ready, (first[x], x))
-    return out
-
-
-def _basic_blocks(lines):
-    """{label: (start line, end line, successor labels)} and the labels in text order. A
-    conditional branch ends its block too: the code after it (a loop's exit, falling through
-    its latch) is a block of its own, named after the branch's line."""
-    blocks, order = {}, []
-    cur, start, succ, falls, in_asm = "entry", 0, [], True, False
-
-    def close(end, fall_to):
-        blocks[cur] = (start, end, succ + ([fall_to] if fall_to else []))
-        order.append(cur)
-
-    for i, ln in enumerate(lines):
-        s = ln.strip()
-        if s == "// begin inline asm":
-            in_asm = True
-            continue
-        if s == "// end inline asm":
-            in_asm = False
-            continue
-        if in_asm:
-            continue
-        m = re.match(r"(\$L__\w+):", s)
-        if m:
-            close(i, m.group(1) if falls else None)
-            cur, start, succ, falls = m.group(1), i, [], True
-            continue
-        m = re.match(r"(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__\w+);", s)
-        if m:
-            succ.append(m.group(2))
-            if not m.group(1):
-                falls = False
-            else:
-                after = f"line {i + 1}"
-                close(i + 1, after)
-                cur, start, succ, falls = after, i + 1, [], True
-        elif s.startswith(("ret;", "exit;")):
-            falls = False
-    close(len(lines), None)
-    return blocks, order
-
-
-def _sccs(nodes, edges):
-    """Tarjan, iteratively: node -> (component head, is a loop)."""
-    index, low, stack, on, res, counter = {}, {}, [], set(), {}, [0]
-    for root in nodes:
-        if root in index:
-            continue
-        work = [(root, 0)]
-        while work:
-            v, i = work.pop()
-            if i == 0:
-                index[v] = low[v] = counter[0]
-                counter[0] += 1
-                stack.append(v)
-                on.add(v)
-            succ = [w for w in edges.get(v, []) if w in edges]
-            if i < len(succ):
-                work.append((v, i + 1))
-                w = succ[i]
-                if w not in index:
-                    work.append((w, 0))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                loop = len(comp) > 1 or v in edges.get(v, [])
-                for w in comp:
-                    res[w] = (v, loop)
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-    return res

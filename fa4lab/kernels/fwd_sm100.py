@@ -44,7 +44,7 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
     (rescales O in TMEM, then normalises it into shared memory), mma (one thread issues every
     tcgen05.mma), load (TMA of Q, K, V), epilogue (TMA store of O), empty;
   * TMEM (plan.tmem): S_i (fp32) for each Q tile, P_i (16-bit) written over S_i, O_i (fp32);
-  * barriers: the protocol table `plan.protocol` (fa4lab.plan.sm100.build_protocol). The
+  * barriers: the protocol table `plan.protocol` (fa4lab.plan.protocol_sm100.build_protocol). The
     SharedStorage struct is declared from plan.smem in its order, one Int64 array per mbarrier
     of the table; the mbarriers are built as DSL pipelines over the table's full/empty pairs
     (`_PIPELINES`), with the table's stages, arrival counts and TMA bytes; every wait / arrive /
@@ -63,7 +63,8 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
       p_part (two Q tiles)     softmax_i -> mma: P_i's first p_split keys are in TMEM; the
              value MMA takes them first, the rest after p_ready (`make_p_part`, Note [split P
              hand-off] in fa4lab.plan.sm100)
-    The s, o, stats and epi pipelines are indexed by Q tile, not round robin: `_phase_state`.
+    The s, o, stats and epi pipelines are indexed by Q tile, not round robin: `phase_state`
+    (fa4lab.kernels.device.storage).
     Orderings that need no barrier, because tcgen05 operations from the MMA thread run in issue
     order and a tcgen05.commit fires after everything issued before it:
       * S_i(j+1) is issued after O_i += P_i(j) V_j, so it cannot overwrite P_i(j) (which aliases
@@ -93,7 +94,8 @@ from fa4lab.kernels.device import split as split_mod
 from fa4lab.kernels.device.exp2 import exp2_poly3_x2
 from fa4lab.kernels.device.mods import ModRows
 from fa4lab.kernels.device.opaque import opaque_zero
-from fa4lab.kernels.device.pack_gqa import heads_positions, packed_tma, split_packed, unpack_row
+from fa4lab.kernels.device.pack_gqa import packed_a_tma, packed_tma, unpack_row
+from fa4lab.kernels.device.storage import phase_state, stages_at
 from fa4lab.kernels.protocol import Sites
 from fa4lab.limits import kernel_builds, min_gather_page, unsupported_head_dims
 from fa4lab.mods import refuse_split_with_mods
@@ -126,48 +128,12 @@ _PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUm
 
 # Note [sm100 head_dim_v < head_dim]
 # With (head_dim, head_dim_v) = (192, 128) K and V still take turns in one ring of buffers, each
-# as large as a K block (plan.smem "kv"). V's SMEM layout is built for its own (dv, n_block)
-# tile and then given K's stage stride (`_stages_at`), so V_j lands at the start of the buffer
-# K used; a V phase of kv_full expects the V box's bytes (`Barrier.slot_tx_bytes("V")`), passed
-# to the producer's acquire. The plan stages O in Q's bytes at Q's stage stride (O_i inside
-# Q_i): the correction writes O_i only after o_final, and that commit fires after every MMA
-# issued before it, the last score MMAs of both Q tiles included.
-
-
-def _stages_at(layout, like):
-    """`layout` (a swizzled SMEM layout whose last mode is the stage) with `like`'s stage
-    stride: V in the K-sized ring buffers, O staged in Q's tiles."""
-    def flat(x):   # a stage mode may be nested, e.g. (1, 2):(0, s)
-        return max(flat(y) for y in x) if isinstance(x, tuple) else x
-
-    shape, stride = layout.outer.shape, layout.outer.stride
-    return cute.make_composed_layout(layout.inner, 0, cute.make_layout(
-        (*shape[:-1], cute.size(shape[-1])), stride=(*stride[:-1], flat(like.outer.stride[-1]))))
-
-
-def _phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
-    """A pipeline position addressed by (stage index, phase parity) instead of a running count.
-
-    The per-Q-tile pipelines (s, o, stats, epi) are indexed by the Q tile, not round robin.
-    """
-    return pipeline.PipelineState(num_stages, Int32(0), Int32(index), Int32(phase))
-
-
-def _q_tma(op, mQ: cute.Tensor, sQ_layout, tiled_mma_qk, mma_tiler_qk, cluster_shape, g: int):
-    """TMA of the Q tiles (the score MMA's A operand) for (seqlen_q, d, heads_q, batch) `mQ`.
-
-    Returns the atom and its coordinates: (seqlen_q, d, heads_q, batch), or with g > 1
-    (pack-GQA) ((g, seqlen_q), d, heads_kv, batch), the M tile being (g heads, m_block / g
-    positions). See Note [sm100 pack-GQA kernel].
-    """
-    smem = cute.select(sQ_layout, mode=[0, 1, 2])
-    if g == 1:
-        return cute.nvgpu.make_tiled_tma_atom_A(op, mQ, smem, mma_tiler_qk, tiled_mma_qk,
-                                                cluster_shape)
-    m, n, k = mma_tiler_qk
-    atom, coords = cute.nvgpu.make_tiled_tma_atom_A(
-        op, heads_positions(mQ), smem, ((g, m // g), n, k), tiled_mma_qk, cluster_shape)
-    return atom, split_packed(coords, g)
+# as large as a K block (plan.smem "kv"). V's SMEM layout is built for its own (dv, n_block) tile
+# and then given K's stage stride (`stages_at` in fa4lab.kernels.device.storage), so V_j lands at
+# the start of the buffer K used; a V phase of kv_full expects the V box's bytes
+# (`Barrier.slot_tx_bytes("V")`), passed to the producer's acquire. The plan stages O in Q's bytes
+# at Q's stage stride (O_i inside Q_i): the correction writes O_i only after o_final, and that
+# commit fires after every MMA issued before it, the last score MMAs of both Q tiles included.
 
 
 class FlashForwardSm100:
@@ -343,12 +309,12 @@ class FlashForwardSm100:
         sO_layout = sm100_utils.make_smem_layout_epi(
             self.dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.q_stage)
         if cutlass.const_expr(self.head_dim_v != self.head_dim):
-            sV_layout = _stages_at(sV_layout, sK_layout)   # Note [sm100 head_dim_v < head_dim]
+            sV_layout = stages_at(sV_layout, sK_layout)   # Note [sm100 head_dim_v < head_dim]
         if cutlass.const_expr(self.o_in_q):
-            sO_layout = _stages_at(sO_layout, sQ_layout)
+            sO_layout = stages_at(sO_layout, sQ_layout)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
-        tma_atom_Q, tma_Q = _q_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
+        tma_atom_Q, tma_Q = packed_a_tma(tma_load, mQ, sQ_layout, tiled_mma_qk, self.mma_tiler_qk,
                                    cluster_vmnk.shape, self.pack)
         if cutlass.const_expr(self.gather):   # Note [paged key blocks]: boxes of one page
             tma_atom_K, tma_K = paged.page_tma(
@@ -911,7 +877,7 @@ class FlashForwardSm100:
                 n_first = scheduler.visit_block(0, *order)
                 page = pages(n_first)
                 for stage in cutlass.range_constexpr(self.q_stage):
-                    q_state = _phase_state(self.q_stage, stage, q_phase)
+                    q_state = phase_state(self.q_stage, stage, q_phase)
                     self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
                                q_state, stage=stage)
                     cute.copy(tma_atom_Q, tQgQ[None, m_block * self.q_stage + stage],
@@ -949,7 +915,7 @@ class FlashForwardSm100:
         page, `block_pages`) is read once per block, its V reusing its K's."""
         n_blocks, _, order = visit
         if n_blocks > 0:
-            q_state = _phase_state(1, 0, 1)
+            q_state = phase_state(1, 0, 1)
             self.sites("load", "wait q_empty; expect_tx q_full", pipe_q.producer_acquire,
                        q_state, stage=0)
             cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, 0],
@@ -1067,14 +1033,14 @@ class FlashForwardSm100:
         if n_blocks > 0:
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("mma", "wait q_full", pipe_q.consumer_wait,
-                           _phase_state(self.q_stage, stage, q_phase), stage=stage)
+                           phase_state(self.q_stage, stage, q_phase), stage=stage)
                 if cutlass.const_expr(stage == 0):
                     self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)
                 tiled_mma_qk = self.gemm(
                     tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
                     tSrK[None, None, None, kv_state.index], False)
                 self.sites("mma", "commit s_full", pipe_s.producer_commit,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             kv_state.advance()
             accumulate = Boolean(False)
@@ -1096,7 +1062,7 @@ class FlashForwardSm100:
                         tiled_mma_qk, tStS[stage], tSrQ[None, None, None, stage],
                         tSrK[None, None, None, kv_state.index], False)
                     self.sites("mma", "commit s_full", pipe_s.producer_commit,
-                               _phase_state(self.q_stage, stage, 0), stage=stage)
+                               phase_state(self.q_stage, stage, 0), stage=stage)
                 self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
                 kv_state.advance()
                 p_phase ^= 1
@@ -1106,7 +1072,7 @@ class FlashForwardSm100:
             # tile's Q loads while the last value MMAs wait for P (Note [persistent CTAs]).
             for stage in cutlass.range_constexpr(self.q_stage):
                 self.sites("mma", "commit q_empty", pipe_q.consumer_release,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "wait kv_full", pipe_kv.consumer_wait,
                        kv_state)  # V of the last block
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -1115,7 +1081,7 @@ class FlashForwardSm100:
                     tOrV[None, None, None, kv_state.index], pipe_s, pipe_o, p_part, stage,
                     p_phase, o_phase, accumulate)
                 self.sites("mma", "commit o_final", pipe_o.producer_commit,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           phase_state(self.q_stage, stage, 0), stage=stage)
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             kv_state.advance()
             q_phase ^= 1
@@ -1129,13 +1095,13 @@ class FlashForwardSm100:
         """O_i += P_i V_j once P_i is in TMEM (p_ready) and O_i was rescaled (o_rescaled). With
         a split hand-off (Note [split P hand-off] in fa4lab.plan.sm100) the K blocks of P's
         first p_split keys go once p_part completed, the others once p_ready did."""
-        p_state = _phase_state(self.q_stage, stage, p_phase)
+        p_state = phase_state(self.q_stage, stage, p_phase)
         if cutlass.const_expr(self.p_split > 0):
             self.sites("mma", "wait p_part", p_part.wait, stage, p_phase, stage=stage)
         else:
             self.sites("mma", "wait p_ready", pipe_s.producer_acquire, p_state, stage=stage)
         self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                   _phase_state(self.q_stage, stage, o_phase), stage=stage)
+                   phase_state(self.q_stage, stage, o_phase), stage=stage)
         k_split = cute.size(tOrP, mode=[2]) * self.p_split // self.n_block
         if cutlass.const_expr(self.p_split > 0):
             tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, tOrP, tOrV, accumulate, 0, k_split)
@@ -1157,12 +1123,12 @@ class FlashForwardSm100:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stage)
         if n_blocks > 0:
-            self.sites("mma", "wait q_full", pipe_q.consumer_wait, _phase_state(1, 0, 0),
+            self.sites("mma", "wait q_full", pipe_q.consumer_wait, phase_state(1, 0, 0),
                        stage=0)
             self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)   # K_0
             tiled_mma_qk = self.gemm(tiled_mma_qk, tStS, tSrQ[None, None, None, 0],
                                      tSrK[None, None, None, kv_state.index], False)
-            self.sites("mma", "commit s_full", pipe_s.producer_commit, _phase_state(2, 0, 0))
+            self.sites("mma", "commit s_full", pipe_s.producer_commit, phase_state(2, 0, 0))
             self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
             kv_state.advance()
             for j in cutlass.range(n_blocks - 1, unroll=1):
@@ -1172,7 +1138,7 @@ class FlashForwardSm100:
                                          tSrQ[None, None, None, 0],
                                          tSrK[None, None, None, kv_state.index], False)
                 self.sites("mma", "commit s_full", pipe_s.producer_commit,
-                           _phase_state(2, nxt, 0))
+                           phase_state(2, nxt, 0))
                 self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
                 kv_state.advance()
                 tiled_mma_pv = self.value_ping_pong(tiled_mma_pv, tOtO, tOrP, tOrV, pipe_kv,
@@ -1180,7 +1146,7 @@ class FlashForwardSm100:
                 kv_state.advance()
             tiled_mma_pv = self.value_ping_pong(tiled_mma_pv, tOtO, tOrP, tOrV, pipe_kv, pipe_s,
                                                 pipe_o, kv_state, n_blocks - 1)
-            self.sites("mma", "commit q_empty", pipe_q.consumer_release, _phase_state(1, 0, 0),
+            self.sites("mma", "commit q_empty", pipe_q.consumer_release, phase_state(1, 0, 0),
                        stage=0)
 
     @cute.jit
@@ -1190,13 +1156,13 @@ class FlashForwardSm100:
         softmax wrote it (p_ready), O once the correction is done with it (o_rescaled)."""
         self.sites("mma", "wait kv_full", pipe_kv.consumer_wait, kv_state)          # V_j
         self.sites("mma", "wait p_ready", pipe_s.producer_acquire,
-                   _phase_state(2, j & 1, (j >> 1) & 1))
+                   phase_state(2, j & 1, (j >> 1) & 1))
         # o_rescaled starts released: the wait of step j passes on parity (j + 1) % 2.
         self.sites("mma", "wait o_rescaled", pipe_o.producer_acquire,
-                   _phase_state(1, 0, (j + 1) & 1), stage=0)
+                   phase_state(1, 0, (j + 1) & 1), stage=0)
         tiled_mma_pv = self.gemm(tiled_mma_pv, tOtO, self.s_buffer(tOrP, j & 1, self.s_stride),
                                  tOrV[None, None, None, kv_state.index], j > 0)
-        self.sites("mma", "commit o_final", pipe_o.producer_commit, _phase_state(1, 0, 0),
+        self.sites("mma", "commit o_final", pipe_o.producer_commit, phase_state(1, 0, 0),
                    stage=0)
         self.sites("mma", "commit kv_empty", pipe_kv.consumer_release, kv_state)
         return tiled_mma_pv
@@ -1277,7 +1243,7 @@ class FlashForwardSm100:
                 n, False, row_max, row_sum, s_count, stats_phase, *step)
         if n_blocks > 0:
             # Final statistics for the correction warpgroup's normalisation and LSE.
-            stats_state = _phase_state(self.q_stage, stage, stats_phase)
+            stats_state = phase_state(self.q_stage, stage, stats_phase)
             role = f"softmax{stage}"
             self.sites(role, "wait stats_empty", pipe_stats.producer_acquire, stats_state,
                        stage=stage)
@@ -1332,11 +1298,11 @@ class FlashForwardSm100:
         sb = stage   # the S buffer's index in the table (None: the block step's, run time)
         if cutlass.const_expr(self.ping_pong):
             sb = None
-            s_state = _phase_state(2, s_count & 1, (s_count >> 1) & 1)
+            s_state = phase_state(2, s_count & 1, (s_count >> 1) & 1)
             tStS_t2r = self.s_buffer(tStS_t2r, s_count & 1, self.s_stride)
             tStP_r2t = self.s_buffer(tStP_r2t, s_count & 1, self.s_stride)
         else:
-            s_state = _phase_state(2, stage, s_count)   # the phase itself: it flips each step
+            s_state = phase_state(2, stage, s_count)   # the phase itself: it flips each step
         role = f"softmax{stage}"
         self.sites(role, "wait s_full", pipe_s.consumer_wait, s_state, stage=sb)
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
@@ -1361,7 +1327,7 @@ class FlashForwardSm100:
         # Note [conditional rescale] in fa4lab.kernels.device.softmax.
         row_max, row_scale = softmax_mod.update_max(row_max, block_max, scale_log2,
                                                 Float32(self.rescale_threshold))
-        stats_state = _phase_state(self.q_stage, stage, stats_phase)
+        stats_state = phase_state(self.q_stage, stage, stats_phase)
         self.sites(role, "wait stats_empty", pipe_stats.producer_acquire, stats_state,
                    stage=stage)
         sScale[stage * self.m_block + tidx] = row_scale
@@ -1431,12 +1397,12 @@ class FlashForwardSm100:
                 if i > 0:  # before block 0 O_i holds nothing: the first value MMA overwrites it
                     if cutlass.const_expr(self.ping_pong):   # O += P(i-1) V is done
                         self.sites("correction", "wait o_final", pipe_o.consumer_wait,
-                                   _phase_state(1, 0, (i - 1) & 1), stage=0)
+                                   phase_state(1, 0, (i - 1) & 1), stage=0)
                     # A warp rescales only if one of its 32 rows moved its max past the threshold.
                     if softmax_mod.warp_rescale_needed(row_scale):
                         self.correction_rescale(thr_mma_pv, tOtO[stage], tidx, row_scale)
                     self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
-                               _phase_state(self.q_stage, stage, 0), stage=stage)
+                               phase_state(self.q_stage, stage, 0), stage=stage)
         for stage in cutlass.range_constexpr(self.q_stage):
             row_sum = Float32(0.0)
             row_max = -Float32.inf
@@ -1452,14 +1418,14 @@ class FlashForwardSm100:
                 # ping-pong (one tile per CTA).
                 final = (n_blocks - 1) & 1 if cutlass.const_expr(self.ping_pong) else o_phase
                 self.sites("correction", "wait o_final", pipe_o.consumer_wait,
-                           _phase_state(self.q_stage, stage, final), stage=stage)
+                           phase_state(self.q_stage, stage, final), stage=stage)
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None
             if cutlass.const_expr(mSink is not None and not self.split_kv):
                 sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
             inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
-            epi_state = _phase_state(self.q_stage, stage, epi_phase)
+            epi_state = phase_state(self.q_stage, stage, epi_phase)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
             if cutlass.const_expr(self.split_kv):
@@ -1477,7 +1443,7 @@ class FlashForwardSm100:
             if n_blocks > 0:
                 cute.arch.fence_view_async_tmem_load()
                 self.sites("correction", "arrive o_rescaled", pipe_o.consumer_release,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
+                           phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             # At the sequence's rows with varlen.
             if cutlass.const_expr(self.return_lse and not self.split_kv):
                 seq = seqlen.of_launch(batch, *lengths)
@@ -1598,7 +1564,7 @@ class FlashForwardSm100:
                              self.epi_tile, (None, 0))
         for stage in cutlass.range_constexpr(self.q_stage):
             self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
-                       _phase_state(self.q_stage, stage, epi_phase), stage=stage)
+                       phase_state(self.q_stage, stage, epi_phase), stage=stage)
         for stage in cutlass.range_constexpr(self.q_stage):
             tile = m_block * self.q_stage + stage
             rows = seq.seqlen_q - tile * self.m_block
@@ -1610,7 +1576,7 @@ class FlashForwardSm100:
         for stage in cutlass.range_constexpr(self.q_stage):
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           phase_state(self.q_stage, stage, 0), stage=stage)
 
     @cute.jit
     def epilogue_tma(self, tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase):
@@ -1620,7 +1586,7 @@ class FlashForwardSm100:
                                            cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
         for stage in cutlass.range_constexpr(self.q_stage):
             self.sites("epilogue", "wait o_staged", pipe_epi.consumer_wait,
-                       _phase_state(self.q_stage, stage, epi_phase), stage=stage)
+                       phase_state(self.q_stage, stage, epi_phase), stage=stage)
             if cutlass.const_expr(not self.split_kv):   # split-KV: the correction stored O
                 cute.copy(tma_atom_O, tOsO[None, stage],
                           tOgO[None, m_block * self.q_stage + stage])
@@ -1630,4 +1596,4 @@ class FlashForwardSm100:
             cute.arch.cp_async_bulk_wait_group(self.q_stage - 1 - stage, read=True)
             with cute.arch.elect_one():
                 self.sites("epilogue", "arrive o_empty", pipe_epi.consumer_release,
-                           _phase_state(self.q_stage, stage, 0), stage=stage)
+                           phase_state(self.q_stage, stage, 0), stage=stage)

@@ -25,8 +25,8 @@ The rule, per kernel (`kernels/fwd_sm100.py`, `kernels/fwd_sm90.py`):
   of its methods (no type inference: `self.sites.bar_sync(...)` is covered because `Sites` is
   referenced where `self.sites` is made, and every method of `Sites` then counts).
 * Not counted: module-level code (imports, constants) and module-level functions no reachable
-  function references, such as `port_table`. The sm90 kernel's reach only decides the "also
-  run" column; code that only the sm90 kernel reaches is not in the table at all.
+  function references. The sm90 kernel's reach only decides the "also run" column; code that
+  only the sm90 kernel reaches is not in the table at all.
 
 A function's lines of code are its non-blank, non-comment lines (decorators and nested
 functions included, docstrings excluded, found with the tokenizer), each line counted once: a

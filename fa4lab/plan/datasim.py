@@ -11,15 +11,17 @@ interleaving it does its real math on numpy arrays that stand for the CTA's memo
     the softmax -> correction mailbox (`stats`);
   - global memory: q, k, v (rounded to the plan's dtype), out and lse.
 
-Memory that no op has written holds NaN, as a stand-in for garbage. See Note [data effects] for
-which op does what and when. Nothing here restates the protocol: the ops, their order, the
-barriers and the regions all come from the plan's `programs` (fa4lab.plan.simulate
-`programs_for`); the online-softmax update is `fa4lab.online_softmax.update_state`, the
-epilogue is its `finalize`, the software exp2 is `fa4lab.online_softmax.exp2_poly3`.
+Memory that no op has written holds NaN, as a stand-in for garbage
+(`fa4lab.plan.datasim_memory`). See Note [data effects] in fa4lab.plan.data_effects for which
+op does what and when. Nothing here restates the protocol: the ops, their order, the barriers
+and the regions all come from the plan's `programs` (fa4lab.plan.simulate `programs_for`); the
+online-softmax update is `fa4lab.online_softmax.update_state`, the epilogue is its `finalize`,
+the software exp2 is `fa4lab.online_softmax.exp2_poly3`.
 
 What it is for: with every barrier in place the output matches the float64 reference up to the
 16-bit rounding of P and of O, whatever the interleaving; with one barrier removed, an
-adversarial interleaving (`adversary`, then a seeded random search over role speeds) makes a
+adversarial interleaving (`adversary`, then a seeded random search over role speeds:
+`fa4lab.plan.interleavings`) makes a
 role read a buffer too early or overwrite it too soon, and
 `fa4lab.plan.datasim_check.barrier_check` reports what went wrong where. That is a property of
 this MODEL of the kernel, not a proof about the binary.
@@ -31,14 +33,12 @@ Run it:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import itertools
 import math
-import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,191 +51,36 @@ from fa4lab.online_softmax import (
     update_state,
 )
 from fa4lab.plan.costs import DEFAULT_COSTS, CostModel
-from fa4lab.plan.simulate import Arrive, Issue, SimResult, Simulator, Work, _mutate
+from fa4lab.plan.data_effects import (
+    PER_BLOCK,
+    DataSimError,  # noqa: F401 (re-exported)
+    buffer_of,
+    cells_of,
+    classify,
+    stage_of,
+)
+from fa4lab.plan.datasim_memory import (
+    POISON,
+    Memory,
+    fresh_memory,
+    from_bits16,
+    round16,
+    to_bits16,
+    to_global,
+)
+from fa4lab.plan.datasim_problem import Problem, WorkTile, block_of_step, work_tiles
+from fa4lab.plan.interleavings import (
+    AS_PLANNED,
+    Schedule,
+    adversary,  # noqa: F401 (re-exported)
+    random_schedules,  # noqa: F401 (re-exported)
+)
+from fa4lab.plan.simulate import Arrive, SimResult, Simulator, _mutate
 from fa4lab.reference import kv_head_index
-from fa4lab.tiling import n_block_range
-
-# Note [data effects]
-# An op reads its sources when it starts and writes its destination when it ends: a Work op
-# at its start and start + cycles, an async op (TMA copy, MMA, TMA store) at the start and the
-# end of its execution on the engine (a TMA copy lands after the engine's latency, just before
-# its bytes complete the barrier). So an op that overlaps another's read-modify-write sees
-# the old value or loses its update, as the hardware would. Which op does what is read from
-# the regions it touches (its Refs), not from its position in the program:
-#     load      TMA "Q{i}" -> smem q[i]; "K{j}" / "V{j}" -> smem kv[stage]  (the tile's step-th
-#               K or V; steps walk the K/V blocks from the last to the first, as the kernel)
-#     mma       writes S[i]: S_i = Q_i K^T (fp32);  writes O[i]: O_i (+)= P_i V (the first value
-#               MMA of a work tile overwrites, as the kernel's accumulate flag); a value MMA
-#               that reads only some of P's columns (Note [split P hand-off] in
-#               fa4lab.plan.sm100) multiplies those keys by V's matching rows, and the second
-#               part always accumulates
-#     softmax   reads S[i]: mask, row max, conditional rescale, exp2 (MUFU or polynomial per
-#               pair of columns), row sum (update_state); writes P[i]: P in 16 bits over S's
-#               upper half, only the columns of its Ref (one part of a split hand-off); writes
-#               stats[i]: the row scale, or (labels with "sum") row sum and row max
-#     correction reads stats[i]: the scale, or row sum and row max; reads and writes O[i]:
-#               O *= scale; reads O[i]: O / row_sum and LSE (finalize); writes smem o[i]: O in
-#               16 bits, and LSE to global
-#     epilogue  TMA store reading smem o[i] -> global out (rows past seqlen_q clipped); its
-#               drains wait for the older stores only (Note [store drains] in
-#               fa4lab.plan.steps), so o_empty[0] may be released with store 1 in flight
-#     TMEM      "alloc TMEM" (writes smem tmem_ptr) publishes the address; a role's "TMEM
-#               address" (reads tmem_ptr) takes it: before that its TMEM loads return garbage
-#               and its stores land elsewhere; "free TMEM" leaves garbage in the columns
-# The k-th op of a kind (per Q stage) belongs to work tile k // n_blocks, step k % n_blocks.
-
-# NaN as fp32, and a NaN in each 16-bit half: what unwritten memory holds.
-POISON = np.uint32(0xFFC0FFC0)
-SLOW, FAST = 32.0, 1.0 / 32.0
 
 # Every correction step gets its rescale op, so the data decides (as the kernel's vote does)
 # whether O changes; the default cost model rescales only on some blocks (a timing estimate).
 DATA_COSTS = DEFAULT_COSTS.with_(rescale_fraction=1.0)
-
-# role -> the lanes (its own Work, and the engine its async ops run on) a schedule scales
-ROLE_LANES = {"load": ("load", "tma"), "mma": ("mma", "tensor"),
-              "epilogue": ("epilogue", "tma_store")}
-
-
-class DataSimError(RuntimeError):
-    """The programs hold an op whose data effect this simulator does not know."""
-
-
-# ---- 16-bit storage ----
-def to_bits16(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 -> uint16 bits of bf16 (round to nearest even) or fp16."""
-    x = np.asarray(x, np.float32)
-    if dtype == "fp16":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16).view(np.uint16)
-    u = x.view(np.uint32).astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
-
-
-def from_bits16(b: np.ndarray, dtype: str) -> np.ndarray:
-    b = np.asarray(b, np.uint16)
-    if dtype == "fp16":
-        return b.view(np.float16).astype(np.float32)
-    return (b.astype(np.uint32) << 16).view(np.float32)
-
-
-def round16(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x rounded to the 16-bit dtype, held as float32."""
-    return from_bits16(to_bits16(x, dtype), dtype)
-
-
-# ---- schedules ----
-@dataclass(frozen=True)
-class Schedule:
-    """Cycle multipliers per lane (a role's Work, or an engine's async ops): an interleaving.
-
-    The simulator is deterministic; a schedule changes only how long each lane's steps take,
-    so the barriers still decide what may run before what.
-    """
-
-    name: str
-    speed: tuple[tuple[str, float], ...] = ()
-
-    def factor(self, lane: str) -> float:
-        return dict(self.speed).get(lane, 1.0)
-
-    def apply(self, programs: dict[str, list], costs: CostModel):
-        out = {}
-        for role, prog in programs.items():
-            ops = []
-            for op in prog:
-                if isinstance(op, Work):
-                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(role),
-                                             hold=op.hold * self.factor(role))
-                elif isinstance(op, Issue):
-                    op = dataclasses.replace(op, cycles=op.cycles * self.factor(op.engine))
-                ops.append(op)
-            out[role] = ops
-        latency = int(round(costs.tma_latency * self.factor("tma")))
-        return out, costs.with_(tma_latency=latency)
-
-    def __str__(self) -> str:
-        if not self.speed:
-            return self.name
-        parts = ", ".join(f"{lane} x{f:g}" for lane, f in self.speed)
-        return f"{self.name} ({parts})"
-
-
-AS_PLANNED = Schedule("as planned")
-
-
-def _lanes(role: str) -> tuple[str, ...]:
-    return ROLE_LANES.get(role, (role,))
-
-
-def adversary(plan, barrier: str) -> Schedule:
-    """The interleaving that hurts most without `barrier`: the roles that arrive on it run
-    slow, the roles that wait on it run ahead. For a "full" barrier the reader then reads
-    before the writer wrote; for an "empty" (release) barrier the writer refills a buffer while
-    its reader still reads."""
-    b = plan.barriers.barrier(barrier)
-    speed = {}
-    for role in b.consumers:
-        for lane in _lanes(role):
-            speed[lane] = FAST
-    for role in b.producers:
-        for lane in _lanes(role):
-            speed[lane] = SLOW
-    return Schedule(f"{barrier}'s producers late, consumers early", tuple(sorted(speed.items())))
-
-
-def random_schedules(plan, count: int, seed: int = 0) -> list[Schedule]:
-    """`count` interleavings drawn from a fixed seed: each lane 1/32x .. 32x slower."""
-    lanes = sorted({lane for r in plan.roles if not r.name.startswith("empty")
-                    for lane in _lanes(r.name)})
-    gen = np.random.default_rng(seed)
-    choices = (1 / 32, 1 / 4, 1.0, 4.0, 32.0)
-    return [Schedule(f"random #{n} (seed {seed})",
-                     tuple((lane, float(gen.choice(choices))) for lane in lanes))
-            for n in range(count)]
-
-
-# ---- the problem ----
-@dataclass(frozen=True)
-class WorkTile:
-    """One CTA's work: Q tiles (m_block * q_stage + i) of query head `head` in `batch`."""
-
-    batch: int
-    head: int
-    m_block: int
-    n_blocks: int        # K/V blocks it visits (the kernel's n_block_max)
-
-
-def work_tiles(plan) -> list[WorkTile]:
-    """Every CTA of the problem, in grid order, with the K/V blocks it visits."""
-    spec, t = plan.spec, plan.tiles
-    out = []
-    for b in range(spec.batch):
-        for h in range(spec.heads_q):
-            for m in range(math.ceil(spec.seqlen_q / t.cta_m)):
-                _, n_max = n_block_range(m, seqlen_q=spec.seqlen_q, seqlen_k=spec.seqlen_k,
-                                         m_block_size=t.cta_m, n_block_size=t.n_block,
-                                         causal=spec.causal)
-                out.append(WorkTile(b, h, m, n_max))
-    return out
-
-
-def block_of_step(tile: WorkTile, step: int) -> int:
-    """The K/V block a work tile's step-th score MMA reads: the last block first (the kernel's
-    order, so the masked blocks come first)."""
-    return tile.n_blocks - 1 - step
-
-
-@dataclass
-class _Memory:
-    tmem: np.ndarray                 # (lanes, columns) uint32
-    smem: dict[str, np.ndarray]      # name -> (stages, rows, cols) float32
-    stats: np.ndarray                # (2 * q_stage * m_block,) float32: the mailbox
-    out: np.ndarray                  # (batch, seqlen_q, heads_q, head_dim_v) float32
-    lse: np.ndarray                  # (batch, heads_q, seqlen_q) float32
-    tmem_ptr: int | None = None      # SMEM word tcgen05.alloc writes the TMEM address into
-    tags: dict = field(default_factory=dict)   # cell -> what it holds (for the report)
 
 
 # ---- the run's record ----
@@ -276,12 +121,13 @@ class DataSimulator(Simulator):
     """`fa4lab.plan.simulate.Simulator` whose Work and Issue ops also move and compute data.
 
     The event loop, barriers, vector clocks and hazard checks are the parent's; this class adds
-    the memories and a queue of timed data effects (Note [data effects]) that is drained, in
-    time order, before every event the parent processes.
+    the memories and a queue of timed data effects (Note [data effects] in
+    fa4lab.plan.data_effects) that is drained, in time order, before every event the parent
+    processes.
     """
 
-    def __init__(self, plan, programs, needed, costs, problem: _Problem, tiles: list[WorkTile],
-                 mem: _Memory):
+    def __init__(self, plan, programs, needed, costs, problem: Problem, tiles: list[WorkTile],
+                 mem: Memory):
         n_blocks = tiles[0].n_blocks
         super().__init__(programs, needed, costs, plan.arch, n_blocks, len(tiles))
         self.plan, self.problem, self.tiles, self.mem = plan, problem, tiles, mem
@@ -347,7 +193,7 @@ class DataSimulator(Simulator):
         if kind is None:
             return
         handler = getattr(self, f"_do_{kind}")
-        stage = _stage(op)
+        stage = stage_of(op)
         if stage is not None and self.plan.tiles.q_stage == 1:
             stage = 0            # one Q tile; its S buffers alternate (Note [S ping-pong])
         key = (kind, stage) if kind not in ("load_k", "load_v") else (kind, None)
@@ -360,7 +206,7 @@ class DataSimulator(Simulator):
         else:
             tile, step = count, None
         ctx = _Ctx(role, op, index, stage, self.tiles[min(tile, len(self.tiles) - 1)], tile,
-                   step, _buffer(op))
+                   step, buffer_of(op))
 
         def read(when):
             self._log_reads(ctx, when)
@@ -374,7 +220,7 @@ class DataSimulator(Simulator):
     def _log_reads(self, ctx, when) -> None:
         for ref in ctx.op.reads:
             holds = tuple(dict.fromkeys(self.mem.tags.get(c, "nothing (never written)")
-                                        for c in _cells(ref)))
+                                        for c in cells_of(ref)))
             self.reads.append(Read(when, ctx.role, ctx.index, ctx.op.label, str(ref), holds))
 
     def _write(self, ctx, produced) -> None:
@@ -382,7 +228,7 @@ class DataSimulator(Simulator):
         with np.errstate(all="ignore"):
             store()
         for ref in ctx.op.writes:
-            for c in _cells(ref):
+            for c in cells_of(ref):
                 self.mem.tags[c] = tag
 
     # -- memories --
@@ -390,8 +236,9 @@ class DataSimulator(Simulator):
         r = self.plan.tmem.region(name, stage)
         return slice(r.col_offset, r.col_end)
 
-    # A role addresses TMEM through the base address it read from SMEM (Note [data effects]):
-    # without one, its loads return garbage and its stores land elsewhere.
+    # A role addresses TMEM through the base address it read from SMEM (Note [data effects] in
+    # fa4lab.plan.data_effects): without one, its loads return garbage and its stores land
+    # elsewhere.
     def _words(self, role: str, name: str, stage: int) -> np.ndarray:
         cols = self._cols(name, stage)
         if self.base.get(role, 0) != 0:
@@ -419,7 +266,8 @@ class DataSimulator(Simulator):
         c = self.plan.tmem.region("P", ref.stage).col_offset
         return 2 * (ref.lo - c), 2 * (ref.hi - c)
 
-    # -- the ops (Note [data effects]); each returns (tag, store) or None --
+    # -- the ops (Note [data effects] in fa4lab.plan.data_effects); each returns (tag, store)
+    # or None --
     def _do_load_q(self, c):
         p, t = self.problem, self.plan.tiles
         tile_row = (c.tile.m_block * t.q_stage + c.stage) * t.m_block
@@ -573,31 +421,14 @@ class DataSimulator(Simulator):
 
         def store():
             self.mem.smem["o"][c.stage] = out
-            _to_global(self.plan, self.mem.lse, tile, c.stage, lse, lse=True)
+            to_global(self.plan, self.mem.lse, tile, c.stage, lse, lse=True)
         return (f"normalized O{c.stage} of work tile {index}", store)
 
     def _do_store_o(self, c):
         data = self.mem.smem["o"][c.stage].copy()
         return (f"out of work tile {c.tile_index}",
-                lambda: _to_global(self.plan, self.mem.out, c.tile, c.stage, data,
+                lambda: to_global(self.plan, self.mem.out, c.tile, c.stage, data,
                                            lse=False))
-
-def _to_global(plan, dst, tile: WorkTile, stage: int, rows: np.ndarray, lse: bool) -> None:
-    """Q tile `stage` of `tile` into global out (batch, seqlen_q, heads, dim) or lse (batch,
-    heads, seqlen_q); rows past seqlen_q are dropped, as the TMA store clips them."""
-    t, sq = plan.tiles, plan.spec.seqlen_q
-    lo = (tile.m_block * t.q_stage + stage) * t.m_block
-    hi = min(lo + t.m_block, sq)
-    if hi <= lo:
-        return
-    if lse:
-        dst[tile.batch, tile.head, lo:hi] = rows[:hi - lo]
-    else:
-        dst[tile.batch, lo:hi, tile.head] = rows[:hi - lo]
-
-
-PER_BLOCK = {"load_k", "load_v", "mma_s", "mma_pv", "ld_s"}
-
 
 @dataclass(frozen=True)
 class _Ctx:
@@ -609,127 +440,6 @@ class _Ctx:
     tile_index: int
     step: int | None
     buffer: int | None = None    # the S / P buffer it touches (Note [S ping-pong])
-
-
-def _stage(op) -> int | None:
-    """The Q tile an op works for: its Q, O, mailbox or S/P region's index (the S buffer is the
-    Q tile's with two Q tiles; with one, `_effects` takes 0)."""
-    for names in (("q", "O", "o", "stats"), ("S", "P")):
-        for r in op.reads + op.writes:
-            if r.name in names:
-                return r.stage
-    return None
-
-
-def _buffer(op) -> int | None:
-    """The S / P buffer an op touches: the Q tile's, or with one Q tile block step j's, j % 2
-    (Note [S ping-pong] in fa4lab.plan.sm100)."""
-    return next((r.stage for r in op.reads + op.writes if r.name in ("S", "P")), None)
-
-
-def _cells(ref) -> tuple:
-    if ref.space == "tmem":
-        return tuple(("tmem", c) for c in range(ref.lo, ref.hi))
-    return ((ref.space, ref.name, ref.stage),)
-
-
-def classify(role: str, op) -> str | None:
-    """Which data effect an op has (Note [data effects]), from the regions it touches; None for
-    an op that moves no data (exp2 in registers). Raises DataSimError for an op it cannot place.
-    """
-    if not isinstance(op, (Work, Issue)):
-        return None
-    reads = {(r.space, r.name) for r in op.reads}
-    writes = {(r.space, r.name) for r in op.writes}
-    # O staged in Q's bytes (plan.smem "o" alias_of "q"): the store reads q, the staging of O,
-    # the one Work op that writes Q's SMEM, writes it.
-    if isinstance(op, Issue) and op.engine == "tma_store" and ("smem", "q") in reads:
-        reads.add(("smem", "o"))
-    if isinstance(op, Work) and ("smem", "q") in writes:
-        writes.add(("smem", "o"))
-    if isinstance(op, Issue):
-        if op.engine == "tma" and ("smem", "q") in writes:
-            return "load_q"
-        if op.engine == "tma" and ("smem", "kv") in writes:
-            if re.match(r"\s*K", op.label):
-                return "load_k"
-            if re.match(r"\s*V", op.label):
-                return "load_v"
-        if op.engine == "tma_store" and ("smem", "o") in reads:
-            return "store_o"
-        if op.engine == "tensor" and ("tmem", "S") in writes:
-            return "mma_s"
-        if op.engine == "tensor" and ("tmem", "O") in writes and ("tmem", "P") in reads:
-            return "mma_pv"
-    else:
-        sums = "sum" in op.label
-        if ("smem", "tmem_ptr") in writes:
-            return "alloc_tmem"
-        if ("smem", "tmem_ptr") in reads:
-            return "tmem_address"
-        if ("tmem", "all") in writes:
-            return "free_tmem"
-        if ("tmem", "S") in reads:
-            return "ld_s"
-        if ("tmem", "P") in writes:
-            return "st_p"
-        if ("smem", "stats") in writes:
-            return "post_sum" if sums else "post_scale"
-        if ("smem", "stats") in reads:
-            return "read_sum" if sums else "read_scale"
-        if ("tmem", "O") in reads and ("tmem", "O") in writes:
-            return "rescale_o"
-        if ("tmem", "O") in reads:
-            return "ld_o"
-        if ("smem", "o") in writes:
-            return "stage_o"
-        if not reads and not writes:
-            return None
-    raise DataSimError(f"{role}: no data effect known for {op} (Note [data effects] in "
-                       f"fa4lab.plan.datasim)")
-
-
-@dataclass(frozen=True)
-class _Problem:
-    q: np.ndarray              # (batch, seqlen_q, heads_q, head_dim) float32 of 16-bit values
-    k: np.ndarray
-    v: np.ndarray
-    causal: bool
-    scale_log2: float
-    dtype: str
-    kv_head: np.ndarray
-
-    @staticmethod
-    def rows(src: np.ndarray, lo: int, count: int) -> np.ndarray:
-        """A TMA box of `count` rows from `lo` of a (seqlen, dim) view, zero past the end."""
-        out = np.zeros((count, src.shape[-1]), np.float32)
-        got = src[lo:lo + count]
-        out[:len(got)] = got
-        return out
-
-    def visible(self, row0: int, rows: int, col0: int, cols: int) -> np.ndarray:
-        """The softmax's mask: key in bounds and, with causal, j <= i + seqlen_k - seqlen_q."""
-        sq, sk = self.q.shape[1], self.k.shape[1]
-        i = np.arange(row0, row0 + rows)[:, None]
-        j = np.arange(col0, col0 + cols)[None, :]
-        ok = j < sk
-        if self.causal:
-            ok = ok & (j <= i + sk - sq)
-        return ok
-
-
-def _fresh_memory(plan, out: np.ndarray, lse: np.ndarray) -> _Memory:
-    """A CTA's memories as it starts (NaN: not written yet), over the global out and lse."""
-    t, tm = plan.tiles, plan.tmem
-    nan = np.float32(np.nan)
-    return _Memory(
-        tmem=np.full((tm.lanes, tm.capacity_cols), POISON, np.uint32),
-        smem={"q": np.full((t.q_stage, t.m_block, t.head_dim), nan, np.float32),
-              # K/V rows in one ring of max(head_dim, head_dim_v) columns
-              "kv": np.full((t.kv_stage, t.n_block, max(t.head_dim, t.head_dim_v)), nan,
-                            np.float32),
-              "o": np.full((t.q_stage, t.m_block, t.head_dim_v), nan, np.float32)},
-        stats=np.full(2 * t.q_stage * t.m_block, nan, np.float32), out=out, lse=lse)
 
 
 def persistent(plan) -> bool:
@@ -811,7 +521,7 @@ def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None
     if drop is not None:
         plan.barriers.barrier(drop)      # KeyError naming the barriers if unknown
     dtype = spec.dtype
-    problem = _Problem(*(round16(np.asarray(x, np.float32), dtype) for x in (q, k, v)),
+    problem = Problem(*(round16(np.asarray(x, np.float32), dtype) for x in (q, k, v)),
                        causal=spec.causal, scale_log2=spec.scale_log2, dtype=dtype,
                        kv_head=kv_head_index(spec.heads_q, spec.heads_kv))
     t = plan.tiles
@@ -827,8 +537,8 @@ def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None
             # wait and store O = 0, LSE = -inf. No protocol runs.
             for w in group:
                 for i in range(t.q_stage):
-                    _to_global(plan, out, w, i, np.zeros((t.m_block, t.head_dim_v)), lse=False)
-                    _to_global(plan, lse, w, i, np.full(t.m_block, -np.inf), lse=True)
+                    to_global(plan, out, w, i, np.zeros((t.m_block, t.head_dim_v)), lse=False)
+                    to_global(plan, lse, w, i, np.full(t.m_block, -np.inf), lse=True)
             continue
         progs = role_programs(plan, n_blocks, len(group), costs)
         label = None
@@ -837,7 +547,7 @@ def run_plan(plan, q, k, v, *, schedule: Schedule = AS_PLANNED, drop: str | None
             label = f"{mutation} {drop}"
         progs, sched_costs = schedule.apply(progs, costs)
         sim = DataSimulator(plan, progs, _needed(plan, progs), sched_costs, problem, group,
-                            _fresh_memory(plan, out, lse))
+                            fresh_memory(plan, out, lse))
         sims.append(sim.run(label))
         reads += sim.reads
         rescaled += sim.rescaled_rows

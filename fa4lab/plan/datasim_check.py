@@ -19,16 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fa4lab.plan.datasim import (
-    AS_PLANNED,
-    DataRun,
-    adversary,
-    persistent,
-    plan_for,
-    random_schedules,
-    round16,
-    run_plan,
-)
+from fa4lab.plan.datasim import DataRun, persistent, plan_for, run_plan
+from fa4lab.plan.datasim_memory import round16
+from fa4lab.plan.interleavings import AS_PLANNED, adversary, random_schedules
 
 
 # ---- accuracy and the barrier check ----

@@ -1,6 +1,6 @@
 """The barrier protocol table: every barrier, and each role's ordered program of barrier ops.
 
-One table per arch (`fa4lab.plan.sm100.build_protocol`, `fa4lab.plan.sm90.build_protocol`),
+One table per arch (`fa4lab.plan.protocol_sm100.build_protocol`, `fa4lab.plan.sm90.build_protocol`),
 carried by the plan as `plan.protocol`. Everything that speaks of barriers reads it:
 
   * the kernels: their SharedStorage declares the barrier arrays in this order with these

@@ -11,7 +11,8 @@ Constraints: head_dim a multiple of 16 up to 256, head_dim_v == head_dim or a pa
 builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`); two S buffers + O of every Q stage within
 the 512 TMEM columns (head_dim 256 needs q_stage 1); SMEM within the per-CTA limit. The
 tuning choices sit in `SM100_TUNING`, keyed by (head_dim, head_dim_v). The role programs for
-the protocol simulator live here too (`programs`).
+the protocol simulator live here too (`programs`); the protocol table is
+`fa4lab.plan.protocol_sm100`.
 
 `pack_gqa=True` (see Note [sm100 pack-GQA]) makes a CTA's rows the packed rows of one KV head.
 With two Q tiles and O staged in its own SMEM the CTAs are persistent (Note [persistent CTAs]).
@@ -37,18 +38,8 @@ from fa4lab.limits import (
 from fa4lab.plan.barriers import PHASE_EMPTY, PHASE_FULL, PHASE_NAMED, Barrier, BarrierGraph
 from fa4lab.plan.costs import balanced_exp2_fraction
 from fa4lab.plan.plan import Plan
-from fa4lab.plan.protocol import (
-    If,
-    Loop,
-    Op,
-    Program,
-    Protocol,
-    Step,
-    TileLoop,
-    expand,
-    per_stage,
-    ring_slot,
-)
+from fa4lab.plan.protocol import expand, ring_slot
+from fa4lab.plan.protocol_sm100 import build_protocol
 from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles, check_pack_gqa, pack_gqa_notes
@@ -435,119 +426,6 @@ def build_sm100(spec, m_block=M_BLOCK, n_block=None, q_stage=None, kv_stage=None
     return Plan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
                 build_protocol(barriers, q_stage, persistent), RESCALE_THRESHOLDS["sm100"],
                 min(balanced_exp2_fraction(hw), SM100_EXP2_FRACTION_MAX), notes)
-
-
-# ---- the protocol table (fa4lab.plan.protocol): FlashForwardSm100's role methods, op by op ----
-def build_protocol(barriers: BarrierGraph, q_stage: int, persistent: bool = False) -> Protocol:
-    """Each role's barrier ops in the order fwd_sm100.py issues them: per work tile, in a loop
-    over the CTA's tiles when `persistent` (Note [persistent CTAs]), else for its one tile.
-
-    The softmax posts N + 1 times to the mailbox (a row scale per block, then row sum and max);
-    the correction's epilogue stages O_i before it releases O_i (o_rescaled); the epilogue warp
-    issues both stores, then drains them. With one Q tile the load and MMA programs are those
-    of Note [S ping-pong], the S buffer is the block step's ("j % 2"), and the correction waits
-    for each value MMA before it rescales. With p_part among the barriers P goes to the value
-    MMA in two parts (Note [split P hand-off]).
-    """
-    E = Op   # noqa: N806
-    tmem_sync, tmem_done = E("sync", "tmem"), E("named_arrive", "tmem")
-    tmem_use = (tmem_sync, Step("TMEM address"))
-    pp = q_stage == 1
-
-    def tiles(*body) -> tuple:   # the CTA's work tiles: Note [persistent CTAs]
-        return (TileLoop(body),) if persistent else body
-    load = tiles(*_load_ping_pong()) if pp else tiles(If("N > 0", (
-        per_stage(E("wait", "q_empty", "i"), E("expect_tx", "q_full", "i", one=True),
-                  Step("load Q", "i"),
-                  If("i == 0", (E("wait", "kv_empty", "K"),
-                                E("expect_tx", "kv_full", "K", one=True), Step("load K", "K")))),
-        E("wait", "kv_empty", "V"), E("expect_tx", "kv_full", "V", one=True), Step("load V", "V"),
-        Loop("N - 1", (E("wait", "kv_empty", "K+1"), E("expect_tx", "kv_full", "K+1", one=True),
-                       Step("load K", "K+1"),
-                       E("wait", "kv_empty", "V+1"), E("expect_tx", "kv_full", "V+1", one=True),
-                       Step("load V", "V+1"))))))
-    # Note [split P hand-off]: with p_part the value MMA takes P in two parts.
-    split = any(b.name == "p_part" for b in barriers.barriers)
-    value = ((E("wait", "p_part", "i"), E("wait", "o_rescaled", "i"), Step("PV part", "V"),
-              E("wait", "p_ready", "i"), Step("PV rest", "V")) if split else
-             (E("wait", "p_ready", "i"), E("wait", "o_rescaled", "i"), Step("PV", "V")))
-    mma = (Step("alloc TMEM"), *tmem_use, *tiles(_mma_ping_pong()), tmem_sync,
-           Step("free TMEM")) if pp else (Step("alloc TMEM"), *tmem_use, *tiles(If("N > 0", (
-        per_stage(E("wait", "q_full", "i"), If("i == 0", (E("wait", "kv_full", "K"),)),
-                  Step("QK", "K"), E("commit", "s_full", "i")),
-        E("commit", "kv_empty", "K"),
-        Loop("N - 1", (
-            E("wait", "kv_full", "V"),
-            per_stage(*value, If("i == q - 1", (E("commit", "kv_empty", "V"),)),
-                      If("i == 0", (E("wait", "kv_full", "K+1"),)),
-                      Step("QK", "K+1"), E("commit", "s_full", "i")),
-            E("commit", "kv_empty", "K+1"))),
-        # Every score MMA of the tile is issued: the next tile's Q may load once they are done.
-        per_stage(E("commit", "q_empty", "i")),
-        E("wait", "kv_full", "V"),
-        per_stage(*value, E("commit", "o_final", "i")),
-        E("commit", "kv_empty", "V")))),
-        tmem_sync, Step("free TMEM"))
-    sb = "j % 2" if pp else "i"    # the S buffer: the block step's, or the Q tile's
-    p_out = ((Step("exp2 part", "i"), Step("st P part", sb), E("arrive", "p_part", sb),
-              Step("exp2 rest", "i"), Step("st P rest", sb)) if split else
-             (Step("exp2", "i"), Step("st P", sb)))
-    step = (E("wait", "s_full", sb), Step("ld S", sb),
-            E("wait", "stats_empty", "i"), Step("post scale", "i"),
-            E("arrive", "stats_full", "i"), *p_out, E("arrive", "p_ready", sb))
-    softmax = (*tmem_use, *tiles(Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
-                                 If("N > 0", (E("wait", "stats_empty", "i"),
-                                              Step("post row sum", "i"),
-                                              E("arrive", "stats_full", "i")))),
-               tmem_done)
-    correction = (*tmem_use, *tiles(Loop("N", (per_stage(
-        E("wait", "stats_full", "i"), Step("read scale", "i"), E("arrive", "stats_empty", "i"),
-        If("j > 0", (If("q == 1", (E("wait", "o_final", "i"),)),
-                     Step("rescale O", "i"), E("arrive", "o_rescaled", "i")))),)),
-        per_stage(
-            If("N > 0", (E("wait", "stats_full", "i"), Step("read row sum", "i"),
-                         E("arrive", "stats_empty", "i"), E("wait", "o_final", "i"))),
-            E("wait", "o_empty", "i"), Step("ld O", "i"), Step("O to SMEM", "i"),
-            E("arrive", "o_staged", "i"), If("N > 0", (E("arrive", "o_rescaled", "i"),)))),
-        tmem_done)
-    epilogue = tiles(per_stage(E("wait", "o_staged", "i"), Step("store O", "i")),
-                     per_stage(Step("drain store", "i"), E("arrive", "o_empty", "i", one=True)))
-    softmax_roles = tuple(f"softmax{i}" for i in range(q_stage))
-    return Protocol(barriers, (
-        Program("load", ("load",), load),
-        Program("mma", ("mma",), mma),
-        Program("softmax", softmax_roles, softmax, var="i"),
-        Program("correction", ("correction",), correction),
-        Program("epilogue", ("epilogue",), epilogue),
-    ))
-
-
-def _load_ping_pong() -> tuple:
-    """Note [S ping-pong]: Q, K_0, then (K_j+1, V_j) per step, then V_N-1."""
-    E = Op   # noqa: N806
-
-    def load(slot):
-        return (E("wait", "kv_empty", slot), E("expect_tx", "kv_full", slot, one=True),
-                Step(f"load {slot[0]}", slot))
-    return (If("N > 0", (
-        E("wait", "q_empty", "0"), E("expect_tx", "q_full", "0", one=True), Step("load Q", "0"),
-        *load("K"), Loop("N - 1", (*load("K+1"), *load("V"))), *load("V"))),)
-
-
-def _mma_ping_pong() -> If:
-    """Note [S ping-pong]: S(0); then per step j < N - 1: S(j+1) into buffer (j+1) % 2, and
-    O += P(j) V_j, committing o_final each time; then O += P(N-1) V_N-1."""
-    E = Op   # noqa: N806
-    value = (E("wait", "kv_full", "V"), E("wait", "p_ready", "j % 2"),
-             E("wait", "o_rescaled", "0"), Step("PV", "V"), E("commit", "o_final", "0"),
-             E("commit", "kv_empty", "V"))
-    return If("N > 0", (
-        E("wait", "q_full", "0"), E("wait", "kv_full", "K"), Step("QK", "K"),
-        E("commit", "s_full", "j % 2"), E("commit", "kv_empty", "K"),
-        Loop("N - 1", (E("wait", "kv_full", "K+1"), Step("QK", "K+1"),
-                       E("commit", "s_full", "(j + 1) % 2"), E("commit", "kv_empty", "K+1"),
-                       *value)),
-        *value, E("commit", "q_empty", "0")))
 
 
 # ---- role programs for the protocol simulator (fa4lab.plan.simulate) ----

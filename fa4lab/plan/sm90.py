@@ -84,6 +84,25 @@ def role_registers(q_stage: int, kv_load: str = "tma") -> tuple[int, int]:
     loads K/V by `kv_load` ("tma" or "cp.async")."""
     table = SM90_CP_ASYNC_REGISTERS if kv_load == "cp.async" else SM90_REGISTERS
     return table[q_stage]
+
+
+def kernel_registers(plan) -> tuple[int, int]:
+    """setmaxnreg values the sm90 kernel reads from a built plan's roles: (producer "load",
+    consumers).
+
+    Both consumer warpgroups run the same code after one `setmaxnreg.inc`: ptxas allocates the
+    consumer code for that single budget (one increase per consumer in separate branches would
+    leave the shared code under the launch budget and spill), so the plan must give every
+    consumer role the same count.
+    """
+    producer = plan.role("load").registers
+    consumers = {plan.role(f"consumer{i}").registers for i in range(plan.tiles.q_stage)}
+    if len(consumers) != 1:
+        raise ValueError(f"the sm90 kernel needs one register budget for all consumer roles, "
+                         f"the plan has {sorted(consumers)}")
+    return producer, consumers.pop()
+
+
 M_BLOCK = Q_TILE_ROWS["sm90"]  # wgmma M: one consumer warpgroup's Q tile
 # Besides O (head_dim_v / 2 fp32 per thread), S (n_block / 2) and P (n_block / 4 packed
 # pairs), a consumer thread needs about this many registers for addresses, row statistics and

@@ -13,6 +13,9 @@ into ((g, seqlen), d, heads_kv, batch) (`split_packed`), so a kernel tiles mode 
 local_tile and picks the group with the KV head. Rows past seqlen * g are positions past seqlen,
 which TMA zero-fills on load and clips on store, as without packing.
 
+The sm100 kernel's Q is tcgen05's A operand: `packed_a_tma` makes its atom the same way (Note
+[sm100 pack-GQA kernel] in fa4lab.kernels.fwd_sm100).
+
 On the device, `unpack_row` is the same map for one row: (position, query head) of a tile row,
 which the LSE store and the learnable sink read (fa4lab.kernels.device.softmax).
 """
@@ -59,4 +62,23 @@ def packed_tma(op, mX: cute.Tensor, smem_layout, tile: tuple[int, int], g: int):
     rows, cols = tile
     atom, coords = cpasync.make_tiled_tma_atom(op, heads_positions(mX), smem_layout,
                                                ((g, rows // g), cols))
+    return atom, split_packed(coords, g)
+
+
+def packed_a_tma(op, mQ: cute.Tensor, sQ_layout, tiled_mma_qk, mma_tiler_qk, cluster_shape,
+                 g: int):
+    """TMA of the Q tiles (the sm100 score MMA's A operand) for (seqlen_q, d, heads_q, batch)
+    `mQ`.
+
+    Returns the atom and its coordinates: (seqlen_q, d, heads_q, batch), or with g > 1
+    (pack-GQA) ((g, seqlen_q), d, heads_kv, batch), the M tile being (g heads, m_block / g
+    positions). See Note [sm100 pack-GQA kernel] in fa4lab.kernels.fwd_sm100.
+    """
+    smem = cute.select(sQ_layout, mode=[0, 1, 2])
+    if g == 1:
+        return cute.nvgpu.make_tiled_tma_atom_A(op, mQ, smem, mma_tiler_qk, tiled_mma_qk,
+                                                cluster_shape)
+    m, n, k = mma_tiler_qk
+    atom, coords = cute.nvgpu.make_tiled_tma_atom_A(
+        op, heads_positions(mQ), smem, ((g, m // g), n, k), tiled_mma_qk, cluster_shape)
     return atom, split_packed(coords, g)

@@ -15,6 +15,10 @@ offsets `fa4lab plan` prints are the binary's (the audit reads them back from th
 `pipeline_barriers` checks that each full barrier of a DSL pipeline is followed by its empty
 barrier (a DSL pipeline keeps its empty barriers right after its full ones) and returns the
 stages, arrival counts and transaction bytes the pipeline is created with.
+
+The sm100 kernel's two helpers over them: `stages_at` gives one region's layout another's stage
+stride (Note [sm100 head_dim_v < head_dim] in fa4lab.kernels.fwd_sm100), `phase_state` names a
+pipeline position by its stage and phase.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
 
@@ -69,3 +74,22 @@ def pipeline_barriers(plan, full: str, empty: str) -> PipelineBarriers:
         raise ValueError(f"{full} has {f.stages} stages but {empty} {e.stages}")
     return PipelineBarriers(full, empty, f.stages, f.arrive_count, e.arrive_count,
                             f.tx_bytes or 0)
+
+
+def stages_at(layout, like):
+    """`layout` (a swizzled SMEM layout whose last mode is the stage) with `like`'s stage
+    stride: V in the K-sized ring buffers, O staged in Q's tiles."""
+    def flat(x):   # a stage mode may be nested, e.g. (1, 2):(0, s)
+        return max(flat(y) for y in x) if isinstance(x, tuple) else x
+
+    shape, stride = layout.outer.shape, layout.outer.stride
+    return cute.make_composed_layout(layout.inner, 0, cute.make_layout(
+        (*shape[:-1], cute.size(shape[-1])), stride=(*stride[:-1], flat(like.outer.stride[-1]))))
+
+
+def phase_state(num_stages: int, index, phase) -> pipeline.PipelineState:
+    """A pipeline position addressed by (stage index, phase parity) instead of a running count.
+
+    The per-Q-tile pipelines (s, o, stats, epi) are indexed by the Q tile, not round robin.
+    """
+    return pipeline.PipelineState(num_stages, Int32(0), Int32(index), Int32(phase))
