@@ -93,7 +93,8 @@ def test_the_kernel_builds_the_torch_table(batch, bad):
         lengths = _lengths(rng, batch, bad, with_cu_k)
         total = int(max(lengths.cu_q[-1].item(), 1)) if not bad else 5000
         rows = max_tile_rows(total, batch, m)
-        got = build_launch_tables(lengths, rows, m_block=m, causal=causal, window_size=window)
+        got = build_launch_tables(lengths, rows, m_block=m, causal=causal, window_size=window,
+                                  kernel=True)
         want = _torch_build(lengths, rows, m, causal, window)
         torch.cuda.synchronize()
         for name, g, w in zip(("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "table"), got,

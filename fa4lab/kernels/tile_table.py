@@ -26,12 +26,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-__all__ = ["MAX_BATCH", "NO_CAP", "TileTableKernel", "build_launch_tables", "compile_tile_table",
-           "seen_cap"]
+__all__ = ["KERNEL_BY_DEFAULT", "MAX_BATCH", "NO_CAP", "TileTableKernel", "build_launch_tables",
+           "compile_tile_table", "seen_cap"]
 
 THREADS = 1024
 MAX_BATCH = 1024          # a larger batch builds its table with torch ops (`launch_tile_rows`)
 NO_CAP = 2**31 - 1
+# Whether a launch builds its table with the kernel unless told: it must first have run the GPU
+# test (tests/test_tile_table.py) and the varlen GPU suite on a GPU.
+KERNEL_BY_DEFAULT = False
 _LOG2_SEARCH = 11         # binary-search steps over at most MAX_BATCH ends (2^11 > 1024)
 _MAX_QUERIES = 2**30      # a query count is clamped here first: ceil-division cannot overflow
 
@@ -222,11 +225,12 @@ def _kernel(causal: bool, with_cu_k: bool, arch: str):
 
 # ---- launch -------------------------------------------------------------------------------------
 def build_launch_tables(lengths, rows: int, *, m_block: int, causal: bool = False,
-                        window_size=(None, None)) -> tuple:
+                        window_size=(None, None), kernel: bool | None = None) -> tuple:
     """(cu_seqlens_q, cu_seqlens_k or None, seqused_k, tile table) of a varlen launch, as
     `launch_lengths` and `launch_tile_rows` give them: by one launch of the tile table kernel
     on the lengths' GPU (Note [one CTA builds the table]), or by those torch ops where the
-    batch exceeds MAX_BATCH or the GPU has no build of the kernel. No device-to-host copy."""
+    batch exceeds MAX_BATCH, the GPU has no build of the kernel, or `kernel` is False (None:
+    KERNEL_BY_DEFAULT). No device-to-host copy."""
     import torch
 
     from fa4lab.kernels.compile import device_arch
@@ -235,7 +239,9 @@ def build_launch_tables(lengths, rows: int, *, m_block: int, causal: bool = Fals
     batch = lengths.batch
     cu_q, keys, cu_k = lengths.cu_q, lengths.keys, lengths.cu_k
     arch = device_arch(cu_q.device.index) if cu_q.is_cuda else None
-    if arch is None or batch > MAX_BATCH:
+    if kernel is None:
+        kernel = KERNEL_BY_DEFAULT
+    if not kernel or arch is None or batch > MAX_BATCH:
         lens_q = (cu_q[1:] - cu_q[:-1]).long()
         return (*launch_lengths(lengths),
                 launch_tile_rows(lens_q, keys.long(), rows, m_block_size=m_block, causal=causal,
