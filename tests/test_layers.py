@@ -96,35 +96,16 @@ def _package_graph() -> dict[str, set[str]]:
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm): each is a
-    set of modules that import one another round a circle."""
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+    """The strongly connected components of more than one module (Tarjan's algorithm, the
+    one `fa4lab.kernels.ptx_flow` finds the PTX's loops with): each is a set of modules that
+    import one another round a circle."""
+    from fa4lab.kernels.ptx_flow import strongly_connected
 
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                circles.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return circles
+    heads: dict[str, list[str]] = {}
+    edges = {v: sorted(ws) for v, ws in graph.items()}
+    for v, (head, _) in strongly_connected(sorted(graph), edges).items():
+        heads.setdefault(head, []).append(v)
+    return sorted(sorted(c) for c in heads.values() if len(c) > 1)
 
 
 def test_import_circles_are_found(tmp_path):

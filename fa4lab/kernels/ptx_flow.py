@@ -42,7 +42,7 @@ def _innermost_loops(order, succ) -> dict:
     out = {}
 
     def walk(nodes, edges):
-        comp = _sccs(nodes, edges)
+        comp = strongly_connected(nodes, edges)
         members: dict[str, list[str]] = {}
         for b in nodes:
             members.setdefault(comp[b][0], []).append(b)
@@ -83,7 +83,7 @@ def program_order(ptx: str) -> list[int]:
 def _block_order(nodes, edges, preds, pos) -> list[str]:
     """`nodes` in control-flow order: SCCs topologically sorted, ties by text position, each
     loop's blocks in turn ordered without the back edges to its header."""
-    comp = _sccs(nodes, edges)
+    comp = strongly_connected(nodes, edges)
     members: dict[str, list[str]] = {}
     for b in nodes:
         members.setdefault(comp[b][0], []).append(b)
@@ -157,8 +157,10 @@ def _basic_blocks(lines):
     return blocks, order
 
 
-def _sccs(nodes, edges):
-    """Tarjan, iteratively: node -> (component head, is a loop)."""
+def strongly_connected(nodes, edges):
+    """Tarjan, iteratively: node -> (component head, is a loop), over `nodes` and `edges`
+    (node -> its successors; a successor that is not a key of `edges` is ignored). Read by the
+    PTX's loops here and by the package's import-circle test."""
     index, low, stack, on, res, counter = {}, {}, [], set(), {}, [0]
     for root in nodes:
         if root in index:
