@@ -20,17 +20,18 @@ FULL_MATRIX = os.environ.get("FA4LAB_FULL_MATRIX") == "1"
 
 
 def _covers(row: Sequence[int]) -> set[tuple[int, ...]]:
-    """What a row of level indices covers: each factor's level, and each pair of them."""
-    singles = {(i, a) for i, a in enumerate(row)}
-    pairs = {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(enumerate(row), 2)}
-    return singles | pairs
+    """What a row of level indices covers: each pair of factors' levels (each factor's level
+    where there is one factor)."""
+    if len(row) == 1:
+        return {(0, row[0])}
+    return {(i, a, j, b) for (i, a), (j, b) in itertools.combinations(enumerate(row), 2)}
 
 
 def pairwise(factors: Sequence[Sequence], must: Sequence[tuple] = ()) -> list[tuple]:
     """Rows of the product of `factors` (each a sequence of levels) that hold every level of
     every factor beside every level of every other factor; the rows of `must` first (rows that
-    other tests share), then, while a pair is missing, the product's row (in product order)
-    that adds the most missing pairs."""
+    other tests share), then, while a pair is missing, the product's row (the first in product
+    order) that adds the most missing pairs: 4 rows for three two-level factors, 6 for five."""
     product = list(itertools.product(*(range(len(f)) for f in factors)))
     missing = set().union(*map(_covers, product))
     picked = []

@@ -231,7 +231,7 @@ def test_packed_q_and_o_tma_views(g):
             assert seen[("o", t, r)] == (5, head, pos, batch), (t, r)
 
 
-# GQA {4, 8} x head_dim {64, 128} x causal, sampled pairwise (tests/matrix.py: 5 of the 8
+# GQA {4, 8} x head_dim {64, 128} x causal, sampled pairwise (tests/matrix.py: 4 of the 8
 # compiles, every two factors' levels together at least once); FA4LAB_FULL_MATRIX=1 runs all 8.
 PACKED = matrix([(4, 8), (64, 128), (False, True)])
 
