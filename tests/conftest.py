@@ -80,11 +80,11 @@ COMPILE_WEIGHT = 80
 def shares(modules: dict[str, int], n: int) -> list[set[str]]:
     """n sets of module names: each module (name: weight) to the share with the least weight so
     far, the heaviest module first (ties by name, so every process computes the same shares)."""
-    out, sizes = [set() for _ in range(n)], [0] * n
-    for name, count in sorted(modules.items(), key=lambda m: (-m[1], m[0])):
-        k = sizes.index(min(sizes))
+    out, weights = [set() for _ in range(n)], [0] * n
+    for name, weight in sorted(modules.items(), key=lambda m: (-m[1], m[0])):
+        k = weights.index(min(weights))
         out[k].add(name)
-        sizes[k] += count
+        weights[k] += weight
     return out
 
 
