@@ -14,6 +14,9 @@ LAB_ARGS ?=
 
 # What `make test-fast` leaves out: kernel compiles, the browser, slow tests and GPU tests.
 FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm90 and not sm100
+# The CPU tiers' pytest processes, side by side (tests/shards.py: whole test modules each, kernel
+# compiles spread evenly): one per core of CI's 2-core machine. CPU_JOBS=1 runs one process.
+CPU_JOBS ?= 2
 
 .PHONY: install lab student test test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
 
@@ -54,18 +57,27 @@ browser-deps:
 	  else echo "the browser test needs $(CHROMIUM): run 'sudo apt-get install chromium'"; fi; \
 	fi
 
+# $(call timed,TIER,COMMAND): echo and run COMMAND, then print "tier TIER: <seconds> s", pass or
+# fail, and keep its exit status: CI's log says where its time went, tier by tier.
+define timed
+	@echo '$(2)'; start=$$(date +%s); rc=0; $(2) || rc=$$?; \
+	echo "tier $(1): $$(( $$(date +%s) - start )) s"; exit $$rc
+endef
+
 # What CI runs: lint first (fails in seconds), then every test (compile matrix and browser
-# included) and every notebook; each run ends with its time and its 20 slowest tests (or
-# notebooks), where the tier's time goes.
+# included, CPU_JOBS processes) and every notebook; each run ends with its 20 slowest tests (or
+# notebooks; per process) and the tier's time. The kernel compile grids run a pairwise sample
+# (tests/matrix.py); FA4LAB_FULL_MATRIX=1 compiles every combination.
 test: lint browser-deps
-	CI=$${CI:-} $(VENV)/bin/python -m pytest -q tests/ --durations=20
-	$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/ --durations=20
+	$(call timed,tests,CI=$${CI:-} $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/tests -- -q tests/ --durations=20)
+	$(call timed,notebooks,$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/ --durations=20)
 
 # The edit loop: pure Python (plans, references, the simulator, figures, widgets) in a minute or
-# two; no compiles, browser or notebooks. A test that compiles a kernel without the `compile`
-# marker fails here (FA4LAB_FORBID_COMPILE, tests/conftest.py) instead of slowing it down.
+# two, as CPU_JOBS processes; no compiles, browser or notebooks. A test that compiles a kernel
+# without the `compile` marker fails here (FA4LAB_FORBID_COMPILE, tests/conftest.py) instead of
+# slowing it down.
 test-fast: install
-	FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python -m pytest -q -m "$(FAST_MARKERS)" tests/
+	$(call timed,fast,FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/fast -- -q -m "$(FAST_MARKERS)" tests/ --durations=10)
 
 # On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
 # Fails (not passes vacuously) when no GPU is visible. The tests run as GPU_JOBS processes side

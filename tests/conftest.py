@@ -17,7 +17,9 @@ making the fast tier slow.
 rest: N processes with K = 0..N-1 run each test once (tests/shards.py runs them side by side,
 as `make test-gpu` does, sharing compiled kernels through the disk cache). A share is whole
 test modules, so a module's tests keep their order and their process; the modules go to the
-share with the fewest tests so far, largest module first.
+share with the least weight so far, heaviest module first. A test weighs 1, a `compile` test
+COMPILE_WEIGHT and another `slow` test SLOW_WEIGHT (about as many pure-Python tests as take
+that long), so the CPU tiers' compiles and notebook runs spread evenly over the processes.
 """
 
 from __future__ import annotations
@@ -71,14 +73,20 @@ def shard_of(value: str) -> tuple[int, int]:
     return k, n
 
 
+# What a test weighs in a share, in pure-Python tests (about 0.1 s each on a 2-core machine): a
+# compile and audit 5-15 s; a `slow` test that is not a compile runs notebooks or processes,
+# 20-60 s. Sized so that `make test`'s two shards take about as long as each other.
+COMPILE_WEIGHT, SLOW_WEIGHT = 80, 400
+
+
 def shares(modules: dict[str, int], n: int) -> list[set[str]]:
-    """n sets of module names: each module to the share with the fewest tests so far, the
-    largest module first (ties by name, so every process computes the same shares)."""
-    out, sizes = [set() for _ in range(n)], [0] * n
-    for name, count in sorted(modules.items(), key=lambda m: (-m[1], m[0])):
-        k = sizes.index(min(sizes))
+    """n sets of module names: each module (name: weight) to the share with the least weight so
+    far, the heaviest module first (ties by name, so every process computes the same shares)."""
+    out, weights = [set() for _ in range(n)], [0] * n
+    for name, weight in sorted(modules.items(), key=lambda m: (-m[1], m[0])):
+        k = weights.index(min(weights))
         out[k].add(name)
-        sizes[k] += count
+        weights[k] += weight
     return out
 
 
@@ -89,7 +97,9 @@ def _keep_shard(config, items) -> None:
     k, n = shard_of(value)
     modules: dict[str, int] = {}
     for item in items:
-        modules[item.nodeid.split("::")[0]] = modules.get(item.nodeid.split("::")[0], 0) + 1
+        weight = (COMPILE_WEIGHT if item.get_closest_marker("compile")
+                  else SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
+        modules[item.nodeid.split("::")[0]] = modules.get(item.nodeid.split("::")[0], 0) + weight
     mine = shares(modules, n)[k]
     kept = [item for item in items if item.nodeid.split("::")[0] in mine]
     config.hook.pytest_deselected(items=[item for item in items

@@ -7,8 +7,10 @@ process; N processes compile N at a time while the GPU runs the others' tests, a
 one shard compiled reaches the others through the disk cache (`fa4lab.kernels.cache`: a second
 process that needs it waits on its lock, then loads it). Each shard's output goes to
 `<out>/shard-K.log`; every `--every` seconds one line gives each shard's progress (pytest's
-`[ NN%]`), and at the end each shard's summary line and the failures of any that failed. The
-exit status is the first non-zero shard's, 0 when every shard passed.
+`[ NN%]`), and at the end each shard's slowest tests (where the run asked for
+`--durations`), its summary line and the failures of any that failed. The exit status is the
+first non-zero shard's, 0 when every shard passed. `make test` and `make test-fast` run their
+CPU tiers this way too, one process per core (kernel compiles weighted: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def _progress(log: Path) -> str:
 def _summary(text: str) -> str:
     lines = [m.group(1) for m in map(SUMMARY.match, text.splitlines()) if m]
     return lines[-1] if lines else "(no summary: see the log)"
+
+
+def _durations(text: str) -> str:
+    """The lines of pytest's `--durations` section in a log (after its header, up to the
+    summary), or '' where it has none."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if " slowest " in line and "durations" in line
+                  and line.startswith("=")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].strip()
+                or lines[i].startswith("=") or SUMMARY.match(lines[i])), len(lines))
+    return "\n".join(lines[start + 1:end]).strip("\n")
 
 
 def _failures(text: str) -> str:
@@ -78,14 +93,21 @@ def main(argv=None) -> int:
         procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}))
     start = time.monotonic()
+    report = start + min(args.every, 2.0)
     while any(p.poll() is None for p in procs):
-        time.sleep(min(args.every, 2.0) if time.monotonic() - start < 5 else args.every)
+        time.sleep(0.2)         # the run ends when its last shard does, not at the next report
+        if time.monotonic() < report:
+            continue
+        report += min(args.every, 2.0) if time.monotonic() - start < 5 else args.every
         states = ", ".join(f"{k}: {'done' if p.poll() is not None else _progress(log)}"
                            for k, (p, log) in enumerate(zip(procs, logs)))
         print(f"[{time.monotonic() - start:6.0f} s] shards {states}", flush=True)
+    texts = [log.read_text(errors="replace") for log in logs]
+    for k, text in enumerate(texts):
+        if _durations(text):
+            print(f"---- shard {k}/{args.jobs}: slowest tests\n{_durations(text)}")
     for k, (p, log) in enumerate(zip(procs, logs)):
-        text = log.read_text(errors="replace")
-        print(f"shard {k}/{args.jobs} (exit {p.returncode}): {_summary(text)}  [{log}]")
+        print(f"shard {k}/{args.jobs} (exit {p.returncode}): {_summary(texts[k])}  [{log}]")
     codes = [p.returncode for p in procs]
     status = shards_status(codes)
     for k, (p, log) in enumerate(zip(procs, logs)):

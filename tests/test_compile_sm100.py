@@ -2,22 +2,22 @@
 
 Tier 1: no GPU needed, nvidia-cutlass-dsl and pip's CUDA binary tools required.
 
-The full matrix is head_dim {64, 128} x causal x GQA {1, 4} x LSE x {bf16, fp16} = 32 compiles
-of 3-10 s each on a 2-core machine; CI compiles and audits all of them. Every other
+The grid is head_dim {64, 128} x causal x GQA {1, 4} x LSE x {bf16, fp16}: 32 compiles of
+5-25 s each on a 2-core machine, most of them repeating what another already showed. `make test`
+compiles a pairwise sample of it (tests/matrix.py: 6 configs that hold every level of every
+factor beside every level of every other one, among them the two head_dim 128 configs that
+compare LSE on and off); FA4LAB_FULL_MATRIX=1 compiles and audits all 32. Every other
 (head_dim, head_dim_v) pair the kernel builds (`fa4lab.limits.KERNEL_HEAD_DIMS["sm100"]`)
 compiles once, causal with GQA 4 and LSE (trimmed: one config per extra pair); head_dim 256 is
 the one-Q-tile plan (Note [S ping-pong] in fa4lab.plan.sm100).
-FA4LAB_QUICK_MATRIX=1 compiles a covering subset instead (every level of every factor at least
-once, and the head_dim 128 causal pair with LSE both ways) for a quick local loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import os
 
 import pytest
+from matrix import matrix
 
 pytest.importorskip("cutlass")
 
@@ -28,17 +28,13 @@ from fa4lab.spec import AttentionSpec  # noqa: E402
 
 # A config's head dim is an int (head_dim_v == head_dim) or a (head_dim, head_dim_v) pair.
 GRID_DIMS = (64, 128)
-FULL = list(itertools.product(GRID_DIMS, (False, True), (1, 4), (False, True),
-                              ("bf16", "fp16")))
+GRID = [GRID_DIMS, (False, True), (1, 4), (False, True), ("bf16", "fp16")]
 EXTRA_DIMS = [(d if d == dv else (d, dv), True, 4, True, "bf16")
               for d, dv in KERNEL_HEAD_DIMS["sm100"] if not (d == dv and d in GRID_DIMS)]
-SUBSET = [
-    (128, True, 1, True, "bf16"),
-    (128, False, 4, False, "bf16"),
-    (64, True, 4, False, "fp16"),
-    (64, False, 1, True, "fp16"),
-]
-MATRIX = SUBSET if os.environ.get("FA4LAB_QUICK_MATRIX") == "1" else FULL + EXTRA_DIMS
+# Two head_dim 128 configs, LSE on and off, always in the sample: test_lse_off_passes_none and
+# test_audit_catches_a_plan_that_does_not_match read their compiles.
+WITH_LSE, WITHOUT_LSE = (128, True, 1, True, "bf16"), (128, False, 4, False, "bf16")
+MATRIX = matrix(GRID, must=[WITH_LSE, WITHOUT_LSE]) + EXTRA_DIMS
 # The options beyond the matrix, each on two configurations: softcap (a cap value; its value is
 # a runtime argument, so one compile serves every cap); a sliding window (causal with a left
 # side; both sides) and a learnable sink (their values are runtime arguments too); split-KV
@@ -158,7 +154,7 @@ def test_split_kv_pack_gqa_compiles_and_passes_audit(page_size, causal, tmp_path
 @pytest.mark.compile
 def test_audit_catches_a_plan_that_does_not_match(tmp_path_factory):
     """Audit the same binary against a different plan: the mismatches must show, with numbers."""
-    cf = _compile(SUBSET[0], tmp_path_factory)
+    cf = _compile(WITH_LSE, tmp_path_factory)
     other = plan_forward(cf.plan.spec, arch="sm100", kv_stage=2)
     result = audit_mod.audit_compiled(dataclasses.replace(cf, plan=other))
     smem = result.row("dynamic SMEM bytes")
@@ -170,8 +166,8 @@ def test_audit_catches_a_plan_that_does_not_match(tmp_path_factory):
 @pytest.mark.compile
 def test_lse_off_passes_none(tmp_path_factory):
     """return_lse=False compiles with mLSE=None: no global store of LSE in the PTX."""
-    with_lse = _compile(SUBSET[0], tmp_path_factory).ptx
-    without = _compile(SUBSET[1], tmp_path_factory).ptx
+    with_lse = _compile(WITH_LSE, tmp_path_factory).ptx
+    without = _compile(WITHOUT_LSE, tmp_path_factory).ptx
     assert with_lse.count("st.global.b32") >= 2 > without.count("st.global.b32")
     assert "lg2.approx" in with_lse and "lg2.approx" not in without
 

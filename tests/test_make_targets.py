@@ -51,8 +51,8 @@ def test_make_test_lints_installs_the_browser_and_runs_tests_and_notebooks():
     assert "ruff check fa4lab tests" in steps, steps
     assert "apt-get install" in steps and "chromium" in steps, steps
     assert steps.index("ruff check") < steps.index("chromium"), steps
-    assert steps.index("chromium") < steps.index("-m pytest -q tests/"), steps
-    assert "--nbmake" in steps and "notebooks/" in steps, steps
+    assert steps.index("chromium") < steps.index("tests/shards.py --jobs"), steps
+    assert "-- -q tests/" in steps and "--nbmake" in steps and "notebooks/" in steps, steps
 
 
 def test_make_test_fast_is_the_pure_python_tier():
@@ -61,7 +61,7 @@ def test_make_test_fast_is_the_pure_python_tier():
     result = _make("-n", "test-fast")
     assert result.returncode == 0, result.stderr
     steps = result.stdout
-    run = next(line for line in steps.splitlines() if "-m pytest" in line)
+    run = next(line for line in steps.splitlines() if "tests/shards.py" in line)
     assert "FA4LAB_FORBID_COMPILE=1" in run, run
     for marker in ("compile", "browser", "slow", "gpu", "sm90", "sm100"):
         assert f"not {marker}" in run, run

@@ -25,6 +25,7 @@ from audit_checks import compile_and_audit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_walk import check_walk
+from matrix import matrix
 
 from fa4lab import gqa, tiling
 from fa4lab.errors import PlanError, UnsupportedArchError
@@ -229,11 +230,15 @@ def test_packed_q_and_o_tma_views(g):
             assert seen[("o", t, r)] == (5, head, pos, batch), (t, r)
 
 
+# GQA {4, 8} x head_dim {64, 128} x causal, sampled pairwise (tests/matrix.py: 4 of the 8
+# compiles, every two factors' levels together at least once); FA4LAB_FULL_MATRIX=1 runs all 8.
+PACKED = matrix([(4, 8), (64, 128), (False, True)])
+
+
 @pytest.mark.slow
 @pytest.mark.compile
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("gqa", [4, 8])
+@pytest.mark.parametrize("gqa,head_dim,causal", PACKED, ids=[
+    f"{g}-{d}-{c}" for g, d, c in PACKED])
 def test_packed_kernel_compiles_and_passes_audit(gqa, head_dim, causal, tmp_path):
     plan = plan_forward(spec(head_dim, causal, hq=16, hkv=16 // gqa, lse=causal), "sm100",
                         pack_gqa=True)

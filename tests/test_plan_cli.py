@@ -7,6 +7,7 @@ import argparse
 import json
 
 import pytest
+from matrix import FULL_MATRIX, matrix
 
 from fa4lab.plan import Plan, plan_forward
 from fa4lab.plan_cli import EXIT_NO_PLAN, add_cli
@@ -20,10 +21,12 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
     return rc, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("arch", ["sm100", "sm90"])
-@pytest.mark.parametrize("hd", [64, 128])
-@pytest.mark.parametrize("causal,gqa", [(False, 1), (True, 4)])
-def test_answers_supported_specs(capsys, arch, hd, causal, gqa):
+# arch x head_dim x (causal, GQA) sampled pairwise (tests/matrix.py): each report builds and
+# simulates its plan (1-2 s on a 2-core machine): 4 of the 8; FA4LAB_FULL_MATRIX=1 runs all.
+@pytest.mark.parametrize("arch,hd,causal_gqa", matrix(
+    [("sm100", "sm90"), (64, 128), ((False, 1), (True, 4))]))
+def test_answers_supported_specs(capsys, arch, hd, causal_gqa):
+    causal, gqa = causal_gqa
     argv = ["--arch", arch, "--head-dim", str(hd), "--gqa", str(gqa), "--seqlen", "2048"]
     rc, out = run_cli(capsys, *(argv + (["--causal"] if causal else [])))
     assert rc == 0
@@ -80,13 +83,20 @@ def run_cli_err(capsys, *argv) -> tuple[int, str, str]:
     return rc, captured.out, captured.err
 
 
-@pytest.mark.parametrize("arch", ["sm100", "sm90"])
-@pytest.mark.parametrize("argv,window", [
+# Each window on one arch, the archs taking turns (4 of the 8 pairs: the report's tile counts
+# are one rule over whichever blocks the plan has, and each report takes 2-3 s on a 2-core
+# machine); FA4LAB_FULL_MATRIX=1 runs every window on both.
+WINDOWS = [
     (["--causal", "--window", "700", "none"], (700, None)),
     (["--window", "300", "0"], (300, None)),         # right = 0 is causal
     (["--window", "none", "200", "--seqlen-k", "3000"], (None, 200)),
     (["--window", "250", "100", "--gqa", "4"], (250, 100)),
-])
+]
+WINDOW_CASES = ([(arch, *w) for arch in ("sm100", "sm90") for w in WINDOWS] if FULL_MATRIX
+                else [(("sm100", "sm90")[i % 2], *w) for i, w in enumerate(WINDOWS)])
+
+
+@pytest.mark.parametrize("arch,argv,window", WINDOW_CASES)
 def test_window_softcap_sink_plan(capsys, arch, argv, window):
     """The report's tile counts are classify_tiles' on the plan's CTA x K/V block grid; the
     Markdown names the window, the softcap and the sink."""
