@@ -230,7 +230,7 @@ class ReferenceWithMods(torch.autograd.Function):
     """`attention` with score_mod / mask_mod on CPU tensors that require grad: a callable
     cannot be an argument of the forward op, so this Function carries the call instead.
     forward(q, k, v, learnable_sink, forward_fn, options) runs `forward_fn(q, k, v,
-    learnable_sink)` -> (out, lse) (`fa4lab.api.attention._forward` with the call's options, lse
+    learnable_sink)` -> (out, lse) (`fa4lab.api.dense._forward` with the call's options, lse
     always computed); backward is `dense_backward` with the mods in `options`."""
 
     @staticmethod

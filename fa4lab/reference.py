@@ -294,7 +294,7 @@ def attention_reference(q, k, v, *, causal: bool = False, softmax_scale: float |
     `fa4lab.mods`'s, checked by `fa4lab.mods.check_mods`. q, k, v must be finite (a NaN or
     inf raises ValueError) unless `finite` is False: then they flow through the arithmetic as
     they would through a kernel (`fa4lab.attention`'s CPU path: Note [the same rules on CPU
-    and GPU] in fa4lab.api.attention).
+    and GPU] in fa4lab.api.dense).
     """
     kind = check_attention_inputs(q, k, v, finite)
     scale = resolve_scale(softmax_scale, int(q.shape[-1]))

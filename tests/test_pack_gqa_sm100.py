@@ -266,7 +266,7 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     (the device faked here: no GPU)."""
     torch = pytest.importorskip("torch")
     import fa4lab
-    from fa4lab import api
+    from fa4lab.api import dense
     from fa4lab.kernels import launch
 
     calls, checked = [], []
@@ -285,8 +285,8 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
     monkeypatch.setattr(launch, "forward", forward)
-    monkeypatch.setattr(api, "check_inputs", lambda *a, **kw: None)
-    monkeypatch.setattr(api, "check_kernel_inputs", lambda q, k, v, arch: checked.append(arch))
+    monkeypatch.setattr(dense, "check_inputs", lambda *a, **kw: None)
+    monkeypatch.setattr(dense, "check_kernel_inputs", lambda q, k, v, arch: checked.append(arch))
     sink = torch.zeros(4)
     for pack in (True, False, None):
         fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0,

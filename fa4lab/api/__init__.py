@@ -72,12 +72,12 @@ over the pages on the archs where it has run (`fa4lab.kernels.launch.PAGED_VARLE
 H100/H200), `attention` once per sequence elsewhere.
 
 torch.compile and CUDA graphs: `attention` is backed by the custom op
-`torch.ops.fa4lab.attention_forward` (Note [the attention op] in fa4lab.api.attention),
+`torch.ops.fa4lab.attention_forward` (Note [the attention op] in fa4lab.api.dense),
 `attention_varlen` by `torch.ops.fa4lab.attention_varlen_forward` (Note [the varlen op] in
 fa4lab.api.varlen).
 """
 
-from fa4lab.api.attention import (
+from fa4lab.api.dense import (
     SlowReferenceWarning,
     attention,
     attention_forward,

@@ -1,7 +1,7 @@
 """`fa4lab.attention_varlen`: the entry point of variable-length batches (packed tokens with
 cu_seqlens, upstream's dense and seqused_q forms) and paged K/V caches, and its torch op
 `fa4lab::attention_varlen_forward` (Note [the varlen op]). The dispatch and the options are
-`fa4lab.attention`'s (`fa4lab.api.attention`); a batch no varlen launch runs is one `attention`
+`fa4lab.attention`'s (`fa4lab.api.dense`); a batch no varlen launch runs is one `attention`
 call per sequence.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fa4lab import backward
-from fa4lab.api.attention import _check_switches, _intercepted, _warn_slow, attention
+from fa4lab.api.dense import _check_switches, _intercepted, _warn_slow, attention
 from fa4lab.backward import needs_grad, refuse_gradients_on_cuda
 from fa4lab.canonical import empty_answer, for_kernel, narrow_out
 from fa4lab.errors import InputTypeError
@@ -238,7 +238,7 @@ def _per_sequence(q, k, v, lengths, page_table, return_lse: bool, options: dict)
 
 # Note [the varlen op]
 # `fa4lab::attention_varlen_forward` is `attention_varlen` as a torch custom op, as Note [the
-# attention op] in fa4lab.api.attention says of `attention`: eager calls skip the dispatcher,
+# attention op] in fa4lab.api.dense says of `attention`: eager calls skip the dispatcher,
 # traced or intercepted calls go through the op. Its fake implementation checks what the shapes
 # show (`fa4lab.varlen.check_varlen_shapes`) and gives out (total_q, heads_q, head_dim_v) and lse
 # (heads_q, total_q) from the shapes alone: it never reads a length, so under
