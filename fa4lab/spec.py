@@ -366,7 +366,7 @@ def check_qkv_shapes(q, k, v) -> None:
         raise InputError(
             f"empty heads or head_dim in q {tuple(q.shape)}, k {tuple(k.shape)}, v "
             f"{tuple(v.shape)}: attention needs at least one head and head_dim >= 1 (an empty "
-            f"batch or sequence is fine: Note [empty calls] in fa4lab.api)"
+            f"batch or sequence is fine: Note [empty calls] in fa4lab.canonical)"
         )
     if hq % hkv:
         raise InputError(
