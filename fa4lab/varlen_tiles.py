@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from fa4lab.varlen import VarlenLengths
 
 __all__ = ["PageRead", "VarlenTileTable", "VarlenTiles", "key_block_pages", "launch_lengths",
-           "launch_tile_rows", "max_tile_rows", "tile_rows", "varlen_tile_table", "varlen_tiles"]
+           "launch_tile_rows", "max_tile_rows", "seen_cap", "tile_rows", "varlen_tile_table",
+           "varlen_tiles"]
 
 
 # Note [varlen tiles]
@@ -174,6 +175,18 @@ def tile_rows(lens_q, lens_k, rows: int | None, *, m_block_size: int, n_block_si
 # their longest tiles' costs do; tests/test_varlen_kernels.py compares the two.
 
 
+def seen_cap(m_block_size: int, causal: bool, window_size) -> int | None:
+    """The keys one tile of `m_block_size` rows can see under `window_size` (left + right +
+    m_block_size, right 0 when causal, at least 0): what a launch orders its sequences by
+    (Note [launch tile table]); None with a side unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left is None or right is None:
+        return None
+    return max(left + right + m_block_size, 0)
+
+
 def launch_tile_rows(lens_q, lens_k, rows: int, *, m_block_size: int, causal: bool = False,
                      window_size=(None, None)):
     """(rows, 2) int32 (batch, m_block) table of a varlen launch from int64 tensors of each
@@ -183,12 +196,8 @@ def launch_tile_rows(lens_q, lens_k, rows: int, *, m_block_size: int, causal: bo
 
     batch = int(lens_q.shape[0])
     per_seq = torch.clamp((lens_q + (m_block_size - 1)) // m_block_size, 0, rows)
-    left, right = window_size
-    if causal:
-        right = 0
-    seen = lens_k
-    if left is not None and right is not None:
-        seen = torch.clamp(lens_k, max=max(left + right + m_block_size, 0))
+    cap = seen_cap(m_block_size, causal, window_size)
+    seen = lens_k if cap is None else torch.clamp(lens_k, max=cap)
     order = torch.argsort(seen, descending=True, stable=True)
     ends = per_seq[order].cumsum(0)
     r = torch.arange(rows, dtype=torch.int64, device=lens_q.device)

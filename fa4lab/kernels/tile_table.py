@@ -12,7 +12,8 @@ tile table] there), the same rows in the same order, from the same tensors:
         table      (rows, 2)     (batch, m_block) rows: LPT order by sequence, padding last
 
 with Int32 sizes rows (`max_tile_rows`), m_block (a CTA's query rows) and cap (the keys a
-window lets one tile see, `seen_cap`; NO_CAP without a window). Note [one CTA builds the table].
+window lets one tile see, `fa4lab.varlen_tiles.seen_cap`; NO_CAP without a window). Note [one
+CTA builds the table].
 
     from fa4lab.kernels.tile_table import build_launch_tables
     cu_q, cu_k, keys, table = build_launch_tables(lengths, rows, m_block=128, causal=True)
@@ -27,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 __all__ = ["KERNEL_BY_DEFAULT", "MAX_BATCH", "NO_CAP", "TileTableKernel", "build_launch_tables",
-           "compile_tile_table", "seen_cap"]
+           "compile_tile_table"]
 
 THREADS = 1024
 MAX_BATCH = 1024          # a larger batch builds its table with torch ops (`launch_tile_rows`)
@@ -55,17 +56,6 @@ _MAX_QUERIES = 2**30      # a query count is clamped here first: ceil-division c
 # counted from the sequence's last tile when causal. Rows past the real ones are padding rows
 # (batch, 0) as in Note [tile rows on the device]. Every load is inside the tensors: indices
 # come from the shapes, and the values are only compared and counted.
-
-
-def seen_cap(m_block: int, causal: bool, window_size) -> int:
-    """The keys one tile can see under `window_size` (left + right + m_block, right 0 when
-    causal), NO_CAP without a window side left unbounded: `launch_tile_rows`'s cap."""
-    left, right = window_size
-    if causal:
-        right = 0
-    if left is None or right is None:
-        return NO_CAP
-    return max(left + right + m_block, 0)
 
 
 class TileTableKernel:
@@ -236,7 +226,7 @@ def build_launch_tables(lengths, rows: int, *, m_block: int, causal: bool = Fals
     import torch
 
     from fa4lab.kernels.compile import device_arch
-    from fa4lab.varlen_tiles import launch_lengths, launch_tile_rows
+    from fa4lab.varlen_tiles import launch_lengths, launch_tile_rows, seen_cap
 
     batch = lengths.batch
     cu_q, keys, cu_k = lengths.cu_q, lengths.keys, lengths.cu_k
@@ -248,6 +238,7 @@ def build_launch_tables(lengths, rows: int, *, m_block: int, causal: bool = Fals
         return (*launch_lengths(lengths),
                 launch_tile_rows(lens_q, keys.long(), rows, m_block_size=m_block, causal=causal,
                                  window_size=window_size))
+    cap = seen_cap(m_block, causal, window_size)
     ints = dict(dtype=torch.int32, device=cu_q.device)
     cu_q_out = torch.empty(batch + 2, **ints)
     keys_out = torch.empty(batch + 1, **ints)
@@ -256,5 +247,5 @@ def build_launch_tables(lengths, rows: int, *, m_block: int, causal: bool = Fals
     fn = _kernel(bool(causal), cu_k is not None, arch + "a")
     fn(cu_q.to(torch.int32), keys.to(torch.int32),
        None if cu_k is None else cu_k.to(torch.int32), cu_q_out, keys_out, cu_k_out, table,
-       m_block, seen_cap(m_block, causal, window_size))
+       m_block, NO_CAP if cap is None else cap)
     return cu_q_out, cu_k_out, keys_out, table
