@@ -18,7 +18,7 @@ FAST_MARKERS ?= not compile and not browser and not slow and not gpu and not sm9
 # compiles spread evenly): one per core of CI's 2-core machine. CPU_JOBS=1 runs one process.
 CPU_JOBS ?= 2
 
-.PHONY: install lab student test test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
+.PHONY: install lab student test durations test-fast test-gpu fuzz-gpu sanitize-gpu browser-deps lint clean course
 
 install: $(VENV)/.installed
 
@@ -71,6 +71,11 @@ endef
 test: lint browser-deps
 	$(call timed,tests,CI=$${CI:-} $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/tests -- -q tests/ --durations=20)
 	$(call timed,notebooks,$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/ --durations=20)
+
+# Measure the `tests` tier's times again and keep them as the shares' weights (tests/durations.json:
+# every test of at least 0.2 s; commit it when the suite's shape changed).
+durations: install
+	$(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/durations --save-weights tests/durations.json -- -q tests/
 
 # The edit loop: pure Python (plans, references, the simulator, figures, widgets) in a minute or
 # two, as CPU_JOBS processes; no compiles, browser or notebooks. A test that compiles a kernel

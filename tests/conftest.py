@@ -17,18 +17,22 @@ making the fast tier slow.
 rest: N processes with K = 0..N-1 run each test once (tests/shards.py runs them side by side,
 as `make test-gpu` does, sharing compiled kernels through the disk cache). A share is whole
 test modules, so a module's tests keep their order and their process; the modules go to the
-share with the least weight so far, heaviest module first. A test weighs 1, a `compile` test
-COMPILE_WEIGHT and another `slow` test SLOW_WEIGHT (about as many pure-Python tests as take
-that long), so the CPU tiers' compiles and notebook runs spread evenly over the processes.
+share with the least weight so far, heaviest module first. A test weighs the seconds it took
+when tests/durations.json was last measured (`--durations-out`, merged by `tests/shards.py
+--save-weights`), or, where it has none (a new test, a GPU test), what its markers say a test of
+its kind takes (`estimate`), so the CPU tiers' compiles and notebook runs spread evenly over the
+processes.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import json
 import os
 import random
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -60,6 +64,8 @@ def _hardware_skip_reason(item) -> str | None:
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N",
                      help="run every N-th collected test from the K-th (0 <= K < N)")
+    parser.addoption("--durations-out", default=None, metavar="FILE",
+                     help="write each test's seconds (setup, call and teardown) to FILE as JSON")
 
 
 def shard_of(value: str) -> tuple[int, int]:
@@ -73,13 +79,30 @@ def shard_of(value: str) -> tuple[int, int]:
     return k, n
 
 
-# What a test weighs in a share, in pure-Python tests (about 0.1 s each on a 2-core machine): a
-# compile and audit 5-15 s; a `slow` test that is not a compile runs notebooks or processes,
-# 20-60 s. Sized so that `make test`'s two shards take about as long as each other.
-COMPILE_WEIGHT, SLOW_WEIGHT = 80, 400
+# What a test weighs in a share, in seconds: its measured time (tests/durations.json: every test
+# that took at least RECORDED_FROM seconds on a 2-core machine, one process of two) where known,
+# else an estimate by kind (a pure-Python test ~0.05 s, a compile and audit 5-15 s, a `slow` test
+# that is not a compile runs notebooks or processes, 20-60 s).
+DURATIONS = Path(__file__).with_name("durations.json")
+RECORDED_FROM = 0.2
+TEST_S, COMPILE_S, SLOW_S = 0.05, 8.0, 40.0
 
 
-def shares(modules: dict[str, int], n: int) -> list[set[str]]:
+def estimate(item) -> float:
+    """The seconds a test without a measured time is taken to need, by its markers."""
+    return (COMPILE_S if item.get_closest_marker("compile")
+            else SLOW_S if item.get_closest_marker("slow") else TEST_S)
+
+
+def measured() -> dict[str, float]:
+    """tests/durations.json ({node id: seconds}), or {} where there is none."""
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def shares(modules: dict[str, float], n: int) -> list[set[str]]:
     """n sets of module names: each module (name: weight) to the share with the least weight so
     far, the heaviest module first (ties by name, so every process computes the same shares)."""
     out, weights = [set() for _ in range(n)], [0] * n
@@ -95,11 +118,11 @@ def _keep_shard(config, items) -> None:
     if value is None:
         return
     k, n = shard_of(value)
-    modules: dict[str, int] = {}
+    seconds = measured()
+    modules: dict[str, float] = {}
     for item in items:
-        weight = (COMPILE_WEIGHT if item.get_closest_marker("compile")
-                  else SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
-        modules[item.nodeid.split("::")[0]] = modules.get(item.nodeid.split("::")[0], 0) + weight
+        module = item.nodeid.split("::")[0]
+        modules[module] = modules.get(module, 0.0) + seconds.get(item.nodeid, estimate(item))
     mine = shares(modules, n)[k]
     kept = [item for item in items if item.nodeid.split("::")[0] in mine]
     config.hook.pytest_deselected(items=[item for item in items
@@ -208,3 +231,18 @@ def pytest_configure(config):
             sys.modules["cutlass.cute"].compile = _compile_forbidden
         else:
             sys.meta_path.insert(0, _ForbidCompile())
+
+
+# ---- measured times (tests/durations.json) ----------------------------------------------------
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = session.config.getoption("--durations-out")
+    if out:
+        Path(out).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_seconds.items())},
+                                        indent=0) + "\n")

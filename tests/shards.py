@@ -10,12 +10,16 @@ process that needs it waits on its lock, then loads it). Each shard's output goe
 `[ NN%]`), and at the end each shard's slowest tests (where the run asked for
 `--durations`), its summary line and the failures of any that failed. The exit status is the
 first non-zero shard's, 0 when every shard passed. `make test` and `make test-fast` run their
-CPU tiers this way too, one process per core (kernel compiles weighted: tests/conftest.py).
+CPU tiers this way too, one process per core, their shares weighted by each test's measured
+seconds (tests/conftest.py). Each shard writes its tests' times (`<out>/durations-K.json`), and
+the run prints each shard's busy seconds; `--save-weights tests/durations.json` keeps them as
+the weights of the next runs (`make durations`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -73,11 +77,33 @@ def shards_status(codes: list[int]) -> int:
     return NO_TESTS if codes and all(c == NO_TESTS for c in codes) else 0
 
 
+def _read_times(path: Path) -> dict[str, float]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_weights(seconds: list[dict[str, float]], path: Path) -> str:
+    """Write the tests of these shards' times that took at least RECORDED_FROM seconds to `path`
+    (sorted JSON, one test a line); say how many."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import RECORDED_FROM
+
+    kept = {k: v for t in seconds for k, v in t.items() if v >= RECORDED_FROM}
+    path.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {v}" for k, v in sorted(kept.items()))
+                    + "\n}\n")
+    return f"{path} ({len(kept)} tests, {sum(kept.values()):.0f} s)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=4, help="processes (default 4)")
     parser.add_argument("--out", default="test-output/shards", help="where the logs go")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between progress")
+    parser.add_argument("--save-weights", default=None, metavar="FILE",
+                        help="after a passing run, write the times of its tests that took at "
+                             "least conftest.RECORDED_FROM seconds to FILE (the shares' weights)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: the arguments of one pytest run")
     args = parser.parse_args(argv)
@@ -87,9 +113,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = [out / f"shard-{k}.log" for k in range(args.jobs)]
+    times = [out / f"durations-{k}.json" for k in range(args.jobs)]
+    for path in times:
+        path.unlink(missing_ok=True)
     procs = []
     for k, log in enumerate(logs):
-        cmd = [sys.executable, "-m", "pytest", *pytest_args, f"--shard={k}/{args.jobs}"]
+        cmd = [sys.executable, "-m", "pytest", *pytest_args, f"--shard={k}/{args.jobs}",
+               f"--durations-out={times[k]}"]
         procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"}))
     start = time.monotonic()
@@ -108,8 +138,13 @@ def main(argv=None) -> int:
             print(f"---- shard {k}/{args.jobs}: slowest tests\n{_durations(text)}")
     for k, (p, log) in enumerate(zip(procs, logs)):
         print(f"shard {k}/{args.jobs} (exit {p.returncode}): {_summary(texts[k])}  [{log}]")
+    seconds = [_read_times(path) for path in times]
+    print("busy seconds per shard (its tests' setup, call and teardown): "
+          + ", ".join(f"{k}: {sum(t.values()):.0f}" for k, t in enumerate(seconds)))
     codes = [p.returncode for p in procs]
     status = shards_status(codes)
+    if args.save_weights and status == 0:
+        print(f"weights saved: {save_weights(seconds, Path(args.save_weights))}")
     for k, (p, log) in enumerate(zip(procs, logs)):
         if p.returncode not in (0, NO_TESTS):
             print(f"\n---- shard {k} ----\n{_failures(log.read_text(errors='replace'))}")

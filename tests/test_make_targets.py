@@ -7,6 +7,7 @@ test needs.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,31 @@ def test_a_shard_left_without_tests_is_not_a_failure():
     assert shards_status([NO_TESTS, 1, 0, 2]) == 1
     assert shards_status([NO_TESTS, NO_TESTS]) == NO_TESTS
     assert shards_status([0, 0]) == 0
+
+
+def test_shares_weigh_measured_seconds(tmp_path):
+    """The shares' weights are the measured seconds where tests/durations.json has them (a
+    module of one 60 s test outweighs one of a hundred 0.1 s tests), the markers' estimate
+    elsewhere; `save_weights` keeps only the tests of at least RECORDED_FROM seconds."""
+    from conftest import RECORDED_FROM, TEST_S, estimate, shares
+
+    heavy = {"a.py": 60.0, "b.py": 100 * 0.1, "c.py": 30.0, "d.py": 20.0}
+    first, second = shares(heavy, 2)
+    assert first == {"a.py"} and second == {"b.py", "c.py", "d.py"}
+
+    class Item:
+        def __init__(self, *marks):
+            self.marks = marks
+
+        def get_closest_marker(self, name):
+            return name if name in self.marks else None
+
+    assert estimate(Item()) == TEST_S < estimate(Item("slow")) and estimate(Item("compile")) > 1
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from shards import save_weights
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    out = tmp_path / "durations.json"
+    said = save_weights([{"t.py::a": 3.5, "t.py::b": RECORDED_FROM / 2}, {"u.py::c": 1.25}], out)
+    assert json.loads(out.read_text()) == {"t.py::a": 3.5, "u.py::c": 1.25} and "2 tests" in said
