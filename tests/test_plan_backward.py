@@ -165,3 +165,26 @@ def test_cli_json_has_the_plan_and_the_report(capsys):
     d = json.loads(out)
     assert rc == 0 and d["direction"] == "backward"
     assert d["tmem"]["total_cols"] == 384 and d["report"]["simulation"]["deadlock"] == []
+
+
+def test_the_notebook_views(plans):
+    from matplotlib.figure import Figure
+
+    from fa4lab.plan.report_backward import (
+        build_backward_report,
+        render_backward_markdown,
+        report_section,
+    )
+    from fa4lab.viz.backward import draw_backward_timeline, protocol_markdown
+
+    plan = plans[64]
+    table = protocol_markdown(plan)
+    assert all(f"`{b.name}`" in table for b in plan.barriers.barriers)
+    assert table.count("\n") == 1 + len(plan.protocol.programs)
+    md = render_backward_markdown(plan, build_backward_report(plan))
+    head = report_section(md, "Conclusion")
+    assert head.startswith("## Conclusion") and "## Evidence" not in head
+    assert report_section(md, "One CTA or a pair").count("\n| ") == 1 + len(plan.mmas)
+    with pytest.raises(KeyError):
+        report_section(md, "no such section")
+    assert isinstance(draw_backward_timeline(simulate(plan, 2, 1)), Figure)

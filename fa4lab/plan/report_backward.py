@@ -343,3 +343,16 @@ def risks(plan, rep: dict) -> list[str]:
            "H200; the backward's own constants (dS's FMA count, the reduce-adds' L2 cost) were "
            "never timed: the experiment above tests the most consequential one."]
     return out
+
+
+def report_section(markdown: str, title: str) -> str:
+    """The part of a rendered report under the heading that starts with `title` ("Conclusion",
+    "One CTA or a pair"), up to the next heading of its level or above."""
+    lines = markdown.splitlines()
+    for i, line in enumerate(lines):
+        level = len(line) - len(line.lstrip("#"))
+        if level and line[level:].strip().startswith(title):
+            end = next((k for k in range(i + 1, len(lines))
+                        if 0 < len(lines[k]) - len(lines[k].lstrip("#")) <= level), len(lines))
+            return "\n".join(lines[i:end]).strip() + "\n"
+    raise KeyError(f"no section {title!r} in the report")
