@@ -306,13 +306,15 @@ def _steps(plan, costs):
 # CTA loads and reads half of each Q and dO block. dQ = dS K sums over the pair's 256 keys
 # (`mma_tiler_dsk = (tile_m, hdim, 2 * tile_n)`), so each CTA needs the other's dS: the compute
 # warps swap half of dS through distributed shared memory (`sdS_xchg`, a relay warp and three
-# more mbarriers), and dQ's 128 rows are split 64 per CTA (head_dim / 2 TMEM columns,
-# `tmem_dQ_offset = S + head_dim / 2`, over S). (192, 128) needs it for TMEM: S + dV + dP + dK
-# = 128 + 128 + 128 + 192 = 576 > 512, so upstream lays the four out with dP over S's upper
-# columns and dQ over dP (`tmem_dP_offset = 512 - tile_m`). What the pair buys, in this cost
-# model, is shared-memory bandwidth: at 128 B per SM per cycle a 1-CTA step reads its operands
-# from SMEM in as many cycles as its MMAs take (`pair_mma_table`), with no slack; the pair
-# halves each CTA's B reads. This plan is 1-CTA; the pair's protocol is not planned here.
+# more mbarriers), and dQ's 128 rows are split 64 per CTA (upstream places dQ inside S's
+# columns, `tmem_dQ_offset = tmem_S_offset + tile_hdim // 2`). (192, 128) needs the pair for
+# TMEM: S + dV + dP + dK = 128 + 128 + 128 + 192 = 576 > 512, so upstream lays the four out with
+# dP over S's upper columns and dQ over dP (`tmem_dP_offset = 512 - tile_m`). What the pair
+# buys, in this cost model, is shared-memory bandwidth: at 128 B per SM per cycle, a 1-CTA
+# step's S^T, dP^T and dQ read their operands from SMEM in as many cycles as the datasheet's MMA
+# rate takes for them (512 each at head_dim 128: `pair_mma_table`), with no slack should the
+# tensor cores run at that rate; the pair halves each CTA's B reads of the four key-row MMAs.
+# This plan is 1-CTA; the pair's protocol is not planned here.
 def pair_mma_table(plan, costs) -> list[dict]:
     """Per MMA of one step, the SMEM bytes each CTA reads and the modelled cycles, with one CTA
     (cta_group::1, this plan) and with a pair (cta_group::2, Note [the backward's 2-CTA MMA]):
