@@ -171,7 +171,8 @@ def dq_costs(seqlen: int, *, head_dim: int = 128, head_dim_v: int | None = None,
 # 128; head_dim 256 needs 768 and does not fit (upstream has a separate 2-CTA kernel for it,
 # sm100_hd256_2cta_fmha_backward.py, and picks 2-CTA MMA, `use_2cta_instrs`, for head_dim >= 128
 # in flash_attn/cute/interface.py; its layout differs from this one). The reuse guard of each
-# region is "-": this lab has no protocol table for the backward.
+# region is "-": the barriers that order each reuse are in the backward plan's protocol table
+# (Note [the backward's protocol] in fa4lab.plan.protocol_bwd_sm100), which reads this map.
 
 
 def backward_tmem(head_dim: int, head_dim_v: int | None = None, *,

@@ -55,8 +55,10 @@ LESSONS = (
     Lesson("10_backward.ipynb", "The backward pass",
            "why the forward keeps O and LSE, not P; D = rowsum(dO * O) and the five MMAs of a "
            "tile; key blocks outside and three ways to accumulate dQ (a model); the backward's "
-           "TMEM map at head_dim 64 and 128; graded: one tile's backward step",
-           "CPU (float64; costs and TMEM are a model, no GPU backward kernel yet)"),
+           "TMEM map at head_dim 64 and 128; the B200 backward's plan (roles, SMEM, the barrier "
+           "protocol, a modelled timeline) and upstream's 2-CTA MMA; graded: one tile's "
+           "backward step",
+           "CPU (float64; costs, TMEM and the plan are a model, no GPU backward kernel yet)"),
 )
 
 

@@ -4,13 +4,16 @@ timeline, the minimal validation and the risks, as Markdown or JSON.
     fa4lab plan --head-dim 128 --causal --gqa 4 --arch sm100
     fa4lab plan --head-dim 128 --window 1024 0 --softcap 30 --sink   # sliding window, cap, sink
     fa4lab plan --head-dim 128 --format json > plan.json    # Plan.from_dict(json.load(...))
+    fa4lab plan --backward --head-dim 128 --causal   # the B200 backward (fa4lab.plan.backward)
 
 Shapes default to the benchmark sweep's convention (16384 tokens, hidden 2048: batch =
 16384 / seqlen, heads = 2048 / head_dim). A spec the arch cannot plan (head_dim 256 on sm100:
 S + O need 768 of 512 TMEM columns) prints why and the fallbacks, and exits with status 2.
 JSON output is the plan's `to_dict()` (keys sorted) plus a "report" key, so it round-trips
 through `Plan.from_dict`. A bad window or softcap gets the spec's own message
-(`fa4lab.spec.check_window_size`, `check_softcap`) and status 2.
+(`fa4lab.spec.check_window_size`, `check_softcap`) and status 2. `--backward` prints the five
+outputs for the backward instead (`fa4lab.plan.report_backward`): same shape flags; the tile
+overrides and --page-size are the forward's and are refused with it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def add_cli(subparsers) -> None:
     p.add_argument("--page-size", type=int, default=None, metavar="P",
                    help="also show how a paged K/V cache of P-token pages maps to the plan's "
                         "K/V blocks (`fa4lab.varlen_tiles.key_block_pages`)")
+    p.add_argument("--backward", action="store_true",
+                   help="plan the backward instead (sm100: fa4lab.plan.backward)")
     p.add_argument("--format", default="md", choices=["md", "json"])
     p.set_defaults(func=run)
 
@@ -123,6 +128,8 @@ def run(args) -> int:
         return EXIT_NO_PLAN
     overrides = {k: v for k, v in (("n_block", args.n_block), ("kv_stage", args.kv_stage),
                                    ("q_stage", args.q_stage)) if v is not None}
+    if getattr(args, "backward", False):
+        return run_backward(args, spec, overrides)
     try:
         plan = plan_forward(spec, args.arch, **overrides)
     except PlanError as err:
@@ -151,4 +158,36 @@ def run(args) -> int:
     else:
         print(render_markdown(plan, rep) + (render_paged(rep["paged"]) if "paged" in rep
                                             else ""))
+    return 0
+
+
+def run_backward(args, spec, overrides: dict) -> int:
+    """`fa4lab plan --backward`: the backward plan's five outputs, or why there is none."""
+    from fa4lab.plan.backward import plan_backward
+    from fa4lab.plan.report_backward import build_backward_report, render_backward_markdown
+
+    refused = [f"--{k.replace('_', '-')}" for k in overrides]
+    if getattr(args, "page_size", None) is not None:
+        refused.append("--page-size")
+    if refused:
+        print(f"fa4lab plan --backward: {', '.join(refused)} are the forward's; the backward "
+              f"plan has its own tiles (fa4lab.plan.backward)", file=sys.stderr)
+        return EXIT_NO_PLAN
+    try:
+        plan = plan_backward(spec, args.arch)
+    except PlanError as err:
+        if args.format == "json":
+            print(json.dumps({"error": str(err), "arch": args.arch, "direction": "backward"},
+                             sort_keys=True, indent=2))
+        else:
+            print(f"# fa4lab plan --backward: no {args.arch} plan for head_dim "
+                  f"{spec.head_dim}\n\nPlanError: {err}")
+        return EXIT_NO_PLAN
+    rep = build_backward_report(plan)
+    if args.format == "json":
+        out = plan.to_dict()
+        out["report"] = rep
+        print(json.dumps(out, sort_keys=True, indent=2))
+    else:
+        print(render_backward_markdown(plan, rep))
     return 0

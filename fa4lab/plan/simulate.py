@@ -392,8 +392,12 @@ MUTATIONS = ("drop", "drop_arrive")
 def programs_for(plan, n_blocks: int, n_tiles: int = 1, costs: CostModel = DEFAULT_COSTS,
                  masked_blocks: int = 0) -> dict[str, list]:
     """Each role's ops over a CTA's work tiles: `plan.protocol` expanded, `n_tiles` tiles if the
-    plan is persistent (Note [persistent CTAs] in fa4lab.plan.sm100), else one (`tiles_per_cta`)."""
-    if plan.arch == "sm100":
+    plan is persistent (Note [persistent CTAs] in fa4lab.plan.sm100), else one (`tiles_per_cta`).
+    A backward plan (`fa4lab.plan.backward`) has its own step catalogue; its "blocks" are the
+    query blocks its CTA's key block walks."""
+    if getattr(plan, "direction", "forward") == "backward":   # fa4lab.plan.backward
+        from fa4lab.plan.protocol_bwd_sm100 import programs
+    elif plan.arch == "sm100":
         from fa4lab.plan.sm100 import programs
     else:
         from fa4lab.plan.sm90 import programs

@@ -1,10 +1,13 @@
-"""Figures for lesson 10 (the backward): the modelled cost of the three ways to accumulate dQ.
+"""Figures for lesson 10 (the backward): the modelled cost of the three ways to accumulate dQ,
+and the B200 backward plan's protocol table and simulated timeline.
 
     from fa4lab.viz.backward import plot_dq_schemes
     plot_dq_schemes([1024, 4096, 16384, 65536], at_seqlen=8192, head_dim=128)
+    protocol_markdown(plan_backward(spec))                # each role's barrier ops, in order
+    draw_backward_timeline(simulate(plan_backward(spec), 3, 1, costs_for("sm100")))
 
-The numbers are `fa4lab.backward_budget.dq_costs`: a MODEL (Note [accumulating dQ]), and the
-titles say so.
+The numbers are `fa4lab.backward_budget.dq_costs` (Note [accumulating dQ]) and the protocol
+simulator's (`fa4lab.plan.simulate`): MODELS, and the titles say so.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Sequence
 from fa4lab.backward_budget import SCHEMES, dq_costs, step_bytes
 from fa4lab.viz._live import subplots
 
-__all__ = ["plot_dq_schemes"]
+__all__ = ["plot_dq_schemes", "protocol_markdown", "draw_backward_timeline"]
 
 _STYLE = {"atomic": ("C0", "o", "-"), "deterministic": ("C3", "s", "--"),
           "separate pass": ("C2", "^", "-")}
@@ -75,3 +78,47 @@ def plot_dq_schemes(seqlens: Sequence[int], *, at_seqlen: int = 8192, head_dim: 
                  fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def protocol_markdown(plan) -> str:
+    """A markdown table of the plan's protocol table: each role's program in order, barrier ops
+    as `kind barrier[stage]`, work and MMAs in bold, a loop as `[trips x: ...]` (N query
+    blocks, M of them masked, j the step, q the Q stages)."""
+    rows = ["| role | program (barrier ops; **work**; `[N x: ...]` a loop over query blocks) |",
+            "|---|---|"]
+    for prog in plan.protocol.programs:
+        rows.append(f"| {', '.join(prog.roles)} | {_program_text(prog.body)} |")
+    return "\n".join(rows)
+
+
+def _program_text(body) -> str:
+    from fa4lab.plan.protocol import If, Loop, Op, Step, TileLoop, Unroll
+
+    out = []
+    for n in body:
+        if isinstance(n, Op):
+            stage = "" if n.stage == "0" else f"[{n.stage}]"
+            out.append(f"{n.kind} `{n.barrier}`{stage}")
+        elif isinstance(n, Step):
+            out.append(f"**{n.what}**")
+        elif isinstance(n, Loop):
+            out.append(f"[{n.trips} x: {_program_text(n.body)}]")
+        elif isinstance(n, Unroll):
+            out.append(f"({n.count} x {n.var}: {_program_text(n.body)})")
+        elif isinstance(n, If):
+            out.append(f"(if {n.cond}: {_program_text(n.body)})")
+        elif isinstance(n, TileLoop):
+            out.append(f"[each work tile: {_program_text(n.body)}]")
+    return ", ".join(out)
+
+
+def draw_backward_timeline(sim, max_cycles: float | None = None):
+    """`fa4lab.viz.plan.draw_timeline` of a backward plan's simulation (one key block walking
+    `sim.n_blocks` query blocks), titled as the MODEL it is."""
+    from fa4lab.viz.plan import draw_timeline
+
+    status = "DEADLOCK" if sim.deadlock else (f"{len(sim.hazards)} hazard(s)" if sim.hazards
+                                              else "no deadlock, no hazard")
+    return draw_timeline(sim, max_cycles=max_cycles, title=(
+        f"{sim.arch} backward, MODELLED: one key block x {sim.n_blocks} query blocks, "
+        f"{sim.cycles:.0f} cycles; {status}"))
