@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from fa4lab.limits import KERNEL_HEAD_DIMS, KERNEL_DTYPES
+from fa4lab.limits import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from fa4lab.spec import LOG2E, normalize_dtype, normalize_mask, resolve_scale
 
 ARCHS = ("sm90",)
@@ -209,7 +209,7 @@ def check_backward(q, k, v, out, dout, lse, dlse=None) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {(b, hq, sq)}")
 
 
-def _kernel_layout(t):
+def kernel_layout(t):
     """t itself when TMA-free cp.async can read it (last dim contiguous, other strides
     multiples of 8 elements, 16-byte aligned), else a contiguous copy."""
     ok = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
@@ -250,8 +250,8 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     sem = (torch.zeros((b, hq, sq_pad // m), dtype=torch.int32, device=dev)
            if deterministic else None)
     if b * sq * sk:
-        q_, k_, v_, do_ = (_kernel_layout(t) for t in (q, k, v, dout))
-        dk_, dv_ = _kernel_layout(dk), _kernel_layout(dv)
+        q_, k_, v_, do_ = (kernel_layout(t) for t in (q, k, v, dout))
+        dk_, dv_ = kernel_layout(dk), kernel_layout(dv)
         kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
                         *scale_args(softmax_scale, d, softcap), scale,
                         *window_args(window_size, sq, sk), sem)
