@@ -234,7 +234,7 @@ class FlashBackwardSm90:
         left, right = mask_mod.window_sides(self.window_size, self.causal, window_left,
                                             window_right)
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sdO = storage.sdO.get_tensor(sdO_layout)
         sK = storage.sK.get_tensor(sK_layout)
@@ -268,6 +268,7 @@ class FlashBackwardSm90:
                           head, n_block, m_block, seqlen_q, seqlen_k, left, right, scale_log2,
                           pre_scale)
 
+        cute.arch.cp_async_wait_group(0)      # K, V landed even where no query block came
         # dK = scale * sum dS^T Q (the softcap's factor is in dS), dV = sum P^T dO: stored once.
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, cute.local_tile(mdK[batch, None, kv_head, None], (N, d),
@@ -381,7 +382,7 @@ class FlashBackwardSm90:
         if const_expr(self.deterministic):
             self.wait_turn(mSemaphore, tidx, batch, head, n_block, m_block, seqlen_q,
                            seqlen_k, left, right)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+        for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
             cute.arch.red(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i], op="add",
                           dtype=Float32, sem="relaxed", scope="gpu")
         if const_expr(self.deterministic):
@@ -438,6 +439,6 @@ class FlashBackwardSm90:
         tXg = thr_mma.partition_C(gX)
         tXc = thr_mma.partition_C(cute.make_identity_tensor((cute.size(gX.shape[0]),
                                                              cute.size(gX.shape[1]))))
-        for i in cutlass.range_constexpr(cute.size(out)):
+        for i in cutlass.range(cute.size(out), unroll_full=True):
             if tXc[i][0] < rows:
                 tXg[i] = out[i]
