@@ -6,9 +6,11 @@
 On CPU tensors the forward is the float64 reference, and so is the backward: the explicit
 FlashAttention backward of `fa4lab.reference_backward`, with every option the forward takes
 (causal, windows, softcap, the learnable sink, GQA, score_mod / mask_mod, varlen, paged K/V),
-rounded once to the inputs' dtypes. On CUDA tensors there is no backward kernel yet: an input
-that requires grad raises `GradientNotSupportedError` before anything runs (Note [backward on
-CPU, not yet on the GPU]).
+rounded once to the inputs' dtypes. On CUDA tensors of a Hopper GPU (sm90) `fa4lab.attention`
+is differentiated by the sm90 backward kernel (`fa4lab.kernels.launch_backward`: Note [the
+backward on the GPU]); elsewhere, and for what that kernel does not build (varlen, paged K/V,
+mods), an input that requires grad raises `GradientNotSupportedError` naming what is missing
+(Note [backward on CPU, not yet on the GPU]).
 
 The autograd formulas are registered on the forward ops (`torch.library.register_autograd`,
 in `fa4lab.api`) and call backward ops of their own, `torch.ops.fa4lab.attention_backward` and
@@ -26,7 +28,8 @@ from fa4lab.errors import GradientNotSupportedError
 from fa4lab.spec import normalize_mask
 
 __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward",
-           "dense_backward", "grad_error", "needs_grad", "refuse_gradients_on_cuda"]
+           "cuda_backward", "dense_backward", "grad_error", "needs_grad",
+           "refuse_gradients_on_cuda", "refuse_unbuilt"]
 
 
 # Note [backward on CPU, not yet on the GPU]
@@ -36,20 +39,36 @@ __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward
 # forward's outputs: those are rounded to q's dtype and a float32 LSE, and P = exp(S - LSE) is
 # only as exact as the LSE it reads (a GPU backward kernel will read its forward's saved O and
 # LSE, as Note [the FlashAttention backward] in fa4lab.reference_backward does when given
-# them). On CUDA tensors no backward kernel exists yet, and a silently dropped gradient is worse
-# than an error, so GradientNotSupportedError is raised before anything runs: eagerly in
+# them). On CUDA tensors only the sm90 kernel exists (Note [the backward on the GPU]); where no
+# backward kernel runs the call, a silently dropped gradient is worse than an error, so
+# GradientNotSupportedError is raised before anything runs: eagerly in
 # `attention` / `attention_varlen`, and under torch.compile (where an exception raised in the
 # traced Python becomes dynamo's "Observed exception", fa4lab's message buried in its debug
 # context) from the ops' autograd setup: AOTAutograd traces the forward with its autograd
 # context when a graph input requires grad, so `save_attention` raises at compile time; the
-# backward ops raise on CUDA tensors too.
+# backward ops raise on CUDA tensors too. On an sm90 GPU the eager check of `attention` lets
+# the call through (it does not see the options) and `save_attention` refuses what the kernel
+# does not build (`fa4lab.kernels.launch_backward.missing`), naming it.
+#
+# Note [the backward on the GPU]
+# On CUDA tensors of an sm90 GPU, `attention_backward` runs `fa4lab.kernels.launch_backward
+# .backward`. The forward op saves its inputs only (the lse is not among its outputs unless
+# return_lse), so this first version recomputes out and lse with the forward kernel (one more
+# forward's time; the same bits, the forward being deterministic) before the backward kernel
+# runs. dQ's float32 additions come in whatever order the CTAs reach them; the kernel's
+# deterministic mode (`backward(..., deterministic=True)`) is not yet reachable from
+# `fa4lab.attention`'s `deterministic` argument, which the forward op does not carry.
 
 
-def grad_error(device=None, entry: str = "fa4lab.attention") -> GradientNotSupportedError:
+def grad_error(device=None, entry: str = "fa4lab.attention",
+               missing: str | None = None) -> GradientNotSupportedError:
     """The error of an input that requires grad where no backward runs (`device` a CUDA
-    device: Note [backward on CPU, not yet on the GPU]; None: `entry` has no backward at all)."""
-    where = (f"has no backward kernel on the GPU yet, and an input on {device} requires grad"
-             if device is not None else "has no backward pass yet, and an input requires grad")
+    device: Note [backward on CPU, not yet on the GPU]; None: `entry` has no backward at all);
+    `missing` says what the GPU's backward kernel lacks for the call, in words."""
+    lacks = "" if missing is None else f" ({missing} is not built yet)"
+    where = (f"has no backward kernel on the GPU yet{lacks}, and an input on {device} requires "
+             f"grad" if device is not None
+             else "has no backward pass yet, and an input requires grad")
     cpu = (f" On CPU tensors {entry} does differentiate: the float64 reference's backward "
            f"(fa4lab.reference_backward)." if device is not None else "")
     return GradientNotSupportedError(
@@ -74,8 +93,36 @@ def refuse_gradients_on_cuda(*tensors, entry: str = "fa4lab.attention",
     if (recording and any(getattr(t, "requires_grad", False) for t in tensors)
             or needs_grad(*tensors)):
         cuda = next((t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda), None)
-        if cuda is not None:
+        if cuda is not None and not (entry == "fa4lab.attention" and _kernel_arch(cuda)):
             raise grad_error(cuda.device, entry)
+
+
+def _kernel_arch(t) -> str | None:
+    """The kernel arch of CUDA tensor t's GPU when a backward kernel runs there (Note [the
+    backward on the GPU]), else None (no GPU visible: fake CUDA tensors on a CPU machine)."""
+    from fa4lab.limits import arch_of_capability
+
+    if not torch.cuda.is_available():
+        return None
+    arch = arch_of_capability(torch.cuda.get_device_capability(t.device))
+    return arch if arch == "sm90" else None
+
+
+def refuse_unbuilt(q, k, v, learnable_sink=None, *, entry: str = "fa4lab.attention",
+                   page_table=None, varlen: bool = False, mods: bool = False) -> None:
+    """GradientNotSupportedError naming what the GPU's backward kernel does not build for
+    this call (`fa4lab.kernels.launch_backward.missing`), when one of the tensors requires
+    grad and they are CUDA tensors (grad mode not asked: an op's setup_context runs with it
+    off, as in `refuse_gradients_on_cuda`)."""
+    if not (q.is_cuda and any(getattr(t, "requires_grad", False)
+                              for t in (q, k, v, learnable_sink))):
+        return
+    from fa4lab.kernels.launch_backward import missing
+
+    lacks = missing(q, k, v, arch=_kernel_arch(q), page_table=page_table, varlen=varlen,
+                    mods=mods)
+    if lacks is not None:
+        raise grad_error(q.device, entry, lacks)
 
 
 # Note [the backward ops]
@@ -128,13 +175,37 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
                        window_right: int | None, learnable_sink: torch.Tensor | None,
                        page_table: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops])."""
+    """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops]); on CUDA
+    tensors the sm90 kernel's (Note [the backward on the GPU])."""
     if q.is_cuda:
-        raise grad_error(q.device)
+        return cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table,
+                             **_options(causal, softmax_scale, softcap, window_left,
+                                        window_right))
     g = dense_backward(dout, dlse if dlse.numel() else None, q, k, v, learnable_sink,
                        page_table, **_options(causal, softmax_scale, softcap, window_left,
                                               window_right))
     return _finish(g, q, k, v, learnable_sink)
+
+
+def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, softmax_scale,
+                  softcap, window_size):
+    """(dq, dk, dv, dsink) on CUDA tensors: out and lse recomputed by the forward kernel, then
+    the backward kernel (Note [the backward on the GPU]); GradientNotSupportedError naming what
+    is missing where no kernel runs the call."""
+    from fa4lab.kernels import launch, launch_backward
+
+    arch = _kernel_arch(q)
+    lacks = launch_backward.missing(q, k, v, arch=arch, page_table=page_table)
+    if lacks is not None:
+        raise grad_error(q.device, missing=lacks)
+    q, k, v, dout = (launch_backward.kernel_layout(t) for t in (q, k, v, dout))
+    out, lse = launch.forward(q, k, v, arch, causal, softmax_scale, True, None, softcap,
+                              window_size, learnable_sink)
+    dq, dk, dv, dsink = launch_backward.backward(
+        q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+        window_size=window_size, learnable_sink=learnable_sink,
+        dlse=dlse if dlse.numel() else None)
+    return dq, dk, dv, (q.new_empty((0,)) if dsink is None else dsink)
 
 
 @attention_backward.register_fake
@@ -156,6 +227,7 @@ def save_attention(ctx, inputs, output) -> None:
     (q, k, v, causal, softmax_scale, _return_lse, _pack_gqa, softcap, window_left,
      window_right, learnable_sink, _num_splits, page_table) = inputs
     refuse_gradients_on_cuda(q, k, v, learnable_sink, recording=True)
+    refuse_unbuilt(q, k, v, learnable_sink, page_table=page_table)
     ctx.save_for_backward(q, k, v, learnable_sink, page_table)
     ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
     ctx.out_like = output[0]
@@ -236,6 +308,7 @@ class ReferenceWithMods(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, learnable_sink, forward_fn, options: dict):
         refuse_gradients_on_cuda(q, k, v, learnable_sink)
+        refuse_unbuilt(q, k, v, learnable_sink, mods=True)
         out, lse = forward_fn(q, k, v, learnable_sink)
         ctx.save_for_backward(q, k, v, learnable_sink)
         ctx.options = options

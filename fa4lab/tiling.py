@@ -47,6 +47,7 @@ __all__ = [
     "ceil_div",
     "classify_tiles",
     "key_bounds",
+    "query_block_range",
     "mask_split",
     "n_block_left_masked_range",
     "n_block_masked_range",
@@ -231,6 +232,28 @@ def block_range(pos_lo, pos_hi, seqlen_q, seqlen_k, n_block_size, left, right, *
         hi = lo + (hi - lo) * imin(imax(left + right + 1, 0), 1)
     n_block_max = ceil_div(hi, n_block_size) * imin(imax(hi - lo, 0), 1)
     return imin(lo // n_block_size, n_block_max), n_block_max
+
+
+def query_block_range(n_block, n_block_size, m_block_size, seqlen_q, seqlen_k, left, right, *,
+                      imin=min, imax=max):
+    """HALF-OPEN [m_block_min, m_block_max): the query blocks of `m_block_size` rows in which
+    some row sees a key of key block `n_block` -- the backward's loop, key blocks outside (Note
+    [key blocks outside] in fa4lab.backward_blocks); empty (0, 0) when no row sees one.
+
+    Key j is seen by position p iff p + d - left <= j <= p + d + right (d = seqlen_k -
+    seqlen_q), so the block's keys [k_lo, k_hi) are seen by positions p >= k_lo - d - right
+    and p <= k_hi - 1 - d + left, each side only where the window has it; with both sides a
+    row's interval is empty when left + right < 0. Ints or DSL Int32 (`imin` / `imax`)."""
+    d = seqlen_k - seqlen_q
+    k_lo = n_block * n_block_size
+    k_hi = imin(k_lo + n_block_size, seqlen_k)
+    p_lo = 0 if right is None else imax(k_lo - d - right, 0)
+    p_hi = seqlen_q if left is None else imin(k_hi - d + left, seqlen_q)
+    some = imin(imax(p_hi - p_lo, 0), 1) * imin(imax(k_hi - k_lo, 0), 1)
+    if left is not None and right is not None:
+        some = some * imin(imax(left + right + 1, 0), 1)
+    m_block_max = ceil_div(imax(p_hi, 0), m_block_size) * some
+    return imin(p_lo // m_block_size, m_block_max), m_block_max
 
 
 def mask_split(pos_lo, pos_hi, n_block_min, n_block_max, seqlen_q, seqlen_k, n_block_size,

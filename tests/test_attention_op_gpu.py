@@ -82,22 +82,25 @@ def test_opcheck_on_cuda():
 
 
 def test_requires_grad_raises_on_the_gpu_too():
-    """No backward kernel yet (Note [backward on CPU, not yet on the GPU] in fa4lab.backward):
-    the eager call, the op called directly (its autograd setup) and a compiled call raise
-    GradientNotSupportedError (under torch.compile in the error's chain and text)."""
+    """Where no backward kernel runs the call (Note [backward on CPU, not yet on the GPU] in
+    fa4lab.backward; on Hopper the kernel builds no paged K/V cache yet: Note [the backward on
+    the GPU]): the eager call, the op called directly (its autograd setup) and a compiled call
+    raise GradientNotSupportedError (under torch.compile in the error's chain and text)."""
     import warnings
 
     from fa4lab.api import GradientNotSupportedError
 
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = q.detach()
+    k = q.detach()                 # also one page of 64 keys per sequence
+    table = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
     with pytest.raises(GradientNotSupportedError, match="no backward kernel on the GPU"):
-        fa4lab.attention(q, k, k)
+        fa4lab.attention(q, k, k, page_table=table)
     with pytest.raises(GradientNotSupportedError):
-        torch.ops.fa4lab.attention_forward(q, k, k, False, None, False, False, 0.0)
+        torch.ops.fa4lab.attention_forward(q, k, k, False, None, False, False, 0.0, None, None,
+                                           None, None, table)
     torch._dynamo.reset()
-    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v), fullgraph=True,
-                      backend="eager")
+    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v, page_table=table),
+                      fullgraph=True, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(Exception) as err:

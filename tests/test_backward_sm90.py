@@ -1,0 +1,143 @@
+"""The sm90 backward kernel on a CPU: its host side (keys, argument checks, refusals), the query
+block range its loop walks, and (marker `compile`) every configuration it claims compiled for
+sm_90a with fake tensors, without local-memory spills. The GPU's numbers are
+tests/test_backward_sm90_gpu.py's."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from fa4lab import tiling  # noqa: E402
+from fa4lab.kernels.launch_backward import (  # noqa: E402
+    BackwardKey,
+    check_backward,
+    key_of,
+    missing,
+)
+from fa4lab.reference import visible_mask  # noqa: E402
+from fa4lab.spec import effective_window  # noqa: E402
+
+_SIDE = st.one_of(st.none(), st.integers(-40, 400))
+
+
+@given(sq=st.integers(1, 400), sk=st.integers(1, 400), m=st.sampled_from([16, 64]),
+       n=st.sampled_from([16, 64, 128]), causal=st.booleans(), left=_SIDE, right=_SIDE,
+       data=st.data())
+@settings(max_examples=150, deadline=None)
+def test_query_block_range_is_the_blocks_with_a_visible_key(sq, sk, m, n, causal, left, right,
+                                                            data):
+    """`fa4lab.tiling.query_block_range` is exactly the query blocks with a visible key in the
+    key block (the backward's loop and its deterministic turns both read it)."""
+    left, right = effective_window(causal, (left, None if causal else right))
+    j = data.draw(st.integers(0, tiling.num_n_blocks(sk, n) - 1))
+    vis = visible_mask(sq, sk, False, window_size=(left, right))[:, j * n:(j + 1) * n]
+    rows = [i for i in range(tiling.num_m_blocks(sq, m)) if vis[i * m:(i + 1) * m].any()]
+    want = (rows[0], rows[-1] + 1) if rows else (0, 0)
+    assert tiling.query_block_range(j, n, m, sq, sk, left, right) == want
+    assert rows == list(range(*want))
+
+
+def test_keys_name_what_they_bake_in():
+    q = torch.empty(2, 10, 6, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 12, 2, 128, dtype=torch.bfloat16)
+    key = key_of(q, k, k, True, softcap=30.0, window_size=(64, None), deterministic=True)
+    assert key == BackwardKey(128, 128, "bf16", True, 3, True, (True, False), True)
+    assert key.name == "bwd-sm90a-hd128x128-bf16-causal-g3-softcap-windowl-det"
+    assert key_of(q, k, k, False).name == "bwd-sm90a-hd128x128-bf16-g3"
+    with pytest.raises(ValueError, match="builds"):
+        BackwardKey(80, 80, "bf16", False, 1)
+    with pytest.raises(ValueError, match="dtype"):
+        BackwardKey(64, 64, "fp32", False, 1)
+
+
+def test_missing_names_what_the_kernel_does_not_build():
+    q = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16)
+    assert missing(q, q, q, arch="sm90") is None
+    assert "Hopper" in missing(q, q, q, arch="sm100")
+    assert "this GPU" in missing(q, q, q, arch=None)
+    assert "score_mod" in missing(q, q, q, arch="sm90", mods=True)
+    assert "variable-length" in missing(q, q, q, arch="sm90", varlen=True)
+    assert "paged" in missing(q, q, q, arch="sm90", page_table=torch.zeros(1, 1))
+    odd = torch.empty(1, 8, 2, 80, dtype=torch.bfloat16)
+    assert "head dims (80, 80)" in missing(odd, odd, odd, arch="sm90")
+    f32 = torch.empty(1, 8, 2, 64)
+    assert "dtype" in missing(f32, f32, f32, arch="sm90")
+
+
+def test_check_backward_names_the_tensor_that_does_not_fit():
+    q = torch.empty(1, 8, 4, 64, dtype=torch.bfloat16)
+    k = torch.empty(1, 9, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty(1, 8, 4, 64, dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 8)
+    check_backward(q, k, k, out, out, lse)
+    with pytest.raises(ValueError, match="dout has shape"):
+        check_backward(q, k, k, out, out[:, :4], lse)
+    with pytest.raises(ValueError, match="lse has shape"):
+        check_backward(q, k, k, out, out, lse[..., :4])
+    with pytest.raises(ValueError, match="dlse has shape"):
+        check_backward(q, k, k, out, out, lse, lse[:, :2])
+    with pytest.raises(ValueError, match="not a multiple"):
+        check_backward(q, torch.empty(1, 9, 3, 64, dtype=torch.bfloat16),
+                       torch.empty(1, 9, 3, 64, dtype=torch.bfloat16), out, out, lse)
+    with pytest.raises(ValueError, match="one dtype"):
+        check_backward(q, k, k, out, out.half(), lse)
+
+
+def test_cuda_gradients_where_no_kernel_runs_name_what_is_missing():
+    """Fake CUDA tensors on a machine without a GPU: the op's autograd setup refuses, and the
+    backward op itself too, saying the GPU has no backward kernel."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4lab.backward import save_attention
+    from fa4lab.errors import GradientNotSupportedError
+
+    with FakeTensorMode():
+        q = torch.empty(1, 16, 2, 64, device="cuda", requires_grad=True)
+        k = torch.empty(1, 16, 2, 64, device="cuda")
+        with torch.no_grad(), pytest.raises(GradientNotSupportedError,
+                                            match="no backward kernel on the GPU yet"):
+            save_attention(SimpleNamespace(), (q, k, k, False, None, False, False, 0.0, None,
+                                               None, None, None, None), (q, q))
+
+
+# Every configuration the backward claims, compiled for sm_90a: the head dims the forward
+# builds (causal and not), GQA, fp16, softcap, each window's sides, deterministic dQ.
+COMPILES = [
+    ((64, 64, "bf16", False, 1), {}),
+    ((64, 64, "bf16", True, 4), {}),
+    ((96, 96, "bf16", True, 1), {}),
+    ((128, 128, "bf16", False, 1), {}),
+    ((128, 128, "fp16", True, 2), {}),
+    ((192, 128, "bf16", True, 1), {}),
+    ((256, 256, "bf16", False, 1), {}),
+    ((128, 128, "bf16", True, 1), {"softcap": True}),
+    ((64, 64, "bf16", False, 2), {"window": (True, True)}),
+    ((128, 128, "bf16", True, 1), {"window": (True, False)}),
+    ((64, 64, "bf16", False, 1), {"window": (False, True), "deterministic": True}),
+    ((128, 128, "bf16", True, 3), {"deterministic": True}),
+    ((256, 256, "bf16", True, 2), {"softcap": True, "window": (True, False),
+                                   "deterministic": True}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("args,options", COMPILES,
+                         ids=[BackwardKey(*a, **o).name for a, o in COMPILES])
+def test_compiles_for_sm90a_without_spills(args, options, tmp_path):
+    from fa4lab.kernels import binary
+    from fa4lab.kernels.launch_backward import compile_backward
+
+    cb = compile_backward(BackwardKey(*args, **options), keep_dir=tmp_path)
+    usage = binary.resource_usage(cb.cubin_path)
+    assert usage["local"] == 0 and usage["stack"] == 0, usage
+    assert usage["registers"] <= 255, usage
+    text = cb.ptx_path.read_text()
+    assert "mma.sync.aligned.m16n8k16" in text and "ldmatrix" in text
+    assert ("ld.acquire.gpu" in text) == bool(options.get("deterministic")), \
+        "the semaphore's acquire load is deterministic mode's alone"

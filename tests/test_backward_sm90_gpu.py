@@ -1,0 +1,227 @@
+"""The sm90 backward kernel on a Hopper GPU (marker `sm90`): dQ, dK, dV (and the sink's
+gradient) against the float64 `fa4lab.reference_backward` on fresh random inputs.
+
+FA4's rule, per gradient: max |grad - ref| <= 2 * max |grad_pt - ref| + atol, where grad_pt is
+autograd of a plain PyTorch attention in the inputs' 16-bit dtype (`_same_dtype_grads`: scores,
+cap and softmax rounded to q's dtype, as upstream's tests' `attention_ref(upcast=False)`), and
+atol is upstream's: twice the dtype's rounding of the reference near 0.3 (`_atol`). No NaN
+anywhere, rows that see no key included. Deterministic mode: dQ bit for bit over two runs.
+
+The grid (trimmed: each (head dims, dtype, causal, GQA, softcap, window sides, deterministic)
+is one compile; sizes, the scale, the cap and the window's sizes are runtime values): every
+head-dim pair the sm90 forward builds, causal or not, GQA 3:1 and 1:1, sequence lengths with
+tails of both tiles (64), length 1, seqlen_q > seqlen_k under causal (the top rows see no key),
+windows (both sides, left only with causal, right only), softcap, a learnable sink, a
+differentiated lse, fp16; the autograd path (`fa4lab.attention` with inputs that require grad,
+eager and under torch.compile(fullgraph=True)); the refusals of what the kernel does not build.
+
+    python -m pytest -x -q tests/test_backward_sm90_gpu.py   # or: python tests/<this file>
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.sm90
+
+# (seqlen_q, seqlen_k): single rows, tails of the 64-row and 64-key tiles, seqlen_q > seqlen_k
+# (causal leaves the first rows without a key) and < seqlen_k, one of several blocks each way.
+SEQLENS = [(1, 1), (1, 130), (113, 203), (203, 113), (256, 256), (65, 1)]
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+GQA = [(4, 4), (6, 2)]
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(*shape, device="cuda", generator=g).to(dtype) for shape in
+                   ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), (b, sq, hq, dv)))
+    return q, k, v, do
+
+
+def _same_dtype_grads(q, k, v, do, dlse, *, causal, scale, window_size, softcap, sink):
+    """Autograd of attention written in PyTorch in q's dtype: the rule's yardstick, (dq, dk, dv)
+    and d(sink) with a sink. Rows that see no key give 0 (their scores are zeroed before the
+    softmax and P after it)."""
+    from fa4lab.reference import visible_mask
+
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    leaves = (q, k, v)
+    if sink is not None:
+        sink = sink.detach().clone().requires_grad_()
+        leaves = (q, k, v, sink)
+    sq, sk = q.shape[1], k.shape[1]
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2) for x in (k, v))
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
+                           device=q.device)
+    seen = mask.any(dim=1)
+    if sink is not None:
+        seen = torch.ones_like(seen)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(~seen[:, None], 0.0)
+    if sink is not None:
+        col = sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat([s, col], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :sk] * seen[:, None]
+    out = (p @ vv).transpose(1, 2)
+    loss = (out * do).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(seen, lse, 0.0) * dlse).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def _atol(ref, dtype):
+    """Upstream's floor: twice the dtype's rounding of the reference near 0.3."""
+    r = ref.to(dtype)
+    return 2 * (r + 0.3 - 0.3 - r).abs().max().item() + 1e-5
+
+
+def _check(q, k, v, do, *, causal=False, softmax_scale=None, window_size=(None, None),
+           softcap=0.0, sink=None, with_dlse=False, deterministic=False):
+    from fa4lab.kernels.launch import forward
+    from fa4lab.kernels.launch_backward import backward
+    from fa4lab.reference_backward import attention_backward_reference
+    from fa4lab.spec import normalize_mask, resolve_scale
+
+    causal_n, window_n = normalize_mask(causal, window_size)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    out, lse = forward(q, k, v, "sm90", causal_n, softmax_scale, True, None, softcap, window_n,
+                       sink)
+    dlse = (torch.randn(lse.shape, device="cuda", generator=torch.Generator(device="cuda")
+                        .manual_seed(7)) if with_dlse else None)
+    got = backward(q, k, v, out, do, lse, causal=causal_n, softmax_scale=softmax_scale,
+                   softcap=softcap, window_size=window_n, learnable_sink=sink, dlse=dlse,
+                   deterministic=deterministic)
+    ref = attention_backward_reference(q, k, v, do, causal=causal_n, softmax_scale=scale,
+                                       window_size=window_n, softcap=softcap,
+                                       learnable_sink=sink, dlse=dlse, finite=False)
+    pt = _same_dtype_grads(q, k, v, do, dlse, causal=causal_n, scale=scale,
+                           window_size=window_n, softcap=softcap, sink=sink)
+    problems = []
+    for name, g, r, p, like in zip(("dq", "dk", "dv"), got[:3], ref[:3], pt[:3], (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype, name
+        if not torch.isfinite(g).all():
+            problems.append(f"{name} has NaN/inf")
+            continue
+        err = (g.double() - r).abs().max().item()
+        pt_err = (p.double() - r).abs().max().item()
+        bound = 2 * pt_err + _atol(r, q.dtype)
+        if err > bound:
+            problems.append(f"{name}: max error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + atol")
+    if sink is not None:     # the same rule, the atol scaled to the sum's magnitude
+        err = (got[3].double() - ref.dsink).abs().max().item()
+        pt_err = (pt[3].double() - ref.dsink).abs().max().item()
+        if not err <= 2 * pt_err + 1e-3 * (1 + ref.dsink.abs().max().item()):
+            problems.append(f"dsink: max error {err:.3g} > 2 x PyTorch's {pt_err:.3g} + atol")
+    assert not problems, "; ".join(problems)
+    return got
+
+
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=[f"hd{d}x{dv}" for d, dv in HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", GQA, ids=["mha", "gqa3"])
+def test_dense(dims, causal, heads):
+    d, dv = dims
+    seqlens = SEQLENS if d in (64, 128) else SEQLENS[2:4]   # trimmed: the other dims' tails
+    for i, (sq, sk) in enumerate(seqlens):
+        _check(*_inputs(2, sq, sk, *heads, d, dv, torch.bfloat16, 100 + i), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16(causal):
+    _check(*_inputs(1, 203, 113, 4, 2, 128, 128, torch.float16, 1), causal=causal)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (17, 5)), (False, (40, None)),
+                                           (False, (None, 9)), (True, (33, None)),
+                                           (False, (0, 0))])
+@pytest.mark.parametrize("d", [64, 128])
+def test_windows(causal, window, d):
+    for i, (sq, sk) in enumerate([(113, 203), (203, 113), (256, 256)]):
+        _check(*_inputs(1, sq, sk, 6, 2, d, d, torch.bfloat16, 200 + i), causal=causal,
+               window_size=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap(causal, d):
+    q, k, v, do = _inputs(2, 203, 113, 4, 4, d, d, torch.bfloat16, 3)
+    _check(q * 4, k, v, do, causal=causal, softcap=15.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_and_dlse(causal):
+    q, k, v, do = _inputs(2, 113, 203, 6, 2, 64, 64, torch.bfloat16, 4)
+    sink = torch.randn(6, device="cuda")
+    _check(q, k, v, do, causal=causal, sink=sink)
+    _check(q, k, v, do, causal=causal, with_dlse=True)
+    _check(q, k, v, do, causal=causal, sink=sink, with_dlse=True, window_size=(30, None))
+
+
+@pytest.mark.parametrize("causal,window", [(False, (None, None)), (True, (None, None)),
+                                           (False, (40, 7))])
+def test_deterministic_dq_bit_for_bit(causal, window):
+    from fa4lab.kernels.launch_backward import backward
+
+    q, k, v, do = _inputs(2, 1000, 1000, 6, 2, 128, 128, torch.bfloat16, 5)
+    first = _check(q, k, v, do, causal=causal, window_size=window, deterministic=True)
+    from fa4lab.kernels.launch import forward
+    from fa4lab.spec import normalize_mask
+
+    causal_n, window_n = normalize_mask(causal, window)
+    out, lse = forward(q, k, v, "sm90", causal_n, None, True, None, 0.0, window_n, None)
+    for _ in range(3):
+        again = backward(q, k, v, out, do, lse, causal=causal_n, window_size=window_n,
+                         deterministic=True)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b), "deterministic=True gave two different gradients"
+
+
+def test_autograd_through_fa4lab_attention_eager_and_compiled():
+    """`fa4lab.attention` with CUDA inputs that require grad runs the kernel (Note [the
+    backward on the GPU] in fa4lab.backward): the gradients equal the kernel's called directly,
+    eagerly and under torch.compile(fullgraph=True)."""
+    import fa4lab
+    from fa4lab.kernels.launch import forward
+    from fa4lab.kernels.launch_backward import backward
+
+    q, k, v, do = _inputs(1, 130, 190, 4, 2, 64, 64, torch.bfloat16, 6)
+    out, lse = forward(q, k, v, "sm90", True, None, True, None, 0.0, (None, None), None)
+    want = backward(q, k, v, out, do, lse, causal=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def f(q, k, v):
+        return fa4lab.attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        got = torch.autograd.grad(fn(*leaves), leaves, do)
+        for g, w in zip(got, want[:3]):
+            torch.testing.assert_close(g, w, rtol=0, atol=2e-2)   # dQ's add order may differ
+
+
+def test_what_the_kernel_does_not_build_is_refused():
+    import fa4lab
+    from fa4lab.errors import GradientNotSupportedError
+    from fa4lab.mods import alibi
+
+    q, k, v, _ = _inputs(1, 64, 64, 2, 2, 64, 64, torch.bfloat16, 8)
+    q.requires_grad_()
+    mod, aux = alibi(torch.rand(2, device="cuda"))
+    with pytest.raises(GradientNotSupportedError, match="score_mod"):
+        fa4lab.attention(q, k, v, score_mod=mod, aux_tensors=aux)
+    cache = k.detach().clone()       # one page of 64 keys per sequence
+    table = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
+    with pytest.raises(GradientNotSupportedError, match="paged"):
+        fa4lab.attention(q, cache, cache, page_table=table)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q", *sys.argv[1:]]))
