@@ -248,8 +248,6 @@ class FlashBackwardSm100:
                sdS_epi_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                tdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_block, head, batch = cute.arch.block_idx()
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         if warp_idx == self.warps["load"][0]:
             for atom in (atom_Q, atom_K, atom_V, atom_dO, atom_dQ):
                 cpasync.prefetch_descriptor(atom)
@@ -278,12 +276,7 @@ class FlashBackwardSm100:
             sLSE=smem.lse.get_tensor(cute.make_layout((self.m_block, self.q_stage))),
             sD=smem.dpsum.get_tensor(cute.make_layout((self.m_block, self.do_stage))),
             sdQ=smem.dq_acc.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner))
-        m_min, m_max = tiling.query_block_range(
-            n_block, self.n_block, self.m_block, seqlen_q, seqlen_k, None,
-            0 if const_expr(self.causal) else None, imin=cutlass.min, imax=cutlass.max)
-        steps = m_max - m_min
-        e = dict(views, smem=smem, tmem=tmem, n_block=n_block, head=head, batch=batch,
-                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, m_min=m_min, steps=steps,
+        e = dict(views, smem=smem, tmem=tmem, mQ=mQ, mK=mK,
                  mmas=(mma_S, mma_dP, mma_dV, mma_dK, mma_dQ), tP_layout=tP_layout,
                  tdS_layout=tdS_layout)
         w = self.warps
@@ -302,6 +295,20 @@ class FlashBackwardSm100:
         else:
             self.set_registers("empty")
         self.sites.finish()
+
+    def work(self, e):
+        """`e` with this CTA's key block, head, batch, sequence lengths and query blocks
+        [m_min, m_min + steps) (`fa4lab.tiling.query_block_range`), computed in each role's own
+        branch after its setmaxnreg: a value computed before the role branches lives across
+        all of them (Note [role branches] in fa4lab.kernels.fwd_sm100; ptxas spilled such
+        values here, 106 spill instructions at head_dim 128, measured on the binary)."""
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = e["mQ"].shape[0], e["mK"].shape[0]
+        m_min, m_max = tiling.query_block_range(
+            n_block, self.n_block, self.m_block, seqlen_q, seqlen_k, None,
+            0 if const_expr(self.causal) else None, imin=cutlass.min, imax=cutlass.max)
+        return dict(e, n_block=n_block, head=head, batch=batch, seqlen_q=seqlen_q,
+                    seqlen_k=seqlen_k, m_min=m_min, steps=m_max - m_min)
 
     @staticmethod
     def view(t: cute.Tensor, layout) -> cute.Tensor:
@@ -343,6 +350,7 @@ class FlashBackwardSm100:
     def load_role(self, e, atom_Q, mQ, atom_K, mK, atom_V, mV, atom_dO, mdO, mLSE, mD):
         """K and V once (kv_full), then per step Q and its LSE rows, dO and its D rows."""
         self.set_registers("load")
+        e = self.work(e)
         smem, head, batch = e["smem"], e["head"], e["batch"]
         mma_S, mma_dP, mma_dV = e["mmas"][0], e["mmas"][1], e["mmas"][2]
         one = cute.make_layout(1)
@@ -415,6 +423,7 @@ class FlashBackwardSm100:
 
     def mma_role(self, e):
         self.set_registers("mma")
+        e = self.work(e)
         tmem = e["tmem"]
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")
@@ -441,11 +450,7 @@ class FlashBackwardSm100:
         for m in (mma_S, mma_dP, mma_dV, mma_dK, mma_dQ):
             m.set(tcgen05.Field.NEGATE_A, False)
             m.set(tcgen05.Field.NEGATE_B, False)
-        tSrK, tSrQ = mma_S.make_fragment_A(e["sK"]), mma_S.make_fragment_B(e["sQ"])
-        tdPrV, tdPrdO = mma_dP.make_fragment_A(e["sV"]), mma_dP.make_fragment_B(e["sdOt"])
-        tdVrdO = mma_dV.make_fragment_B(e["sdO"])
-        tdKrQ = mma_dK.make_fragment_B(e["sQt"])
-        tdQrdS, tdQrK = mma_dQ.make_fragment_A(e["sdS"]), mma_dQ.make_fragment_B(e["sKt"])
+        tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK = self.operands(e, 0)
         self.wait("mma", smem, "kv_full", 0, 0)
         # step 0: S_0, dP_0, dV_0 (the accumulator's first write)
         self.wait("mma", smem, "q_full", 0, 0, stage=None)
@@ -470,6 +475,17 @@ class FlashBackwardSm100:
         self.commit(smem, "dkv_full", 0)
         self.wait("mma", smem, "dkv_empty", 1, 1, stage=1)
         mma_dK, mma_dQ = self.dk_dq(smem, t, mma_dK, mma_dQ, tdKrQ, tdQrdS, tdQrK, last, True)
+
+    def operands(self, e, zero):
+        """The MMAs' SMEM operand fragments, their tensors offset by `zero` elements."""
+        mma_S, mma_dP, mma_dV, mma_dK, mma_dQ = e["mmas"]
+
+        def at(name):
+            return cute.make_tensor(e[name].iterator + zero, e[name].layout)
+        return (mma_S.make_fragment_A(at("sK")), mma_S.make_fragment_B(at("sQ")),
+                mma_dP.make_fragment_A(at("sV")), mma_dP.make_fragment_B(at("sdOt")),
+                mma_dV.make_fragment_B(at("sdO")), mma_dK.make_fragment_B(at("sQt")),
+                mma_dQ.make_fragment_A(at("sdS")), mma_dQ.make_fragment_B(at("sKt")))
 
     @cute.jit
     def dp_dv(self, smem, t, mma_dP, mma_dV, tdPrV, tdPrdO, tdVrdO, j, accumulate):
@@ -519,6 +535,7 @@ class FlashBackwardSm100:
 
     def compute_role(self, e, mLSE, mD, mdK, mdV, scale_log2, softmax_scale):
         self.set_registers("compute")
+        e = self.work(e)
         tmem = e["tmem"]
         self.sites.bar_sync("compute", "tmem")
         t = self.tmem_views(e, tmem.retrieve_ptr(Float32))
@@ -583,18 +600,24 @@ class FlashBackwardSm100:
         self.arrive("compute", smem, "lse_empty", st, stage=None)
         self.wait("compute", smem, "dpsum_full", 0, i % 2)
         self.wait("compute", smem, "dp_full", 0, i % 2)
-        thr_dp, tdP, _ = self.tmem_copy(t["dP"], col0, cols, False, tidx)
-        rdP = cute.make_rmem_tensor(cS.shape, Float32)
-        cute.copy(thr_dp, tdP, rdP)
-        cute.arch.fence_view_async_tmem_load()
-        self.sites.bar_sync("compute", "tile_read")
-        for c in cutlass.range_constexpr(cute.size(rdP)):
-            rdP[c] = rS[c] * (rdP[c] - e["sD"][col0 + cS[c][1], 0])
         thr_ds, tdS, cdS = self.tmem_copy(t["dP"], self.tmem["dS"] - self.tmem["dP"] + col0 // 2,
                                           cols // 2, True, tidx)
         rdS32 = cute.make_rmem_tensor(cdS.shape, Float32)
         rdS = cute.make_tensor(cute.recast_ptr(rdS32.iterator, dtype=self.dtype), rS.layout)
-        rdS.store(rdP.load().to(self.dtype))
+        # dP in halves, each turned into 16-bit dS at once: the fp32 P and dP of a whole row
+        # half did not fit the compute warps' registers (60 spill instructions, measured)
+        half = cols // 2
+        rS_h = cute.logical_divide(rS, cute.make_layout(half))
+        rdS_h = cute.logical_divide(rdS, cute.make_layout(half))
+        for h in cutlass.range_constexpr(2):
+            thr_dp, tdP, cdP = self.tmem_copy(t["dP"], col0 + h * half, half, False, tidx)
+            rdP = cute.make_rmem_tensor(cdP.shape, Float32)
+            cute.copy(thr_dp, tdP, rdP)
+            cute.arch.fence_view_async_tmem_load()
+            for c in cutlass.range_constexpr(half):
+                rdP[c] = rS_h[c, h] * (rdP[c] - e["sD"][col0 + h * half + cdP[c][1], 0])
+            rdS_h[None, h].store(rdP.load().to(self.dtype))
+        self.sites.bar_sync("compute", "tile_read")
         self.wait("compute", smem, "ds_empty", 0, (i + 1) % 2)
         cute.copy(thr_ds, rdS32, tdS)
         # dS^T's row `key` into SMEM (queries contiguous): the dQ MMA's A operand
@@ -635,6 +658,7 @@ class FlashBackwardSm100:
     # ------------------------------------------------------------------ role: dq_reduce
     def reduce_role(self, e, atom_dQ, mdQ):
         self.set_registers("dq_reduce")
+        e = self.work(e)
         tmem = e["tmem"]
         self.sites.bar_sync("dq_reduce", "tmem")
         t = self.tmem_views(e, tmem.retrieve_ptr(Float32))
