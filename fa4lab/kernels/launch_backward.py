@@ -108,13 +108,13 @@ class BackwardKey:
 
 
 def key_of(q, k, v, causal: bool, softcap: float = 0.0, window_size=(None, None),
-           deterministic: bool = False) -> BackwardKey:
+           deterministic: bool = False, arch: str = "sm90") -> BackwardKey:
     """The `BackwardKey` of a call; causal and window_size in `fa4lab.spec.normalize_mask`'s
     stored form."""
     return BackwardKey(int(q.shape[-1]), int(v.shape[-1]), normalize_dtype(q.dtype),
                        bool(causal), int(q.shape[-2]) // int(k.shape[-2]), bool(softcap),
                        (window_size[0] is not None, window_size[1] is not None),
-                       bool(deterministic))
+                       bool(deterministic), arch)
 
 
 def missing(q, k, v, *, arch: str | None, page_table=None, varlen: bool = False,
@@ -292,8 +292,9 @@ def kernel_layout(t):
 
 def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None, dlse=None,
-             deterministic: bool = False):
-    """(dq, dk, dv, dsink) of attention on CUDA tensors of a Hopper GPU, from the forward's
+             deterministic: bool = False, arch: str = "sm90"):
+    """(dq, dk, dv, dsink) of attention on CUDA tensors of a Hopper GPU (`arch` "sm100": of a
+    B200, with fa4lab.kernels.bwd_sm100; not yet run on one), from the forward's
     out and lse (natural log, (batch, heads_q, seqlen_q) float32, -inf on rows that see no
     key) and the gradient dout of out (dlse: of the lse, or None). dq, dk, dv in q's dtype;
     dsink float32 like learnable_sink, None without one. `deterministic` orders dQ's float32
@@ -304,7 +305,7 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
 
     check_backward(q, k, v, out, dout, lse, dlse)
     causal, window_size = normalize_mask(causal, window_size)
-    key = key_of(q, k, v, causal, softcap, window_size, deterministic)
+    key = key_of(q, k, v, causal, softcap, window_size, deterministic, arch)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = resolve_scale(softmax_scale, d)
@@ -325,9 +326,13 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     if b * sq * sk:
         q_, k_, v_, do_ = (kernel_layout(t) for t in (q, k, v, dout))
         dk_, dv_ = kernel_layout(dk), kernel_layout(dv)
-        kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
-                        *scale_args(softmax_scale, d, softcap), scale,
-                        *window_args(window_size, sq, sk), sem)
+        if key.arch == "sm100":   # the same inputs; MHA, no cap, window or semaphore
+            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
+                            scale_args(softmax_scale, d)[0], scale)
+        else:
+            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
+                            *scale_args(softmax_scale, d, softcap), scale,
+                            *window_args(window_size, sq, sk), sem)
         dk, dv = dk_, dv_
     else:
         dk.zero_()
