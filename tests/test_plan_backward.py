@@ -116,7 +116,7 @@ def test_each_barrier_is_caught_implied_or_unobservable(plans):
     found = mutation_check(plan)
     missed = {k for k, v in found.items() if not v}
     assert missed == set(IMPLIED) | set(unobservable(plan)), found
-    assert set(unobservable(plan)) == {"dkv_empty"}
+    assert set(unobservable(plan)) == {"dkv_empty", "tile_read"}
 
 
 def test_refusals_name_the_reason():

@@ -60,7 +60,8 @@ from fa4lab.limits import (
 )
 from fa4lab.online_softmax import emulated_pairs
 
-__all__ = ["Audit", "AuditRow", "audit", "audit_compiled", "audit_sm100", "audit_sm90",
+__all__ = ["Audit", "AuditRow", "audit", "audit_backward", "audit_compiled", "audit_sm100",
+           "audit_sm90",
            "protocol_rows", "smem_gap_is_alignment"]
 
 
@@ -151,23 +152,39 @@ def audit_sm100(cf, *, use_ptxas: bool = False) -> Audit:
     text = sass(cf.cubin_path)
     ops = sass_opcodes(text)
     rows = _common_rows(cf, ops, use_ptxas, text)
-    allocs = tmem_alloc_columns(cf.ptx)
-    rows.append(audit_row("TMEM columns (tcgen05.alloc)", [plan.tmem.alloc_cols], allocs))
-    # MMA instructions: each MMA of the plan is k/16 tcgen05.mma (16-bit inputs: K = 16 per
-    # instruction), issued at kernel.mma_sites[name] places in the code.
+    rows += _tcgen05_rows(cf, ops)
+    rows += _exp2_rows(plan, kernel, ops)
+    return Audit(f"sm100a audit: {describe(plan.spec)}", tuple(rows))
+
+
+def _tcgen05_rows(cf, ops: Counter) -> list[AuditRow]:
+    """TMEM columns allocated, and each MMA of the plan as k / 16 tcgen05.mma (16-bit inputs:
+    K = 16 per instruction) at kernel.mma_sites[name] places in the code."""
+    plan, kernel = cf.plan, cf.kernel
+    rows = [audit_row("TMEM columns (tcgen05.alloc)", [plan.tmem.alloc_cols],
+                      tmem_alloc_columns(cf.ptx))]
     k_step = 16
     mma_expected = sum(kernel.mma_sites[m.name] * (m.k // k_step) for m in plan.mmas)
     rows.append(audit_row("tcgen05.mma (PTX)", mma_expected,
-                     ptx_count(cf.ptx, r"\btcgen05\.mma\.cta_group"),
-                     note=" + ".join(f"{kernel.mma_sites[m.name]} sites x {m.k // k_step} "
-                                     f"({m.name})" for m in plan.mmas)))
+                          ptx_count(cf.ptx, r"\btcgen05\.mma\.cta_group"),
+                          note=" + ".join(f"{kernel.mma_sites[m.name]} sites x {m.k // k_step} "
+                                          f"({m.name})" for m in plan.mmas)))
     rows.append(audit_row("UTCHMMA (SASS)", mma_expected, count_prefix(ops, "UTCHMMA")))
     for name, pattern in (("tcgen05.ld", r"\btcgen05\.ld\."), ("tcgen05.st", r"\btcgen05\.st\."),
                           ("tcgen05.commit", r"\btcgen05\.commit\.")):
         n = ptx_count(cf.ptx, pattern)
         rows.append(AuditRow(f"{name} (PTX)", "> 0", n, n > 0, "static count, shown"))
-    rows += _exp2_rows(plan, kernel, ops)
-    return Audit(f"sm100a audit: {describe(plan.spec)}", tuple(rows))
+    return rows
+
+
+def audit_backward(cb, *, use_ptxas: bool = False) -> Audit:
+    """The sm100 backward (`fa4lab.kernels.launch_backward.compile_backward` of an sm100 key)
+    against its `BackwardPlan`: the forward's resource, SMEM, setmaxnreg and protocol rows
+    (the table of fa4lab.plan.protocol_bwd_sm100), TMEM columns and the five MMAs' counts."""
+    text = sass(cb.cubin_path)
+    ops = sass_opcodes(text)
+    rows = _common_rows(cb, ops, use_ptxas, text) + _tcgen05_rows(cb, ops)
+    return Audit(f"sm100a backward audit: {cb.key.name}", tuple(rows))
 
 
 def audit_sm90(cf, *, use_ptxas: bool = False) -> Audit:

@@ -25,6 +25,9 @@ from fa4lab.limits import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from fa4lab.spec import LOG2E, normalize_dtype, normalize_mask, resolve_scale
 
 ARCHS = ("sm90",)
+# What the sm100 kernel (fa4lab.kernels.bwd_sm100) builds: its plan's 1-CTA head dims whose
+# column halves split evenly between its two compute warpgroups.
+SM100_HEAD_DIMS = ((64, 64), (128, 128))
 
 
 @dataclass(frozen=True)
@@ -42,24 +45,46 @@ class BackwardKey:
     softcap: bool = False               # capped scores (the cap is a runtime value)
     window: tuple[bool, bool] = (False, False)   # which sides of a window exist
     deterministic: bool = False         # Note [deterministic dQ] in fa4lab.kernels.bwd_sm90
+    arch: str = "sm90"                  # "sm90" (bwd_sm90) | "sm100" (bwd_sm100, from its plan)
 
-    # Tiles and threads (one table, read by the kernel and the host): query rows per block,
-    # keys per block, threads per CTA, warps along M of each MMA.
-    m_block = 64
-    n_block = 64
+    # The sm90 kernel's tiles and threads (one table, read by the kernel and the host): query
+    # rows per block, keys per block, threads per CTA, warps along M of each MMA. The sm100
+    # kernel's come from its plan (`plan`).
     num_threads = 256
     warps_m = 4
 
     @property
+    def m_block(self) -> int:
+        return self.plan().tiles.m_block if self.arch == "sm100" else 64
+
+    @property
+    def n_block(self) -> int:
+        return self.plan().tiles.n_block if self.arch == "sm100" else 64
+
+    def plan(self):
+        """The sm100 kernel's `BackwardPlan` (fa4lab.plan.backward.plan_backward): every number
+        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime)."""
+        from fa4lab.plan.backward import plan_backward
+        from fa4lab.spec import AttentionSpec
+
+        return plan_backward(AttentionSpec(1, 1024, 1024, 1, 1, self.head_dim, self.head_dim_v,
+                                           dtype=self.dtype, causal=self.causal))
+
+    @property
     def name(self) -> str:
         side = "".join("lr"[i] for i, on in enumerate(self.window) if on)
-        return (f"bwd-sm90a-hd{self.head_dim}x{self.head_dim_v}-{self.dtype}"
+        return (f"bwd-{self.arch}a-hd{self.head_dim}x{self.head_dim_v}-{self.dtype}"
                 f"{'-causal' if self.causal else ''}-g{self.qhead_per_kvhead}"
                 f"{'-softcap' if self.softcap else ''}{'-window' + side if side else ''}"
                 f"{'-det' if self.deterministic else ''}")
 
     def __post_init__(self):
-        if (self.head_dim, self.head_dim_v) not in KERNEL_HEAD_DIMS["sm90"]:
+        if self.arch == "sm100":
+            if self.unbuilt_sm100():
+                raise ValueError(f"the sm100 backward does not build {self.unbuilt_sm100()}")
+        elif self.arch != "sm90":
+            raise ValueError(f"arch {self.arch!r}: the backward builds {ARCHS}")
+        if self.arch == "sm90" and (self.head_dim, self.head_dim_v) not in KERNEL_HEAD_DIMS["sm90"]:
             raise ValueError(f"(head_dim, head_dim_v) = {(self.head_dim, self.head_dim_v)}: the "
                              f"sm90 backward builds {KERNEL_HEAD_DIMS['sm90']}")
         if self.dtype not in KERNEL_DTYPES:
@@ -68,14 +93,28 @@ class BackwardKey:
             raise ValueError(f"qhead_per_kvhead must be >= 1, got {self.qhead_per_kvhead}")
 
 
+    def unbuilt_sm100(self) -> str | None:
+        """What of this key the sm100 kernel does not build (Note [sm100 backward, first
+        version] in fa4lab.kernels.bwd_sm100), in words, or None."""
+        dims = (self.head_dim, self.head_dim_v)
+        if dims not in SM100_HEAD_DIMS:
+            return f"head dims {dims} (it builds {SM100_HEAD_DIMS})"
+        for what, on in (("GQA", self.qhead_per_kvhead != 1), ("softcap", self.softcap),
+                         ("a sliding window", any(self.window)),
+                         ("deterministic dQ", self.deterministic)):
+            if on:
+                return what
+        return None
+
+
 def key_of(q, k, v, causal: bool, softcap: float = 0.0, window_size=(None, None),
-           deterministic: bool = False) -> BackwardKey:
+           deterministic: bool = False, arch: str = "sm90") -> BackwardKey:
     """The `BackwardKey` of a call; causal and window_size in `fa4lab.spec.normalize_mask`'s
     stored form."""
     return BackwardKey(int(q.shape[-1]), int(v.shape[-1]), normalize_dtype(q.dtype),
                        bool(causal), int(q.shape[-2]) // int(k.shape[-2]), bool(softcap),
                        (window_size[0] is not None, window_size[1] is not None),
-                       bool(deterministic))
+                       bool(deterministic), arch)
 
 
 def missing(q, k, v, *, arch: str | None, page_table=None, varlen: bool = False,
@@ -126,6 +165,12 @@ def fake_args(key: BackwardKey):
         return make_fake_tensor(dt, shape, (*strides, 1), assumed_align=align)
 
     d, dv = key.head_dim, key.head_dim_v
+    if key.arch == "sm100":    # MHA: one head count; LSE and D rows 16-byte aligned (TMA)
+        q, do, k, v = bshd(sq, hq, d), bshd(sq, hq, dv), bshd(sk, hq, d), bshd(sk, hq, dv)
+        return [q, k, v, do, rows(b, hq, sq_pad, align=16, div=4),
+                rows(b, hq, sq_pad, align=16, div=4), rows(b, hq, sq_pad, d, align=16, div=4),
+                bshd(sk, hq, d), bshd(sk, hq, dv), cutlass.Float32(1.0), cutlass.Float32(1.0),
+                make_fake_stream(use_tvm_ffi_env_stream=True)]
     q, do = bshd(sq, hq, d), bshd(sq, hq, dv)
     k, v, dk, dvv = bshd(sk, hkv, d), bshd(sk, hkv, dv), bshd(sk, hkv, d), bshd(sk, hkv, dv)
     lse, dsum = rows(b, hq, sq_pad), rows(b, hq, sq_pad)
@@ -136,16 +181,23 @@ def fake_args(key: BackwardKey):
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
-def compile_kernel(key: BackwardKey, options: str = ""):
-    """(kernel object, compiled function, seconds) of `key`'s kernel for sm_90a (no GPU
-    needed: fake tensors, Note [TVM-FFI launch] in fa4lab.kernels.compile)."""
+def compile_kernel(key: BackwardKey, options: str = "", mutation=None):
+    """(kernel object, compiled function, seconds) of `key`'s kernel for sm_90a or sm_100a (no
+    GPU needed: fake tensors, Note [TVM-FFI launch] in fa4lab.kernels.compile); `mutation` (a
+    `fa4lab.kernels.protocol.Mutation`, sm100 only) breaks its barrier protocol on purpose."""
     import cutlass.cute as cute
 
-    from fa4lab.kernels.bwd_sm90 import FlashBackwardSm90
     from fa4lab.kernels.compile import target_arch
 
-    kernel = FlashBackwardSm90(key)
-    with target_arch("sm_90a"):
+    if key.arch == "sm100":
+        from fa4lab.kernels.bwd_sm100 import FlashBackwardSm100
+
+        kernel = FlashBackwardSm100(key.plan(), mutation=mutation)
+    else:
+        from fa4lab.kernels.bwd_sm90 import FlashBackwardSm90
+
+        kernel = FlashBackwardSm90(key)
+    with target_arch(f"sm_{key.arch.removeprefix('sm')}a"):
         t0 = time.perf_counter()
         compiled = cute.compile(kernel, *fake_args(key),
                                 options=" ".join(("--enable-tvm-ffi", options)))
@@ -154,25 +206,46 @@ def compile_kernel(key: BackwardKey, options: str = ""):
 
 @dataclass(frozen=True)
 class CompiledBackward:
-    """One compiled backward kernel and where its artifacts are."""
+    """One compiled backward kernel and where its artifacts are; for sm100 also what the
+    audit reads (`fa4lab.kernels.audit.audit_backward`): the kernel object, its plan and its
+    shared-storage bytes."""
 
     key: BackwardKey
     compiled: object
     seconds: float
     ptx_path: object
     cubin_path: object
+    kernel: object = None
+    plan: object = None
+    smem_bytes: int = -1
+
+    @property
+    def arch(self) -> str:
+        return self.key.arch + "a"
+
+    @property
+    def ptx(self) -> str:
+        return self.ptx_path.read_text()
 
 
-def compile_backward(key: BackwardKey, keep_dir=None) -> CompiledBackward:
-    """Compile `key`'s kernel for sm_90a and keep its PTX and cubin in keep_dir/<name>/ (a
-    fresh temporary directory by default)."""
+def compile_backward(key: BackwardKey, keep_dir=None, mutation=None) -> CompiledBackward:
+    """Compile `key`'s kernel for its arch and keep its PTX and cubin in keep_dir/<name>/ (a
+    fresh temporary directory by default); `mutation` as `compile_kernel`'s."""
     from fa4lab.kernels.compile import compile_kept
 
-    def compile_fn(options):
-        return compile_kernel(key, options)[1:]
+    built = {}
 
-    compiled, seconds, _, ptx, cubin = compile_kept(key.name, compile_fn, keep_dir)
-    return CompiledBackward(key, compiled, seconds, ptx, cubin)
+    def compile_fn(options):
+        built["kernel"], compiled, seconds = compile_kernel(key, options, mutation)
+        return compiled, seconds
+
+    name = key.name + ("-mutated" if mutation is not None else "")
+    compiled, seconds, _, ptx, cubin = compile_kept(name, compile_fn, keep_dir)
+    kernel = built["kernel"]
+    storage = getattr(kernel, "shared_storage", None)
+    return CompiledBackward(key, compiled, seconds, ptx, cubin, kernel,
+                            getattr(kernel, "plan", None),
+                            int(storage.size_in_bytes()) if storage is not None else -1)
 
 
 def kernel_for(key: BackwardKey):
@@ -219,8 +292,9 @@ def kernel_layout(t):
 
 def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None, dlse=None,
-             deterministic: bool = False):
-    """(dq, dk, dv, dsink) of attention on CUDA tensors of a Hopper GPU, from the forward's
+             deterministic: bool = False, arch: str = "sm90"):
+    """(dq, dk, dv, dsink) of attention on CUDA tensors of a Hopper GPU (`arch` "sm100": of a
+    B200, with fa4lab.kernels.bwd_sm100; not yet run on one), from the forward's
     out and lse (natural log, (batch, heads_q, seqlen_q) float32, -inf on rows that see no
     key) and the gradient dout of out (dlse: of the lse, or None). dq, dk, dv in q's dtype;
     dsink float32 like learnable_sink, None without one. `deterministic` orders dQ's float32
@@ -231,7 +305,7 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
 
     check_backward(q, k, v, out, dout, lse, dlse)
     causal, window_size = normalize_mask(causal, window_size)
-    key = key_of(q, k, v, causal, softcap, window_size, deterministic)
+    key = key_of(q, k, v, causal, softcap, window_size, deterministic, arch)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = resolve_scale(softmax_scale, d)
@@ -252,9 +326,13 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     if b * sq * sk:
         q_, k_, v_, do_ = (kernel_layout(t) for t in (q, k, v, dout))
         dk_, dv_ = kernel_layout(dk), kernel_layout(dv)
-        kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
-                        *scale_args(softmax_scale, d, softcap), scale,
-                        *window_args(window_size, sq, sk), sem)
+        if key.arch == "sm100":   # the same inputs; MHA, no cap, window or semaphore
+            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
+                            scale_args(softmax_scale, d)[0], scale)
+        else:
+            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
+                            *scale_args(softmax_scale, d, softcap), scale,
+                            *window_args(window_size, sq, sk), sem)
         dk, dv = dk_, dv_
     else:
         dk.zero_()

@@ -19,6 +19,7 @@ from fa4lab.plan.roles import Role
 __all__ = ["build_barriers", "build_protocol", "programs", "pair_mma_table"]
 
 TMEM_BARRIER_ID = 1     # named barrier of the TMEM hand-off (0 is __syncthreads)
+TILE_READ_BARRIER_ID = 2  # named barrier of the compute warps' TMEM reuse (Note [tile_read])
 
 # Note [the backward's protocol]
 # One CTA, one key block, N query blocks (steps j = 0 .. N - 1). Every edge, as upstream's
@@ -44,6 +45,16 @@ TMEM_BARRIER_ID = 1     # named barrier of the TMEM hand-off (0 is __syncthreads
 # issued; dQ_j overwrites dS_j in TMEM after dK_j (which read it) was issued; dP_j+1
 # overwrites dS_j after dK_j too. The simulator's tensor pipe is one in-order agent, so these
 # are checked as ordered; the hazard check reports any other.
+#
+# Note [tile_read]
+# The two compute warpgroups split a step's 128 query columns, 64 each, over all 128 key lanes
+# (a warp reaches only its own quarter of TMEM's lanes, so warps 4 and 8 share lanes 0-31 and
+# must split columns). P (16-bit) is written over S, query q at S's column q / 2, so
+# warpgroup 1's P (columns 32-63) lands on S columns warpgroup 0 reads; dS over dP the same. No
+# split of the columns avoids it (q -> q / 2 reaches column 0 from every query), so the compute
+# warps meet at a named barrier after reading S_j and again after reading dP_j, before any of
+# them writes P_j or dS_j there (upstream's `compute_sync_barrier`). The simulator runs a role
+# as one agent and cannot show its removal (`fa4lab.plan.simulate.unobservable`).
 
 
 def build_barriers(tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGraph:
@@ -107,6 +118,10 @@ def build_barriers(tiles, eb: int, roles: tuple[Role, ...]) -> BarrierGraph:
                 "bar.sync: the compute and reduce warps wait for the MMA warp's tcgen05.alloc "
                 "(the address is in SMEM); at the end the MMA warp waits for them before "
                 "tcgen05.dealloc", kind="named", group="named", named_id=TMEM_BARRIER_ID),
+        Barrier("tile_read", "compute", "compute", comp, 1, 0, PHASE_NAMED,
+                "bar.sync: every compute warp read S_j (dP_j) out of TMEM before any writes "
+                "P_j (dS_j) over it (Note [tile_read])", kind="named", group="named",
+                named_id=TILE_READ_BARRIER_ID),
     ))
 
 
@@ -145,9 +160,10 @@ def build_protocol(barriers: BarrierGraph, tiles) -> Protocol:
            E("wait", "dkv_empty", "1"), *dk_dq[:3], E("commit", "dkv_full", "1"), *dk_dq[3:],
            E("sync", "tmem"), Step("free TMEM"))
     step = (E("wait", "lse_full", "j % q"), E("wait", "s_full", "0"), Step("ld S", "j % q"),
-            Step("exp2"), Step("st P"), E("arrive", "p_ready", "0"),
+            E("sync", "tile_read"), Step("exp2"), Step("st P"), E("arrive", "p_ready", "0"),
             E("arrive", "lse_empty", "j % q"),
-            E("wait", "dpsum_full", "0"), E("wait", "dp_full", "0"), Step("ld dP"), Step("dS"),
+            E("wait", "dpsum_full", "0"), E("wait", "dp_full", "0"), Step("ld dP"),
+            E("sync", "tile_read"), Step("dS"),
             E("wait", "ds_empty", "0"), Step("st dS"), Step("dS to SMEM"),
             E("arrive", "ds_ready", "0"), E("arrive", "dpsum_empty", "0"))
     compute = (*tmem_use, Loop("M", step, "masked"), Loop("N - M", step, "unmasked"),
