@@ -2,7 +2,7 @@
 
 `fa4lab.attention` and `attention_varlen` take what upstream's `flash_attn_func` /
 `flash_attn_varlen_func` take; the kernels take a narrower form. This module is the bridge,
-applied on the kernel path before `fa4lab.spec.check_kernel_inputs` asserts the form:
+applied on the kernel path by `fa4lab.call.Call.for_kernel`, which then asserts the form:
 
 * `empty_answer`: a call with no query row or no key is answered without a launch (Note
   [empty calls]);

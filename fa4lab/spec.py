@@ -2,7 +2,9 @@
 
 Every entry point (the reference, the online-softmax lesson, the planner, the kernels and
 `fa4lab.attention`) describes its problem with an `AttentionSpec` and shares the input checks
-below, so a bad shape gets the same clear message wherever it enters.
+below, so a bad shape gets the same clear message wherever it enters; a call's tensors and
+options are checked once, by `fa4lab.call.check_call`, which describes the call by a sized
+spec.
 
 The math contract (see notebook 01):
   q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim);
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fa4lab.errors import InputError, InputTypeError, check_same_device
+from fa4lab.errors import InputError, InputTypeError
 
 LOG2E = math.log2(math.e)  # the kernels work in base 2: Note [exp2 and scale_log2]
 LN2 = math.log(2.0)        # and turn base-2 log-sum-exps back into natural logs
@@ -389,9 +391,10 @@ def check_sink_shape(learnable_sink, heads_q: int) -> None:
 def check_kernel_layout(**tensors) -> None:
     """What TMA needs of each 16-bit tensor given by name, of any rank (dense, packed varlen,
     a paged cache): the last dim contiguous, and 16-byte aligned data and strides (8
-    elements). The kernels' argument contract declares the same (`fa4lab.kernels.compile.
-    fake_args`); checked here so that a misaligned view fails before launch, naming the tensor
-    and the fix, not inside the launch's argument check."""
+    elements). The kernels' argument contract declares the same (`KernelArgs.fake` in
+    fa4lab.kernels.device.arguments); checked before launch (`fa4lab.call.Call.for_kernel`) so
+    that a misaligned view fails naming the tensor and the fix, not inside the launch's
+    argument check."""
     for name, t in tensors.items():
         stride = t.stride()
         if stride[-1] != 1:
@@ -404,81 +407,11 @@ def check_kernel_layout(**tensors) -> None:
 
 
 def check_tensors(q, k, v) -> None:
-    """q, k, v are torch tensors: `check_inputs`'s first check (and a paged call's, before
-    `fa4lab.varlen.check_paged`)."""
+    """q, k, v are torch tensors: `fa4lab.call.check_call`'s first check (and a paged call's,
+    in `fa4lab.varlen.check_paged`)."""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap "
                                  f"numpy arrays with torch.from_numpy({name})")
-
-
-def check_inputs(q, k, v, *, softmax_scale=None, arch: str | None = None,
-                 window_size=(None, None), softcap=0.0, learnable_sink=None,
-                 page_table=None) -> None:
-    """The one input check of `fa4lab.attention` and the kernels' launch path, called once per
-    call: torch tensors, shapes (`check_qkv_shapes`), one floating dtype, one device, a positive
-    finite scale, window_size a pair of ints >= 0 or None, softcap 0.0 (off) or positive and
-    finite, learnable_sink None or a float32 (heads_q,) tensor on q's device; and with `arch`
-    ("sm90"/"sm100", the kernel that will run), what that kernel needs besides the math:
-    bf16/fp16, a (head_dim, head_dim_v) pair it builds (`fa4lab.limits`), CUDA tensors, the
-    last dim contiguous and 16-byte aligned rows (TMA). Raises TypeError or ValueError saying
-    what is wrong and what to do. (It never reads tensor values: no device synchronisation.)
-    With a `page_table`, k and v are a paged cache, whose shapes and table
-    `fa4lab.varlen.check_paged` checks: the entry points call it first (the varlen layout sits
-    above the spec), and this checks the rest."""
-    import torch
-
-    check_tensors(q, k, v)
-    if page_table is None:
-        check_qkv_shapes(q, k, v)
-    if not q.is_floating_point():
-        raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
-                             f"with q.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-                             f"cast them, e.g. k.to(q.dtype)")
-    if not (q.device == k.device == v.device):
-        raise InputError(f"q, k, v are on different devices ({q.device}, {k.device}, "
-                         f"{v.device}); move them to one device with .to(q.device)")
-    if softmax_scale is not None:
-        s = float(softmax_scale)
-        if not s > 0 or s == math.inf:
-            raise InputError(f"softmax_scale must be a positive finite number, got {s}")
-    check_window_size(window_size)
-    check_softcap(softcap)
-    if learnable_sink is not None:
-        if not isinstance(learnable_sink, torch.Tensor):
-            raise InputTypeError(f"learnable_sink must be a torch.Tensor of shape (heads_q,) or "
-                                 f"None, got {type(learnable_sink).__name__}; wrap it with "
-                                 f"torch.as_tensor(sink, dtype=torch.float32, device=q.device)")
-        check_sink_shape(learnable_sink, q.shape[2])
-        if learnable_sink.dtype != torch.float32:
-            raise InputTypeError(f"learnable_sink has dtype {learnable_sink.dtype}: the sink "
-                                 f"logits are float32; cast with learnable_sink.float()")
-        check_same_device("learnable_sink", learnable_sink.device, "q", q.device)
-    if arch is not None:
-        check_kernel_inputs(q, k, v, arch)
-
-
-def check_kernel_inputs(q, k, v, arch: str) -> None:
-    """What the kernel of `arch` ("sm90"/"sm100") needs of q, k, v (dense, packed or paged)
-    besides the math, which `check_inputs` checks: bf16/fp16, a (head_dim, head_dim_v) pair it
-    builds (`fa4lab.limits`), CUDA tensors, the last dim contiguous and 16-byte aligned rows
-    (TMA). `fa4lab.attention` and `attention_varlen` first bring any call to this form
-    (`fa4lab.canonical.for_kernel`: padded head dims, copied layouts)."""
-    import torch
-
-    from fa4lab.limits import kernel_builds, unsupported_head_dims
-
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise InputTypeError(f"the GPU kernels take bfloat16 or float16, got {q.dtype}; cast with "
-                             f"q.to(torch.bfloat16) (or run on CPU tensors for the reference)")
-    d, dv = q.shape[-1], v.shape[-1]
-    if not kernel_builds(arch, d, dv):
-        raise InputError(unsupported_head_dims(arch, d, dv))
-    check_kernel_layout(q=q, k=k, v=v)
-    if not q.is_cuda:
-        raise InputError(f"q is on {q.device}: the {arch} kernel needs CUDA tensors; move them "
-                         f"with .cuda()")

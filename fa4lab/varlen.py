@@ -415,8 +415,8 @@ def check_paged(q, k, v, page_table, *, check_indices="device") -> int:
     that seqlen_k. Raises as `check_varlen` does (the same checks of the cache and the table;
     the table's values checked on the device by default, raising at a later call or at
     `fa4lab.check_errors()`, and skipped inside a CUDA graph capture: Note [reading the
-    lengths]). `fa4lab.attention` and the kernels' launch path call it before
-    `fa4lab.spec.check_inputs`, which checks the rest of such a call."""
+    lengths]). `fa4lab.call.check_call` calls it for a call with a page table, and checks the
+    rest of such a call."""
     import torch
 
     check_tensors(q, k, v)

@@ -57,9 +57,9 @@ def check_walk(arch, sq, sk, g, causal, window=(None, None), heads_kv=2, mask_mo
     """The walk of every CTA of batch row `batch` (the mask_mod's b; its table spans batch +
     1 rows) against the math contract: see the module's docstring."""
     user_mask = mask_mod
-    from fa4lab.kernels.compile import window_args
     from fa4lab.kernels.device import mask as mask_mod
     from fa4lab.kernels.device import scheduler
+    from fa4lab.kernels.device.arguments import window_args
     from fa4lab.kernels.device.pack_gqa import unpack_row
 
     kern = kernel_of(arch, g)

@@ -160,6 +160,7 @@ def paged_decode_case(page_size: int) -> float:
 def paged_prefill_case(page_size: int) -> float:
     """Ragged query counts over a paged cache in one varlen launch: an empty chunk, a length-1
     chunk, a chunk longer than its keys, a sequence with no key, pages in random order."""
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import check_varlen
@@ -175,8 +176,9 @@ def paged_prefill_case(page_size: int) -> float:
     used = torch.tensor(used, dtype=torch.int32)
     lengths = check_varlen(q, k_cache, v_cache, cu_q.cuda(), None, None, None, used.cuda(),
                            table.cuda())
-    out, _ = launch.forward_varlen(q, k_cache, v_cache, lengths, "sm90", True, None, False,
-                                   page_table=table.cuda())
+    call = check_call(q, k_cache, v_cache, causal=True, page_table=table.cuda(),
+                      lengths=lengths, arch="sm90")
+    out, _ = launch.forward_varlen(call, "sm90")
     torch.cuda.synchronize()
     ref = attention_varlen_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), cu_q, None,
                                      seqused_k=used, page_table=table, causal=True)

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 import fa4lab  # noqa: E402
 from fa4lab.api import SlowReferenceWarning  # noqa: E402
+from fa4lab.call import check_call  # noqa: E402
 from fa4lab.reference import attention_reference  # noqa: E402
-from fa4lab.spec import check_inputs  # noqa: E402
 
 
 def _qkv(rng, b=2, sq=9, sk=13, hq=4, hkv=2, d=16, dtype=torch.float32):
@@ -89,45 +89,46 @@ def test_kernel_input_checks(rng):
     """What the GPU kernels need beyond the math: checked before any launch, per arch."""
     q, k, v = _qkv(rng, d=64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        check_inputs(q.float(), k.float(), v.float(), arch="sm90")
+        check_call(q.float(), k.float(), v.float(), arch="sm90")
     # Unbuilt head dims: the kernel check names what the kernel builds and the padded pair the
     # API runs them on (fa4lab.canonical); wider than every pair: what to do.
     q80, k80, v80 = _qkv(rng, d=80, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"\(80, 80\) is not built by the sm90 kernel, which "
                        r"builds 64, 96, 128, 256.*\(192, 128\).*zero-padded to \(96, 96\)"):
-        check_inputs(q80, k80, v80, arch="sm90")
+        check_call(q80, k80, v80, arch="sm90")
     q160, k160, v160 = _qkv(rng, d=160, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"\(160, 128\) is not built by the sm100 kernel.*"
                                          r"zero-padded to \(192, 128\)"):
-        check_inputs(q160, k160, v160[..., :128].contiguous(), arch="sm100")
+        check_call(q160, k160, v160[..., :128].contiguous(), arch="sm100")
     q288, k288, v288 = _qkv(rng, d=288, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"\(288, 288\) is wider than any pair the sm90 "
                                          r"kernel builds \(each side at most 256"):
-        check_inputs(q288, k288, v288, arch="sm90")
+        check_call(q288, k288, v288, arch="sm90")
     with pytest.raises(ValueError, match="head_dim_v"):
-        check_inputs(q, k, v[..., :32].contiguous(), arch="sm90")
+        check_call(q, k, v[..., :32].contiguous(), arch="sm90")
     # Built pairs pass the head-dim check (and stop at the next one: CPU tensors).
     for d, dv in ((96, 96), (192, 128)):
         qd, kd, _ = _qkv(rng, d=d, dtype=torch.bfloat16)
         vd = _qkv(rng, d=dv, dtype=torch.bfloat16)[2]
         for arch in ("sm90", "sm100"):
             with pytest.raises(ValueError, match="needs CUDA tensors"):
-                check_inputs(qd, kd, vd, arch=arch)
+                check_call(qd, kd, vd, arch=arch)
     qt = q.transpose(1, 3).contiguous().transpose(1, 3)  # same values, last dim strided
     with pytest.raises(ValueError, match=r"\.contiguous\(\)"):
-        check_inputs(qt, k, v, arch="sm90")
+        check_call(qt, k, v, arch="sm90")
     unaligned = torch.zeros(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        check_inputs(unaligned, k, v, arch="sm90")
+        check_call(unaligned, k, v, arch="sm90")
     # Everything a kernel needs except the GPU: the last check says where the tensors must be.
     with pytest.raises(ValueError, match=r"\.cuda\(\)"):
-        check_inputs(q, k, v, arch="sm90")
-    check_inputs(q, k, v)  # the math alone is fine on CPU
+        check_call(q, k, v, arch="sm90")
+    check_call(q, k, v)  # the math alone is fine on CPU
 
 
 def test_kernel_layout_is_checked_at_every_rank():
-    """`check_kernel_layout`, the rule `check_inputs` and `attention_varlen` share, on packed
-    (total, heads, d) and paged (pages, page_size, heads, d) tensors as on dense ones: an
+    """`check_kernel_layout`, the rule every call in a kernel's form keeps
+    (`fa4lab.call.Call.for_kernel`), on packed (total, heads, d) and paged (pages, page_size,
+    heads, d) tensors as on dense ones: an
     InputError naming the tensor, before anything runs."""
     from fa4lab.errors import InputError
     from fa4lab.spec import check_kernel_layout

@@ -1,9 +1,10 @@
 """Every launch path against the kernel's argument contract, on the CPU.
 
-`fa4lab.kernels.compile.fake_args` is the contract each compiled kernel is built with: which
-slots are tensors, their ranks, and which sizes are one symbol (the launch's argument check on
-the GPU rejects a call whose sizes disagree). `launch.forward`, `launch.partials` and
-`launch.forward_varlen` build the real arguments. Here a recording stand-in takes the compiled
+`KernelArgs.fake` (fa4lab.kernels.device.arguments) is the contract each compiled kernel is
+built with: which slots are tensors, their ranks, and which sizes are one symbol (the launch's
+argument check on the GPU rejects a call whose sizes disagree). `launch.forward`,
+`launch.partials` and `launch.forward_varlen` build the real arguments (`KernelArgs.of` a
+checked call). Here a recording stand-in takes the compiled
 function's place, and `contract_mismatches` holds what each path passes to the contract of the
 kernel of its key, for every kernel family (dense, paged, split, varlen, paged varlen) at every
 head-dim pair of both archs. A launch that would fail the GPU's argument check (the paged varlen
@@ -18,8 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 
+from fa4lab.call import check_call  # noqa: E402
 from fa4lab.kernels import launch  # noqa: E402
-from fa4lab.kernels.compile import ARG_NAMES, contract_mismatches, fake_args  # noqa: E402
+from fa4lab.kernels.compile import contract_mismatches  # noqa: E402
+from fa4lab.kernels.device.arguments import KernelArgs  # noqa: E402
 from fa4lab.limits import head_dims_for  # noqa: E402
 from fa4lab.varlen import check_varlen  # noqa: E402
 
@@ -73,10 +76,10 @@ def _launch(family, arch, d, dv):
     varlen = "varlen" in family
     q, k, v, table = _tensors(d, dv, varlen=varlen, page_size=page_size)
     if family == "split":
-        return launch.partials(q, k, v, arch, False, None, None, 0.0, (None, None), 2)
+        return launch.partials(check_call(q, k, v), arch, 2)
     if not varlen:
-        return launch.forward(q, k, v, arch, True, None, True, None, learnable_sink=None,
-                              num_splits=1, page_table=table)
+        return launch.forward(check_call(q, k, v, causal=True, return_lse=True, num_splits=1,
+                                         page_table=table), arch)
     batch = 3
     lens_q = torch.tensor([0, 1, 3 * 70 - 1], dtype=torch.int32)
     cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lens_q.cumsum(0).to(torch.int32)])
@@ -87,7 +90,8 @@ def _launch(family, arch, d, dv):
         used = torch.tensor([5, 0, 200], dtype=torch.int32)
         lengths = check_varlen(q, k, v, cu_q, None, None, None, used, table)
     assert lengths.batch == batch
-    return launch.forward_varlen(q, k, v, lengths, arch, True, None, True, page_table=table)
+    return launch.forward_varlen(check_call(q, k, v, causal=True, return_lse=True,
+                                            page_table=table, lengths=lengths), arch)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -97,7 +101,7 @@ def test_every_launch_path_keeps_the_kernel_contract(recorded, family, arch, d, 
     assert len(recorded) == 1
     key, rec = recorded[0]
     assert len(rec.calls) == 1, "one launch"
-    contract = fake_args(key.plan().spec)
+    contract = KernelArgs.fake(key)
     assert contract_mismatches(contract, list(rec.calls[0])) == []
 
 
@@ -107,8 +111,8 @@ def test_a_launch_that_breaks_the_contract_is_named(recorded):
     _launch("paged", "sm90", 128, 128)
     key, rec = recorded[0]
     args = list(rec.calls[0])
-    contract = fake_args(key.plan().spec)
-    slot = {name: i for i, name in enumerate(ARG_NAMES)}
+    contract = KernelArgs.fake(key)
+    slot = {name: i for i, name in enumerate(KernelArgs._fields)}
     short = list(args)
     short[slot["page_table"]] = args[slot["page_table"]][:-1]
     assert any("page_table.shape[0]" in p for p in contract_mismatches(contract, short))

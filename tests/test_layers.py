@@ -1,10 +1,10 @@
-"""The package's layers, counting imports inside functions: no import circle anywhere; no
-module imports a layer above its own (bottom to top: limits / errors / digest / paths, the
-spec, the core modules, plan/, kernels/, the API, then the tools: bench/, fuzz/, viz/,
-exercises/, distributed/, the CLIs); the core modules never import the kernels (a device path
-is handed down: `fa4lab.indexcheck.queue_check`, `fa4lab.kernels.combine.combine`); the planner
-never imports the bench, the figures or the kernels, so the plan reads no benchmark record and
-draws nothing; the bench hands it what it reads (`fa4lab.bench.records.sweep_figures`,
+"""The package's layers, counting imports inside functions: no import circle anywhere; no module
+imports a layer above its own (bottom to top: limits / errors / digest / paths, the spec, the core
+modules, plan/ and the call contract (fa4lab.call), kernels/, the API, then the tools: bench/,
+fuzz/, viz/, exercises/, distributed/, the CLIs); the core modules never import the kernels (a
+device path is handed down: `fa4lab.indexcheck.queue_check`, `fa4lab.kernels.combine.combine`); the
+planner never imports the bench, the figures or the kernels, so the plan reads no benchmark record
+and draws nothing; the bench hands it what it reads (`fa4lab.bench.records.sweep_figures`,
 `fa4lab.bench.calibration`)."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ LAYERS = (
     ("reference", "reference_backward", "backward_blocks", "online_softmax", "tiling", "gqa",
      "scheduling", "varlen", "varlen_tiles", "varlen_forms", "varlen_metadata", "mods",
      "mods_blocks", "indexcheck", "splitkv", "blockwalk"),
-    ("plan", "backward_budget"),
+    ("plan", "backward_budget", "call"),
     ("kernels",),
     ("api", "backward"),
     ("bench", "fuzz", "viz", "exercises", "distributed", "cli", "environment", "variants",

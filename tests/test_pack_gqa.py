@@ -74,12 +74,13 @@ def test_plan_rejects_bad_ratio_and_non_bool():
 
 def test_kernel_key_tells_packed_from_unpacked():
     torch = pytest.importorskip("torch")
-    from fa4lab.kernels.launch import key_of
+    from fa4lab.call import check_call
 
     def key(s, arch, packed=False):
         q = torch.empty(1, 8, s.heads_q, s.head_dim, dtype=torch.bfloat16)
         k = torch.empty(1, 8, s.heads_kv, s.head_dim, dtype=torch.bfloat16)
-        return key_of(q, k, k, arch, s.causal, s.return_lse, packed)
+        return check_call(q, k, k, causal=s.causal, return_lse=s.return_lse,
+                          pack_gqa=packed).key(arch)
 
     s = spec()
     assert key(s, "sm90", True) != key(s, "sm90")

@@ -82,12 +82,13 @@ def test_plan_rejects_non_bool():
 
 def test_kernel_key_tells_packed_from_unpacked():
     torch = pytest.importorskip("torch")
-    from fa4lab.kernels.launch import key_of
+    from fa4lab.call import check_call
 
     def key(s, arch, packed=False):
         q = torch.empty(1, 8, s.heads_q, s.head_dim, dtype=torch.bfloat16)
         k = torch.empty(1, 8, s.heads_kv, s.head_dim, dtype=torch.bfloat16)
-        return key_of(q, k, k, arch, s.causal, s.return_lse, packed)
+        return check_call(q, k, k, causal=s.causal, return_lse=s.return_lse,
+                          pack_gqa=packed).key(arch)
 
     s = spec()
     assert key(s, "sm100", True) != key(s, "sm100")
@@ -266,27 +267,25 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
     (the device faked here: no GPU)."""
     torch = pytest.importorskip("torch")
     import fa4lab
-    from fa4lab.api import dense
     from fa4lab.kernels import launch
 
-    calls, checked = [], []
+    calls = []
 
-    def forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa, softcap,
-                window_size, learnable_sink, mods=None, aux=(), num_splits=None,
-                page_table=None):
-        assert mods is None and aux == () and num_splits is None and page_table is None
-        calls.append(dict(arch=arch, causal=causal, softmax_scale=softmax_scale,
-                          return_lse=return_lse, pack_gqa=pack_gqa, softcap=softcap,
-                          window_size=window_size, sink=learnable_sink))
-        return q, None
+    def forward(call, arch):
+        """The launch, given the call in the sm100 kernel's form (checked: `Call.for_kernel`)."""
+        s = call.spec
+        assert call.mods is None and call.aux == () and call.num_splits is None
+        assert call.page_table is None
+        calls.append(dict(arch=arch, causal=s.causal, softmax_scale=s.softmax_scale,
+                          return_lse=s.return_lse, pack_gqa=call.pack_gqa, softcap=s.softcap,
+                          window_size=s.window_size, sink=call.sink))
+        return call.q, None
 
     q = torch.zeros(1, 4, 4, 64, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(type(q), "is_cuda", property(lambda self: True))
     monkeypatch.setattr(launch, "device_arch", lambda index: "sm100")
     monkeypatch.setattr(launch, "forward", forward)
-    monkeypatch.setattr(dense, "check_inputs", lambda *a, **kw: None)
-    monkeypatch.setattr(dense, "check_kernel_inputs", lambda q, k, v, arch: checked.append(arch))
     sink = torch.zeros(4)
     for pack in (True, False, None):
         fa4lab.attention(q, k, v, causal=True, pack_gqa=pack, softcap=2.0,
@@ -294,4 +293,4 @@ def test_fa4lab_attention_passes_pack_gqa_to_the_sm100_kernel(monkeypatch):
         assert calls[-1] == dict(arch="sm100", causal=True, softmax_scale=None,
                                  return_lse=False, pack_gqa=pack, softcap=2.0,
                                  window_size=(7, None), sink=sink)
-    assert checked == ["sm100", "sm100", "sm100"]
+    assert len(calls) == 3

@@ -132,20 +132,23 @@ def test_paged_inputs_are_checked_before_anything_runs():
 
 
 def test_launch_key_and_kernel_name_carry_the_page_size():
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.plan.key import config_name
 
     q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
                         for t in _paged(d=128))
-    key = launch.key_of(q, kc, vc, "sm90", True, False, None, page_table=table)
-    dense = launch.key_of(q, kc, vc, "sm90", True, False, None)
+    paged = check_call(q, kc, vc, causal=True, page_table=table)
+    key = paged.key("sm90")
+    k_dense = kc.new_zeros(q.shape[0], 64, *kc.shape[2:])    # contiguous K/V, same dims
+    dense = check_call(q, k_dense, k_dense, causal=True).key("sm90")
     assert key.page_size == kc.shape[1] and dense.page_size is None
     assert dataclasses.replace(key, page_size=None, persistent=dense.persistent) == dense
     spec = key.spec()
     assert spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16")
     launch.check_paged_call(dataclasses.replace(key, page_size=9), None)   # sm90: cp.async
-    on_b200 = launch.key_of(q, kc, vc, "sm100", True, False, None, page_table=table)
+    on_b200 = paged.key("sm100")
     with pytest.raises(PlanError, match="page_size=9"):
         launch.check_paged_call(dataclasses.replace(on_b200, page_size=9), None)
 
@@ -203,6 +206,7 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
     are the varlen reference, seqused_k reaching the launch. The launch is stood in for by the
     float64 reference on each sequence's first seqused_k keys (the kernel's contract)."""
     from fa4lab.api import varlen as api_varlen
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_reference, attention_varlen_reference
     from fa4lab.varlen import check_varlen
@@ -212,10 +216,12 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
     cu_q = (torch.arange(4) * L).to(torch.int32)
     used = torch.tensor([40, 0, 17], dtype=torch.int32)
 
-    def forward(q_b, k_cache, v_cache, arch, causal, scale, return_lse, pack_gqa, softcap,
-                window_size, sink, num_splits=None, page_table=None, seqused_k=None):
-        assert q_b.shape == q4.shape and page_table is table and seqused_k is used
-        assert num_splits is None and pack_gqa is None      # the call's defaults, passed on
+    def forward(call, arch):
+        q_b, k_cache, v_cache, page_table = call.q, call.k, call.v, call.page_table
+        causal, window_size = call.spec.causal, call.window_size
+        assert q_b.shape == q4.shape and page_table is table and call.seqused_k is used
+        assert call.num_splits is None and call.pack_gqa is None   # the call's, passed on
+        assert not call.spec.varlen and call.spec.seqlen_q == L and call.lengths is None
         outs, lses = [], []
         for b, (k, v) in enumerate(zip(gather_paged(k_cache, page_table, used.tolist()),
                                        gather_paged(v_cache, page_table, used.tolist()))):
@@ -231,9 +237,9 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
 
     monkeypatch.setattr(launch, "forward", forward)
     lengths = check_varlen(q, kc, vc, cu_q, None, L, None, used, table)
-    options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
-                   learnable_sink=None)
-    out, lse = api_varlen._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    call = check_call(q, kc, vc, causal=True, return_lse=True, page_table=table,
+                      seqused_k=used, lengths=lengths)
+    out, lse = api_varlen._paged_same_length(call, "sm90")
     want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
                                                 page_table=table, causal=True, return_lse=True)
     torch.testing.assert_close(out, want)
@@ -243,12 +249,12 @@ def test_paged_decode_views_q_as_a_batch(L, monkeypatch):
 def test_split_kernel_key_carries_the_page_size():
     """A paged call's split kernel is one key: split_kv and the page size, one compiled kernel
     (`-page16-splitkv`)."""
-    from fa4lab.kernels import launch
+    from fa4lab.call import check_call
     from fa4lab.plan.key import config_name
 
     q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
                         for t in _paged(d=128))
-    key = launch.key_of(q, kc, vc, "sm90", False, False, None, split_kv=True, page_table=table)
+    key = check_call(q, kc, vc, page_table=table).key("sm90", split_kv=True)
     spec = key.spec()
     assert spec.split_kv and spec.page_size == kc.shape[1]
     assert config_name(spec, "sm90a").endswith("-page16-splitkv")
@@ -259,20 +265,22 @@ def test_a_paged_call_splits_over_the_table_capacity(arch, monkeypatch):
     """num_splits with a page table: a given count is capped at the key blocks of
     pages_per_seq * page_size keys; None asks `choose_num_splits` about that capacity (seqused_k
     is on the GPU: Note [choosing num_splits]) where the arch chooses, and gives 1 elsewhere."""
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.splitkv import choose_num_splits
 
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     q, kc, vc, table = (t.to(torch.bfloat16) if t.is_floating_point() else t
                         for t in _paged(batch=2, sq=1, pages=64, hq=16, hkv=2, d=128))
-    key = launch.key_of(q, kc, vc, arch, False, False, None, page_table=table)
+    call = check_call(q, kc, vc, page_table=table)
+    key = call.key(arch)
     cta_m, n_block, pack = launch.cta_tiles(key)
     blocks = -(-64 * 16 // n_block)
-    assert [launch.splits_for(key, q, kc, n, table) for n in (1, 3, blocks + 5)] == [
-        1, 3, blocks]
+    assert [launch.splits_for(key, dataclasses.replace(call, num_splits=n))
+            for n in (1, 3, blocks + 5)] == [1, 3, blocks]
     want = (choose_num_splits(2, 2 if pack > 1 else 16, pack, 64 * 16, n_block, 132,
                               m_block=cta_m) if arch in launch.AUTO_SPLIT_ARCHS else 1)
-    assert launch.splits_for(key, q, kc, None, table) == want
+    assert launch.splits_for(key, call) == want
     assert want > 1 or arch not in launch.AUTO_SPLIT_ARCHS
 
 
@@ -284,6 +292,7 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
     float64 partials of each sequence's first seqused_k keys (its contract: every split cuts its
     sequence's own key blocks; a sequence with no key, or one key, leaves splits empty)."""
     from fa4lab.api import varlen as api_varlen
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.splitkv import partial_attention_reference
@@ -294,8 +303,8 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
     q = q4.reshape(-1, *q4.shape[2:])
     cu_q = torch.arange(4, dtype=torch.int32)
     used = torch.tensor([0, 1, 700], dtype=torch.int32)
-    n_block = launch.cta_tiles(launch.key_of(q4, kc, vc, "sm90", True, False, None,
-                                             split_kv=True, page_table=table))[1]
+    n_block = launch.cta_tiles(check_call(q4, kc, vc, causal=True, page_table=table)
+                               .key("sm90", split_kv=True))[1]
     seen = []
 
     def split_kernel(q_, k_, v_, out, lse, sink, scale_log2, pre_scale, left, right, aux,
@@ -318,9 +327,9 @@ def test_the_paged_decode_runs_split_kv_and_the_combine(monkeypatch):
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     monkeypatch.setattr(launch, "kernel_for", lambda key, mods=None: split_kernel)
     lengths = check_varlen(q, kc, vc, cu_q, None, 1, None, used, table)
-    options = dict(causal=True, softmax_scale=None, window_size=(None, None), softcap=0.0,
-                   learnable_sink=None)
-    out, lse = api_varlen._paged_same_length(q, kc, vc, lengths, used, table, "sm90", True, options)
+    call = check_call(q, kc, vc, causal=True, return_lse=True, page_table=table,
+                      seqused_k=used, lengths=lengths)
+    out, lse = api_varlen._paged_same_length(call, "sm90")
     assert len(seen) == 1 and seen[0] > 1
     want, want_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,
                                                 page_table=table, causal=True, return_lse=True)
@@ -334,6 +343,7 @@ def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatc
     (the phantom sequence's 0 appended) and a tile table naming every real (sequence, m_block)
     once: a stand-in kernel that computes exactly the tiles it is given, from the arguments it
     is given, reproduces the float64 reference on every row."""
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import check_varlen
@@ -344,8 +354,10 @@ def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatc
     q = torch.randn(sum(lens_q), 4, 64, generator=torch.Generator().manual_seed(9))
     q = q.to(torch.bfloat16)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    key = launch.key_of(q, kc, vc, "sm90", True, True, False, varlen=True, page_table=table)
-    cta_m = launch.cta_tiles(key)[0]
+    lengths = check_varlen(q, kc, vc, cu_q, None, None, None, used, table)
+    call = check_call(q, kc, vc, causal=True, return_lse=True, page_table=table,
+                      lengths=lengths)
+    cta_m = launch.cta_tiles(call.key("sm90"))[0]
     tiles = []
 
     def varlen_kernel(q_, k_, v_, out, lse, sink, scale_log2, pre_scale, left, right, aux,
@@ -366,9 +378,7 @@ def test_the_paged_varlen_launch_passes_the_pages_and_every_real_tile(monkeypatc
             out[rows], lse[:, rows] = o_ref[rows].to(out.dtype), lse_ref[:, rows].float()
 
     monkeypatch.setattr(launch, "kernel_for", lambda key, mods=None: varlen_kernel)
-    lengths = check_varlen(q, kc, vc, cu_q, None, None, None, used, table)
-    out, lse = launch.forward_varlen(q, kc, vc, lengths, "sm90", True, None, True,
-                                     page_table=table)
+    out, lse = launch.forward_varlen(call, "sm90")
     want = [(b, m) for b, n in enumerate(lens_q) for m in range(ceil_div(n, cta_m))]
     assert sorted(tiles) == want
     ref, ref_lse = attention_varlen_reference(q, kc, vc, cu_q, None, seqused_k=used,

@@ -115,10 +115,10 @@ def test_extreme_logits(page_size):
 
 def test_page_size_is_in_the_launch_key():
     """Two page sizes are two kernels; a new page table or pages_per_seq is not a compile."""
-    from fa4lab.kernels import launch
+    from fa4lab.call import check_call
 
     inputs = [paged_inputs(2, 16, n, p, 8, 2, 128, seed=51) for p, n in ((16, 16), (128, 2),
                                                                           (128, 5))]
-    keys = [launch.key_of(q, kc, vc, "sm90", True, True, None, page_table=t)
+    keys = [check_call(q, kc, vc, causal=True, return_lse=True, page_table=t).key("sm90")
             for q, kc, vc, t, _, _ in inputs]
     assert keys[0] != keys[1] and keys[1] == keys[2] and keys[1].page_size == 128

@@ -57,8 +57,8 @@ def ragged_with_one_key(batch, pages, page_size, seed) -> list[int]:
 def test_partials_are_each_sequences_reference_partials(page_size, case, num_splits):
     """Each split's float32 out and LSE against the float64 partials of the same key blocks of
     that sequence's seqused_k keys; some splits of the short sequences are empty."""
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
-    from fa4lab.spec import normalize_mask
     from fa4lab.splitkv import partial_attention_reference
     from fa4lab.varlen import gather_paged
 
@@ -69,12 +69,11 @@ def test_partials_are_each_sequences_reference_partials(page_size, case, num_spl
         used, c["L"], pages, page_size, HEADS_Q, HEADS_KV, HEAD_DIM,
         seed=_seed(page_size, case, num_splits))
     q4 = q.view(len(used), c["L"], HEADS_Q, HEAD_DIM)
-    causal, window = normalize_mask(c["causal"], c["window_size"])
-    key = launch.key_of(q4, k_cache, v_cache, "sm90", causal, False, None, 0.0, window, None,
-                        split_kv=True, page_table=table)
-    n_block = launch.cta_tiles(key)[1]
-    out_p, lse_p = launch.partials(q4, k_cache, v_cache, "sm90", causal, None, None, 0.0,
-                                   window, num_splits, page_table=table, seqused_k=seqused_k)
+    call = check_call(q4, k_cache, v_cache, causal=c["causal"], window_size=c["window_size"],
+                      page_table=table, seqused_k=seqused_k, arch="sm90")
+    causal, window = call.spec.causal, call.window_size
+    n_block = launch.cta_tiles(call.key("sm90", split_kv=True))[1]
+    out_p, lse_p = launch.partials(call, "sm90", num_splits)
     assert out_p.shape == (num_splits, *q4.shape) and lse_p.shape == (num_splits, *q4.shape[:3])
     assert not torch.isnan(out_p).any() and not torch.isnan(lse_p).any()
     ks, vs = (gather_paged(cache, table, used) for cache in (k_cache, v_cache))
@@ -123,7 +122,7 @@ def test_varlen_paged_decode_splits_a_small_batch(page_size, case, monkeypatch):
     partials = launch.partials
 
     def counted(*args, **kwargs):
-        splits.append(args[9])          # num_splits
+        splits.append(args[2])          # num_splits
         return partials(*args, **kwargs)
 
     monkeypatch.setattr(launch, "partials", counted)

@@ -50,17 +50,18 @@ def chunked_prefill(lengths, page_size, hq=16, hkv=4, d=128, seed=0, spare=3):
 
 
 def one_launch(q, k_cache, v_cache, table, cu_q, used, *, return_lse=True, check=True, **opts):
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
-    from fa4lab.spec import normalize_mask
     from fa4lab.varlen import check_varlen
 
     lengths = check_varlen(q, k_cache, v_cache, cu_q, None, None, None, used, table,
                            check_indices=check)
-    causal, window = normalize_mask(opts.get("causal", False),
-                                    opts.get("window_size", (None, None)))
-    return launch.forward_varlen(q, k_cache, v_cache, lengths, "sm90", causal, None,
-                                 return_lse, float(opts.get("softcap", 0.0)), window,
-                                 opts.get("learnable_sink"), page_table=table)
+    call = check_call(q, k_cache, v_cache, causal=opts.get("causal", False),
+                      window_size=opts.get("window_size", (None, None)),
+                      softcap=opts.get("softcap", 0.0),
+                      learnable_sink=opts.get("learnable_sink"), return_lse=return_lse,
+                      page_table=table, lengths=lengths)
+    return launch.forward_varlen(call.for_kernel("sm90", pad=False), "sm90")
 
 
 def _check(inputs, **opts):

@@ -1,19 +1,16 @@
 """AttentionSpec: fields, the normal form of causal + window_size, softcap, sinks, the input
 check shared by every entry point."""
 
-import inspect
 import math
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa4lab.reference import visible_mask
 from fa4lab.spec import (
     AttentionSpec,
-    check_inputs,
     check_qkv_shapes,
     normalize_dtype,
     visible_key_counts,
@@ -181,53 +178,3 @@ def test_window_flops():
     pairs = sum(min(i + 1, 1024) for i in range(8192))
     assert w.visible_pairs() == pairs and w.flops() == 4.0 * 16 * pairs * 128
     assert AttentionSpec(1, 4, 4, 1, 1, 8, window_size=(0, 0)).visible_pairs() == 4
-
-
-# --------------------------------------------------------------------------- check_inputs
-
-
-def _qkv(hq=4, hkv=2):
-    return (torch.zeros(1, 3, hq, 8), torch.zeros(1, 5, hkv, 8), torch.zeros(1, 5, hkv, 8))
-
-
-def test_check_inputs_accepts_the_new_options():
-    q, k, v = _qkv()
-    check_inputs(q, k, v)
-    check_inputs(q, k, v, window_size=(None, None), softcap=0.0, learnable_sink=None)
-    check_inputs(q, k, v, softmax_scale=0.5, window_size=[3, 0], softcap=30.0,
-                 learnable_sink=torch.zeros(4))
-    check_inputs(q, k, v, window_size=(0, 0), softcap=1)
-
-
-@pytest.mark.parametrize("kwargs,err,words", [
-    (dict(window_size=(2,)), TypeError, "window_size must be a pair"),
-    (dict(window_size=None), TypeError, "window_size must be a pair"),
-    (dict(window_size=(2.0, None)), TypeError, "window_size.*left must be an int"),
-    (dict(softcap=-0.5), ValueError, "softcap must be 0.0"),
-    (dict(softcap=float("nan")), ValueError, "softcap must be 0.0"),
-    (dict(softcap=None), TypeError, "softcap must be a number"),
-    (dict(learnable_sink=torch.zeros(2)), ValueError,
-     r"learnable_sink has shape \(2,\): expected \(heads_q,\) = \(4,\)"),
-    (dict(learnable_sink=torch.zeros(1, 4)), ValueError, r"learnable_sink has shape \(1, 4\)"),
-    (dict(learnable_sink=torch.zeros(4, dtype=torch.bfloat16)), TypeError,
-     r"learnable_sink has dtype torch.bfloat16.*float32.*learnable_sink.float\(\)"),
-    (dict(learnable_sink=torch.zeros(4, dtype=torch.float64)), TypeError,
-     "learnable_sink has dtype torch.float64"),
-    (dict(learnable_sink=torch.zeros(4, device="meta")), ValueError,
-     r"learnable_sink is on meta but q is on cpu.*learnable_sink.to\(q.device\)"),
-    (dict(learnable_sink=np.zeros(4, dtype=np.float32)), TypeError,
-     "learnable_sink must be a torch.Tensor"),
-    (dict(learnable_sink=[0.0] * 4), TypeError, "learnable_sink must be a torch.Tensor"),
-])
-def test_check_inputs_names_the_bad_option(kwargs, err, words):
-    with pytest.raises(err, match=words):
-        check_inputs(*_qkv(), **kwargs)
-
-
-def test_check_inputs_keeps_its_signature():
-    params = inspect.signature(check_inputs).parameters
-    assert list(params) == ["q", "k", "v", "softmax_scale", "arch", "window_size", "softcap",
-                            "learnable_sink", "page_table"]
-    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in list(params)[3:])
-    assert (params["window_size"].default, params["softcap"].default,
-            params["learnable_sink"].default) == ((None, None), 0.0, None)

@@ -118,13 +118,14 @@ def test_reference_path_takes_num_splits():
 
 
 def test_launch_key_holds_split_kv_and_its_spec_compiles_the_split_kernel():
-    from fa4lab.kernels.launch import key_of
+    from fa4lab.call import check_call
     from fa4lab.plan.key import config_name
 
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(1, 4096, 1, 128, dtype=torch.bfloat16)
-    plain = key_of(q, k, k, "sm90", False, True, None)
-    split = key_of(q, k, k, "sm90", False, False, None, split_kv=True)
+    call = check_call(q, k, k, return_lse=True)
+    plain, split = call.key("sm90"), call.key("sm90", split_kv=True)
+    assert plain.return_lse and not split.return_lse     # the combine gives the LSE
     assert plain != split and not plain.spec().split_kv and split.spec().split_kv
     assert config_name(split.spec(), "sm90a").endswith("-splitkv")
 
@@ -132,16 +133,18 @@ def test_launch_key_holds_split_kv_and_its_spec_compiles_the_split_kernel():
 def test_a_given_num_splits_is_capped_at_the_key_blocks():
     """More splits than key blocks would only add empty ones; None on an arch whose split
     kernel has not run yet (sm100) does not split."""
-    from fa4lab.kernels.launch import cta_tiles, key_of, splits_for
+    from fa4lab.call import check_call
+    from fa4lab.kernels.launch import cta_tiles, splits_for
 
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(1, 1000, 1, 128, dtype=torch.bfloat16)
     for arch in ("sm90", "sm100"):
-        key = key_of(q, k, k, arch, False, False, None)
+        key = check_call(q, k, k).key(arch)
         blocks = -(-1000 // cta_tiles(key)[1])
-        assert [splits_for(key, q, k, n) for n in (1, 3, blocks, blocks + 1, 1000)] == [
-            1, 3, blocks, blocks, blocks]
-    assert splits_for(key_of(q, k, k, "sm100", False, False, None), q, k, None) == 1
+        assert [splits_for(key, check_call(q, k, k, num_splits=n))
+                for n in (1, 3, blocks, blocks + 1, 1000)] == [1, 3, blocks, blocks, blocks]
+    call = check_call(q, k, k)
+    assert splits_for(call.key("sm100"), call) == 1
 
 
 # ---------------------------------------------------------------- GPU (H200)
@@ -161,15 +164,13 @@ def _inputs(b, sq, sk, hq, hkv, d, seed, q_scale=1.0, dtype="bf16"):
 def _partials(q, k, v, num_splits, *, causal=False, window_size=(None, None), softcap=0.0,
               pack_gqa=None):
     """The sm90 split kernel's partials and the n_block its plan cuts the keys by."""
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
-    from fa4lab.spec import normalize_mask
 
-    causal, window_size = normalize_mask(causal, window_size)
-    key = launch.key_of(q, k, v, "sm90", causal, False, pack_gqa, softcap, window_size, None,
-                        split_kv=True)
-    out_p, lse_p = launch.partials(q, k, v, "sm90", causal, None, pack_gqa, softcap,
-                                   window_size, num_splits)
-    return out_p, lse_p, launch.cta_tiles(key)[1]
+    call = check_call(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                      pack_gqa=pack_gqa, arch="sm90")
+    out_p, lse_p = launch.partials(call, "sm90", num_splits)
+    return out_p, lse_p, launch.cta_tiles(call.key("sm90", split_kv=True))[1]
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv): decode GQA 8 (packed), short prefill with a
@@ -263,6 +264,7 @@ def test_sm90_num_splits_is_runtime_and_none_chooses():
     from kernel_checks import check_kernel
 
     import fa4lab
+    from fa4lab.call import check_call
     from fa4lab.kernels import launch
 
     q, k, v = _inputs(1, 1, 4096, 8, 1, 128, seed=11)
@@ -272,11 +274,12 @@ def test_sm90_num_splits_is_runtime_and_none_chooses():
         fa4lab.attention(q, k, v, num_splits=n)
     assert launch.stats()["misses"] == before
     q, k, v = _inputs(1, 1, 131072, 64, 8, 128, seed=12)
-    key = launch.key_of(q, k, v, "sm90", False, False, None)
-    assert launch.splits_for(key, q, k, None) > 1
+    call = check_call(q, k, v)
+    assert launch.splits_for(call.key("sm90"), call) > 1
     check_kernel(fa4lab.attention, q, k, v, causal=False)
     q, k, v = _inputs(4, 4096, 4096, 16, 16, 128, seed=13)
-    assert launch.splits_for(launch.key_of(q, k, v, "sm90", True, False, None), q, k, None) == 1
+    call = check_call(q, k, v, causal=True)
+    assert launch.splits_for(call.key("sm90"), call) == 1
 
 
 @pytest.mark.sm90

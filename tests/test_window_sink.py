@@ -111,14 +111,15 @@ def _tensors(hq=8, hkv=2, d=128, sq=8, sk=8):
 
 
 def test_launch_key_holds_sides_and_sink_not_values():
-    from fa4lab.kernels.launch import key_of
+    from fa4lab.call import check_call
     from fa4lab.plan.key import config_name
 
     q, k, v = _tensors()
     sink = torch.zeros(8)
 
     def key(window=(None, None), sink=None, causal=False):
-        return key_of(q, k, v, "sm90", causal, True, False, 0.0, window, sink)
+        return check_call(q, k, v, causal=causal, return_lse=True, pack_gqa=False,
+                          window_size=window, learnable_sink=sink).key("sm90")
 
     base = key()
     assert key((64, None)) == key((3, None)) != base
@@ -135,7 +136,7 @@ def test_launch_key_holds_sides_and_sink_not_values():
 
 
 def test_window_arguments_are_clamped_and_zero_for_a_missing_side():
-    from fa4lab.kernels.compile import window_args
+    from fa4lab.kernels.device.arguments import window_args
 
     assert window_args((None, None), 100, 200) == (0, 0)
     assert window_args((5, None), 100, 200) == (5, 0)

@@ -47,7 +47,7 @@ Each new mod compiles once per process (never cached on disk), and a call with m
 custom op: torch.compile graph-breaks there (Note [mods in the kernels] in `fa4lab.mods`).
 
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
-`fa4lab.spec.check_inputs`). Gradients: on CPU tensors that require grad, autograd
+`fa4lab.call.check_call`). Gradients: on CPU tensors that require grad, autograd
 differentiates the float64 reference (`fa4lab.backward`: the explicit backward of
 `fa4lab.reference_backward`); on CUDA tensors there is no backward kernel yet, and inputs that
 require grad raise `GradientNotSupportedError` while grad mode is on (a silently dropped

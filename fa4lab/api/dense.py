@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from fa4lab import backward
 from fa4lab.backward import needs_grad, refuse_gradients_on_cuda
-from fa4lab.canonical import empty_answer, for_kernel, narrow_out, tma_ready
-from fa4lab.errors import InputTypeError
+from fa4lab.call import check_call, check_switches
+from fa4lab.canonical import empty_answer, narrow_out, tma_ready
 from fa4lab.kernels import launch
-from fa4lab.spec import check_inputs, check_kernel_inputs, check_qkv_shapes, normalize_mask
+from fa4lab.spec import check_qkv_shapes, check_window_size, normalize_mask
 from fa4lab.splitkv import check_num_splits
 
 
@@ -42,50 +43,46 @@ class SlowReferenceWarning(UserWarning):
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
              softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-             score_mod=None, mask_mod=None, aux_tensors=None, num_splits=None, page_table=None):
-    """(out, lse or None): the kernel of q's GPU, or the float64 reference where none runs."""
-    arch = launch.device_arch(q.device.index) if isinstance(q, torch.Tensor) and q.is_cuda \
-        else None
-    causal, window_size = normalize_mask(causal, window_size)
-    if page_table is not None:
-        from fa4lab.varlen import check_paged, gather_paged, paged_seqlen_k
+             score_mod=None, mask_mod=None, aux_tensors=None, num_splits=None, page_table=None,
+             deterministic: bool = False):
+    """(out, lse or None) of `attention`'s arguments: checked once (`fa4lab.call.check_call`),
+    then run (`_run`)."""
+    return _run(check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                           window_size=window_size, softcap=softcap,
+                           learnable_sink=learnable_sink, return_lse=return_lse,
+                           pack_gqa=pack_gqa, deterministic=deterministic,
+                           num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                           aux_tensors=aux_tensors, page_table=page_table))
 
-        check_paged(q, k, v, page_table)
-    check_inputs(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
-    num_splits = check_num_splits(num_splits)
-    mods, aux = None, ()
-    if score_mod is not None or mask_mod is not None or aux_tensors is not None:
-        from fa4lab.mods import check_mods, refuse_split_with_mods
 
-        mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
-        refuse_split_with_mods(num_splits not in (None, 1), True, num_splits)
-    if page_table is not None:
-        seqlen_k = paged_seqlen_k(k, page_table)
-    else:
-        seqlen_k = k.shape[1]
-    if q.numel() == 0 or seqlen_k == 0:
-        return empty_answer(q, v.shape[-1], learnable_sink, return_lse)
+def _run(call):
+    """(out, lse or None) of a checked call: the kernel of q's GPU (on the call in its form:
+    `Call.for_kernel`), or the float64 reference where none runs; an empty call without
+    either (Note [empty calls] in fa4lab.canonical)."""
+    q, spec = call.q, call.spec
+    if call.empty:
+        return empty_answer(q, spec.head_dim_v, call.sink, spec.return_lse)
+    arch = launch.device_arch(q.device.index) if q.is_cuda else None
     if arch is not None:
-        dv = v.shape[-1]
-        q, k, v, softmax_scale = for_kernel(arch, q, k, v, softmax_scale)
-        check_kernel_inputs(q, k, v, arch)
-        out, lse = launch.forward(q, k, v, arch, causal, softmax_scale, return_lse, pack_gqa,
-                                  softcap, window_size, learnable_sink, mods, aux,
-                                  num_splits=num_splits, page_table=page_table)
-        return narrow_out(out, dv), lse
-    if page_table is not None:     # the reference reads each sequence's gathered K/V
-        seqlens = [seqlen_k] * q.shape[0]
-        k, v = (torch.stack(gather_paged(x, page_table, seqlens)) for x in (k, v))
-    out, lse = _reference(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
-                          window_size=window_size, learnable_sink=learnable_sink,
-                          score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors)
-    return out, (lse if return_lse else None)
+        out, lse = launch.forward(call.for_kernel(arch), arch)
+        return narrow_out(out, spec.head_dim_v), lse
+    k, v = call.k, call.v
+    if call.page_table is not None:     # the reference reads each sequence's gathered K/V
+        from fa4lab.varlen import gather_paged
+
+        seqlens = [spec.seqlen_k] * q.shape[0]
+        k, v = (torch.stack(gather_paged(x, call.page_table, seqlens)) for x in (k, v))
+    mods = call.mods
+    out, lse = _reference(q, k, v, **call.options(),
+                          score_mod=mods.score_mod if mods else None,
+                          mask_mod=mods.mask_mod if mods else None,
+                          aux_tensors=call.aux if mods else None)
+    return out, (lse if spec.return_lse else None)
 
 
 def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                        window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                       num_splits=None, page_table=None, grad: bool = False):
+                       num_splits=None, page_table=None, deterministic=False, grad: bool = False):
     """`_forward` outside any torch.compile graph: a callable cannot be an argument of the
     custom op, so a call with mods is a graph break (Note [mods in the kernels]). Eager calls
     (nothing tracing) call `_forward` directly: `torch.compiler.disable` imports torch._dynamo
@@ -95,25 +92,29 @@ def _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, sof
     if torch.compiler.is_compiling():
         fn = _outside_graph(fn)
     return fn(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap, window_size,
-              learnable_sink, score_mod, mask_mod, aux_tensors, num_splits, page_table)
+              learnable_sink, score_mod, mask_mod, aux_tensors, num_splits, page_table,
+              deterministic)
 
 
 def _differentiable_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                               window_size, learnable_sink, score_mod, mask_mod, aux_tensors,
-                              num_splits=None, page_table=None):
+                              num_splits=None, page_table=None, deterministic=False):
     """`_forward` with mods, recorded for autograd (CPU tensors; CUDA ones raise: Note
-    [backward on CPU, not yet on the GPU] in fa4lab.backward)."""
+    [backward on CPU, not yet on the GPU] in fa4lab.backward); the LSE always computed."""
     refuse_gradients_on_cuda(q, k, v, learnable_sink)
+    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                      window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+                      return_lse=True, pack_gqa=pack_gqa, deterministic=deterministic,
+                      num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                      aux_tensors=aux_tensors, page_table=page_table)
 
     def forward(q, k, v, learnable_sink):
-        return _forward(q, k, v, causal, softmax_scale, True, pack_gqa, softcap, window_size,
-                        learnable_sink, score_mod, mask_mod, aux_tensors, num_splits,
-                        page_table)
+        return _run(replace(call, q=q, k=k, v=v, sink=learnable_sink))
 
-    causal_n, window_n = normalize_mask(causal, window_size)
-    options = dict(causal=causal_n, softmax_scale=softmax_scale, softcap=float(softcap),
-                   window_size=window_n, score_mod=score_mod, mask_mod=mask_mod,
-                   aux_tensors=aux_tensors, page_table=page_table)
+    options = call.options()
+    del options["learnable_sink"]
+    options.update(score_mod=score_mod, mask_mod=mask_mod, aux_tensors=aux_tensors,
+                   page_table=page_table)
     out, lse = backward.ReferenceWithMods.apply(q, k, v, learnable_sink, forward, options)
     return out, (lse if return_lse else None)
 
@@ -140,7 +141,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
     window's sides are window_left / window_right (None = unbounded); with page_table, k and v
-    are a paged cache."""
+    are a paged cache. Checked as `attention` is (`fa4lab.call.check_call`)."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                         (window_left, window_right), learnable_sink, num_splits=num_splits,
                         page_table=page_table)
@@ -176,13 +177,12 @@ def _intercepted(*tensors) -> bool:
                    for t in tensors))
 
 
-def _check_switches(pack_gqa, deterministic) -> None:
-    """pack_gqa None (choose), True or False; deterministic a bool (the forward is
-    deterministic whatever it says: it is accepted for upstream's signature)."""
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise InputTypeError(f"pack_gqa must be None (choose), True or False, got {pack_gqa!r}")
-    if not isinstance(deterministic, bool):
-        raise InputTypeError(f"deterministic must be True or False, got {deterministic!r}")
+def op_arguments(pack_gqa, deterministic, num_splits, window_size):
+    """(num_splits, (left, right)) as a torch op's schema takes them, checked for that
+    (`fa4lab.call.check_switches`, `check_num_splits`, the window a pair of ints or None:
+    `fa4lab.spec.check_window_size`); the op checks its call (`fa4lab.call.check_call`)."""
+    check_switches(pack_gqa, None, deterministic)
+    return check_num_splits(num_splits), check_window_size(window_size)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -207,26 +207,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     seqlen_k 0) are answered without a launch (Note [empty calls] in fa4lab.canonical); head
     dims the kernel does not build run zero-padded to a built pair, and views TMA cannot read
     are copied first (`fa4lab.canonical.for_kernel`: what each costs)."""
-    _check_switches(pack_gqa, deterministic)
     grad = needs_grad(q, k, v, learnable_sink)
     if grad and not torch.compiler.is_compiling():
         refuse_gradients_on_cuda(q, k, v, learnable_sink)   # traced: the op's autograd setup
     causal, return_lse = bool(causal), bool(return_lse)
-    num_splits = check_num_splits(num_splits)
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         out, lse = _forward_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_gqa,
                                       softcap, window_size, learnable_sink, score_mod, mask_mod,
-                                      aux_tensors, num_splits, page_table, grad)
+                                      aux_tensors, num_splits, page_table, deterministic, grad)
     elif grad or _intercepted(q, k, v, learnable_sink, page_table):
+        num_splits, (left, right) = op_arguments(pack_gqa, deterministic, num_splits,
+                                                 window_size)
         scale = None if softmax_scale is None else float(softmax_scale)
-        causal, (left, right) = normalize_mask(causal, window_size)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
                                      float(softcap), left, right, learnable_sink, num_splits,
                                      page_table)
     else:
         out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                             window_size, learnable_sink, num_splits=num_splits,
-                            page_table=page_table)
+                            page_table=page_table, deterministic=deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -243,7 +242,7 @@ def _warn_slow(q, entry: str, stacklevel: int) -> None:
 
 # Note [the same rules on CPU and GPU]
 # fa4lab.attention and attention_varlen hold a call to the same rules whatever the device:
-# the checks before launch are the same functions (`fa4lab.spec.check_inputs`, the varlen
+# the checks before launch are the same functions (`fa4lab.call.check_call`, the varlen
 # check), head dims the kernels do not build run padded on both, and the values of q, k, v are
 # not read: a NaN or inf flows through the CPU path's float64 arithmetic as it flows through a
 # kernel (the outputs it reaches come out NaN, whatever the mask: 0 * NaN is NaN in P V too),

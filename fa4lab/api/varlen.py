@@ -7,18 +7,19 @@ call per sequence.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from fa4lab import backward
-from fa4lab.api.dense import _check_switches, _intercepted, _warn_slow, attention
+from fa4lab.api.dense import _intercepted, _warn_slow, attention, op_arguments
 from fa4lab.backward import needs_grad, refuse_gradients_on_cuda
-from fa4lab.canonical import empty_answer, for_kernel, narrow_out
+from fa4lab.call import check_call
+from fa4lab.canonical import empty_answer, narrow_out
 from fa4lab.errors import InputTypeError
 from fa4lab.kernels import launch
-from fa4lab.spec import check_inputs, check_kernel_inputs, normalize_mask
-from fa4lab.splitkv import check_num_splits
+from fa4lab.spec import normalize_mask
 from fa4lab.varlen_forms import varlen_form, with_seqused_q
 
 if TYPE_CHECKING:
@@ -99,8 +100,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if grad and not torch.compiler.is_compiling():     # traced: the op's autograd setup
         refuse_gradients_on_cuda(q, k, v, learnable_sink, entry="fa4lab.attention_varlen")
     causal, return_lse = bool(causal), bool(return_lse)
-    _check_switches(pack_gqa, deterministic)
-    num_splits = check_num_splits(num_splits)
     # On CPU tensors that require grad, the op: autograd records it (fa4lab.backward).
     intercepted = grad or _intercepted(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                        seqused_k, page_table, learnable_sink)
@@ -119,10 +118,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                            seqused_k, page_table)
         out, lse = _forward_varlen(*form[:9], causal, softmax_scale, window_size, softcap,
                                    learnable_sink, return_lse, False, num_splits, pack_gqa,
-                                   scheduler_metadata)
+                                   scheduler_metadata, deterministic)
         out, lse = form.restore(out, lse if return_lse else None)
         return (out, lse) if return_lse else out
     # Traced: the op derives and checks the index work itself (Note [the varlen op]).
+    num_splits, (left, right) = op_arguments(pack_gqa, deterministic, num_splits, window_size)
     form = varlen_form(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        seqused_q, seqused_k, page_table)
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = form[:7]
@@ -133,7 +133,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from fa4lab.varlen import check_mode
 
     scale = None if softmax_scale is None else float(softmax_scale)
-    causal, (left, right) = normalize_mask(causal, window_size)
     out, lse = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, seqused_k, page_table, causal, scale,
                                         left, right, float(softcap), learnable_sink,
@@ -146,10 +145,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                     page_table, causal: bool, softmax_scale, window_size, softcap: float,
                     learnable_sink, return_lse: bool, check_indices, num_splits=None,
-                    pack_gqa: bool | None = None, metadata=None):
+                    pack_gqa: bool | None = None, metadata=None, deterministic: bool = False):
     """(out, lse or None) of `attention_varlen`: the kernel of q's GPU, or the reference;
     `metadata` a `fa4lab.varlen_metadata.SchedulerMetadata` of these index tensors (their
-    lengths checked, the launch's tables kept: Note [scheduler metadata])."""
+    lengths checked, the launch's tables kept: Note [scheduler metadata]). The layout is
+    checked by `fa4lab.varlen.check_varlen` (or was, by the metadata), the rest by
+    `fa4lab.call.check_call`, once."""
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import check_varlen
 
@@ -158,63 +159,51 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     else:
         lengths = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                max_seqlen_k, seqused_k, page_table, check_indices=check_indices)
-    causal, window_size = normalize_mask(causal, window_size)
-    num_splits = check_num_splits(num_splits)
+    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                      window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+                      return_lse=return_lse, pack_gqa=pack_gqa, deterministic=deterministic,
+                      num_splits=num_splits, page_table=page_table, seqused_k=seqused_k,
+                      lengths=lengths)
+    dv = call.spec.head_dim_v
+    if call.empty:
+        return empty_answer(q, dv, learnable_sink, return_lse, varlen=True)
     arch = launch.device_arch(q.device.index) if q.is_cuda else None
-    # The options are checked as `attention` checks them, on one-token stand-ins of q, k, v.
-    check_inputs(*(t.new_empty((1, 1, t.shape[-2], t.shape[-1])) for t in (q, k, v)),
-                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                 learnable_sink=learnable_sink)
-    no_keys = (k.shape[0] == 0) if page_table is None else (page_table.shape[1] == 0)
-    if q.shape[0] == 0 or no_keys:
-        return empty_answer(q, v.shape[-1], learnable_sink, return_lse, varlen=True)
     if arch is not None:
-        dv = v.shape[-1]
-        q, k, v, softmax_scale = for_kernel(arch, q, k, v, softmax_scale)
-        check_kernel_inputs(q, k, v, arch)
-    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                   softcap=softcap, learnable_sink=learnable_sink)
-    if arch is not None:
-        out, lse = _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch, options,
-                                     return_lse, num_splits, pack_gqa,
+        out, lse = _varlen_on_kernel(call.for_kernel(arch), arch,
                                      None if metadata is None else metadata.launch)
         return narrow_out(out, dv), lse
     if not q.is_cuda:
         _warn_slow(q, "fa4lab.attention_varlen", stacklevel=4)
         out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                               seqused_k=seqused_k, page_table=page_table,
-                                              return_lse=True, finite=False, **options)
+                                              return_lse=True, finite=False, **call.options())
         return out.to(q.dtype), (lse.to(torch.float32) if return_lse else None)
-    return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
+    return _per_sequence(call)
 
 
-def _varlen_on_kernel(q, k, v, lengths, seqused_k, page_table, arch: str, options: dict,
-                      return_lse: bool, num_splits, pack_gqa, tables: dict | None = None):
-    """`_forward_varlen` on the kernel of `arch`, q, k, v in its form: a paged decode batch
-    as one paged launch (split and packed as `attention` chooses, or as num_splits / pack_gqa
+def _varlen_on_kernel(call, arch: str, tables: dict | None = None):
+    """`_forward_varlen` on the kernel of `arch`, `call` in its form: a paged decode batch as
+    one paged launch (split and packed as `attention` chooses, or as num_splits / pack_gqa
     say), other batches as one varlen launch (which neither splits nor packs: those two only
     choose how the same answer is computed), or one `attention` call per sequence where no
-    varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`); `options` are `attention`'s
-    (causal, softmax_scale, window_size, softcap, learnable_sink); `tables` a scheduler
+    varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`); `tables` a scheduler
     metadata's launch tables (Note [scheduler metadata] in fa4lab.varlen_metadata)."""
-    if page_table is not None and lengths.same_query_count(q.shape[0]):
-        return _paged_same_length(q, k, v, lengths, seqused_k, page_table, arch, return_lse,
-                                  options, num_splits, pack_gqa)
-    if page_table is None or arch in launch.PAGED_VARLEN_ARCHS:
+    if call.page_table is not None and call.lengths.same_query_count(call.q.shape[0]):
+        return _paged_same_length(call, arch)
+    if call.page_table is None or arch in launch.PAGED_VARLEN_ARCHS:
         # one launch over the batch's real tiles, over packed K/V or the pages in place
-        return launch.forward_varlen(q, k, v, lengths, arch, options["causal"],
-                                     options["softmax_scale"], return_lse,
-                                     float(options["softcap"]), options["window_size"],
-                                     options["learnable_sink"], page_table, tables)
-    return _per_sequence(q, k, v, lengths, page_table, return_lse, options)
+        return launch.forward_varlen(call, arch, tables)
+    return _per_sequence(call)
 
 
-def _per_sequence(q, k, v, lengths, page_table, return_lse: bool, options: dict):
-    """(out, lse or None) of a varlen batch as one `attention` call per sequence (a paged
-    sequence's K/V gathered into contiguous tensors first)."""
+def _per_sequence(call):
+    """(out, lse or None) of a checked varlen call as one `attention` call per sequence, with
+    the call's options (a paged sequence's K/V gathered into contiguous tensors first)."""
     from fa4lab.reference import attention_varlen_reference
     from fa4lab.varlen import sequence_kv, unpack
 
+    q, k, v, lengths, page_table = call.q, call.k, call.v, call.lengths, call.page_table
+    return_lse, options = call.spec.return_lse, call.options()
     total_q, heads_q = q.shape[0], q.shape[1]
     out = q.new_zeros((total_q, heads_q, v.shape[-1]))
     lse = torch.full((heads_q, total_q), -float("inf"), dtype=torch.float32, device=q.device)
@@ -288,23 +277,22 @@ attention_varlen_forward.register_autograd(backward.attention_varlen_forward_bac
                                            setup_context=backward.save_attention_varlen)
 
 
-def _paged_same_length(q, k_cache, v_cache, lengths, seqused_k, page_table, arch: str,
-                       return_lse: bool, options: dict, num_splits=None,
-                       pack_gqa: bool | None = None):
-    """(out, lse or None) in varlen form of a paged batch whose sequences all have L queries
+def _paged_same_length(call, arch: str):
+    """(out, lse or None) in varlen form of a paged `call` whose sequences all have L queries
     (`VarlenLengths.same_query_count`): q (batch * L, heads_q, d) is a (batch, L, heads_q,
     d) batch, so ONE launch of the padded paged kernel serves it, each sequence's key count its
     seqused_k (all pages' keys without one: Note [paged key blocks] in
     fa4lab.kernels.device.paged); a decode shape too small for the GPU runs the split-KV
     kernel over the pages and the combine instead (`launch.forward`'s num_splits None: Note
     [choosing num_splits] in fa4lab.splitkv)."""
-    batch, heads_q = lengths.batch, q.shape[1]
+    from fa4lab.varlen import paged_seqlen_k
+
+    q = call.q
+    batch, heads_q = call.lengths.batch, q.shape[1]
     q4 = q.reshape(batch, q.shape[0] // batch, heads_q, q.shape[2])
-    out, lse = launch.forward(q4, k_cache, v_cache, arch, options["causal"],
-                              options["softmax_scale"], return_lse, pack_gqa,
-                              float(options["softcap"]), options["window_size"],
-                              options["learnable_sink"], num_splits=num_splits,
-                              page_table=page_table, seqused_k=seqused_k)
+    spec = call.spec.with_(varlen=False, seqlen_q=q4.shape[1],
+                           seqlen_k=paged_seqlen_k(call.k, call.page_table))
+    out, lse = launch.forward(replace(call, q=q4, spec=spec, lengths=None), arch)
     out = out.view(q.shape[0], heads_q, out.shape[-1])
     if lse is not None:     # (batch, heads_q, L) -> (heads_q, batch * L)
         lse = lse.transpose(0, 1).reshape(heads_q, q.shape[0])

@@ -117,7 +117,8 @@ def fa4lab_plan_runner(**overrides) -> Runner:
     """fa4lab's kernel for each shape's plan with `overrides` (persistent=True / False: the
     VARIANTS providers), pack_gqa as `fa4lab.attention` would choose it; each shape's kernel
     is compiled once (`fa4lab.kernels.launch.compile_plan`), the first call's cost."""
-    from fa4lab.kernels.launch import compile_plan, device_arch, key_of
+    from fa4lab.call import check_call
+    from fa4lab.kernels.launch import compile_plan, device_arch
     from fa4lab.plan import plan_forward
     from fa4lab.spec import AttentionSpec, normalize_dtype
 
@@ -130,7 +131,7 @@ def fa4lab_plan_runner(**overrides) -> Runner:
             b, sq, hq, d = q.shape
             spec = AttentionSpec(b, sq, k.shape[1], hq, k.shape[2], d, v.shape[3],
                                  dtype=normalize_dtype(q.dtype), causal=bool(causal))
-            packed = key_of(q, k, v, arch, bool(causal), False, None).pack_gqa  # the API's
+            packed = check_call(q, k, v, causal=bool(causal)).key(arch).pack_gqa  # the API's
             plan = plan_forward(spec, arch, pack_gqa=packed, **overrides)
             runners[key] = compile_plan(plan, (q, k, v))[0]
         return runners[key](q, k, v, causal, softmax_scale)

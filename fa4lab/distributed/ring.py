@@ -45,9 +45,10 @@ import math
 
 import torch
 
+from fa4lab.call import check_call
 from fa4lab.distributed.schedule import check_layout, chunks_per_rank, ring_step
 from fa4lab.online_softmax import merge_out_lse
-from fa4lab.spec import check_inputs, normalize_mask, resolve_scale
+from fa4lab.spec import normalize_mask
 
 _UNSUPPORTED = ("window_size", "score_mod", "mask_mod", "aux_tensors")
 _LAYOUT_CODE = {"zigzag": 0, "contiguous": 1}
@@ -95,8 +96,8 @@ def _check_local(q, k, v, *, causal, layout, softmax_scale, softcap, learnable_s
         from fa4lab.kernels import launch
 
         arch = launch.device_arch(q.device.index)
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 learnable_sink=learnable_sink)
+    call = check_call(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
+                      learnable_sink=learnable_sink, arch=arch)
     check_layout(layout)
     sq, sk = q.shape[1], k.shape[1]
     if causal and sq != sk:
@@ -109,7 +110,7 @@ def _check_local(q, k, v, *, causal, layout, softmax_scale, softcap, learnable_s
                              f"{name} shard's length must be a multiple of {parts}, got {n}. "
                              f"Shard the full sequence with fa4lab.distributed.shard (its "
                              f"length a multiple of 2 * world), or use layout='contiguous'")
-    return resolve_scale(softmax_scale, q.shape[3])
+    return call.spec.scale
 
 
 def _block(q, k, v, step, parts, kernel_args, partial):

@@ -6,7 +6,7 @@ values. `draw_case(seed, i)` is a pure function of (seed, i) and the pool size: 
 from `numpy.random.default_rng((seed, i))`, so case i replays without cases 0..i-1.
 
 Note [a bounded pool of kernels]
-    Each kernel configuration (what `fa4lab.kernels.launch.key_of` keys: head dims, dtype,
+    Each kernel configuration (what `fa4lab.call.Call.key` keys: head dims, dtype,
     causal, window sides, softcap, sink, LSE, GQA ratio, pack-GQA, split-KV, page size; a
     mod) is a compile of seconds, so a run that drew every option per case would do nothing
     but compile. A case therefore takes those options from one of `configs` pool slots

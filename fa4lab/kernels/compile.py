@@ -5,12 +5,13 @@
     cf.ptx_path, cf.cubin_path, cf.seconds, cf.plan, cf.smem_bytes
 
 Every compile -- the audit's on a CPU, the GPU launch's, the bench's plan measurement -- goes
-through `compile_plan`: the kernel class of the plan's arch, built from the plan, compiled with
-fake tensors (`fake_args`: symbolic batch, sequence lengths, head counts and 64-bit strides, so
-one compile serves every problem size) through the CuTe DSL's TVM-FFI path (Note [TVM-FFI
-launch]). No GPU is needed to compile: the DSL's target comes from CUTE_DSL_ARCH, set for the
-duration of the compile (`target_arch`). `compile_forward` also keeps the PTX and cubin in
-`keep_dir/<configuration>/` (a fresh temporary directory by default) for `fa4lab.kernels.audit`.
+through `compile_plan`: the kernel class of the plan's arch, built from the plan, compiled with fake
+tensors (`KernelArgs.fake` of fa4lab.kernels.device.arguments: symbolic batch, sequence lengths,
+head counts and 64-bit strides, so one compile serves every problem size) through the CuTe DSL's
+TVM-FFI path (Note [TVM-FFI launch]). No GPU is needed to compile: the DSL's target comes from
+CUTE_DSL_ARCH, set for the duration of the compile (`target_arch`). `compile_forward` also keeps the
+PTX and cubin in `keep_dir/<configuration>/` (a fresh temporary directory by default) for
+`fa4lab.kernels.audit`.
 
 sm100a compiles `FlashForwardSm100` (fwd_sm100.py); sm90a compiles `FlashForwardSm90`
 (fwd_sm90.py); each is imported only when asked for.
@@ -29,7 +30,7 @@ from pathlib import Path
 from fa4lab.kernels.device.arguments import KernelArgs
 from fa4lab.limits import arch_key, arch_of_capability
 from fa4lab.plan.key import config_name, switches_suffix
-from fa4lab.spec import LOG2E, AttentionSpec, resolve_scale
+from fa4lab.spec import AttentionSpec
 
 ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 
@@ -44,31 +45,29 @@ ARCHS = {"sm100a": "sm100", "sm90a": "sm90"}
 # exported to an object file and loaded by another process (`fa4lab.kernels.cache`).
 
 # Note [runtime scale]
-# The softmax scale is an argument of the compiled function, not a constant of the kernel:
-# callers pass scale_log2 = softmax_scale * log2(e) and pre_scale (1, or softmax_scale / softcap
-# with a softcap: Note [softcap] in fa4lab.kernels.device.softmax) after lse (`scale_args`). A
-# new scale or cap value costs no compile (the launch key and the disk cache key hold neither,
-# and the plans are built with the default scale). The kernel parameter is loaded once into a
-# uniform register (no per-thread register), which the FFMA that scales a score reads instead
-# of an immediate; on the H200 that measured 3-5%
-# slower at head_dim 256, non-causal (716 -> 691 TFLOP/s at seqlen 8192, 667 -> 621 at 16384,
-# old and new kernels in one session), and no different at head_dim 128.
+# The softmax scale is an argument of the compiled function, not a constant of the kernel: callers
+# pass scale_log2 = softmax_scale * log2(e) and pre_scale (1, or softmax_scale / softcap with a
+# softcap: Note [softcap] in fa4lab.kernels.device.softmax) after lse
+# (`fa4lab.kernels.device.arguments.scale_args`). A new scale or cap value costs no compile (the
+# launch key and the disk cache key hold neither, and the plans are built with the default scale).
+# The kernel parameter is loaded once into a uniform register (no per-thread register), which the
+# FFMA that scales a score reads instead of an immediate; on the H200 that measured 3-5% slower at
+# head_dim 256, non-causal (716 -> 691 TFLOP/s at seqlen 8192, 667 -> 621 at 16384, old and new
+# kernels in one session), and no different at head_dim 128.
 
 # Note [runtime window]
-# A sliding window's sizes are arguments of the compiled function too (`window_args`: Int32
-# window_left, window_right after pre_scale), so a new window costs no compile; which sides
-# exist is compile-time (the spec's window_size with None for a missing side, in the launch key
-# and the disk cache key): a missing side costs no instruction, and causal keeps right = 0 as a
-# constant. A missing side's argument is passed as 0 and never read. Each side is clamped to
-# what can hide a key (left <= seqlen_k, right <= seqlen_q: a wider side hides nothing either)
-# and, for a negative side, what can show one (left >= -seqlen_q, right >= -seqlen_k: beyond,
-# every row sees no key either), so i + d + right and i + d - left stay far from the Int32
-# range's ends. Under pack_gqa=None a window's width can still pick the packed kernel over the
-# unpacked one (Note [narrow windows pack] in fa4lab.limits): two kernels at most. The learnable
-# sink is
-# a (heads_q,) float32 tensor argument after lse, None when the spec has none (Note [sinks] in
-# fa4lab.kernels.device.softmax).
-
+# A sliding window's sizes are arguments of the compiled function too
+# (`fa4lab.kernels.device.arguments.window_args`: Int32 window_left, window_right after pre_scale),
+# so a new window costs no compile; which sides exist is compile-time (the spec's window_size with
+# None for a missing side, in the launch key and the disk cache key): a missing side costs no
+# instruction, and causal keeps right = 0 as a constant. A missing side's argument is passed as 0
+# and never read. Each side is clamped to what can hide a key (left <= seqlen_k, right <= seqlen_q:
+# a wider side hides nothing either) and, for a negative side, what can show one (left >= -seqlen_q,
+# right >= -seqlen_k: beyond, every row sees no key either), so i + d + right and i + d - left stay
+# far from the Int32 range's ends. Under pack_gqa=None a window's width can still pick the packed
+# kernel over the unpacked one (Note [narrow windows pack] in fa4lab.limits): two kernels at most.
+# The learnable sink is a (heads_q,) float32 tensor argument after lse, None when the spec has none
+# (Note [sinks] in fa4lab.kernels.device.softmax).
 
 def normalize_arch(arch: str) -> str:
     """"sm100a" or "sm90a" from any spelling ("sm100", "sm_90a", ...)."""
@@ -117,121 +116,9 @@ def target_arch(arch: str):
             os.environ["CUTE_DSL_ARCH"] = old_env
 
 
-def fake_args(spec: AttentionSpec, mods=None, seqused_k: bool | None = None):
-    """Fake q, k, v, out, lse, sink, scale_log2, pre_scale, window_left, window_right, aux,
-    mask_blocks, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_table, page_table, num_splits,
-    out_partial, lse_partial and the stream: the kernels' contract.
-
-    Batch, sequence lengths and head counts are symbolic 32-bit values; strides are symbolic
-    64-bit values divisible by 8 elements (16 bytes, what TMA needs), the last dim has stride 1,
-    and tensors are 16-byte aligned (lse, sink: 4). 64-bit strides keep tensors of more than
-    2^31 elements addressable. lse is None when the spec does not return it, sink when it has
-    no learnable sink (a (heads_q,) float32 tensor of any stride); scale_log2 and pre_scale are
-    runtime floats (Note [runtime scale]), the window's sides runtime Int32 (Note [runtime
-    window]); aux the tuple of aux tensors of `mods` (`fa4lab.mods.KernelMods`), None without
-    any (`fa4lab.kernels.device.mods.fake_aux`); mask_blocks a mask_mod's block table, None
-    without one (`fake_mask_blocks`, Note [mask_mod block table] in fa4lab.tiling); with
-    `spec.split_kv`, num_splits a runtime Int32 and the float32 partials (num_splits, batch,
-    seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q, heads_q), heads last and
-    contiguous (`fa4lab.splitkv`'s layout), else 1, None, None.
-
-    With spec.varlen (Note [sm90 varlen] in fa4lab.kernels.fwd_sm90): q, out (total_q, heads,
-    d), k, v (total_k, heads_kv, d), lse (heads_q, total_q), int32 cu_seqlens_q / cu_seqlens_k
-    (batch + 1,) and seqused_k (batch + 1,) (the launch always passes the key counts: the
-    user's seqused_k or cu_seqlens_k's differences, and the phantom sequence's 0) and the
-    (rows, 2) int32 tile table (contiguous: Note [varlen tile table] in
-    fa4lab.kernels.device.scheduler); else all four None.
-    `seqused_k` True gives a seqused_k without varlen (a ragged key count on the padded
-    layout); None means spec.varlen or a paged spec.
-
-    With `spec.page_size` P, k and v are a paged cache (num_pages, P, heads_kv, d) with symbolic
-    num_pages (never varlen's packed layout), page_table an int32 (batch, pages_per_seq) tensor
-    (rows of any stride; with varlen its row count is its own, not seqused_k's) and seqused_k
-    always present (each sequence's key count: Note [paged key blocks] in
-    fa4lab.kernels.device.paged), cu_seqlens_k None even with varlen (q and out packed, the
-    cache not); else page_table None.
-    """
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    dtype = cutlass.BFloat16 if spec.dtype == "bf16" else cutlass.Float16
-    b, sq, sk, hq, hkv = (cute.sym_int() for _ in range(5))
-
-    def bshd(s, h, d):
-        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
-        return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
-
-    def thd(s, h, d):
-        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(2))
-        return make_fake_tensor(dtype, (s, h, d), (*strides, 1), assumed_align=16)
-
-    def int32s(n):
-        return make_fake_tensor(cutlass.Int32, (n,), (cute.sym_int64(),), assumed_align=4)
-
-    layout = thd if spec.varlen else bshd
-    q, o = layout(sq, hq, spec.head_dim), layout(sq, hq, spec.head_dim_v)
-    page_table = None
-    if spec.page_size is None:
-        k, v = layout(sk, hkv, spec.head_dim), layout(sk, hkv, spec.head_dim_v)
-    else:
-        pages = cute.sym_int()
-        k, v = (make_fake_tensor(dtype, (pages, spec.page_size, hkv, d),
-                                 (*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
-                                 assumed_align=16)
-                for d in (spec.head_dim, spec.head_dim_v))
-        # A varlen launch's seqused_k has one more entry than the table has rows (the
-        # padding tiles' phantom sequence: `fa4lab.varlen_tiles.launch_lengths`), so the rows are
-        # their own size there.
-        rows = cute.sym_int() if spec.varlen else b
-        page_table = make_fake_tensor(cutlass.Int32, (rows, cute.sym_int()),
-                                      (cute.sym_int64(), 1), assumed_align=4)
-    lse = None
-    if spec.return_lse and spec.varlen:
-        lse = make_fake_tensor(cutlass.Float32, (hq, sq), (cute.sym_int64(), 1), assumed_align=4)
-    elif spec.return_lse:
-        lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
-                               (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    varlen = [None] * 4
-    if spec.varlen:
-        varlen[0] = int32s(cute.sym_int())
-        if spec.page_size is None:   # a paged varlen batch's keys are its pages
-            varlen[1] = int32s(cute.sym_int())
-        varlen[3] = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 2), (2, 1), assumed_align=4)
-    if spec.page_size is not None or (spec.varlen if seqused_k is None else seqused_k):
-        varlen[2] = int32s(b)
-    sink = None
-    if spec.learnable_sink:
-        sink = make_fake_tensor(cutlass.Float32, (hq,), (cute.sym_int64(),), assumed_align=4)
-    from fa4lab.kernels.device.mods import fake_aux, fake_mask_blocks
-
-    scale_log2, pre_scale = scale_args(spec.softmax_scale, spec.head_dim, spec.softcap,
-                                       score_mod=mods is not None and mods.score_mod is not None)
-    left, right = window_args(spec.window_size, spec.seqlen_q, spec.seqlen_k)
-    out_partial = lse_partial = None
-    if spec.split_kv:
-        splits = cute.sym_int()
-        out_partial = make_fake_tensor(
-            cutlass.Float32, (splits, b, sq, hq, spec.head_dim_v),
-            (*(cute.sym_int64(divisibility=4) for _ in range(4)), 1), assumed_align=16)
-        lse_partial = make_fake_tensor(cutlass.Float32, (splits, b, sq, hq),
-                                       (*(cute.sym_int64() for _ in range(3)), 1),
-                                       assumed_align=4)
-    cu_q, cu_k, used, tiles = varlen
-    args = KernelArgs(q, k, v, o, lse, sink, cutlass.Float32(scale_log2),
-                      cutlass.Float32(pre_scale), cutlass.Int32(left), cutlass.Int32(right),
-                      fake_aux(mods), fake_mask_blocks(mods), cu_q, cu_k, used, tiles,
-                      page_table, cutlass.Int32(1), out_partial, lse_partial)
-    return [*args, make_fake_stream(use_tvm_ffi_env_stream=True)]
-
-
-# The names of `fake_args`' slots, in order (the stream last): what `contract_mismatches` says.
-ARG_NAMES = (*KernelArgs._fields, "stream")
-
-
 def contract_mismatches(fake: list, real: list) -> list[str]:
     """Where launch arguments `real` (torch tensors, scalars, None) break the kernel's contract
-    `fake` (`fake_args`' list): a tensor where the contract has None or the reverse, another
+    `fake` (`KernelArgs.fake`): a tensor where the contract has None or the reverse, another
     rank, a static size or stride that differs, one symbolic size bound to two values (shared
     symbols are the contract's "these dims are equal"), a stride off its divisibility, data off
     its alignment. The compiled function checks the same at launch, on the GPU; this runs
@@ -240,7 +127,7 @@ def contract_mismatches(fake: list, real: list) -> list[str]:
 
     bound: dict[int, tuple[int, str]] = {}
     problems = []
-    for name, f, r in zip(ARG_NAMES, fake, real):
+    for name, f, r in zip(KernelArgs._fields, fake, real):
         if not hasattr(f, "shape") or f is None:
             if f is None and r is not None:
                 problems.append(f"{name}: the kernel takes None, the launch passes "
@@ -273,33 +160,6 @@ def contract_mismatches(fake: list, real: list) -> list[str]:
     return problems
 
 
-def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
-               score_mod: bool = False):
-    """The compiled functions' (scale_log2, pre_scale) arguments (Note [runtime scale]):
-    softmax_scale (default 1/sqrt(head_dim)) times log2(e) and 1; with a softcap c, c * log2(e)
-    and softmax_scale / c (Note [softcap] in fa4lab.kernels.device.softmax); with a score_mod
-    and no softcap, log2(e) and softmax_scale (Note [score_mod and the scale] in
-    fa4lab.kernels.device.mods)."""
-    scale = resolve_scale(softmax_scale, head_dim)
-    if softcap:
-        return softcap * LOG2E, scale / softcap
-    if score_mod:
-        return LOG2E, scale
-    return scale * LOG2E, 1.0
-
-
-def window_args(window_size, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """The compiled functions' (window_left, window_right) arguments (Note [runtime window]):
-    each side of the stored window_size (`fa4lab.spec.normalize_mask`'s form; causal's right = 0
-    is the kernel's constant), clamped to seqlen_k (left) and seqlen_q (right), 0 for a side that
-    is None. A negative side (Note [window and causal] in fa4lab.spec) is clamped at -seqlen_q
-    (left) and -seqlen_k (right), where every row already sees no key, so no edge overflows
-    Int32."""
-    left, right = window_size
-    return (0 if left is None else max(min(int(left), int(seqlen_k)), -int(seqlen_q)),
-            0 if right is None else max(min(int(right), int(seqlen_q)), -int(seqlen_k)))
-
-
 def compile_plan(plan, *, options: str = "", mutation=None, mods=None,
                  seqused_k: bool | None = None):
     """Compile `plan`'s kernel for its arch. Returns (kernel object, compiled function, seconds).
@@ -308,22 +168,25 @@ def compile_plan(plan, *, options: str = "", mutation=None, mods=None,
     scale_log2 and pre_scale (Note [runtime scale]), window_left and window_right (Note [runtime
     window]), the aux tensors (a tuple, or None), a mask_mod's block table (or None:
     `fa4lab.mods_blocks.block_table`), then cu_seqlens_q, cu_seqlens_k, seqused_k and the
-    varlen tile table (None each unless the spec is varlen: `fake_args`), a paged cache's page
+    varlen tile table (None each unless the spec is varlen: `KernelArgs.fake`), a paged cache's page
     table (or None), num_splits and the split-KV partials (1, None, None without split-KV), and
     launches on the current stream (Note [TVM-FFI launch]); it can be exported with
     `export_to_c`. `mods` (`fa4lab.mods.KernelMods`) compiles a score_mod / mask_mod into the
-    kernel; `seqused_k` True a seqused_k argument without varlen (`fake_args`).
+    kernel; `seqused_k` True a seqused_k argument without varlen (`KernelArgs.fake`).
     """
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
     arch = normalize_arch(plan.arch)
     # A mutation (fa4lab.kernels.protocol.Mutation: tests of the audit) breaks the barrier
     # protocol on purpose; only compile_forward passes one, and it never writes the disk cache.
     kernel = kernel_class(arch)(plan, mutation=mutation, mods=mods)
-    args = fake_args(plan.spec, mods, seqused_k)
+    args = KernelArgs.fake(plan.spec, mods, seqused_k)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     with target_arch("sm_" + arch.removeprefix("sm")):
         t0 = time.perf_counter()
-        compiled = cute.compile(kernel, *args, options=" ".join(("--enable-tvm-ffi", options)))
+        compiled = cute.compile(kernel, *args, stream,
+                                options=" ".join(("--enable-tvm-ffi", options)))
         seconds = time.perf_counter() - t0
     return kernel, compiled, seconds
 
@@ -406,7 +269,7 @@ def compile_forward(spec_or_plan, arch: str = "sm100a", keep_dir=None,
 
     `mutation` (a `fa4lab.kernels.protocol.Mutation`) compiles a deliberately broken barrier
     protocol for the audit's tests; `mods` (`fa4lab.mods.KernelMods`) a score_mod / mask_mod;
-    `seqused_k` True a seqused_k argument without varlen (ragged keys, `fake_args`)."""
+    `seqused_k` True a seqused_k argument without varlen (ragged keys, `KernelArgs.fake`)."""
     arch = normalize_arch(arch)
     plan = _plan_of(spec_or_plan, ARCHS[arch])
     # One folder per configuration: the DSL names artifacts after the kernel class and the

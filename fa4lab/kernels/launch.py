@@ -1,19 +1,19 @@
 """The one launch path: torch tensors in, the compiled kernel of their configuration launched.
 
-`forward` is what `fa4lab.attention` runs on a GPU with a kernel. Per call it builds a small
-key from the tensors and the flags, finds the compiled function in a dict, allocates out (and
-lse) and calls the function with the torch tensors themselves (Note [TVM-FFI launch] in
-`fa4lab.kernels.compile`: no DLPack conversion or stream query in Python). The inputs were
-checked once, by `fa4lab.spec.check_inputs`, before this is reached.
+`forward` is what `fa4lab.attention` runs on a GPU with a kernel. It takes the call checked
+once by `fa4lab.call.check_call` (in the kernel's form: `Call.for_kernel`), finds the compiled
+function of its `KernelKey` (`Call.key`) in a dict, allocates out (and lse) and calls the
+function with the torch tensors themselves (`KernelArgs.of` the call; Note [TVM-FFI launch] in
+`fa4lab.kernels.compile`: no DLPack conversion or stream query in Python). Nothing here checks
+an input again (Note [one check per call] in fa4lab.call).
 
-On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is
-compiled (seconds) from `plan_forward` of a canonical spec of the key: the plan, hence the
-kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE,
-pack-GQA, whether scores are capped, which sides a window has, whether a learnable sink comes,
-the page size of a paged K/V cache -- and never on batch, sequence lengths, head counts, the
-softmax scale, the cap's value, the window's sizes, the sink's values or the page table, which
-are runtime values (Note [runtime scale] and Note [runtime window] in
-`fa4lab.kernels.compile`).
+On a miss the kernel comes from the disk cache (`fa4lab.kernels.cache`, milliseconds) or is compiled
+(seconds) from `KernelKey.plan`, the plan of a canonical spec of the key: the plan, hence the
+kernel, depends on what the key holds -- arch, head dims, dtype, causal, GQA ratio, LSE, pack-GQA,
+whether scores are capped, which sides a window has, whether a learnable sink comes, the page size
+of a paged K/V cache -- and never on batch, sequence lengths, head counts, the softmax scale, the
+cap's value, the window's sizes, the sink's values or the page table, which are runtime values (Note
+[runtime scale] and Note [runtime window] in `fa4lab.kernels.compile`).
 
 With a score_mod / mask_mod (`fa4lab.mods`) the key also holds the mods' identity, and the
 kernel is compiled in this process, never read from or written to disk (Note [mods in the
@@ -42,12 +42,11 @@ from functools import cache
 import tvm_ffi  # noqa: F401
 
 from fa4lab import indexcheck
-from fa4lab.errors import InputError, InputTypeError, UnsupportedArchError
-from fa4lab.kernels.compile import device_arch, scale_args, window_args
+from fa4lab.call import check_call
+from fa4lab.errors import InputError, UnsupportedArchError
+from fa4lab.kernels.compile import device_arch
 from fa4lab.kernels.device.arguments import KernelArgs
-from fa4lab.limits import pack_gqa_default
 from fa4lab.plan.key import KernelKey
-from fa4lab.spec import effective_window, normalize_dtype, normalize_mask
 from fa4lab.tiling import num_n_blocks
 
 
@@ -78,46 +77,6 @@ def clear() -> None:
     with _lock:
         _kernels.clear()
         _stats.clear()
-
-
-def key_of(q, k, v, arch: str, causal: bool, return_lse: bool, pack_gqa: bool | None,
-           softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-           persistent: bool | None = None, varlen: bool = False, split_kv: bool = False,
-           page_table=None) -> KernelKey:
-    """The `KernelKey` of a call; pack_gqa None is resolved here (`limits.pack_gqa_default`), and
-    on sm90 persistent None too, from the call's shape (`fa4lab.plan.sm90.persistent_default`:
-    the key has no shape). causal and window_size in `fa4lab.spec.normalize_mask`'s form: the
-    key holds which sides the window has, not their sizes (Note [runtime window]). `varlen`: q,
-    k, v are packed (total, heads, d) tensors (`forward_varlen`), planned without pack-GQA.
-    split_kv: the split-KV kernel (`fa4lab.splitkv`), whose split count is a runtime value.
-    With a page_table, k and v are the paged cache and the key holds its page size."""
-    g = q.shape[-2] // k.shape[-2]
-    if varlen:
-        packed = False
-    else:
-        packed = (pack_gqa_default(arch, g, q.shape[1], effective_window(causal, window_size),
-                                    q.shape[-1])
-                  if pack_gqa is None else pack_gqa and g > 1)
-    if persistent is None and arch == "sm90":
-        from fa4lab.plan.sm90 import persistent_default
-
-        persistent = persistent_default(q.shape[-1], v.shape[-1], causal, q.shape[-3],
-                                        _seqlen_k(k, page_table),
-                                        ragged=varlen or page_table is not None)
-    return KernelKey(arch, q.shape[-1], v.shape[-1], normalize_dtype(q.dtype), causal, g,
-                     return_lse, bool(softcap),
-                     (window_size[0] is not None, window_size[1] is not None),
-                     learnable_sink is not None, persistent, packed, bool(varlen),
-                     bool(split_kv), None if page_table is None else k.shape[1])
-
-
-def _seqlen_k(k, page_table) -> int:
-    """Keys per sequence of a launch: k's, or a paged cache's (`fa4lab.varlen.paged_seqlen_k`)."""
-    if page_table is None:
-        return k.shape[-3]
-    from fa4lab.varlen import paged_seqlen_k
-
-    return paged_seqlen_k(k, page_table)
 
 
 def _build(key: KernelKey):
@@ -154,17 +113,19 @@ def cta_tiles(key: KernelKey) -> tuple[int, int, int]:
     return t.m_block * t.q_stage, t.n_block, pack
 
 
-def mask_blocks_for(key: KernelKey, mods, aux: tuple, q, k):
-    """The block table of `mods`' mask_mod for the kernel of `key` (Note [mask_mod block
+def mask_blocks_for(key: KernelKey, call):
+    """The block table of `call`'s mask_mod for the kernel of `key` (Note [mask_mod block
     table] in fa4lab.tiling), or None without a mask_mod."""
+    mods = call.mods
     if mods is None or mods.mask_mod is None:
         return None
     from fa4lab.mods_blocks import block_table
 
     cta_m, n_block, pack = cta_tiles(key)
-    return block_table(mods, aux, batch=q.shape[0], heads_q=q.shape[2], seqlen_q=q.shape[1],
-                       seqlen_k=k.shape[1], cta_m=cta_m, n_block=n_block, pack=pack,
-                       device=q.device)
+    s = call.spec
+    return block_table(mods, call.aux, batch=s.batch, heads_q=s.heads_q, seqlen_q=s.seqlen_q,
+                       seqlen_k=s.seqlen_k, cta_m=cta_m, n_block=n_block, pack=pack,
+                       device=call.q.device)
 
 
 def kernel_for(key: KernelKey, mods=None):
@@ -202,101 +163,85 @@ def _chosen_splits(key: KernelKey, batch: int, heads: int, rows: int, seqlen_k: 
 AUTO_SPLIT_ARCHS = ("sm90",)
 
 
-def splits_for(key: KernelKey, q, k, num_splits: int | None, page_table=None) -> int:
-    """The call's split count: num_splits, or with None `fa4lab.splitkv.choose_num_splits` for
-    the shape and the kernel of `key` (its tiles, its pack-GQA rows and grid heads) on q's GPU
-    (Note [choosing num_splits]): decode shapes split, prefill does not; 1 on an arch not in
-    AUTO_SPLIT_ARCHS. A given num_splits is capped at the key blocks. With a `page_table` the
-    key count is the table's capacity, pages_per_seq * page_size (`_seqlen_k`; Note [choosing
-    num_splits] says why not seqused_k)."""
-    seqlen_k = _seqlen_k(k, page_table)
-    if num_splits is not None:   # more splits than key blocks would only add empty ones
-        return min(num_splits, num_n_blocks(seqlen_k, cta_tiles(key)[1]))
+def splits_for(key: KernelKey, call) -> int:
+    """`call`'s split count: its num_splits, or with None `fa4lab.splitkv.choose_num_splits`
+    for the shape and the kernel of `key` (its tiles, its pack-GQA rows and grid heads) on q's
+    GPU (Note [choosing num_splits]): decode shapes split, prefill does not; 1 on an arch not
+    in AUTO_SPLIT_ARCHS. A given num_splits is capped at the key blocks. With a page table the
+    key count is the table's capacity, pages_per_seq * page_size (the spec's seqlen_k; Note
+    [choosing num_splits] says why not seqused_k)."""
+    s = call.spec
+    if call.num_splits is not None:   # more splits than key blocks would only add empty ones
+        return min(call.num_splits, num_n_blocks(s.seqlen_k, cta_tiles(key)[1]))
     if key.arch not in AUTO_SPLIT_ARCHS:
         return 1
     _, _, pack = cta_tiles(key)
-    heads = k.shape[2] if pack > 1 else q.shape[2]
-    return _chosen_splits(key, q.shape[0], heads, q.shape[1] * pack, seqlen_k,
-                          num_sms(q.device.index))
+    heads = s.heads_kv if pack > 1 else s.heads_q
+    return _chosen_splits(key, s.batch, heads, s.seqlen_q * pack, s.seqlen_k,
+                          num_sms(call.q.device.index))
 
 
-def partials(q, k, v, arch: str, causal: bool, softmax_scale, pack_gqa: bool | None,
-             softcap: float, window_size, num_splits: int, persistent: bool | None = None,
-             page_table=None, seqused_k=None):
-    """(out_partial, lse_partial) of the `arch` split-KV kernel on checked CUDA tensors: float32
-    (num_splits, batch, seqlen_q, heads_q, head_dim_v) and (num_splits, batch, seqlen_q,
-    heads_q), as `fa4lab.splitkv.partial_attention_reference` gives them (no sink: the combine
-    adds it). num_splits is a runtime value of one compiled kernel. With `page_table`, k and v
-    are a paged cache and seqused_k (or every page's keys) each sequence's key count, which its
-    splits cut (`padded_launch_args`)."""
+def partials(call, arch: str, num_splits: int):
+    """(out_partial, lse_partial) of the `arch` split-KV kernel on checked `call` (in the
+    kernel's form): float32 (num_splits, batch, seqlen_q, heads_q, head_dim_v) and (num_splits,
+    batch, seqlen_q, heads_q), as `fa4lab.splitkv.partial_attention_reference` gives them (no
+    sink: the combine adds it). num_splits is a runtime value of one compiled kernel. With a
+    page table, k and v are a paged cache and seqused_k (or every page's keys) each sequence's
+    key count, which its splits cut (`_seqused_k`)."""
     import torch
 
-    key = key_of(q, k, v, arch, causal, False, pack_gqa, softcap, window_size, None,
-                 persistent, split_kv=True, page_table=page_table)
+    key = call.key(arch, split_kv=True)
     fn = kernel_for(key)
-    b, sq, hq, d = q.shape
-    dv = v.shape[3]
-    seqlen_k = _seqlen_k(k, page_table)
+    q = call.q
+    b, sq, hq, _ = q.shape
+    dv = call.spec.head_dim_v
     out_p = torch.empty((num_splits, b, sq, hq, dv), dtype=torch.float32, device=q.device)
     lse_p = torch.empty((num_splits, b, sq, hq), dtype=torch.float32, device=q.device)
     unused_out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
-    fn(*KernelArgs(q, k, v, unused_out, None, None, *scale_args(softmax_scale, d, softcap),
-                   *window_args(window_size, sq, seqlen_k),
-                   **padded_launch_args(page_table, seqused_k, seqlen_k, q, num_splits, out_p,
-                                        lse_p)))
+    fn(*KernelArgs.of(call, unused_out, None, sink=None, seqused_k=_seqused_k(call),
+                      num_splits=num_splits, out_partial=out_p, lse_partial=lse_p))
     return out_p, lse_p
 
 
-def forward(q, k, v, arch: str, causal: bool, softmax_scale, return_lse: bool,
-            pack_gqa: bool | None, softcap: float = 0.0, window_size=(None, None),
-            learnable_sink=None, mods=None, aux: tuple = (), persistent: bool | None = None,
-            num_splits: int | None = None, page_table=None, seqused_k=None):
-    """out, lse (None unless return_lse) of the `arch` kernel on checked CUDA tensors; causal
-    and window_size in `fa4lab.spec.normalize_mask`'s form; `mods` and `aux` from
-    `fa4lab.mods.check_mods` (or None and ()). num_splits (`fa4lab.splitkv.check_num_splits`'s
-    form) None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
-    (`fa4lab.kernels.combine.combine`, the learnable sink joining there). With `page_table`, k
-    and v are a paged cache (`padded_launch_args`), seqused_k (int32 (batch,), or None: every
-    page's keys) each sequence's key count, split or not."""
+def forward(call, arch: str):
+    """out, lse (None unless the spec returns it) of the `arch` kernel on checked `call` (in
+    the kernel's form: `fa4lab.call.Call.for_kernel`), its mods compiled in. Its num_splits
+    None chooses (`splits_for`); more than 1 runs the split-KV kernel and the combine
+    (`fa4lab.kernels.combine.combine`, the learnable sink joining there). With a page table, k
+    and v are a paged cache, the call's seqused_k (int32 (batch,), or None: every page's keys)
+    each sequence's key count, split or not."""
     import torch
 
-    key = key_of(q, k, v, arch, causal, return_lse, pack_gqa, softcap, window_size,
-                 learnable_sink, persistent, page_table=page_table)
-    if page_table is not None:
-        check_paged_call(key, mods)
-    splits = 1 if mods is not None else splits_for(key, q, k, num_splits, page_table)
+    key = call.key(arch)
+    if call.page_table is not None:
+        check_paged_call(key, call.mods)
+    splits = 1 if call.mods is not None else splits_for(key, call)
+    q, return_lse = call.q, call.spec.return_lse
     if splits > 1:
         from fa4lab.kernels.combine import combine
 
-        out_p, lse_p = partials(q, k, v, arch, causal, softmax_scale, pack_gqa, softcap,
-                                window_size, splits, persistent, page_table, seqused_k)
-        out, lse = combine(out_p, lse_p, learnable_sink=learnable_sink, out_dtype=q.dtype)
+        out_p, lse_p = partials(call, arch, splits)
+        out, lse = combine(out_p, lse_p, learnable_sink=call.sink, out_dtype=q.dtype)
         return out, (lse.transpose(1, 2).contiguous() if return_lse else None)
-    fn = kernel_for(key, mods)
-    b, sq, hq, d = q.shape
-    out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
+    fn = kernel_for(key, call.mods)
+    b, sq, hq, _ = q.shape
+    out = torch.empty((b, sq, hq, call.spec.head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if return_lse else None
-    score_mod = mods is not None and mods.score_mod is not None
-    fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
-                   *scale_args(softmax_scale, d, softcap, score_mod),
-                   *window_args(window_size, sq, _seqlen_k(k, page_table)), aux or None,
-                   mask_blocks_for(key, mods, aux, q, k),
-                   **padded_launch_args(page_table, seqused_k, _seqlen_k(k, page_table), q)))
+    fn(*KernelArgs.of(call, out, lse, mask_blocks=mask_blocks_for(key, call),
+                      seqused_k=_seqused_k(call)))
     return out, lse
 
 
-def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int = 1,
-                       out_partial=None, lse_partial=None) -> dict:
-    """The `KernelArgs` slots of a padded launch's layout (no cu_seqlens, no tile table): with a
-    page table, seqused_k always (the caller's, or seqlen_k for every sequence: Note [paged key
-    blocks] in fa4lab.kernels.device.paged); the split count and the partials of a split-KV
-    kernel (one split and None without)."""
+def _seqused_k(call):
+    """The seqused_k slot of a padded launch (no cu_seqlens, no tile table): with a page
+    table always, the call's or the table's capacity for every sequence (Note [paged key
+    blocks] in fa4lab.kernels.device.paged); the call's (None) without."""
+    if call.page_table is None or call.seqused_k is not None:
+        return call.seqused_k
     import torch
 
-    if page_table is not None and seqused_k is None:
-        seqused_k = torch.full((q.shape[0],), seqlen_k, dtype=torch.int32, device=q.device)
-    return {"seqused_k": seqused_k, "page_table": page_table, "num_splits": num_splits,
-            "out_partial": out_partial, "lse_partial": lse_partial}
+    return torch.full((call.spec.batch,), call.spec.seqlen_k, dtype=torch.int32,
+                      device=call.q.device)
 
 
 # The archs on which `fa4lab.attention_varlen` runs a paged batch with ragged query counts
@@ -307,11 +252,10 @@ def padded_launch_args(page_table, seqused_k, seqlen_k: int, q, num_splits: int 
 PAGED_VARLEN_ARCHS: tuple[str, ...] = ("sm90",)
 
 
-def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, return_lse: bool,
-                   softcap: float = 0.0, window_size=(None, None), learnable_sink=None,
-                   page_table=None, tables: dict | None = None):
+def forward_varlen(call, arch: str, tables: dict | None = None):
     """out (total_q, heads_q, dv), lse ((heads_q, total_q) or None) of the `arch` varlen kernel
-    on packed CUDA tensors checked by `fa4lab.varlen.check_varlen` (whose `lengths` it takes):
+    on checked `call` (in the kernel's form) of packed tensors, whose `lengths` are
+    `fa4lab.varlen.check_varlen`'s:
     one launch over the batch's real tiles (Note [varlen tile table] in
     fa4lab.kernels.device.scheduler), with no device-to-host copy (Note [reading the lengths]
     in fa4lab.varlen): the tile table is built on the GPU in one launch
@@ -327,12 +271,13 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     from fa4lab.kernels.tile_table import build_launch_tables
     from fa4lab.varlen_tiles import max_tile_rows
 
-    key = key_of(q, k, v, arch, causal, return_lse, False, softcap, window_size, learnable_sink,
-                 None, varlen=True, page_table=page_table)
-    if page_table is not None:
+    key = call.key(arch)
+    if call.page_table is not None:
         check_paged_call(key, None)
     fn = kernel_for(key)
     cta_m, _, _ = cta_tiles(key)
+    q, k, v, lengths = call.q, call.k, call.v, call.lengths
+    causal, window_size, return_lse = call.spec.causal, call.window_size, call.spec.return_lse
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.empty((total_q, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = (torch.empty((hq, total_q), dtype=torch.float32, device=q.device) if return_lse
@@ -349,11 +294,8 @@ def forward_varlen(q, k, v, lengths, arch: str, causal: bool, softmax_scale, ret
     cu_q, cu_k, keys, table = made
     if k.shape[0] == 0:     # no key at all: one zero row, so TMA has a tensor to describe
         k, v = k.new_zeros((1, *k.shape[1:])), v.new_zeros((1, *v.shape[1:]))
-    fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
-                   *scale_args(softmax_scale, q.shape[-1], softcap),
-                   *window_args(window_size, lengths.max_seqlen_q, lengths.max_seqlen_k),
-                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=keys, tile_table=table,
-                   page_table=page_table))
+    fn(*KernelArgs.of(call, out, lse, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                      seqused_k=keys, tile_table=table))
     return out, lse
 
 
@@ -362,26 +304,28 @@ def compile_plan(plan, example):
     seconds); runner(q, k, v, causal, softmax_scale, window_size=None, learnable_sink=None) ->
     out refuses another causal flag, or other window sides or sink presence, than the plan's
     (window_size None: the plan's own window). `example` (q, k, v) is checked as any call's
-    inputs are."""
+    inputs are, in the kernel's form; each run's call by `check_call`."""
     import torch
 
     from fa4lab.kernels import cache
     from fa4lab.kernels.compile import compile_plan as compile_kernel
     from fa4lab.plan.key import config_name
-    from fa4lab.spec import check_inputs
 
     spec = plan.spec
-    check_inputs(*example, arch=plan.arch)
+    check_call(*example, arch=plan.arch)
     fn, _, seconds = cache.load_or_compile(cache.plan_key(plan), lambda: compile_kernel(plan)[1],
                                            config_name(spec, plan.arch + "a") + " (custom)")
 
     def run(q, k, v, causal, softmax_scale, window_size=None, learnable_sink=None):
         window = spec.window_size if window_size is None else window_size
-        if normalize_mask(causal, window)[0] != spec.causal:
+        call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                          window_size=window, softcap=spec.softcap,
+                          learnable_sink=learnable_sink, return_lse=spec.return_lse)
+        if call.spec.causal != spec.causal:
             raise InputError(f"this kernel was compiled for causal={spec.causal}; got "
                              f"causal={causal} with window_size={window}")
-        window = normalize_mask(causal, window)[1]
-        if ([side is None for side in window] != [side is None for side in spec.window_size]
+        if ([side is None for side in call.window_size]
+                != [side is None for side in spec.window_size]
                 or (learnable_sink is None) == spec.learnable_sink):
             raise InputError(f"this kernel was compiled for window_size={spec.window_size} "
                              f"(its sides; their sizes may change) and learnable_sink="
@@ -391,9 +335,7 @@ def compile_plan(plan, example):
         out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
         lse = (torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
                if spec.return_lse else None)
-        fn(*KernelArgs(q, k, v, out, lse, learnable_sink,
-                       *scale_args(softmax_scale, q.shape[3], spec.softcap),
-                       *window_args(window, sq, k.shape[1])))
+        fn(*KernelArgs.of(call, out, lse))
         return out
 
     return run, seconds
@@ -427,17 +369,18 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
                  pack_gqa=None, softcap=0.0, window_size=(None, None), learnable_sink=None,
                  score_mod=None, mask_mod=None, aux_tensors=None, persistent=None,
                  num_splits=None, page_table=None):
-    """The `arch` kernel and nothing else (no reference fallback): out, or (out, lse).
+    """The `arch` kernel and nothing else (no reference fallback, no padded head dims or
+    copied layouts: `fa4lab.call.Call.for_kernel` without padding): out, or (out, lse).
     `persistent` None: the plan's choice for the shape; True / False force it (PlanError where
     the plan cannot be persistent). num_splits as in `fa4lab.attention` (split-KV). With
     `page_table`, k and v are a paged cache."""
     import torch
 
-    from fa4lab.spec import check_inputs
-
-    for name, value in (("pack_gqa", pack_gqa), ("persistent", persistent)):
-        if value is not None and not isinstance(value, bool):
-            raise InputTypeError(f"{name} must be None (choose), True or False, got {value!r}")
+    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                      window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+                      return_lse=return_lse, pack_gqa=pack_gqa, persistent=persistent,
+                      num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
+                      aux_tensors=aux_tensors, page_table=page_table)
     on_gpu = isinstance(q, torch.Tensor) and q.is_cuda
     have = device_arch(q.device.index) if on_gpu else None
     if have != arch:
@@ -448,22 +391,7 @@ def attention_on(arch: str, q, k, v, *, causal=False, softmax_scale=None, return
             f"the {arch} kernel runs only on {GPU_NAMES[arch]}; {where}. Use "
             f"{OTHER_KERNEL[arch]}, fa4lab.attention (which picks the kernel for the GPU it "
             f"finds) or fa4lab.reference.attention_reference (float64, any device)")
-    causal, window_size = normalize_mask(causal, window_size)
-    if page_table is not None:
-        from fa4lab.varlen import check_paged
-
-        check_paged(q, k, v, page_table)
-    check_inputs(q, k, v, softmax_scale=softmax_scale, arch=arch, softcap=softcap,
-                 window_size=window_size, learnable_sink=learnable_sink, page_table=page_table)
-    from fa4lab.mods import check_mods, refuse_split_with_mods
-    from fa4lab.splitkv import check_num_splits
-
-    num_splits = check_num_splits(num_splits)
-    mods, aux = check_mods(score_mod, mask_mod, aux_tensors, q.device)
-    refuse_split_with_mods(num_splits not in (None, 1), bool(mods), num_splits)
-    out, lse = forward(q, k, v, arch, causal, softmax_scale, bool(return_lse), pack_gqa,
-                       float(softcap), window_size, learnable_sink, mods if mods else None, aux,
-                       persistent, num_splits, page_table)
+    out, lse = forward(call.for_kernel(arch, pad=False), arch)
     return (out, lse) if return_lse else out
 
 

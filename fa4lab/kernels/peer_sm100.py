@@ -106,8 +106,10 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
 
     import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
-    from fa4lab.kernels.compile import fake_args, newest_artifact, target_arch
+    from fa4lab.kernels.compile import newest_artifact, target_arch
+    from fa4lab.kernels.device.arguments import KernelArgs
     from fa4lab.plan.key import config_name
 
     fa4 = _import_fa4()
@@ -118,8 +120,9 @@ def compile_flash_attn4(spec, keep_dir=None) -> PeerCompiled:
         kernel = fa4.FlashAttentionForwardSm100(
             spec.head_dim, spec.head_dim_v, qhead_per_kvhead=spec.qhead_per_kvhead,
             is_causal=spec.causal, is_static_persistent=False)
-        args = fake_args(spec)   # q, k, v, out, lse, ..., stream: the first five and the last
-        (q, k, v, o, lse), stream = args[:5], args[-1]
+        args = KernelArgs.fake(spec)   # fa4lab's contract: upstream takes its first five
+        q, k, v, o, lse = args[:5]
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         start = time.time()
         t0 = time.perf_counter()
         with warnings.catch_warnings():

@@ -10,8 +10,8 @@ A kernel bakes in what the call cannot change at run time: the arch, the head di
 the mask's kind (causal, which sides a window has: Note [runtime window] in
 fa4lab.kernels.compile), the GQA ratio, the switches (LSE, softcap, learnable sink, persistent
 CTAs, pack-GQA) and the layout (varlen, split-KV, paged and its page size). `KernelKey` is that
-list and nothing else: the launch makes one per call (`fa4lab.kernels.launch.key_of` resolves
-the defaults from the call's shape first), the kernel caches are keyed by it, and its `name` is
+list and nothing else: the launch makes one per call (`fa4lab.call.Call.key` resolves the
+defaults from the call's shape first), the kernel caches are keyed by it, and its `name` is
 the one name a kernel has, in the disk cache and in the folder of its kept PTX and cubin
 (`fa4lab.kernels.compile.compile_forward`, which adds what only an audit compiles: other tiles,
 mutated barriers, mods).
@@ -20,6 +20,7 @@ mutated barriers, mods).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from fa4lab.digest import digest
 from fa4lab.spec import AttentionSpec
@@ -70,14 +71,9 @@ class KernelKey:
 
     def spec(self) -> AttentionSpec:
         """A canonical spec of the key: one batch, one KV head, 128 rows, and sizes the plan
-        ignores (a window side's size included) where the key holds none."""
-        left, right = self.window_sides
-        return AttentionSpec(1, 128, 128, self.qhead_per_kvhead, 1, self.head_dim,
-                             self.head_dim_v, dtype=self.dtype, causal=self.causal,
-                             return_lse=self.return_lse, softcap=1.0 if self.softcap else 0.0,
-                             window_size=(0 if left else None, 1 if right else None),
-                             learnable_sink=self.sink, varlen=self.varlen,
-                             split_kv=self.split_kv, page_size=self.page_size)
+        ignores (a window side's size included) where the key holds none. Made once per key
+        (its name, its disk key and its plan read it)."""
+        return _canonical_spec(self)
 
     def plan(self):
         """The plan the kernel is compiled from: the canonical spec with the key's switches."""
@@ -97,3 +93,14 @@ class KernelKey:
     def disk_key(self) -> str:
         """Where `fa4lab.kernels.cache` files the compiled kernel."""
         return "fwd-" + digest(self.name)
+
+
+@cache
+def _canonical_spec(key: KernelKey) -> AttentionSpec:
+    left, right = key.window_sides
+    return AttentionSpec(1, 128, 128, key.qhead_per_kvhead, 1, key.head_dim, key.head_dim_v,
+                         dtype=key.dtype, causal=key.causal, return_lse=key.return_lse,
+                         softcap=1.0 if key.softcap else 0.0,
+                         window_size=(0 if left else None, 1 if right else None),
+                         learnable_sink=key.sink, varlen=key.varlen, split_kv=key.split_kv,
+                         page_size=key.page_size)
