@@ -17,8 +17,7 @@ import argparse
 import torch
 import triton.testing
 
-from fa4lab.kernels.launch import forward
-from fa4lab.kernels.launch_backward import backward
+from fa4lab.kernels.launch_backward import backward, saved_forward
 
 
 def bench(d: int, seqlen: int, causal: bool, deterministic: bool) -> dict:
@@ -26,7 +25,7 @@ def bench(d: int, seqlen: int, causal: bool, deterministic: bool) -> dict:
     b, h = tokens // seqlen, hidden // d
     q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
-    out, lse = forward(q, k, v, "sm90", causal, None, True, None, 0.0, (None, None), None)
+    out, lse = saved_forward(q, k, v, "sm90", causal=causal)
     ours = triton.testing.do_bench(lambda: backward(q, k, v, out, do, lse, causal=causal,
                                                     deterministic=deterministic))
     row = {"head_dim": d, "seqlen": seqlen, "causal": causal, "fa4lab_ms": ours}

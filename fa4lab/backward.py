@@ -192,15 +192,17 @@ def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, so
     """(dq, dk, dv, dsink) on CUDA tensors: out and lse recomputed by the forward kernel, then
     the backward kernel (Note [the backward on the GPU]); GradientNotSupportedError naming what
     is missing where no kernel runs the call."""
-    from fa4lab.kernels import launch, launch_backward
+    from fa4lab.kernels import launch_backward
 
     arch = _kernel_arch(q)
     lacks = launch_backward.missing(q, k, v, arch=arch, page_table=page_table)
     if lacks is not None:
         raise grad_error(q.device, missing=lacks)
     q, k, v, dout = (launch_backward.kernel_layout(t) for t in (q, k, v, dout))
-    out, lse = launch.forward(q, k, v, arch, causal, softmax_scale, True, None, softcap,
-                              window_size, learnable_sink)
+    out, lse = launch_backward.saved_forward(q, k, v, arch, causal=causal,
+                                             softmax_scale=softmax_scale, softcap=softcap,
+                                             window_size=window_size,
+                                             learnable_sink=learnable_sink)
     dq, dk, dv, dsink = launch_backward.backward(
         q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
         window_size=window_size, learnable_sink=learnable_sink,

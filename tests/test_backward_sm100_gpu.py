@@ -28,14 +28,13 @@ SEQLENS = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (129, 1), (300,
 
 
 def _check(q, k, v, do, *, causal=False):
-    from fa4lab.kernels.launch import forward
-    from fa4lab.kernels.launch_backward import backward
+    from fa4lab.kernels.launch_backward import backward, saved_forward
     from fa4lab.reference_backward import attention_backward_reference
     from fa4lab.spec import normalize_mask, resolve_scale
 
     causal_n, window_n = normalize_mask(causal, (None, None))
     scale = resolve_scale(None, q.shape[-1])
-    out, lse = forward(q, k, v, "sm100", causal_n, None, True, None, 0.0, window_n, None)
+    out, lse = saved_forward(q, k, v, "sm100", causal=causal_n, window_size=window_n)
     got = backward(q, k, v, out, do, lse, causal=causal_n, arch="sm100")
     ref = attention_backward_reference(q, k, v, do, causal=causal_n, softmax_scale=scale,
                                        window_size=window_n, finite=False)

@@ -85,15 +85,14 @@ def _atol(ref, dtype):
 
 def _check(q, k, v, do, *, causal=False, softmax_scale=None, window_size=(None, None),
            softcap=0.0, sink=None, with_dlse=False, deterministic=False):
-    from fa4lab.kernels.launch import forward
-    from fa4lab.kernels.launch_backward import backward
+    from fa4lab.kernels.launch_backward import backward, saved_forward
     from fa4lab.reference_backward import attention_backward_reference
     from fa4lab.spec import normalize_mask, resolve_scale
 
     causal_n, window_n = normalize_mask(causal, window_size)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    out, lse = forward(q, k, v, "sm90", causal_n, softmax_scale, True, None, softcap, window_n,
-                       sink)
+    out, lse = saved_forward(q, k, v, "sm90", causal=causal_n, softmax_scale=softmax_scale,
+                             softcap=softcap, window_size=window_n, learnable_sink=sink)
     dlse = (torch.randn(lse.shape, device="cuda", generator=torch.Generator(device="cuda")
                         .manual_seed(7)) if with_dlse else None)
     got = backward(q, k, v, out, do, lse, causal=causal_n, softmax_scale=softmax_scale,
@@ -172,11 +171,11 @@ def test_deterministic_dq_bit_for_bit(causal, window):
 
     q, k, v, do = _inputs(2, 1000, 1000, 6, 2, 128, 128, torch.bfloat16, 5)
     first = _check(q, k, v, do, causal=causal, window_size=window, deterministic=True)
-    from fa4lab.kernels.launch import forward
+    from fa4lab.kernels.launch_backward import saved_forward
     from fa4lab.spec import normalize_mask
 
     causal_n, window_n = normalize_mask(causal, window)
-    out, lse = forward(q, k, v, "sm90", causal_n, None, True, None, 0.0, window_n, None)
+    out, lse = saved_forward(q, k, v, "sm90", causal=causal_n, window_size=window_n)
     for _ in range(3):
         again = backward(q, k, v, out, do, lse, causal=causal_n, window_size=window_n,
                          deterministic=True)
@@ -189,11 +188,10 @@ def test_autograd_through_fa4lab_attention_eager_and_compiled():
     backward on the GPU] in fa4lab.backward): the gradients equal the kernel's called directly,
     eagerly and under torch.compile(fullgraph=True)."""
     import fa4lab
-    from fa4lab.kernels.launch import forward
-    from fa4lab.kernels.launch_backward import backward
+    from fa4lab.kernels.launch_backward import backward, saved_forward
 
     q, k, v, do = _inputs(1, 130, 190, 4, 2, 64, 64, torch.bfloat16, 6)
-    out, lse = forward(q, k, v, "sm90", True, None, True, None, 0.0, (None, None), None)
+    out, lse = saved_forward(q, k, v, "sm90", causal=True)
     want = backward(q, k, v, out, do, lse, causal=True)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 

@@ -282,6 +282,19 @@ def check_backward(q, k, v, out, dout, lse, dlse=None) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {(b, hq, sq)}")
 
 
+def saved_forward(q, k, v, arch: str, *, causal=False, softmax_scale=None, softcap=0.0,
+                  window_size=(None, None), learnable_sink=None):
+    """(out, lse) of the forward kernel of `arch` on q, k, v: what the backward reads (the
+    forward's output and its log-sum-exp), through the one call check (`fa4lab.call`)."""
+    from fa4lab.call import check_call
+    from fa4lab.kernels.launch import forward
+
+    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                      window_size=window_size, learnable_sink=learnable_sink, return_lse=True,
+                      arch=arch)
+    return forward(call, arch)
+
+
 def kernel_layout(t):
     """t itself when TMA-free cp.async can read it (last dim contiguous, other strides
     multiples of 8 elements, 16-byte aligned), else a contiguous copy."""
