@@ -65,12 +65,14 @@ define timed
 endef
 
 # What CI runs: lint first (fails in seconds), then every test (compile matrix and browser
-# included, CPU_JOBS processes) and every notebook; each run ends with its 20 slowest tests (or
-# notebooks; per process) and the tier's time. The kernel compile grids run a pairwise sample
+# included, CPU_JOBS processes) and every notebook: the ones with graded exercises run whole in
+# tests/test_course.py (graded with their solutions put back: full marks, no cell error), the
+# others under nbmake (`python -m fa4lab.exercises ungraded`); each run ends with its 20 slowest
+# tests (or notebooks; per process) and the tier's time. The kernel compile grids run a pairwise sample
 # (tests/matrix.py); FA4LAB_FULL_MATRIX=1 compiles every combination.
 test: lint browser-deps
 	$(call timed,tests,CI=$${CI:-} $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/tests -- -q tests/ --durations=20)
-	$(call timed,notebooks,$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 notebooks/ --durations=20)
+	$(call timed,notebooks,$(VENV)/bin/python -m pytest -q --nbmake --nbmake-timeout=600 $$($(VENV)/bin/python -m fa4lab.exercises ungraded notebooks) --durations=20)
 
 # Measure the `tests` tier's times again and keep them as the shares' weights (tests/durations.json:
 # every test of at least 0.2 s; commit it when the suite's shape changed).

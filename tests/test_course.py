@@ -458,3 +458,15 @@ def test_the_softmax_keys_run_without_numpy_warnings():
     for a, b in ((got, want), (both, want)):
         np.testing.assert_allclose(a.row_sum, b.row_sum)
         np.testing.assert_allclose(a.acc_o, b.acc_o)
+
+
+def test_every_notebook_runs_once_in_make_test():
+    """`make test` runs the notebooks without a graded cell under nbmake
+    (`python -m fa4lab.exercises ungraded`) and the graded ones here, whole, with their solutions
+    put back: together every notebook, none twice."""
+    from fa4lab.exercises.notebook import ungraded
+
+    plain = {p.name for p in ungraded(NOTEBOOKS)}
+    assert plain and not plain & set(EXERCISES)
+    assert plain | set(EXERCISES) == {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    assert main(["ungraded", str(NOTEBOOKS / "none")]) == 2

@@ -1,10 +1,14 @@
-"""python -m fa4lab.exercises release SRC_DIR OUT_DIR | grade NOTEBOOK [--solutions-from NB] ...
+"""python -m fa4lab.exercises release SRC_DIR OUT_DIR | grade NOTEBOOK [--solutions-from NB] ... |
+ungraded DIR
 
 release: the student notebooks (solutions stubbed, outputs cleared, locked cells checksummed)
 and points.json.
 grade: execute a notebook and print the points per exercise with each failing check's message
 (--json: the same as JSON); a locked cell the student edited is graded from the released
 notebook (--release). Grading exits 0 whatever the score; a missing file is exit 2.
+ungraded: the notebooks of DIR without an autograded cell, one path a line (`make test` runs
+these under nbmake; the graded ones run whole when tests/test_course.py grades them with their
+solutions put back).
 """
 
 from __future__ import annotations
@@ -32,8 +36,14 @@ def main(argv=None) -> int:
                           "released or instructor one; default: --solutions-from)")
     gra.add_argument("--json", action="store_true", help="print the report as JSON")
     gra.add_argument("--timeout", type=int, default=600, help="seconds per cell (600)")
+    ung = sub.add_parser("ungraded", help="list the notebooks without an autograded cell")
+    ung.add_argument("src_dir")
     args = parser.parse_args(argv)
     try:
+        if args.command == "ungraded":
+            for path in notebook.ungraded(args.src_dir):
+                print(path)
+            return 0
         if args.command == "release":
             summary = notebook.release(args.src_dir, args.out_dir)
             for name, points in summary["notebooks"].items():

@@ -154,6 +154,17 @@ def points_of(nb) -> dict[str, float]:
     return points
 
 
+def ungraded(src_dir: str | Path) -> list[Path]:
+    """The notebooks of src_dir without an autograded cell, sorted. (The graded ones are run whole
+    by tests/test_course.py, which grades each with its solutions put back and asserts full marks
+    and no cell error: `make test` runs only these under nbmake, so no notebook runs twice.)"""
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"no folder {src}")
+    return [path for path in sorted(src.glob("*.ipynb"))
+            if not points_of(_read(path, "notebook"))]
+
+
 def release(src_dir: str | Path, out_dir: str | Path) -> dict:
     """Write the student version of every notebook of src_dir into out_dir, and points.json.
 
