@@ -29,15 +29,25 @@ empty list: it passes). A yardstick whose error is not finite on a row (an overf
     from fa4lab.acceptance import rule_violations, same_dtype_yardstick
     pt = same_dtype_yardstick(q, k, v, causal=True)
     problems = rule_violations(out, ref, sees, pt, lse=lse_rows, ref_lse=ref_lse_rows)
+
+The backward's gradients are held to the same rule, gradient by gradient (`gradient_violations`):
+each one's max error against the float64 `fa4lab.reference_backward` at most twice that of
+`same_dtype_gradients` (autograd of `torch_same_dtype`'s attention, in the 16-bit dtype) plus
+upstream's floor, `gradient_atol` (twice the dtype's rounding of the reference near 0.3; for
+d(sink), a sum over rows and keys, `sink_gradient_atol`), and none NaN or inf.
+
+    pt = same_dtype_gradients(q, k, v, dout, causal=True)
+    problems = gradient_violations(kernel_grads, ref_grads, pt)
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["ATOL", "LSE_ATOL", "LSE_RTOL", "lse_tolerance", "output_tolerance",
-           "output_ulp_atol", "rule_violations", "same_dtype_attention", "same_dtype_yardstick",
-           "torch_same_dtype"]
+__all__ = ["ATOL", "GRADIENT_NAMES", "LSE_ATOL", "LSE_RTOL", "gradient_atol",
+           "gradient_violations", "lse_tolerance", "output_tolerance", "output_ulp_atol",
+           "rule_violations", "same_dtype_attention", "same_dtype_gradients",
+           "same_dtype_yardstick", "sink_gradient_atol", "torch_same_dtype"]
 
 ATOL = 1e-3
 # The LSE's tolerance: LSE_ATOL + LSE_RTOL * |lse| (fp32 accumulation of 16-bit products).
@@ -76,6 +86,32 @@ def output_ulp_atol(v, dtype) -> float:
     return max(ATOL, 2.0 ** (math.floor(math.log2(top)) - _MANTISSA[normalize_dtype(dtype)]))
 
 
+def _same_dtype_scores(q, k, v, *, causal, scale, softcap, window_size):
+    """The scores of `torch_same_dtype` and `same_dtype_gradients`, in q's dtype: (batch,
+    heads_q, seqlen_q, seqlen_k), capped, the keys a row does not see -inf; the values per query
+    head (batch, heads_q, seqlen_k, head_dim_v); the visible mask (seqlen_q, seqlen_k)."""
+    import torch
+
+    from fa4lab.reference import visible_mask
+
+    sq, sk = q.shape[1], k.shape[1]
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2) for x in (k, v))
+    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
+                           device=q.device)
+    return s.masked_fill(~mask, float("-inf")), vv, mask
+
+
+def _with_sink(s, sink):
+    """The scores with the sink as one more logit per head, in the scores' dtype."""
+    import torch
+
+    return torch.cat([s, sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], dim=-1)
+
+
 def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0,
                      window_size=(None, None), learnable_sink=None):
     """Attention in eager PyTorch in the inputs' 16-bit dtype, for the options SDPA lacks (a
@@ -86,21 +122,11 @@ def torch_same_dtype(q, k, v, *, causal=False, softmax_scale=None, softcap=0.0,
     sink)."""
     import torch
 
-    from fa4lab.reference import visible_mask
-
-    sq, sk, d = q.shape[1], k.shape[1], q.shape[3]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    g = q.shape[2] // k.shape[2]
-    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2) for x in (k, v))
-    s = (q.transpose(1, 2) @ kk.transpose(-1, -2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size=window_size),
-                           device=q.device)
-    s = s.masked_fill(~mask, float("-inf"))
+    scale = q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale
+    s, vv, _ = _same_dtype_scores(q, k, v, causal=causal, scale=scale, softcap=softcap,
+                                  window_size=window_size)
     if learnable_sink is not None:
-        sink = learnable_sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :sk]
+        p = torch.softmax(_with_sink(s, learnable_sink), dim=-1)[..., :k.shape[1]]
     else:
         p = torch.softmax(s, dim=-1)
     return (p @ vv).transpose(1, 2)
@@ -227,4 +253,85 @@ def rule_violations(out, ref, sees, yardstick=None, *, lse=None, ref_lse=None,
             worst = _first_row(sees & ~(diff <= tol))
             problems.append(f"{where}error {err:.3g} > 2 x PyTorch's same-dtype error "
                             f"{pt_err:.3g} + {atol:.3g}, the first such row at {worst}")
+    return problems
+
+
+# ---- The backward: the same rule per gradient ----
+
+GRADIENT_NAMES = ("dq", "dk", "dv", "dsink")
+
+
+def same_dtype_gradients(q, k, v, dout, *, causal=False, softmax_scale=None,
+                         window_size=(None, None), softcap=0.0, learnable_sink=None, dlse=None):
+    """The gradients' yardstick: autograd of `torch_same_dtype`'s attention in q's dtype (as
+    upstream's tests' `attention_ref(upcast=False)`), a `fa4lab.reference_backward.Gradients`
+    (dq, dk, dv like q, k, v; dsink like learnable_sink, None without one). dout is the gradient
+    of out, dlse (batch, heads_q, seqlen_q) of the lse or None. Rows that see no key give 0
+    (their scores are zeroed before the softmax and P after it)."""
+    import torch
+
+    from fa4lab.reference_backward import Gradients
+    from fa4lab.spec import resolve_scale
+
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    leaves = (q, k, v)
+    sink = learnable_sink
+    if sink is not None:
+        sink = sink.detach().clone().requires_grad_()
+        leaves = (q, k, v, sink)
+    s, vv, mask = _same_dtype_scores(q, k, v, causal=causal,
+                                     scale=resolve_scale(softmax_scale, q.shape[-1]),
+                                     softcap=softcap, window_size=window_size)
+    seen = mask.any(dim=1) if sink is None else torch.ones_like(mask[:, 0])
+    s = s.masked_fill(~seen[:, None], 0.0)
+    if sink is not None:
+        s = _with_sink(s, sink)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :k.shape[1]] * seen[:, None]
+    out = (p @ vv).transpose(1, 2)
+    loss = (out * dout).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(seen, lse, 0.0) * dlse).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return Gradients(*grads[:3], grads[3] if sink is not None else None)
+
+
+def gradient_atol(ref, dtype) -> float:
+    """A gradient's floor, upstream's: twice `dtype`'s rounding of the reference near 0.3."""
+    r = ref.to(dtype)
+    return 2 * (r + 0.3 - 0.3 - r).abs().max().item() + 1e-5
+
+
+def sink_gradient_atol(ref_dsink) -> float:
+    """d(sink)'s floor: 1e-3 scaled to the magnitude of its sum over rows and keys."""
+    return 1e-3 * (1 + ref_dsink.abs().max().item())
+
+
+def gradient_violations(grads, ref, yardstick) -> list[str]:
+    """What of the rule the backward's gradients break, one sentence each (empty: they pass):
+    each gradient finite, shaped and typed as the yardstick's, its max error against the
+    float64 reference at most `output_tolerance` of the yardstick's, with `gradient_atol`
+    (`sink_gradient_atol` for dsink). grads (dq, dk, dv[, dsink]) the kernel's; ref the
+    float64 `Gradients` (`fa4lab.reference_backward.attention_backward_reference`); yardstick
+    `same_dtype_gradients` with the same options. A gradient whose reference is None (no sink)
+    is not checked."""
+    import torch
+
+    problems = []
+    for name, g, r, p in zip(GRADIENT_NAMES, grads, ref, yardstick):
+        if r is None:
+            continue
+        if g.shape != p.shape or g.dtype != p.dtype:
+            problems.append(f"{name} is {tuple(g.shape)} {g.dtype}, expected "
+                            f"{tuple(p.shape)} {p.dtype}")
+            continue
+        if not torch.isfinite(g).all():
+            problems.append(f"{name} has NaN/inf")
+            continue
+        err = (g.double() - r).abs().max().item()
+        pt_err = (p.double() - r).abs().max().item()
+        atol = sink_gradient_atol(r) if name == "dsink" else gradient_atol(r, p.dtype)
+        if not err <= output_tolerance(pt_err, atol):
+            problems.append(f"{name}: max error {err:.3g} > 2 x PyTorch's same-dtype error "
+                            f"{pt_err:.3g} + {atol:.3g}")
     return problems

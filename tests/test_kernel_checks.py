@@ -98,3 +98,52 @@ def test_the_sequence_check_passes_the_reference_and_fails_a_wrong_row():
     wrong[12] += 0.1
     with pytest.raises(AssertionError, match=r"sequence 2 .*error"):
         check_sequences(wrong, lse, ref, ref_lse, q, cu_q, lens_k, kv_of, opts)
+
+
+def _grad_problem(sq=40, sk=70, hq=4, hkv=2, d=16, seed=5, dtype=torch.float32, **options):
+    """Float inputs on the CPU, their float64 gradients, the same-dtype yardstick's, and dout."""
+    from fa4lab.acceptance import same_dtype_gradients
+    from fa4lab.reference_backward import attention_backward_reference
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(*shape, generator=g).to(dtype) for shape in
+                   ((1, sq, hq, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, hq, d)))
+    ref = attention_backward_reference(q, k, v, do, finite=False, **options)
+    return ref, same_dtype_gradients(q, k, v, do, **options)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(5, 0)),
+                                     dict(softcap=3.0, learnable_sink=_sink().double())])
+def test_the_gradient_yardstick_is_the_reference_in_float64(options):
+    """`same_dtype_gradients` computes the reference's gradients (rows that see no key give 0;
+    with a sink, d(sink) too): in float64 they agree to rounding."""
+    ref, pt = _grad_problem(sq=70, sk=20, dtype=torch.float64, **options)
+    for name, r, p in zip(("dq", "dk", "dv", "dsink"), ref, pt):
+        if r is not None:
+            torch.testing.assert_close(p, r, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_the_gradient_rule_passes_exact_gradients_and_fails_wrong_ones():
+    """`gradient_violations`: the float64 gradients rounded to the inputs' dtype pass; one
+    element of dk moved, a NaN in dv, a dq of the wrong dtype or a moved d(sink) each fail,
+    naming the gradient."""
+    from fa4lab.acceptance import gradient_violations
+
+    ref, pt = _grad_problem(causal=True, learnable_sink=_sink())
+    exact = [r.float() for r in ref]
+    assert gradient_violations(exact, ref, pt) == []
+    for i, name, wrong in ((1, "dk", lambda x: _moved(x, x.view(-1)[0] + 1e-2)),
+                           (2, "dv", lambda x: _moved(x, float("nan"))),
+                           (0, "dq", lambda x: x.double()),
+                           (3, "dsink", lambda x: _moved(x, x.view(-1)[0] + 1e-1))):
+        grads = list(exact)
+        grads[i] = wrong(grads[i])
+        problems = gradient_violations(grads, ref, pt)
+        assert len(problems) == 1 and problems[0].startswith(name), problems
+
+
+def _moved(x, value):
+    """x with its first element set to value."""
+    y = x.clone()
+    y.view(-1)[0] = value
+    return y

@@ -110,10 +110,12 @@ def acc_mn(acc: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-            tCsA: cute.Tensor, tCsB: cute.Tensor, copy_A: cute.TiledCopy,
-            copy_B: cute.TiledCopy) -> None:
-    """acc += A B with both operands read from SMEM by ldmatrix, one k-block ahead."""
+def gemm_ss(tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sA: cute.Tensor,
+            sB: cute.Tensor, copy_A: cute.TiledCopy, copy_B: cute.TiledCopy) -> None:
+    """acc += A B with both operands read from SMEM (sA, sB) by ldmatrix, one k-block ahead."""
+    tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
+    tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+    tCsA, tCsB = copy_A.partition_S(sA), copy_B.partition_S(sB)
     tCrA_view, tCrB_view = copy_A.retile(tCrA), copy_B.retile(tCrB)
     cute.copy(copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
     cute.copy(copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
@@ -316,14 +318,10 @@ class FlashBackwardSm90:
         # S = Q K^T and dP = dO V^T.
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, N)), Float32)
         acc_S.fill(0.0)
-        gemm_ss(tiled_mma, acc_S, thr_mma.make_fragment_A(thr_mma.partition_A(sQ)),
-                thr_mma.make_fragment_B(thr_mma.partition_B(sK)), copy_A.partition_S(sQ),
-                copy_B.partition_S(sK), copy_A, copy_B)
+        gemm_ss(tiled_mma, thr_mma, acc_S, sQ, sK, copy_A, copy_B)
         acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, N)), Float32)
         acc_dP.fill(0.0)
-        gemm_ss(tiled_mma, acc_dP, thr_mma.make_fragment_A(thr_mma.partition_A(sdO)),
-                thr_mma.make_fragment_B(thr_mma.partition_B(sV)), copy_A.partition_S(sdO),
-                copy_B.partition_S(sV), copy_A, copy_B)
+        gemm_ss(tiled_mma, thr_mma, acc_dP, sdO, sV, copy_A, copy_B)
 
         # P = exp2(S * scale_log2 - LSE) on the visible keys; dS = P * (dP - D) (* dt/du).
         s_mn, dp_mn = acc_mn(acc_S), acc_mn(acc_dP)
@@ -364,19 +362,13 @@ class FlashBackwardSm90:
         cute.arch.barrier()
 
         # dV += P^T dO, dK += dS^T Q.
-        gemm_ss(tiled_mma, acc_dV, thr_mma.make_fragment_A(thr_mma.partition_A(sPt)),
-                thr_mma.make_fragment_B(thr_mma.partition_B(sdOt)), copy_At.partition_S(sPt),
-                copy_Bt.partition_S(sdOt), copy_At, copy_Bt)
-        gemm_ss(tiled_mma, acc_dK, thr_mma.make_fragment_A(thr_mma.partition_A(sdSt)),
-                thr_mma.make_fragment_B(thr_mma.partition_B(sQt)), copy_At.partition_S(sdSt),
-                copy_Bt.partition_S(sQt), copy_At, copy_Bt)
+        gemm_ss(tiled_mma, thr_mma, acc_dV, sPt, sdOt, copy_At, copy_Bt)
+        gemm_ss(tiled_mma, thr_mma, acc_dK, sdSt, sQt, copy_At, copy_Bt)
 
         # dQ_accum += dS K, float32 adds (in turn with deterministic=True).
         acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, d)), Float32)
         acc_dQ.fill(0.0)
-        gemm_ss(tiled_mma, acc_dQ, thr_mma.make_fragment_A(thr_mma.partition_A(sdS)),
-                thr_mma.make_fragment_B(thr_mma.partition_B(sKt)), copy_A.partition_S(sdS),
-                copy_Bt.partition_S(sKt), copy_A, copy_Bt)
+        gemm_ss(tiled_mma, thr_mma, acc_dQ, sdS, sKt, copy_A, copy_Bt)
         tdQg = thr_mma.partition_C(cute.local_tile(mdQaccum[batch, head, None, None], (M, d),
                                                    (m_block, 0)))
         if const_expr(self.deterministic):

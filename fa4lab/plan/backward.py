@@ -21,17 +21,14 @@ one yet); head_dim == head_dim_v in {64, 96, 128}, the 1-CTA layout's TMEM. (192
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from fa4lab.errors import PlanError
 from fa4lab.hardware import B200, Hardware
 from fa4lab.limits import ELEMENT_BYTES, arch_key
-from fa4lab.plan.barriers import BarrierGraph
-from fa4lab.plan.protocol import Protocol, to_plain
-from fa4lab.plan.roles import Role, check_roles, register_usage
+from fa4lab.plan.plan import PlanViews
+from fa4lab.plan.protocol import Protocol
+from fa4lab.plan.roles import Role, check_roles
 from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan
 from fa4lab.plan.tmem import TmemPlan
@@ -89,7 +86,7 @@ class BackwardTiles:
 
 
 @dataclass(frozen=True)
-class BackwardPlan:
+class BackwardPlan(PlanViews):
     spec: AttentionSpec
     arch: str
     hardware: Hardware
@@ -102,57 +99,9 @@ class BackwardPlan:
     notes: tuple[str, ...] = ()
     direction: str = "backward"
 
-    @property
-    def barriers(self) -> BarrierGraph:
-        return self.protocol.barriers
-
-    @property
-    def threads_per_cta(self) -> int:
-        return sum(r.threads for r in self.roles)
-
-    @property
-    def registers_used(self) -> int:
-        return register_usage(self.roles)
-
-    def role(self, name: str) -> Role:
-        for r in self.roles:
-            if r.name == name:
-                return r
-        raise KeyError(f"no role {name!r}; have {[r.name for r in self.roles]}")
-
-    def mma(self, name: str) -> MmaPlan:
-        for m in self.mmas:
-            if m.name == name:
-                return m
-        raise KeyError(f"no MMA {name!r}; have {[m.name for m in self.mmas]}")
-
-    def barrier_offsets(self) -> dict[str, int]:
-        """SMEM byte offset of each mbarrier's stage 0, in the table's (the struct's) order."""
-        at = self.smem.offsets()["barriers"]
-        out = {}
-        for b in self.barriers.barriers:
-            if b.kind == "mbarrier":
-                out[b.name] = at
-                at += MBARRIER_BYTES * b.stages
-        return out
-
     def step_flops(self) -> int:
         """FLOPs of one step's five MMAs."""
         return sum(m.flops for m in self.mmas)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["protocol"] = self.protocol.to_dict()
-        d = to_plain(d)
-        d["spec"] = {k: v for k, v in d["spec"].items() if k != "qhead_per_kvhead"}
-        d["hardware"] = {"name": self.hardware.name, "arch": self.hardware.arch}
-        d["derived"] = {"threads_per_cta": self.threads_per_cta,
-                        "mbarrier_count": self.barriers.mbarrier_count,
-                        "registers_used": self.registers_used}
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
 
 def plan_backward(spec: AttentionSpec, arch: str = "sm100") -> BackwardPlan:

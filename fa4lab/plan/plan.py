@@ -5,7 +5,8 @@
 
 The arch modules (`sm100.py`, `sm90.py`) build the pieces and `fa4lab.plan.forward.plan_forward`
 picks the arch's builder; this module holds the frozen result and the JSON round trip
-(`fa4lab plan --format json`).
+(`fa4lab plan --format json`), and `PlanViews`, what the forward and backward plans read from
+their fields alike.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fa4lab.hardware import Hardware, hardware_for
 from fa4lab.plan.barriers import BarrierGraph
 from fa4lab.plan.protocol import Protocol, to_plain
 from fa4lab.plan.roles import Role, register_usage
-from fa4lab.plan.smem import SmemPlan, SmemRegion
+from fa4lab.plan.smem import MBARRIER_BYTES, SmemPlan, SmemRegion
 from fa4lab.plan.tiles import MmaPlan, Tiles
 from fa4lab.plan.tmem import TmemPlan, TmemRegion
 from fa4lab.spec import AttentionSpec
@@ -27,20 +28,11 @@ from fa4lab.spec import AttentionSpec
 ARCHS = ("sm100", "sm90")
 
 
-@dataclass(frozen=True)
-class Plan:
-    spec: AttentionSpec
-    arch: str
-    hardware: Hardware
-    tiles: Tiles
-    mmas: tuple[MmaPlan, ...]
-    tmem: TmemPlan | None
-    smem: SmemPlan
-    roles: tuple[Role, ...]
-    protocol: Protocol          # the barriers and each role's program (fa4lab.plan.protocol)
-    rescale_threshold: float
-    exp2_emulation_fraction: float
-    notes: tuple[str, ...] = ()
+class PlanViews:
+    """What a kernel plan reads from its fields the same way forward (`Plan`) and backward
+    (`fa4lab.plan.backward.BackwardPlan`): its barriers, roles and MMAs by name, the numbers
+    derived from them, and the JSON of `fa4lab plan --format json`. The dataclass using it holds
+    spec, hardware, mmas, smem, roles and protocol."""
 
     @property
     def barriers(self) -> BarrierGraph:
@@ -54,7 +46,7 @@ class Plan:
         for b in self.barriers.barriers:
             if b.kind == "mbarrier":
                 out[b.name] = at
-                at += 8 * b.stages
+                at += MBARRIER_BYTES * b.stages
         return out
 
     @property
@@ -77,6 +69,12 @@ class Plan:
                 return m
         raise KeyError(f"no MMA {name!r}; have {[m.name for m in self.mmas]}")
 
+    def derived(self) -> dict[str, int]:
+        """The numbers computed from the fields, written under to_dict()'s "derived"."""
+        return {"threads_per_cta": self.threads_per_cta,
+                "mbarrier_count": self.barriers.mbarrier_count,
+                "registers_used": self.registers_used}
+
     # ---- JSON ----
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -84,13 +82,30 @@ class Plan:
         d = to_plain(d)
         d["spec"] = {k: v for k, v in d["spec"].items() if k != "qhead_per_kvhead"}
         d["hardware"] = {"name": self.hardware.name, "arch": self.hardware.arch}
-        d["derived"] = {"threads_per_cta": self.threads_per_cta, "cta_m": self.tiles.cta_m,
-                        "mbarrier_count": self.barriers.mbarrier_count,
-                        "registers_used": self.registers_used}
+        d["derived"] = self.derived()
         return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+
+@dataclass(frozen=True)
+class Plan(PlanViews):
+    spec: AttentionSpec
+    arch: str
+    hardware: Hardware
+    tiles: Tiles
+    mmas: tuple[MmaPlan, ...]
+    tmem: TmemPlan | None
+    smem: SmemPlan
+    roles: tuple[Role, ...]
+    protocol: Protocol          # the barriers and each role's program (fa4lab.plan.protocol)
+    rescale_threshold: float
+    exp2_emulation_fraction: float
+    notes: tuple[str, ...] = ()
+
+    def derived(self) -> dict[str, int]:
+        return {**super().derived(), "cta_m": self.tiles.cta_m}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:

@@ -176,6 +176,31 @@ def _table(head: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+def _mma_table(plan) -> str:
+    """The plan's MMAs, forward or backward."""
+    return _table(
+        ["name", "m x n x k", "A", "B", "acc", "out", "instruction"],
+        [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",
+          f"{m.b_dtype} ({m.b_source})", m.acc_dtype, m.out, f"`{m.instruction}`"]
+         for m in plan.mmas])
+
+
+def _smem_and_roles(plan, roles_cite: str = "") -> list[str]:
+    """The SMEM and Roles sections of a forward or backward plan (`roles_cite`: a note the
+    Roles heading cites)."""
+    off = plan.smem.offsets()
+    return [f"### SMEM ({plan.smem.total_bytes} of {plan.smem.limit_bytes} bytes per CTA)",
+            _table(["region", "offset", "bytes x stages", "what"],
+                   [[r.name, off[r.name], f"{r.bytes_per_stage} x {r.stages}"
+                     + (f" (in {r.alias_of})" if r.alias_of else ""), r.what]
+                    for r in plan.smem.regions]),
+            f"### Roles ({plan.threads_per_cta} threads, {plan.registers_used} of "
+            f"{plan.hardware.registers_per_sm} registers{roles_cite})",
+            _table(["role", "warps", "setmaxnreg", "does"],
+                   [[r.name, ",".join(map(str, r.warps)), r.registers, r.does]
+                    for r in plan.roles])]
+
+
 def contract_tables(plan) -> str:
     t = plan.tiles
     parts = ["### Tiles", _table(
@@ -183,11 +208,7 @@ def contract_tables(plan) -> str:
          "tile order"],
         [[t.m_block, t.n_block, t.q_stage, t.kv_stage, t.cta_m, t.head_dim, t.head_dim_v,
           t.order]])]
-    parts += ["### MMAs (per Q tile, per K/V block)", _table(
-        ["name", "m x n x k", "A", "B", "acc", "out", "instruction"],
-        [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",
-          f"{m.b_dtype} ({m.b_source})", m.acc_dtype, m.out, f"`{m.instruction}`"]
-         for m in plan.mmas])]
+    parts += ["### MMAs (per Q tile, per K/V block)", _mma_table(plan)]
     parts += [_tile_table(plan, tile_summary(plan))]
     if plan.tmem is not None:
         tm = plan.tmem
@@ -199,17 +220,7 @@ def contract_tables(plan) -> str:
                        for r in tm.regions])]
     else:
         parts += ["### TMEM", "none on this arch: S, P and O live in the consumers' registers"]
-    off = plan.smem.offsets()
-    parts += [f"### SMEM ({plan.smem.total_bytes} of {plan.smem.limit_bytes} bytes per CTA)",
-              _table(["region", "offset", "bytes x stages", "what"],
-                     [[r.name, off[r.name], f"{r.bytes_per_stage} x {r.stages}"
-                       + (f" (in {r.alias_of})" if r.alias_of else ""), r.what]
-                      for r in plan.smem.regions])]
-    parts += [f"### Roles ({plan.threads_per_cta} threads, {plan.registers_used} of "
-              f"{plan.hardware.registers_per_sm} registers)", _table(
-                  ["role", "warps", "setmaxnreg", "does"],
-                  [[r.name, ",".join(map(str, r.warps)), r.registers, r.does]
-                   for r in plan.roles])]
+    parts += _smem_and_roles(plan)
     bar_off = plan.barrier_offsets()
     parts += [f"### Barriers ({plan.barriers.mbarrier_count} mbarrier.init)", _table(
         ["barrier", "SMEM offset / id", "producer -> consumer", "arrivals", "stages",

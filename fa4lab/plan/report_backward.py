@@ -12,7 +12,7 @@ timed on a B200 for it; the report says so wherever it prints a number.
 from __future__ import annotations
 
 from fa4lab.hardware import PUBLISHED_FA4_B200
-from fa4lab.plan.report import _mask_text, _table
+from fa4lab.plan.report import _mask_text, _mma_table, _smem_and_roles, _table
 
 SIM_BLOCKS = 6          # query blocks of the simulated key block (the timeline)
 STEADY = (4, 8)         # query blocks of the two runs whose difference is one step's cost
@@ -154,26 +154,12 @@ def contract_tables(plan, rep: dict) -> str:
          "head_dim", "head_dim_v", "dQ reduce-adds", "cta_group"],
         [[t.n_block, t.m_block, t.q_stage, t.do_stage, t.head_dim, t.head_dim_v,
           f"{t.dq_chunks} x {t.dq_chunk} columns, {t.dq_stages} buffers", t.cta_group]])]
-    parts += ["### MMAs (per step: one key block x one query block)", _table(
-        ["name", "m x n x k", "A", "B", "acc", "out", "instruction"],
-        [[m.name, f"{m.m} x {m.n} x {m.k}", f"{m.a_dtype} ({m.a_source})",
-          f"{m.b_dtype} ({m.b_source})", m.acc_dtype, m.out, f"`{m.instruction}`"]
-         for m in plan.mmas])]
+    parts += ["### MMAs (per step: one key block x one query block)", _mma_table(plan)]
     tm = plan.tmem
     parts += [f"### TMEM ({tm.total_cols} of {tm.capacity_cols} columns, tcgen05.alloc "
               f"{tm.alloc_cols}; `fa4lab.backward_budget.backward_tmem`)",
               tmem_table_markdown((t.head_dim,))]
-    off = plan.smem.offsets()
-    parts += [f"### SMEM ({plan.smem.total_bytes} of {plan.smem.limit_bytes} bytes per CTA)",
-              _table(["region", "offset", "bytes x stages", "what"],
-                     [[r.name, off[r.name], f"{r.bytes_per_stage} x {r.stages}"
-                       + (f" (in {r.alias_of})" if r.alias_of else ""), r.what]
-                      for r in plan.smem.regions])]
-    parts += [f"### Roles ({plan.threads_per_cta} threads, {plan.registers_used} of "
-              f"{plan.hardware.registers_per_sm} registers; Note [backward registers])",
-              _table(["role", "warps", "setmaxnreg", "does"],
-                     [[r.name, ",".join(map(str, r.warps)), r.registers, r.does]
-                      for r in plan.roles])]
+    parts += _smem_and_roles(plan, "; Note [backward registers]")
     bar_off = plan.barrier_offsets()
     parts += [f"### Barriers ({plan.barriers.mbarrier_count} mbarrier.init; Note [the "
               f"backward's protocol])", _table(
