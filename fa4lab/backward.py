@@ -141,10 +141,12 @@ def _options(causal, softmax_scale, softcap, window_left, window_right) -> dict:
 
 
 def _finish(grads, q, k, v, learnable_sink):
-    """The float64 gradients in the inputs' dtypes; an empty dsink without a sink."""
+    """The float64 gradients in the inputs' dtypes, contiguous as the op's fake says; an empty
+    dsink without a sink."""
     dq, dk, dv, dsink = grads
     dsink = q.new_empty((0,)) if learnable_sink is None else dsink.to(learnable_sink.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
+            dv.to(v.dtype).contiguous(), dsink)
 
 
 def dense_backward(dout, dlse, q, k, v, learnable_sink, page_table, **options):
@@ -207,14 +209,18 @@ def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, so
         q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
         window_size=window_size, learnable_sink=learnable_sink,
         dlse=dlse if dlse.numel() else None)
-    return dq, dk, dv, (q.new_empty((0,)) if dsink is None else dsink)
+    # contiguous, as the fake says (a no-op where the kernel's layout already is)
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
+            q.new_empty((0,)) if dsink is None else dsink)
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, causal, softmax_scale, softcap, window_left,
                              window_right, learnable_sink, page_table):
+    # contiguous gradients whatever the inputs' strides: what cuda_backward returns (under
+    # torch.compile the graph asserts the real op's strides against these)
     dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
 
 def _materialized(dout, dlse, out_like):
@@ -274,7 +280,7 @@ def _attention_varlen_backward_fake(dout, dlse, q, k, v, cu_seqlens_q, cu_seqlen
                                     page_table, causal, softmax_scale, softcap, window_left,
                                     window_right, learnable_sink):
     dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsink
 
 
 def save_attention_varlen(ctx, inputs, output) -> None:

@@ -291,3 +291,17 @@ def test_a_compiled_call_with_an_input_that_requires_grad_differentiates():
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
         with torch.no_grad():
             assert f(q, k, v).shape == (1, 16, 2, 64)
+
+
+def test_the_backward_op_returns_what_its_fake_says_for_strided_inputs():
+    """The backward op's gradients are contiguous whatever the strides of q, k, v (views of
+    (batch, heads, seqlen, d) tensors here), and its fake says so: under torch.compile the
+    graph asserts the real op's strides against the fake's (a GPU run found a transposed dq)."""
+    base = [torch.randn(1, 2, 16, 64) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    dout = torch.randn(1, 16, 2, 64)
+    args = (dout, torch.empty(0), q, k, v, True, None, 0.0, None, None, None, None)
+    torch.library.opcheck(torch.ops.fa4lab.attention_backward.default, args,
+                          test_utils=("test_faketensor",))
+    for g, like in zip(torch.ops.fa4lab.attention_backward(*args)[:3], (q, k, v)):
+        assert g.shape == like.shape and g.is_contiguous()

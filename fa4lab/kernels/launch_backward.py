@@ -314,7 +314,7 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     additions (Note [deterministic dQ]): two runs give the same bits."""
     import torch
 
-    from fa4lab.kernels.compile import scale_args, window_args
+    from fa4lab.kernels.device.arguments import scale_args, window_args
 
     check_backward(q, k, v, out, dout, lse, dlse)
     causal, window_size = normalize_mask(causal, window_size)
@@ -350,8 +350,10 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     else:
         dk.zero_()
         dv.zero_()
-    # Postprocess: dQ = scale * dQ_accum (the softcap's factor is in dS), in q's layout.
-    dq = (dq_accum[:, :, :sq] * scale).transpose(1, 2).to(q.dtype)
+    # Postprocess: dQ = scale * dQ_accum (the softcap's factor is in dS), as a contiguous
+    # (b, sq, hq, d) tensor: what the op's fake says it returns (fa4lab.backward).
+    dq = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
+    dq.copy_((dq_accum[:, :, :sq] * scale).transpose(1, 2))
     dsink = None
     if learnable_sink is not None:    # Note [sink backward]: sum P_sink * (dLSE - D)
         p_sink = torch.exp(learnable_sink.float()[None, :, None] - lse32)
