@@ -179,3 +179,42 @@ def test_the_bench_modes_do_not_import_their_dispatcher():
     shared run helpers from `fa4lab.bench.runs`, so no import runs back up to it."""
     for name in ("features_cli.py", "serving_cli.py", "runs.py"):
         assert "fa4lab.bench.cli" not in imported(PACKAGE / "bench" / name), name
+
+
+def _from_imports(source: str):
+    """(module, name) of every absolute `from fa4lab... import name` in `source`, at any depth."""
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.ImportFrom) and not node.level and node.module
+                and node.module.split(".")[0] == "fa4lab"):
+            yield from ((node.module, a.name) for a in node.names)
+
+
+def test_every_name_imported_from_the_package_exists():
+    """Every `from fa4lab.x import name` in the package, the tests, the benchmarks and the
+    notebooks names something x has (a function or a submodule): an import inside a function
+    runs only when its path does (a GPU path never runs here), so a name moved by a refactor
+    would otherwise fail there first."""
+    import importlib
+    import json
+
+    root = PACKAGE.parent
+    sources = [(p, p.read_text()) for d in ("fa4lab", "tests", "benchmarks")
+               for p in sorted((root / d).rglob("*.py"))]
+    for nb in sorted((root / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        sources.append((nb, "\n".join(line for line in code.splitlines()
+                                      if not line.lstrip().startswith(("%", "!")))))
+    missing = []
+    for path, source in sources:
+        for module, name in _from_imports(source):
+            found = importlib.import_module(module)
+            if not hasattr(found, name) and importlib.util.find_spec(
+                    f"{module}.{name}") is None:
+                missing.append(f"{path.relative_to(root)}: from {module} import {name}")
+    assert not missing, "\n".join(missing)
+
+
+def test_a_moved_name_is_found(tmp_path):
+    assert list(_from_imports("def f():\n    from fa4lab.kernels.compile import scale_args\n")) \
+        == [("fa4lab.kernels.compile", "scale_args")]

@@ -242,7 +242,7 @@ def lse_only(q, k, softmax_scale: float | None = None):
     (batch, seqlen_q, heads_q, d) and k (batch, seqlen_k, heads_kv, d), GQA allowed."""
     import torch
 
-    from fa4lab.kernels.compile import scale_args
+    from fa4lab.kernels.device.arguments import scale_args
 
     _check_cuda("lse_only", q, k)
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \

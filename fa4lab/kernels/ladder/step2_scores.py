@@ -270,7 +270,7 @@ def fake_args(plan):
     and the stream: symbolic sizes and 64-bit strides, as `fa4lab.kernels.compile.fake_args`."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    from fa4lab.kernels.compile import scale_args
+    from fa4lab.kernels.device.arguments import scale_args
 
     spec = plan.spec
     dtype = _DTYPES[spec.dtype]
