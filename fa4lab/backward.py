@@ -175,12 +175,14 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, causal: bool,
                        softmax_scale: float | None, softcap: float, window_left: int | None,
                        window_right: int | None, learnable_sink: torch.Tensor | None,
-                       page_table: torch.Tensor | None,
+                       page_table: torch.Tensor | None, deterministic: bool = False,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops]); on CUDA
-    tensors the sm90 kernel's (Note [the backward on the GPU])."""
+    tensors the sm90 kernel's (Note [the backward on the GPU]), `deterministic` ordering its dQ
+    additions (the CPU reference is deterministic whatever it says)."""
     if q.is_cuda:
         return cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table,
+                             deterministic=deterministic,
                              **_options(causal, softmax_scale, softcap, window_left,
                                         window_right))
     g = dense_backward(dout, dlse if dlse.numel() else None, q, k, v, learnable_sink,
@@ -190,7 +192,7 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
 
 
 def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, softmax_scale,
-                  softcap, window_size):
+                  softcap, window_size, deterministic: bool = False):
     """(dq, dk, dv, dsink) on CUDA tensors: out and lse recomputed by the forward kernel, then
     the backward kernel (Note [the backward on the GPU]); GradientNotSupportedError naming what
     is missing where no kernel runs the call."""
@@ -208,7 +210,7 @@ def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, so
     dq, dk, dv, dsink = launch_backward.backward(
         q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
         window_size=window_size, learnable_sink=learnable_sink,
-        dlse=dlse if dlse.numel() else None)
+        dlse=dlse if dlse.numel() else None, deterministic=deterministic)
     # contiguous, as the fake says (a no-op where the kernel's layout already is)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
             q.new_empty((0,)) if dsink is None else dsink)
@@ -216,7 +218,7 @@ def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, so
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, causal, softmax_scale, softcap, window_left,
-                             window_right, learnable_sink, page_table):
+                             window_right, learnable_sink, page_table, deterministic=False):
     # contiguous gradients whatever the inputs' strides: what cuda_backward returns (under
     # torch.compile the graph asserts the real op's strides against these)
     dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
@@ -233,11 +235,12 @@ def save_attention(ctx, inputs, output) -> None:
     """setup_context of `fa4lab::attention_forward`: refuse CUDA (Note [backward on CPU, not
     yet on the GPU]), save the inputs the reference backward reads."""
     (q, k, v, causal, softmax_scale, _return_lse, _pack_gqa, softcap, window_left,
-     window_right, learnable_sink, _num_splits, page_table) = inputs
+     window_right, learnable_sink, _num_splits, page_table, deterministic) = inputs
     refuse_gradients_on_cuda(q, k, v, learnable_sink, recording=True)
     refuse_unbuilt(q, k, v, learnable_sink, page_table=page_table)
     ctx.save_for_backward(q, k, v, learnable_sink, page_table)
     ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
+    ctx.deterministic = deterministic
     ctx.out_like = output[0]
 
 
@@ -247,9 +250,9 @@ def attention_forward_backward(ctx, dout, dlse):
     q, k, v, learnable_sink, page_table = ctx.saved_tensors
     dout, dlse = _materialized(dout, dlse, ctx.out_like)
     dq, dk, dv, dsink = torch.ops.fa4lab.attention_backward(
-        dout, dlse, q, k, v, *ctx.options, learnable_sink, page_table)
+        dout, dlse, q, k, v, *ctx.options, learnable_sink, page_table, ctx.deterministic)
     return (dq, dk, dv, None, None, None, None, None, None, None,
-            None if learnable_sink is None else dsink, None, None)
+            None if learnable_sink is None else dsink, None, None, None)
 
 
 @torch.library.custom_op("fa4lab::attention_varlen_backward", mutates_args=())

@@ -222,7 +222,7 @@ def test_cuda_inputs_that_require_grad_raise_before_launch():
         with torch.no_grad(), pytest.raises(GradientNotSupportedError,
                                             match="no backward kernel on the GPU"):
             save_attention(SimpleNamespace(), (q, k, k, False, None, False, False, 0.0, None,
-                                               None, None, None, None), (q, q))
+                                               None, None, None, None, False), (q, q))
         with pytest.raises(GradientNotSupportedError):
             fa4lab.attention(q.detach(), k, k,
                              learnable_sink=torch.zeros(2, device="cuda", requires_grad=True))
@@ -305,3 +305,35 @@ def test_the_backward_op_returns_what_its_fake_says_for_strided_inputs():
                           test_utils=("test_faketensor",))
     for g, like in zip(torch.ops.fa4lab.attention_backward(*args)[:3], (q, k, v)):
         assert g.shape == like.shape and g.is_contiguous()
+
+
+def test_deterministic_reaches_the_backward_op():
+    """`fa4lab.attention(..., deterministic=True)` with inputs that require grad passes the
+    switch through the forward op to its backward op (the GPU kernel's dQ order reads it; the
+    CPU reference is deterministic either way): the gradients equal the default call's, eager
+    and compiled, and both ops' schemas end with it (tests/test_backward_sm90_gpu.py holds the
+    GPU's gradients bit for bit)."""
+    import warnings
+    from unittest import mock
+
+    from fa4lab import backward
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 24, 2, 32, requires_grad=True)
+    k, v = torch.randn(1, 24, 2, 32), torch.randn(1, 24, 2, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (plain,) = torch.autograd.grad(fa4lab.attention(q, k, v, causal=True).sum(), q)
+        with mock.patch.object(backward, "cuda_backward") as gpu:
+            (det,) = torch.autograd.grad(
+                fa4lab.attention(q, k, v, causal=True, deterministic=True).sum(), q)
+        assert not gpu.called
+        f = torch.compile(lambda q: fa4lab.attention(q, k, v, causal=True, deterministic=True),
+                          fullgraph=True, backend="aot_eager")
+        (compiled,) = torch.autograd.grad(f(q).sum(), q)
+    torch.testing.assert_close(det, plain, rtol=0, atol=0)
+    torch.testing.assert_close(compiled, plain, rtol=0, atol=0)
+    schema = torch.ops.fa4lab.attention_backward.default._schema
+    assert schema.arguments[-1].name == "deterministic"
+    assert torch.ops.fa4lab.attention_forward.default._schema.arguments[-1].name \
+        == "deterministic"

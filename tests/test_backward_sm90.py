@@ -103,7 +103,7 @@ def test_cuda_gradients_where_no_kernel_runs_name_what_is_missing():
         with torch.no_grad(), pytest.raises(GradientNotSupportedError,
                                             match="no backward kernel on the GPU yet"):
             save_attention(SimpleNamespace(), (q, k, k, False, None, False, False, 0.0, None,
-                                               None, None, None, None), (q, q))
+                                               None, None, None, None, False), (q, q))
 
 
 # Every configuration the backward claims, compiled for sm_90a: the head dims the forward

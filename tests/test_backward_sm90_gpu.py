@@ -168,3 +168,18 @@ def test_what_the_kernel_does_not_build_is_refused():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q", *sys.argv[1:]]))
+
+
+def test_deterministic_through_fa4lab_attention():
+    """`fa4lab.attention(..., deterministic=True)` reaches the kernel's ordered dQ (the op's
+    switch, saved by its autograd setup): two backward passes give the same dq bit for bit."""
+    import fa4lab
+
+    q, k, v, do = _inputs(2, 700, 900, 6, 2, 128, 128, torch.bfloat16, 8)
+    grads = []
+    for _ in range(2):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fa4lab.attention(*leaves, causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out, leaves, do))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b), "deterministic=True gave two different gradients"

@@ -49,8 +49,10 @@ custom op: torch.compile graph-breaks there (Note [mods in the kernels] in `fa4l
 Bad inputs raise before anything runs, with what is wrong and what to do (one check per call,
 `fa4lab.call.check_call`). Gradients: on CPU tensors that require grad, autograd
 differentiates the float64 reference (`fa4lab.backward`: the explicit backward of
-`fa4lab.reference_backward`); on CUDA tensors there is no backward kernel yet, and inputs that
-require grad raise `GradientNotSupportedError` while grad mode is on (a silently dropped
+`fa4lab.reference_backward`); on a Hopper GPU `fa4lab.attention` runs the sm90 backward kernel
+(`fa4lab.kernels.bwd_sm90`; deterministic=True orders its dQ additions), and where no kernel
+builds the call (another arch, a paged cache, mods, varlen) inputs that require grad raise
+`GradientNotSupportedError` naming what is missing, while grad mode is on (a silently dropped
 gradient is worse than an error). Compiled kernels are kept per configuration
 (`fa4lab.kernels.launch`) and on disk (`fa4lab.kernels.cache`, shared across processes): the
 same head_dim, dtype, causal flag, GQA ratio and LSE flag never compile twice, whatever the

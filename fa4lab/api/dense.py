@@ -138,10 +138,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       learnable_sink: torch.Tensor | None = None,
                       num_splits: int | None = None,
                       page_table: torch.Tensor | None = None,
+                      deterministic: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
     window's sides are window_left / window_right (None = unbounded); with page_table, k and v
-    are a paged cache. Checked as `attention` is (`fa4lab.call.check_call`)."""
+    are a paged cache; `deterministic` is the backward's (its autograd formula reads it).
+    Checked as `attention` is (`fa4lab.call.check_call`)."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                         (window_left, window_right), learnable_sink, num_splits=num_splits,
                         page_table=page_table)
@@ -153,7 +155,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                             window_left=None, window_right=None, learnable_sink=None,
-                            num_splits=None, page_table=None):
+                            num_splits=None, page_table=None, deterministic=False):
     if page_table is None:    # a paged cache's shapes are checked with its table's values
         check_qkv_shapes(q, k, v)
     normalize_mask(causal, (window_left, window_right))
@@ -202,8 +204,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     sequence b is its pages page_table[b, 0], page_table[b, 1], ... (every sequence
     pages_per_seq * page_size keys; `fa4lab.varlen`'s layout, Note [paged key blocks] in
     fa4lab.kernels.device.paged for the kernels' page sizes; num_splits as with contiguous K/V,
-    None choosing from the table's capacity). `deterministic` is accepted for upstream's
-    signature: the forward is deterministic whatever it says. Empty calls (batch, seqlen_q or
+    None choosing from the table's capacity). `deterministic`, upstream's: the forward is
+    deterministic whatever it says; with inputs that require grad on a Hopper GPU it orders the
+    backward's dQ additions, so two runs give the same gradients bit for bit (Note
+    [deterministic dQ] in fa4lab.kernels.bwd_sm90). Empty calls (batch, seqlen_q or
     seqlen_k 0) are answered without a launch (Note [empty calls] in fa4lab.canonical); head
     dims the kernel does not build run zero-padded to a built pair, and views TMA cannot read
     are copied first (`fa4lab.canonical.for_kernel`: what each costs)."""
@@ -221,7 +225,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         scale = None if softmax_scale is None else float(softmax_scale)
         out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
                                      float(softcap), left, right, learnable_sink, num_splits,
-                                     page_table)
+                                     page_table, bool(deterministic))
     else:
         out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                             window_size, learnable_sink, num_splits=num_splits,
