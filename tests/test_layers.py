@@ -218,3 +218,17 @@ def test_every_name_imported_from_the_package_exists():
 def test_a_moved_name_is_found(tmp_path):
     assert list(_from_imports("def f():\n    from fa4lab.kernels.compile import scale_args\n")) \
         == [("fa4lab.kernels.compile", "scale_args")]
+
+
+# The kernel files hold one kernel each and nothing else (their host code lives in launch*.py):
+# they may be longer; every other module says one concept in at most MODULE_LINES lines.
+MODULE_LINES = 600
+KERNEL_FILES = ("fa4lab/kernels/fwd_", "fa4lab/kernels/bwd_")
+
+
+def test_modules_stay_small():
+    root = PACKAGE.parent
+    long = {p.relative_to(root).as_posix(): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MODULE_LINES
+            and not p.relative_to(root).as_posix().startswith(KERNEL_FILES)}
+    assert not long, f"modules over {MODULE_LINES} lines (split them by concept): {long}"
