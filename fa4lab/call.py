@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fa4lab.errors import InputError, InputTypeError, check_same_device
+from fa4lab.errors import InputError, InputTypeError, check_qkv_kinds, check_same_device
 from fa4lab.plan.key import KernelKey
 from fa4lab.spec import (
     AttentionSpec,
@@ -164,18 +164,6 @@ def check_switches(pack_gqa=None, persistent=None, deterministic=False) -> None:
         raise InputTypeError(f"deterministic must be True or False, got {deterministic!r}")
 
 
-def _check_dtypes_and_devices(q, k, v) -> None:
-    if not q.is_floating_point():
-        raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; cast "
-                             f"with q.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
-                             f"cast them, e.g. k.to(q.dtype)")
-    if not (q.device == k.device == v.device):
-        raise InputError(f"q, k, v are on different devices ({q.device}, {k.device}, "
-                         f"{v.device}); move them to one device with .to(q.device)")
-
-
 def _check_sink(learnable_sink, q) -> None:
     import torch
 
@@ -229,7 +217,7 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
         check_qkv_shapes(q, k, v)
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         empty = q.numel() == 0 or seqlen_k == 0
-    _check_dtypes_and_devices(q, k, v)
+    check_qkv_kinds(q, k, v)
     if learnable_sink is not None:
         _check_sink(learnable_sink, q)
     spec = AttentionSpec(max(int(batch), 1), max(int(seqlen_q), 1), max(int(seqlen_k), 1),

@@ -31,6 +31,19 @@ class InputTypeError(Fa4labError, TypeError):
     before anything runs."""
 
 
+def check_qkv_kinds(q, k, v) -> None:
+    """The one rule for the kinds of q, k, v: q floating point, k and v of q's dtype and on
+    q's device (InputTypeError / InputError saying the fix)."""
+    if not q.is_floating_point():
+        raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; "
+                             f"cast with q.to(torch.bfloat16)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, "
+                             f"{v.dtype}; cast them, e.g. k.to(q.dtype)")
+    for name, t in (("k", k), ("v", v)):
+        check_same_device(name, t.device, "q", q.device)
+
+
 class GradientNotSupportedError(Fa4labError, RuntimeError):
     """An input requires grad where no backward runs (CUDA tensors: no backward kernel yet), so
     the gradient would silently be lost (Note [backward on CPU, not yet on the GPU] in

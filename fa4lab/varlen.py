@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from fa4lab.errors import InputError, InputTypeError, check_same_device
+from fa4lab.errors import InputError, InputTypeError, check_qkv_kinds, check_same_device
 from fa4lab.indexcheck import CheckContext, Rule, Verdict, message, poll, queue_check
 from fa4lab.spec import check_tensors
 from fa4lab.tiling import ceil_div
@@ -289,14 +289,7 @@ def check_varlen_shapes(q, k, v, paged: bool) -> None:
             extra = (" (a page_table was given, so k and v are the paged cache)" if paged
                      and name != "q" else "; pack the batch along dim 0 (fa4lab.varlen.pack)")
             raise InputError(f"{name} has shape {tuple(t.shape)}: expected {dims}{extra}")
-    if not q.is_floating_point():
-        raise InputTypeError(f"q has dtype {q.dtype}: attention needs floating point inputs; "
-                             f"cast with q.to(torch.bfloat16)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise InputTypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, "
-                             f"{v.dtype}; cast them, e.g. k.to(q.dtype)")
-    for name, t in (("k", k), ("v", v)):
-        check_same_device(name, t.device, "q", q.device)
+    check_qkv_kinds(q, k, v)
     lead = 2 if paged else 1          # (num_pages, page_size) or (total_k,)
     what = "num_pages, page_size" if paged else "total_k"
     if tuple(k.shape[:lead + 1]) != tuple(v.shape[:lead + 1]):
