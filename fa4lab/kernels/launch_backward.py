@@ -18,6 +18,7 @@ tensors on any machine and keeps its PTX and cubin (`fa4lab.kernels.binary` read
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, fields
 
@@ -63,12 +64,9 @@ class BackwardKey:
 
     def plan(self):
         """The sm100 kernel's `BackwardPlan` (fa4lab.plan.backward.plan_backward): every number
-        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime)."""
-        from fa4lab.plan.backward import plan_backward
-        from fa4lab.spec import AttentionSpec
-
-        return plan_backward(AttentionSpec(1, 1024, 1024, 1, 1, self.head_dim, self.head_dim_v,
-                                           dtype=self.dtype, causal=self.causal))
+        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime). Made
+        once per key: every launch reads its tiles."""
+        return _plan_of(self)
 
     @property
     def name(self) -> str:
@@ -92,7 +90,6 @@ class BackwardKey:
         if self.qhead_per_kvhead < 1:
             raise ValueError(f"qhead_per_kvhead must be >= 1, got {self.qhead_per_kvhead}")
 
-
     def unbuilt_sm100(self) -> str | None:
         """What of this key the sm100 kernel does not build (Note [sm100 backward, first
         version] in fa4lab.kernels.bwd_sm100), in words, or None."""
@@ -105,6 +102,15 @@ class BackwardKey:
             if on:
                 return what
         return None
+
+
+@functools.cache
+def _plan_of(key: BackwardKey):
+    from fa4lab.plan.backward import plan_backward
+    from fa4lab.spec import AttentionSpec
+
+    return plan_backward(AttentionSpec(1, 1024, 1024, 1, 1, key.head_dim, key.head_dim_v,
+                                       dtype=key.dtype, causal=key.causal))
 
 
 def key_of(q, k, v, causal: bool, softcap: float = 0.0, window_size=(None, None),
