@@ -7,10 +7,11 @@ On CPU tensors the forward is the float64 reference, and so is the backward: the
 FlashAttention backward of `fa4lab.reference_backward`, with every option the forward takes
 (causal, windows, softcap, the learnable sink, GQA, score_mod / mask_mod, varlen, paged K/V),
 rounded once to the inputs' dtypes. On CUDA tensors of a Hopper GPU (sm90) `fa4lab.attention`
-is differentiated by the sm90 backward kernel (`fa4lab.kernels.launch_backward`: Note [the
-backward on the GPU]); elsewhere, and for what that kernel does not build (varlen, paged K/V,
-mods), an input that requires grad raises `GradientNotSupportedError` naming what is missing
-(Note [backward on CPU, not yet on the GPU]).
+is differentiated by the sm90 backward kernel (`fa4lab.kernels.launch_backward`), which reads
+the forward's saved out and lse (Note [the backward on the GPU]); elsewhere, and for what that
+kernel does not build (varlen, paged K/V, mods), an input that requires grad raises
+`GradientNotSupportedError` naming what is missing (Note [backward on CPU, not yet on the
+GPU]).
 
 The autograd formulas are registered on the forward ops (`torch.library.register_autograd`,
 in `fa4lab.api`) and call backward ops of their own, `torch.ops.fa4lab.attention_backward` and
@@ -34,12 +35,11 @@ __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward
 
 # Note [backward on CPU, not yet on the GPU]
 # An input that requires grad, with grad mode on, is differentiated where the forward was the
-# float64 reference's: CPU tensors (any non-CUDA device). There the saved tensors are the
-# inputs, and the backward recomputes the float64 O and LSE from them rather than reading the
-# forward's outputs: those are rounded to q's dtype and a float32 LSE, and P = exp(S - LSE) is
-# only as exact as the LSE it reads (a GPU backward kernel will read its forward's saved O and
-# LSE, as Note [the FlashAttention backward] in fa4lab.reference_backward does when given
-# them). On CUDA tensors only the sm90 kernel exists (Note [the backward on the GPU]); where no
+# float64 reference's: CPU tensors (any non-CUDA device). There the backward recomputes the
+# float64 O and LSE from the saved inputs rather than reading the forward's saved outputs:
+# those are rounded to q's dtype and a float32 LSE, and P = exp(S - LSE) is only as exact as
+# the LSE it reads (the GPU's backward kernel reads them: Note [the backward on the GPU]).
+# On CUDA tensors only the sm90 kernel exists (Note [the backward on the GPU]); where no
 # backward kernel runs the call, a silently dropped gradient is worse than an error, so
 # GradientNotSupportedError is raised before anything runs: eagerly in
 # `attention` / `attention_varlen`, and under torch.compile (where an exception raised in the
@@ -52,12 +52,16 @@ __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward
 #
 # Note [the backward on the GPU]
 # On CUDA tensors of an sm90 GPU, `attention_backward` runs `fa4lab.kernels.launch_backward
-# .backward`. The forward op saves its inputs only (the lse is not among its outputs unless
-# return_lse), so this first version recomputes out and lse with the forward kernel (one more
-# forward's time; the same bits, the forward being deterministic) before the backward kernel
-# runs. dQ's float32 additions come in whatever order the CTAs reach them; the kernel's
-# deterministic mode (`backward(..., deterministic=True)`) is not yet reachable from
-# `fa4lab.attention`'s `deterministic` argument, which the forward op does not carry.
+# .backward` on what the forward saved: the kernel reads the forward's out and its lse, so the
+# forward is launched once per training step, as FlashAttention's is. `fa4lab.attention` asks
+# the forward op for the lse whenever an input requires grad (its `return_lse` argument is
+# then True whatever the caller's, and the caller gets the lse only if it asked), and the op's
+# autograd setup (`save_attention`) saves q, k, v, out, lse and the sink; the lse a caller
+# gets with return_lse=True is the saved one, so its gradient dlse flows into the backward's
+# D = rowsum(dO * O) - dLSE. The op called directly with return_lse=False on CUDA inputs that
+# require grad has no lse to save: `save_attention` refuses it, saying to pass True. dQ's
+# float32 additions come in whatever order the CTAs reach them unless `deterministic`, which
+# travels from `fa4lab.attention` through both ops to the kernel's ordered dQ.
 
 
 def grad_error(device=None, entry: str = "fa4lab.attention",
@@ -129,9 +133,11 @@ def refuse_unbuilt(q, k, v, learnable_sink=None, *, entry: str = "fa4lab.attenti
 # `fa4lab::attention_backward` and `fa4lab::attention_varlen_backward` take the gradients of
 # (out, lse) and what the forward op saved, and give (dq, dk, dv, dsink); dsink is an empty
 # tensor without a sink (an op returns tensors, not None), dlse an empty tensor when the lse
-# was not returned. Their fakes give the inputs' shapes, so AOTAutograd traces a backward
-# graph with one node per call and never runs Python on fake values. On CUDA tensors they
-# raise GradientNotSupportedError: no backward kernel yet.
+# was not returned. The dense one takes the forward's out and lse too (the GPU kernel reads
+# them; the CPU reference recomputes both in float64: Note [backward on CPU, not yet on the
+# GPU]). Their fakes give the inputs' shapes, so AOTAutograd traces a backward graph with one
+# node per call and never runs Python on fake values. On CUDA tensors the varlen one raises
+# GradientNotSupportedError (no backward kernel yet), the dense one runs the sm90 kernel.
 
 
 def _options(causal, softmax_scale, softcap, window_left, window_right) -> dict:
@@ -172,16 +178,19 @@ def dense_backward(dout, dlse, q, k, v, learnable_sink, page_table, **options):
 
 @torch.library.custom_op("fa4lab::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       softmax_scale: float | None, softcap: float, window_left: int | None,
-                       window_right: int | None, learnable_sink: torch.Tensor | None,
-                       page_table: torch.Tensor | None, deterministic: bool = False,
+                       k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       causal: bool, softmax_scale: float | None, softcap: float,
+                       window_left: int | None, window_right: int | None,
+                       learnable_sink: torch.Tensor | None, page_table: torch.Tensor | None,
+                       deterministic: bool = False,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops]); on CUDA
-    tensors the sm90 kernel's (Note [the backward on the GPU]), `deterministic` ordering its dQ
-    additions (the CPU reference is deterministic whatever it says)."""
+    """(dq, dk, dv, dsink) of `fa4lab::attention_forward` (Note [the backward ops]), given the
+    forward's saved out and lse ((batch, heads_q, seqlen_q) float32); on CUDA tensors the sm90
+    kernel's (Note [the backward on the GPU]), `deterministic` ordering its dQ additions (the
+    CPU reference, which recomputes out and lse in float64, is deterministic whatever it
+    says)."""
     if q.is_cuda:
-        return cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table,
+        return cuda_backward(dout, dlse, q, k, v, out, lse, learnable_sink, page_table,
                              deterministic=deterministic,
                              **_options(causal, softmax_scale, softcap, window_left,
                                         window_right))
@@ -191,22 +200,17 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
     return _finish(g, q, k, v, learnable_sink)
 
 
-def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, softmax_scale,
-                  softcap, window_size, deterministic: bool = False):
-    """(dq, dk, dv, dsink) on CUDA tensors: out and lse recomputed by the forward kernel, then
-    the backward kernel (Note [the backward on the GPU]); GradientNotSupportedError naming what
-    is missing where no kernel runs the call."""
+def cuda_backward(dout, dlse, q, k, v, out, lse, learnable_sink, page_table, *, causal,
+                  softmax_scale, softcap, window_size, deterministic: bool = False):
+    """(dq, dk, dv, dsink) on CUDA tensors: the backward kernel on the forward's saved out
+    and lse, no forward launched (Note [the backward on the GPU]); GradientNotSupportedError
+    naming what is missing where no kernel runs the call."""
     from fa4lab.kernels import launch_backward
 
-    arch = _kernel_arch(q)
-    lacks = launch_backward.missing(q, k, v, arch=arch, page_table=page_table)
+    lacks = launch_backward.missing(q, k, v, arch=_kernel_arch(q), page_table=page_table)
     if lacks is not None:
         raise grad_error(q.device, missing=lacks)
     q, k, v, dout = (launch_backward.kernel_layout(t) for t in (q, k, v, dout))
-    out, lse = launch_backward.saved_forward(q, k, v, arch, causal=causal,
-                                             softmax_scale=softmax_scale, softcap=softcap,
-                                             window_size=window_size,
-                                             learnable_sink=learnable_sink)
     dq, dk, dv, dsink = launch_backward.backward(
         q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
         window_size=window_size, learnable_sink=learnable_sink,
@@ -217,8 +221,9 @@ def cuda_backward(dout, dlse, q, k, v, learnable_sink, page_table, *, causal, so
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, dlse, q, k, v, causal, softmax_scale, softcap, window_left,
-                             window_right, learnable_sink, page_table, deterministic=False):
+def _attention_backward_fake(dout, dlse, q, k, v, out, lse, causal, softmax_scale, softcap,
+                             window_left, window_right, learnable_sink, page_table,
+                             deterministic=False):
     # contiguous gradients whatever the inputs' strides: what cuda_backward returns (under
     # torch.compile the graph asserts the real op's strides against these)
     dsink = q.new_empty((0,)) if learnable_sink is None else torch.empty_like(learnable_sink)
@@ -232,25 +237,34 @@ def _materialized(dout, dlse, out_like):
 
 
 def save_attention(ctx, inputs, output) -> None:
-    """setup_context of `fa4lab::attention_forward`: refuse CUDA (Note [backward on CPU, not
-    yet on the GPU]), save the inputs the reference backward reads."""
-    (q, k, v, causal, softmax_scale, _return_lse, _pack_gqa, softcap, window_left,
+    """setup_context of `fa4lab::attention_forward`: refuse what no backward runs (Note
+    [backward on CPU, not yet on the GPU]), save the inputs and the forward's out and lse (Note
+    [the backward on the GPU])."""
+    (q, k, v, causal, softmax_scale, return_lse, _pack_gqa, softcap, window_left,
      window_right, learnable_sink, _num_splits, page_table, deterministic) = inputs
     refuse_gradients_on_cuda(q, k, v, learnable_sink, recording=True)
     refuse_unbuilt(q, k, v, learnable_sink, page_table=page_table)
-    ctx.save_for_backward(q, k, v, learnable_sink, page_table)
+    if q.is_cuda and not return_lse:
+        raise GradientNotSupportedError(
+            "fa4lab::attention_forward was called with return_lse=False on CUDA inputs that "
+            "require grad: its backward kernel reads the forward's lse, which was not "
+            "computed. Pass return_lse=True (fa4lab.attention does whenever an input requires "
+            "grad), or call it under torch.no_grad().")
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, learnable_sink, page_table)
+    ctx.set_materialize_grads(False)    # an lse nobody read: dlse None, as without it
     ctx.options = (causal, softmax_scale, softcap, window_left, window_right)
     ctx.deterministic = deterministic
-    ctx.out_like = output[0]
 
 
 def attention_forward_backward(ctx, dout, dlse):
-    """The autograd formula of `fa4lab::attention_forward`: its backward op, gradients for
-    q, k, v and the sink, None for the other arguments."""
-    q, k, v, learnable_sink, page_table = ctx.saved_tensors
-    dout, dlse = _materialized(dout, dlse, ctx.out_like)
+    """The autograd formula of `fa4lab::attention_forward`: its backward op on the saved
+    tensors, gradients for q, k, v and the sink, None for the other arguments."""
+    q, k, v, out, lse, learnable_sink, page_table = ctx.saved_tensors
+    dout, dlse = _materialized(dout, dlse, out)
     dq, dk, dv, dsink = torch.ops.fa4lab.attention_backward(
-        dout, dlse, q, k, v, *ctx.options, learnable_sink, page_table, ctx.deterministic)
+        dout, dlse, q, k, v, out, lse, *ctx.options, learnable_sink, page_table,
+        ctx.deterministic)
     return (dq, dk, dv, None, None, None, None, None, None, None,
             None if learnable_sink is None else dsink, None, None, None)
 

@@ -245,13 +245,16 @@ def test_a_training_block_gets_sdpas_gradients(gen):
 
 
 def test_the_op_itself_records_its_gradient(gen):
-    """Called directly (no wrapper), the op's autograd formula runs its backward op: opcheck of
-    both with inputs that require grad (schema, fakes, autograd registration, AOT dispatch)."""
+    """Called directly (no wrapper), the op's autograd formula runs its backward op on the
+    saved out and lse: opcheck of both with inputs that require grad (schema, fakes, autograd
+    registration, AOT dispatch), with and without the lse (on CPU the reference backward
+    recomputes both, so an op called without it still differentiates)."""
     q, k, v = _qkv(gen)
     sink = torch.randn(4, generator=gen)
     grads = [x.clone().requires_grad_() for x in (q, k, v, sink)]
     op = torch.ops.fa4lab.attention_forward.default
     torch.library.opcheck(op, (*grads[:3], True, None, True, False, 0.0, 2, None, grads[3]))
+    torch.library.opcheck(op, (*grads[:3], False, 0.3, False, None, 0.0, None, None, grads[3]))
     out, lse = op(*grads[:3], True, None, True, False, 0.0, 2, None, grads[3])
     dout = torch.randn(out.shape, generator=gen)
     got = torch.autograd.grad(out, grads, dout)
@@ -259,8 +262,10 @@ def test_the_op_itself_records_its_gradient(gen):
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6)
     backward_op = torch.ops.fa4lab.attention_backward.default
-    torch.library.opcheck(backward_op, (dout, lse.detach(), q, k, v, True, None, 0.0, 2, None, sink,
-                                        None))
+    dlse = torch.randn(lse.shape, generator=gen)
+    for d in (lse.new_empty((0,)), dlse):      # the lse's gradient, empty: not read
+        torch.library.opcheck(backward_op, (dout, d, q, k, v, out.detach(), lse.detach(), True,
+                                            None, 0.0, 2, None, sink, None))
 
 
 def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
@@ -271,6 +276,9 @@ def test_lse_is_empty_when_not_asked_for_through_the_op(gen):
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     torch.testing.assert_close(lse2.double(), ref_lse, atol=1e-5, rtol=0)
     torch.testing.assert_close(out, out2)
+    got = fa4lab.attention(q.clone().requires_grad_(), k, v, causal=True)
+    assert isinstance(got, torch.Tensor)    # the lse computed for the backward stays inside
+    torch.testing.assert_close(got, out)
 
 
 def test_a_compiled_call_with_an_input_that_requires_grad_differentiates():
@@ -300,7 +308,8 @@ def test_the_backward_op_returns_what_its_fake_says_for_strided_inputs():
     base = [torch.randn(1, 2, 16, 64) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in base)
     dout = torch.randn(1, 16, 2, 64)
-    args = (dout, torch.empty(0), q, k, v, True, None, 0.0, None, None, None, None)
+    out, lse = torch.ops.fa4lab.attention_forward(q, k, v, True, None, True, False, 0.0)
+    args = (dout, torch.empty(0), q, k, v, out, lse, True, None, 0.0, None, None, None, None)
     torch.library.opcheck(torch.ops.fa4lab.attention_backward.default, args,
                           test_utils=("test_faketensor",))
     for g, like in zip(torch.ops.fa4lab.attention_backward(*args)[:3], (q, k, v)):
@@ -335,5 +344,6 @@ def test_deterministic_reaches_the_backward_op():
     torch.testing.assert_close(compiled, plain, rtol=0, atol=0)
     schema = torch.ops.fa4lab.attention_backward.default._schema
     assert schema.arguments[-1].name == "deterministic"
+    assert [a.name for a in schema.arguments[5:7]] == ["out", "lse"]   # what the forward saved
     assert torch.ops.fa4lab.attention_forward.default._schema.arguments[-1].name \
         == "deterministic"

@@ -1,7 +1,8 @@
-"""The sm90 backward kernel on a CPU: its host side (keys, argument checks, refusals), the query
-block range its loop walks, and (marker `compile`) every configuration it claims compiled for
-sm_90a with fake tensors, without local-memory spills. The GPU's numbers are
-tests/test_backward_sm90_gpu.py's."""
+"""The sm90 backward kernel on a CPU: its host side (keys, argument checks, refusals), the
+autograd path on a faked Hopper GPU (one forward launch per training step: the backward reads
+the forward's saved out and lse), the query block range its loop walks, and (marker `compile`)
+every configuration it claims compiled for sm_90a with fake tensors, without local-memory
+spills. The GPU's numbers are tests/test_backward_sm90_gpu.py's."""
 
 from __future__ import annotations
 
@@ -104,6 +105,137 @@ def test_cuda_gradients_where_no_kernel_runs_name_what_is_missing():
                                             match="no backward kernel on the GPU yet"):
             save_attention(SimpleNamespace(), (q, k, k, False, None, False, False, 0.0, None,
                                                None, None, None, None, False), (q, q))
+
+
+@pytest.fixture
+def faked_sm90(monkeypatch):
+    """CPU tensors dressed as a Hopper GPU's (`is_cuda`, the device's arch), its two kernels
+    replaced by recorders over the float64 reference: the forward's launch
+    (`fa4lab.kernels.launch.forward`, what the forward op and the old recomputing backward
+    called) and the backward's (`launch_backward.backward`, which checks what it is given as
+    the kernel's does). `seen.forwards` holds each forward's (call, out, lse),
+    `seen.backwards` what each backward read."""
+    from types import SimpleNamespace
+
+    from fa4lab import backward as autograd
+    from fa4lab.kernels import launch, launch_backward
+    from fa4lab.reference import attention_reference
+    from fa4lab.reference_backward import attention_backward_reference
+
+    seen = SimpleNamespace(forwards=[], backwards=[])
+
+    def forward(call, arch):
+        with torch.no_grad():
+            out, lse = attention_reference(call.q.detach(), call.k.detach(), call.v.detach(),
+                                           return_lse=True, finite=False, **call.options())
+        out, lse = out.to(call.q.dtype), (lse.float() if call.spec.return_lse else None)
+        seen.forwards.append((call, out, lse))
+        return out, lse
+
+    def backward(q, k, v, out, dout, lse, *, dlse=None, deterministic=False, arch="sm90",
+                 **options):
+        check_backward(q, k, v, out, dout, lse, dlse)
+        seen.backwards.append(dict(out=out, lse=lse, dlse=dlse, deterministic=deterministic))
+        g = attention_backward_reference(q, k, v, dout, dlse=dlse, finite=False, **options)
+        sink = options["learnable_sink"]
+        return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype),
+                None if sink is None else g.dsink.to(sink.dtype))
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(launch, "device_arch", lambda index: "sm90")
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(autograd, "_kernel_arch", lambda t: "sm90")
+    monkeypatch.setattr(launch_backward, "backward", backward)
+    return seen
+
+
+def _bf16_inputs(gen):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    return r(2, 9, 4, 64), r(2, 13, 2, 64), r(2, 13, 2, 64), torch.randn(4, generator=gen)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_training_step_launches_the_forward_once(faked_sm90, gen, return_lse):
+    """Note [the backward on the GPU] in fa4lab.backward, on a faked Hopper GPU: a forward
+    and a backward of `fa4lab.attention` launch the forward kernel once (the backward once
+    recomputed out and lse with a second launch), and the backward kernel reads the forward's
+    own out and lse (the same tensors: the lse returned with return_lse=True is the saved one,
+    its gradient dlse reaching the kernel), with `deterministic`; the gradients are the
+    reference's."""
+    import fa4lab
+    from fa4lab.reference_backward import attention_backward_reference
+
+    q, k, v, sink = _bf16_inputs(gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    got = fa4lab.attention(*leaves[:3], causal=True, window_size=(5, None),
+                           learnable_sink=leaves[3], return_lse=return_lse, deterministic=True)
+    out, lse = got if return_lse else (got, None)
+    (call, fwd_out, fwd_lse), = faked_sm90.forwards
+    assert call.spec.return_lse, "inputs that require grad: the forward computes the lse"
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dlse = torch.randn(fwd_lse.shape, generator=gen) if return_lse else None
+    loss = (out.float() * dout.float()).sum()
+    if return_lse:
+        loss = loss + (lse * dlse).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    assert len(faked_sm90.forwards) == 1, "the backward launched the forward again"
+    (read,) = faked_sm90.backwards
+    assert read["out"].data_ptr() == fwd_out.data_ptr() == out.data_ptr()
+    assert read["lse"].data_ptr() == fwd_lse.data_ptr()
+    assert torch.equal(read["lse"], fwd_lse) and read["deterministic"] is True
+    if return_lse:
+        assert lse.data_ptr() == fwd_lse.data_ptr()
+        torch.testing.assert_close(read["dlse"], dlse, rtol=0, atol=0)
+    else:
+        assert read["dlse"] is None
+    want = attention_backward_reference(q, k, v, dout, causal=True, window_size=(5, None),
+                                        learnable_sink=sink, dlse=dlse, finite=False)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
+
+
+def test_a_compiled_training_step_launches_the_forward_once(faked_sm90, gen):
+    """The same under torch.compile(fullgraph=True): the traced forward op (its fake) asks for
+    the lse, the autograd setup saves it, the backward op (its fake: out and lse among its
+    inputs) reads it; one forward launch per step."""
+    import warnings
+
+    import fa4lab
+
+    q, k, v, _ = _bf16_inputs(gen)
+    q.requires_grad_()
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: fa4lab.attention(q, k, v, causal=True), fullgraph=True,
+                      backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = f(q, k, v)
+        assert len(faked_sm90.forwards) == 1
+        (dq,) = torch.autograd.grad(out.float().sum(), q)
+    assert len(faked_sm90.forwards) == 1, "the backward launched the forward again"
+    (_, fwd_out, fwd_lse), = faked_sm90.forwards
+    (read,) = faked_sm90.backwards
+    assert torch.equal(read["out"], fwd_out) and torch.equal(read["lse"], fwd_lse)
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
+
+
+def test_the_op_without_its_lse_refuses_cuda_gradients(faked_sm90, gen):
+    """`fa4lab::attention_forward` called directly with return_lse=False on (faked) CUDA
+    inputs that require grad has no lse for the backward kernel: its autograd setup says to
+    pass True (fa4lab.attention does); with True it differentiates, one forward launch."""
+    from fa4lab.errors import GradientNotSupportedError
+
+    q, k, v, _ = _bf16_inputs(gen)
+    q.requires_grad_()
+    op = torch.ops.fa4lab.attention_forward
+    with pytest.raises(GradientNotSupportedError, match="return_lse=True"):
+        op(q, k, v, True, None, False, None, 0.0)
+    faked_sm90.forwards.clear()
+    out, lse = op(q, k, v, True, None, True, None, 0.0)
+    (dq,) = torch.autograd.grad(out.float().sum(), q)
+    assert len(faked_sm90.forwards) == 1 and dq.shape == q.shape
 
 
 # Every configuration the backward claims, compiled for sm_90a: the head dims the forward

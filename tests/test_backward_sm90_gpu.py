@@ -11,7 +11,8 @@ head-dim pair the sm90 forward builds, causal or not, GQA 3:1 and 1:1, sequence 
 tails of both tiles (64), length 1, seqlen_q > seqlen_k under causal (the top rows see no key),
 windows (both sides, left only with causal, right only), softcap, a learnable sink, a
 differentiated lse, fp16; the autograd path (`fa4lab.attention` with inputs that require grad,
-eager and under torch.compile(fullgraph=True)); the refusals of what the kernel does not build.
+eager and under torch.compile(fullgraph=True): one forward launch per step, the backward reading
+its saved out and lse); the refusals of what the kernel does not build.
 
     python -m pytest -x -q tests/test_backward_sm90_gpu.py   # or: python tests/<this file>
 """
@@ -164,6 +165,45 @@ def test_what_the_kernel_does_not_build_is_refused():
     table = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
     with pytest.raises(GradientNotSupportedError, match="paged"):
         fa4lab.attention(q, cache, cache, page_table=table)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_autograd_reads_the_saved_forward(monkeypatch, return_lse):
+    """`fa4lab.attention` with inputs that require grad, eager and under
+    torch.compile(fullgraph=True): one forward launch per training step (the backward kernel
+    reads the forward op's saved out and lse: Note [the backward on the GPU] in
+    fa4lab.backward), and dQ, dK, dV, d(sink) against the float64 reference under FA4's rule,
+    with a window and a sink; with return_lse the lse's gradient too."""
+    import fa4lab
+    from fa4lab.kernels import launch
+    from fa4lab.reference_backward import attention_backward_reference
+
+    q, k, v, do = _inputs(2, 203, 113, 6, 2, 128, 128, torch.bfloat16, 9)
+    sink = torch.randn(6, device="cuda")
+    dlse = (torch.randn((2, 6, 203), device="cuda", generator=torch.Generator(device="cuda")
+                        .manual_seed(10)) if return_lse else None)
+    options = dict(causal=True, window_size=(40, None))
+    ref = attention_backward_reference(q, k, v, do, learnable_sink=sink, dlse=dlse,
+                                       finite=False, **options)
+    pt = same_dtype_gradients(q, k, v, do, learnable_sink=sink, dlse=dlse, **options)
+    launches = []
+    real = launch.forward
+    monkeypatch.setattr(launch, "forward",
+                        lambda call, arch: launches.append(arch) or real(call, arch))
+
+    def f(q, k, v, sink):
+        return fa4lab.attention(q, k, v, learnable_sink=sink, return_lse=return_lse, **options)
+
+    torch._dynamo.reset()
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+        launches.clear()
+        got = fn(*leaves)
+        outputs, grads_of = ((got, (do, dlse)) if return_lse else ((got,), (do,)))
+        grads = torch.autograd.grad(outputs, leaves, grads_of)
+        assert len(launches) == 1, f"{len(launches)} forward launches in one training step"
+        problems = gradient_violations(grads, ref, pt)
+        assert not problems, "; ".join(problems)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,15 @@ class SlowReferenceWarning(UserWarning):
 # sits between the caller and the tensors: torch.compile tracing, a dispatch or function mode
 # (FakeTensorMode, FlopCounterMode, ...), or a tensor subclass.
 #
-# Gradients (Note [backward on CPU, not yet on the GPU] in fa4lab.backward): on CPU tensors
-# that require grad, `attention` calls the op (not `_forward`) so autograd records it, and the
-# op's autograd formula runs the float64 reference backward through its own op,
-# `fa4lab::attention_backward`. On CUDA tensors `attention` raises before launch, and so does
-# the op's autograd setup when the op is called directly: a gradient is never dropped silently.
+# Gradients (Note [backward on CPU, not yet on the GPU] in fa4lab.backward): on tensors that
+# require grad, `attention` calls the op (not `_forward`) so autograd records it, with
+# return_lse True whatever the caller asked (the caller gets the lse only if it did): the op's
+# autograd setup saves out and lse beside the inputs, and its formula runs its own op,
+# `fa4lab::attention_backward`: the float64 reference backward on CPU tensors, the sm90
+# kernel on the saved out and lse on a Hopper GPU, with no second forward (Note [the backward
+# on the GPU]). Where no backward kernel runs a CUDA call `attention` raises before launch,
+# and so does the op's autograd setup when the op is called directly: a gradient is never
+# dropped silently.
 
 
 def _forward(q, k, v, causal: bool, softmax_scale, return_lse: bool, pack_gqa: bool | None,
@@ -140,10 +144,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       page_table: torch.Tensor | None = None,
                       deterministic: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse. The
-    window's sides are window_left / window_right (None = unbounded); with page_table, k and v
-    are a paged cache; `deterministic` is the backward's (its autograd formula reads it).
-    Checked as `attention` is (`fa4lab.call.check_call`)."""
+    """The registered op: (out, lse); lse is an empty float32 tensor unless return_lse
+    (`attention` passes True whenever an input requires grad: the autograd setup saves out and
+    lse for the backward, Note [the backward on the GPU] in fa4lab.backward). The window's
+    sides are window_left / window_right (None = unbounded); with page_table, k and v are a
+    paged cache; `deterministic` is the backward's (its autograd formula reads it). Checked as
+    `attention` is (`fa4lab.call.check_call`)."""
     out, lse = _forward(q, k, v, causal, softmax_scale, return_lse, pack_gqa, softcap,
                         (window_left, window_right), learnable_sink, num_splits=num_splits,
                         page_table=page_table)
@@ -223,7 +229,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         num_splits, (left, right) = op_arguments(pack_gqa, deterministic, num_splits,
                                                  window_size)
         scale = None if softmax_scale is None else float(softmax_scale)
-        out, lse = attention_forward(q, k, v, causal, scale, return_lse, pack_gqa,
+        # with grad the lse is computed for the backward (Note [the backward on the GPU])
+        out, lse = attention_forward(q, k, v, causal, scale, return_lse or grad, pack_gqa,
                                      float(softcap), left, right, learnable_sink, num_splits,
                                      page_table, bool(deterministic))
     else:

@@ -291,7 +291,10 @@ def check_backward(q, k, v, out, dout, lse, dlse=None) -> None:
 def saved_forward(q, k, v, arch: str, *, causal=False, softmax_scale=None, softcap=0.0,
                   window_size=(None, None), learnable_sink=None):
     """(out, lse) of the forward kernel of `arch` on q, k, v: what the backward reads (the
-    forward's output and its log-sum-exp), through the one call check (`fa4lab.call`)."""
+    forward's output and its log-sum-exp), through the one call check (`fa4lab.call`). For the
+    kernel's own tests and benchmark, which call `backward` directly; `fa4lab.attention`'s
+    autograd reads its forward op's saved out and lse instead (Note [the backward on the GPU]
+    in fa4lab.backward)."""
     from fa4lab.call import check_call
     from fa4lab.kernels.launch import forward
 
