@@ -8,6 +8,8 @@ TFLOP/s counts the backward as 2.5x the forward's FLOPs, 4 * b * h * s^2 * d (ha
 causal). fa4lab's time is `fa4lab.kernels.launch_backward.backward` from the forward's out and
 lse (its torch pre- and postprocessing included); upstream's is autograd through
 `flash_attn.cute.interface.flash_attn_func`'s backward (its own pre- and postprocessing).
+The bench's own mode, with SDPA beside them, a check before timing and a record, is
+`fa4lab bench --backward` (fa4lab.bench.backward).
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 from fa4lab.bench import (
+    BACKWARD,
     DECODE,
     FEATURES,
     HOST_OVERHEAD,
     NEIGHBOURS,
     SERVING,
+    backward_results_of,
     decode_results_of,
     feature_results_of,
     format_decode_table,
@@ -42,6 +44,10 @@ def table_of(rec: dict) -> str:
         from fa4lab.bench.serving_cli import format_serving_table
 
         return format_serving_table(serving_results_of(rec), hbm_gbps=rec["hbm_gbps"])
+    if rec["kind"] == BACKWARD:
+        from fa4lab.bench.backward import format_backward_table
+
+        return format_backward_table(backward_results_of(rec))
     if rec["kind"] == NEIGHBOURS:
         from fa4lab.bench.neighbours import format_neighbours_table
 

@@ -43,10 +43,11 @@ d(sink), a sum over rows and keys, `sink_gradient_atol`), and none NaN or inf.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-__all__ = ["ATOL", "GRADIENT_NAMES", "LSE_ATOL", "LSE_RTOL", "gradient_atol",
-           "gradient_violations", "lse_tolerance", "output_tolerance", "output_ulp_atol",
-           "rule_violations", "same_dtype_attention", "same_dtype_gradients",
+__all__ = ["ATOL", "GRADIENT_NAMES", "GradientError", "LSE_ATOL", "LSE_RTOL", "gradient_atol",
+           "gradient_error", "gradient_violations", "lse_tolerance", "output_tolerance",
+           "output_ulp_atol", "rule_violations", "same_dtype_attention", "same_dtype_gradients",
            "same_dtype_yardstick", "sink_gradient_atol", "torch_same_dtype"]
 
 ATOL = 1e-3
@@ -307,6 +308,27 @@ def sink_gradient_atol(ref_dsink) -> float:
     return 1e-3 * (1 + ref_dsink.abs().max().item())
 
 
+class GradientError(NamedTuple):
+    """One gradient's max error against the float64 reference, the yardstick's, and the floor
+    the rule adds: it passes when err <= tol."""
+
+    err: float
+    yardstick_err: float
+    atol: float
+
+    @property
+    def tol(self) -> float:
+        return output_tolerance(self.yardstick_err, self.atol)
+
+
+def gradient_error(name: str, g, r, p) -> GradientError:
+    """The numbers `gradient_violations` judges gradient `name` ("dq", "dk", "dv", "dsink") by:
+    g the kernel's, r the float64 reference, p the yardstick's (same shapes)."""
+    atol = sink_gradient_atol(r) if name == "dsink" else gradient_atol(r, p.dtype)
+    return GradientError((g.double() - r).abs().max().item(),
+                         (p.double() - r).abs().max().item(), atol)
+
+
 def gradient_violations(grads, ref, yardstick) -> list[str]:
     """What of the rule the backward's gradients break, one sentence each (empty: they pass):
     each gradient finite, shaped and typed as the yardstick's, its max error against the
@@ -328,10 +350,8 @@ def gradient_violations(grads, ref, yardstick) -> list[str]:
         if not torch.isfinite(g).all():
             problems.append(f"{name} has NaN/inf")
             continue
-        err = (g.double() - r).abs().max().item()
-        pt_err = (p.double() - r).abs().max().item()
-        atol = sink_gradient_atol(r) if name == "dsink" else gradient_atol(r, p.dtype)
-        if not err <= output_tolerance(pt_err, atol):
-            problems.append(f"{name}: max error {err:.3g} > 2 x PyTorch's same-dtype error "
-                            f"{pt_err:.3g} + {atol:.3g}")
+        e = gradient_error(name, g, r, p)
+        if not e.err <= e.tol:
+            problems.append(f"{name}: max error {e.err:.3g} > 2 x PyTorch's same-dtype error "
+                            f"{e.yardstick_err:.3g} + {e.atol:.3g}")
     return problems

@@ -21,6 +21,11 @@ attention of served models at their own shapes (GPT-OSS sink + window, MLA (192,
 window, GQA 16:1, Gemma-2 softcap), for fa4lab (its default call, the headline row), upstream
 FA4 (where it has the option), PyTorch SDPA with materialized masks and FlexAttention, TFLOP/s
 counting only the visible (query, key) pairs.
+`--backward` measures the attention backward alone (the forward run once before timing) at
+hd 64 and 128, seqlen 2048, 8192 and 16384, causal and not, 16k tokens and hidden 2048: fa4lab
+(`fa4lab.attention`'s autograd, the headline row, and its kernel from the saved out and lse),
+upstream FA4's autograd and SDPA's (cuDNN, flash), each set of gradients checked first
+(`fa4lab.acceptance.gradient_violations`), TFLOP/s counting 2.5x the forward's FLOPs.
 `--decode` measures a GQA decode (batch 32, seqlen_q 1, seqlen_k 8192, heads 32/8, hd128) and a
 GQA prefill (batch 1, seqlen 8192, causal) for fa4lab (default and pack_gqa=False, named
 `fa4lab-unpacked`), upstream FA4 and SDPA, each against the shape's HBM floor (the bytes K, V,
@@ -44,6 +49,7 @@ How to run:
     fa4lab bench --decode              # GQA decode and prefill against the HBM floor
     fa4lab bench --features --plot f.png   # each attention option beside FA4 and PyTorch
     fa4lab bench --serving             # varlen prefill, paged and split-KV decode
+    fa4lab bench --backward            # the attention backward beside FA4 and SDPA
 
 The modules, one concept each:
 
@@ -59,6 +65,8 @@ The modules, one concept each:
     features_cli    `fa4lab bench --features`
     serving         varlen prefill, paged decode and split-KV decode beside FA4 and PyTorch
     serving_cli     `fa4lab bench --serving`: its table, bars and command
+    backward        the attention backward: its cases, providers, gradient check, record
+    backward_cli    `fa4lab bench --backward`
     records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
     table           TFLOP/s tables and fa4lab/peer ratios
     cli             `fa4lab bench ...`
@@ -151,6 +159,7 @@ from fa4lab.bench.providers import (
     to_bhsd,
 )
 from fa4lab.bench.records import (
+    BACKWARD,
     BENCHMARKS_DIR,
     DECODE,
     ERROR,
@@ -171,6 +180,7 @@ from fa4lab.bench.records import (
     NeighbourResult,
     Result,
     ServingResult,
+    backward_results_of,
     decode_results_of,
     default_record_path,
     feature_results_of,
@@ -256,4 +266,5 @@ __all__ = [
     "validate_record", "versions",
     "NEIGHBOURS", "NeighbourResult", "neighbour_results_of",
     "SERVING", "ServingResult", "serving_results_of",
+    "BACKWARD", "backward_results_of",
 ]

@@ -1,11 +1,12 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-Six modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features`,
-`--neighbours` (`fa4lab.bench.neighbours`) and `--serving` (`fa4lab.bench.serving`). On a GPU
-each checks, times and records; on a CPU it says so, prints what it would run and the latest
-recorded results, and exits 0. Bad arguments exit 2; `--strict` makes a provider that raised or
-failed its check exit 1; a `--features` or `--serving` run that outlives its step limit exits 3
-(TIMEOUT_EXIT, Note [run time limits]).
+Seven modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features`,
+`--neighbours` (`fa4lab.bench.neighbours`), `--serving` (`fa4lab.bench.serving`) and
+`--backward` (`fa4lab.bench.backward`). On a GPU each checks, times and records; on a CPU it
+says so, prints what it would run and the latest recorded results, and exits 0. Bad arguments
+exit 2; `--strict` makes a provider that raised or failed its check exit 1; a `--features`,
+`--serving` or `--backward` run that outlives its step limit exits 3 (TIMEOUT_EXIT, Note [run
+time limits]).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def add_cli(subparsers) -> None:
                     "JSON record and optionally a plot. --host-overhead times the host work "
                     "of one tiny call instead; --decode times a GQA decode and a GQA prefill "
                     "against the HBM floor; --features times each attention option beside "
-                    "upstream FA4 and PyTorch. On a CPU: say so, print the plan of the run and "
-                    "the latest recorded results, exit 0.")
+                    "upstream FA4 and PyTorch; --backward times the attention backward. On a "
+                    "CPU: say so, print the plan of the run and the latest recorded results, "
+                    "exit 0.")
     p.add_argument("--arch", default="auto", choices=("auto", "sm90", "sm100"),
                    help="the fa4lab kernel to run; auto = the GPU's (default)")
     p.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS), metavar="D")
@@ -226,6 +228,17 @@ def add_cli(subparsers) -> None:
 
     serve.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=None,
                        help="with --serving: only these scenarios (default: all)")
+    bwd = p.add_argument_group(
+        "backward", "the attention backward alone (the forward run once before timing) of "
+                    "fa4lab (its autograd, and its kernel from the saved out and lse), "
+                    "upstream FA4 and PyTorch SDPA (cuDNN, flash), bf16, 16k tokens, hidden "
+                    "2048, hd 64 and 128, seqlen 2048, 8192 and 16384, causal and not; TFLOP/s "
+                    "count 2.5x the forward's FLOPs (fa4lab.bench.backward); --head-dim, "
+                    "--seqlen, --causal, --quick (hd128, seqlen 2048 and 8192), --peers, "
+                    "--dtype, --total-tokens, --hidden, the timing options, --time-budget "
+                    "(none by default) and --step-timeout apply")
+    bwd.add_argument("--backward", action="store_true",
+                     help="time the attention backward instead of the forward sweep")
     p.set_defaults(func=main_args)
 
 
@@ -289,7 +302,7 @@ _FEATURES_ONLY = ("feature", "time_budget", "step_timeout")
 
 def _modes(args) -> list[str]:
     return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
-                                                  "neighbours", "serving")
+                                                  "neighbours", "serving", "backward")
             if getattr(args, m, False)]
 
 
@@ -324,6 +337,10 @@ def main_args(args) -> int:
         from fa4lab.bench.serving_cli import serving_args
 
         return serving_args(args)
+    if getattr(args, "backward", False):
+        from fa4lab.bench.backward_cli import backward_args
+
+        return backward_args(args)
     wrong = changed(args, _FEATURES_ONLY)
     if wrong:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --features only", file=sys.stderr)

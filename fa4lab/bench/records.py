@@ -1,6 +1,6 @@
 """Bench records: one JSON file per run in `benchmarks/`, its schema, and what it says.
 
-Five families of record share the header (schema, kind, label, date, gpu, commit, versions,
+Six families of record share the header (schema, kind, label, date, gpu, commit, versions,
 command, config): throughput records ("measured", "reference-peers") hold one `Result` per
 (provider, shape) and the GEMM ceiling; "host-overhead" records hold one `HostResult` per
 provider; "decode" records (`fa4lab bench --decode`) hold one `DecodeResult` per (provider,
@@ -8,7 +8,9 @@ shape) and the memory bandwidth the HBM floor was computed from; "features" reco
 (`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider); "neighbours"
 records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape; "serving"
 records (`fa4lab bench --serving`) one `ServingResult` per (case, provider) and the memory
-bandwidth, as "decode" records do. The format is described in benchmarks/README.md.
+bandwidth, as "decode" records do; "backward" records (`fa4lab bench --backward`) one `Result`
+per (provider, shape), as throughput records, TFLOP/s of the backward and no GEMM ceiling. The
+format is described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`): the
 bench hands what it reads to the planner (`sweep_figures`, `fa4lab.bench.calibration`).
@@ -39,8 +41,10 @@ DECODE = "decode"
 FEATURES = "features"
 NEIGHBOURS = "neighbours"
 SERVING = "serving"
+BACKWARD = "backward"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING,
+                                   BACKWARD)
 
 from fa4lab.paths import BENCHMARKS_DIR  # noqa: E402  (re-exported: records live there)
 
@@ -285,15 +289,15 @@ REQUIRED_RECORD_KEYS = ("schema", "kind", "label", "date", "gpu", "commit", "ver
 # instead (hbm_gbps: GB/s of a device-to-device copy, read + write; null if not measured).
 HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
 DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
-# A features run measures neither: its rows are read against each other.
+# A features run measures neither: its rows are read against each other; nor does a backward run.
 FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
 # Each kind's row type and the time it must carry when ok (throughput rows: tflops).
 _ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
          FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms"),
-         SERVING: (ServingResult, "us")}
+         SERVING: (ServingResult, "us"), BACKWARD: (Result, "tflops")}
 _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
             FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of",
-            SERVING: "serving_results_of"}
+            SERVING: "serving_results_of", BACKWARD: "backward_results_of"}
 
 
 def make_floor_record(kind: str, results, *, hbm_gbps: float | None, gpu_name: str,
@@ -314,7 +318,7 @@ def validate_record(record: dict) -> dict:
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
     required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
                 FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS,
-                SERVING: DECODE_RECORD_KEYS}.get(
+                SERVING: DECODE_RECORD_KEYS, BACKWARD: FEATURES_RECORD_KEYS}.get(
         record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
@@ -340,7 +344,8 @@ def _rows_of(record: dict, kind: str | None, reader: str):
         what = {HOST_OVERHEAD: "host times", DECODE: "GQA shapes against the HBM floor",
                 FEATURES: "attention features",
                 NEIGHBOURS: "neighbouring plans of one shape",
-                SERVING: "serving cases against FA4 and the HBM floor"}.get(
+                SERVING: "serving cases against FA4 and the HBM floor",
+                BACKWARD: "the attention backward's throughput"}.get(
                     have, "the throughput sweep")
         right = _READERS.get(have, "results_of")
         raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
@@ -377,6 +382,11 @@ def neighbour_results_of(record: dict) -> list[NeighbourResult]:
 def serving_results_of(record: dict) -> list[ServingResult]:
     """The results of a "serving" record (`fa4lab bench --serving`)."""
     return _rows_of(record, SERVING, "serving_results_of")
+
+
+def backward_results_of(record: dict) -> list[Result]:
+    """The results of a "backward" record (`fa4lab bench --backward`): TFLOP/s of the backward."""
+    return _rows_of(record, BACKWARD, "backward_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -555,7 +565,7 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
     Throughput records carry no kind in the name; the others end in their kind
-    (_host-overhead, _decode, _features, _neighbours, _serving)."""
+    (_host-overhead, _decode, _features, _neighbours, _serving, _backward)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")
