@@ -77,8 +77,8 @@ BACKWARD_PEERS = (KERNEL, FA4, "sdpa-cudnn", "sdpa-flash")
 BACKWARD_PROVIDERS = (OURS,) + BACKWARD_PEERS
 BACKWARD_LABELS = {
     OURS: "fa4lab.attention's autograd: torch.autograd.grad of its out (the backward op "
-          "recomputes out and lse with the forward kernel, then runs the backward kernel: "
-          "Note [the backward on the GPU] in fa4lab.backward)",
+          "reads the forward's saved out and lse and runs the backward kernel: Note [the "
+          "backward on the GPU] in fa4lab.backward)",
     KERNEL: "fa4lab.kernels.launch_backward.backward from the forward's saved out and lse "
             "(its torch pre- and postprocessing included, no forward)",
     FA4: "upstream FA4: torch.autograd.grad of flash_attn_func's out (flash-attn-4)",
@@ -109,8 +109,9 @@ def backward_flops(shape: BenchShape) -> float:
 # retain_graph=True)` (fa4lab, fa4, sdpa-*), or `launch_backward.backward(q, k, v, out, dout,
 # lse)` from the forward kernel's saved out and lse (fa4lab-kernel), with the bench's timer
 # (`fa4lab.bench.timing.time_ms`) after the spin-up. fa4lab's headline row is what model code
-# gets from `fa4lab.attention`, whose backward op recomputes out and lse (one forward) before
-# its kernel runs; fa4lab-kernel is the kernel and its torch pre- and postprocessing alone.
+# gets from `fa4lab.attention`, whose backward op reads the forward's saved out and lse and
+# runs the kernel; fa4lab-kernel is the kernel and its torch pre- and postprocessing alone,
+# called directly (the two differ by the autograd machinery's own cost).
 Setup = Callable[..., tuple[Callable[[], Any], Callable]]
 
 
@@ -429,8 +430,8 @@ def format_backward_table(results: Sequence[Result]) -> str:
     geometric means) of the backward's rows, then fa4lab-kernel's geometric means."""
     lines = [format_table(results), "",
              f"TFLOP/s: the backward as {FLOPS_RULE}. {OURS}: fa4lab.attention's autograd "
-             f"(its backward recomputes out and lse: one forward); {KERNEL}: the backward "
-             f"kernel alone, from the saved out and lse."]
+             f"(its backward op reads the forward's saved out and lse); {KERNEL}: the "
+             f"backward kernel called directly, from the saved out and lse."]
     rows = ratio_table(results, ours=KERNEL)
     means = {p: m for p, m in geomean_ratios(rows).items() if p != OURS}
     if any(means.values()):
