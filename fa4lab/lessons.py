@@ -58,7 +58,8 @@ LESSONS = (
            "TMEM map at head_dim 64 and 128; the B200 backward's plan (roles, SMEM, the barrier "
            "protocol, a modelled timeline) and upstream's 2-CTA MMA; graded: one tile's "
            "backward step",
-           "CPU (float64; costs, TMEM and the plan are a model, no GPU backward kernel yet)"),
+           "CPU (float64; costs, TMEM and the plan are a model); the sm90 backward kernel on "
+           "H100/H200"),
 )
 
 
