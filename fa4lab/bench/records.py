@@ -47,8 +47,16 @@ from fa4lab.paths import BENCHMARKS_DIR  # noqa: E402  (re-exported: records liv
 _REPO = BENCHMARKS_DIR.parent
 
 
+class _Row:
+    """A row of a record: its status is one of STATUSES."""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+
+
 @dataclass
-class Result:
+class Result(_Row):
     """One provider on one shape. tflops/ms are None unless status == 'ok'."""
 
     provider: str
@@ -65,10 +73,6 @@ class Result:
     tol: float | None = None         # the tolerance it was held to
     first_call_s: float | None = None  # wall time of the first call (includes any compile)
     note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
 
     @property
     def key(self) -> tuple[int, bool, int]:
@@ -87,7 +91,7 @@ class Result:
 
 
 @dataclass
-class HostResult:
+class HostResult(_Row):
     """One provider's host time per call on one case (`fa4lab bench --host-overhead`: a dense
     call, or a varlen / paged call at one batch). The times are None unless status == 'ok'."""
 
@@ -100,17 +104,13 @@ class HostResult:
     case: str = "dense"               # "dense", "varlen b32", "paged b256" (HostCase.name)
     shape: str = ""                   # the case's shape, as the table shows it
 
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
     @classmethod
     def from_dict(cls, d: dict) -> HostResult:
         return _from_dict(cls, d, ("provider", "status"))
 
 
 @dataclass
-class DecodeResult:
+class DecodeResult(_Row):
     """One provider on one GQA shape of `fa4lab bench --decode`. The times and rates are None
     unless status == 'ok'; x_floor also when no bandwidth was measured."""
 
@@ -136,10 +136,6 @@ class DecodeResult:
     first_call_s: float | None = None
     note: str = ""
 
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
     @classmethod
     def from_dict(cls, d: dict) -> DecodeResult:
         return _from_dict(cls, d, ("provider", "shape", "batch", "seqlen_q", "seqlen_k",
@@ -147,7 +143,7 @@ class DecodeResult:
 
 
 @dataclass
-class ServingResult:
+class ServingResult(_Row):
     """One provider on one case of `fa4lab bench --serving` (a varlen prefill, a paged decode
     at one page size, a split-KV decode at one batch). The times and rates are None unless
     status == 'ok'; x_floor also when no bandwidth was measured. The case's lengths are in the
@@ -179,10 +175,6 @@ class ServingResult:
     first_call_s: float | None = None
     note: str = ""
 
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
     @classmethod
     def from_dict(cls, d: dict) -> ServingResult:
         return _from_dict(cls, d, ("provider", "scenario", "case", "batch", "heads_q",
@@ -191,7 +183,7 @@ class ServingResult:
 
 
 @dataclass
-class FeatureResult:
+class FeatureResult(_Row):
     """One provider on one feature of `fa4lab bench --features` (one attention option at the
     mode's shape). us/tflops are None unless status == 'ok'; tflops counts only the visible
     (query, key) pairs (Note [visible FLOPs] in `fa4lab.bench.features`)."""
@@ -215,10 +207,6 @@ class FeatureResult:
     heads_kv: int | None = None      # None (records before GQA features): heads
     head_dim_v: int | None = None    # None: head_dim
 
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
     def shape_label(self) -> str:
         """e.g. "b4 s4096 h64/8 hd64", "b4 s4096 h16/16 hd(192, 128)"."""
         dv = self.head_dim_v or self.head_dim
@@ -232,7 +220,7 @@ class FeatureResult:
 
 
 @dataclass
-class NeighbourResult:
+class NeighbourResult(_Row):
     """One sm90/sm100 plan (tile overrides) on the one shape of `fa4lab bench --neighbours`.
     ms/tflops are None unless status == 'ok'; `default` marks the plan fa4lab ships."""
 
@@ -254,10 +242,6 @@ class NeighbourResult:
     tol: float | None = None
     first_call_s: float | None = None   # compile + first call
     note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
 
     @property
     def overrides(self) -> dict[str, int]:
