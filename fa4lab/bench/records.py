@@ -8,7 +8,9 @@ shape) and the memory bandwidth the HBM floor was computed from; "features" reco
 (`fa4lab bench --features`) hold one `FeatureResult` per (feature, provider); "neighbours"
 records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape; "serving"
 records (`fa4lab bench --serving`) one `ServingResult` per (case, provider) and the memory
-bandwidth, as "decode" records do. The format is described in benchmarks/README.md.
+bandwidth, as "decode" records do; "training" records (`fa4lab bench --training`) one
+`TrainingResult` (a loss curve) per attention and the verdict that compares them. The format is
+described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`): the
 bench hands what it reads to the planner (`sweep_figures`, `fa4lab.bench.calibration`).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -39,8 +42,10 @@ DECODE = "decode"
 FEATURES = "features"
 NEIGHBOURS = "neighbours"
 SERVING = "serving"
+TRAINING = "training"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
-RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING)
+RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING,
+                                   TRAINING)
 
 from fa4lab.paths import BENCHMARKS_DIR  # noqa: E402  (re-exported: records live there)
 
@@ -253,6 +258,23 @@ class NeighbourResult(_Row):
                                    "seqlen", "causal", "batch", "heads", "status"))
 
 
+@dataclass
+class TrainingResult(_Row):
+    """One attention's run of `fa4lab bench --training` (`fa4lab.bench.training`): the loss at
+    every step. losses and the times are empty / None unless status == 'ok'."""
+
+    provider: str           # "fa4lab", "sdpa", "sdpa-wide" (`fa4lab.bench.training.ATTENTIONS`)
+    status: str = OK
+    losses: list[float] = field(default_factory=list)   # the training loss of each step
+    ms_per_step: float | None = None   # wall time of the steps after the first, synchronized
+    first_step_s: float | None = None  # the first step (compiles included)
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainingResult:
+        return _from_dict(cls, d, ("provider", "status"))
+
+
 def _from_dict(cls, d: dict, required: tuple[str, ...]):
     if not isinstance(d, dict):
         raise ValueError(f"a result is a JSON object, got {d!r}")
@@ -271,13 +293,15 @@ HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
 DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
 # A features run measures neither: its rows are read against each other.
 FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
+# A training run's rows are loss curves, read through the verdict that compares them.
+TRAINING_RECORD_KEYS = HOST_RECORD_KEYS + ("verdict",)
 # Each kind's row type and the time it must carry when ok (throughput rows: tflops).
 _ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
          FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms"),
-         SERVING: (ServingResult, "us")}
+         SERVING: (ServingResult, "us"), TRAINING: (TrainingResult, "ms_per_step")}
 _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
             FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of",
-            SERVING: "serving_results_of"}
+            SERVING: "serving_results_of", TRAINING: "training_results_of"}
 
 
 def make_floor_record(kind: str, results, *, hbm_gbps: float | None, gpu_name: str,
@@ -298,7 +322,7 @@ def validate_record(record: dict) -> dict:
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
     required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
                 FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS,
-                SERVING: DECODE_RECORD_KEYS}.get(
+                SERVING: DECODE_RECORD_KEYS, TRAINING: TRAINING_RECORD_KEYS}.get(
         record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
@@ -314,7 +338,23 @@ def validate_record(record: dict) -> dict:
         value = getattr(res, time_field)
         if res.status == OK and (value is None or not value > 0):
             raise ValueError(f"result {r} has status ok but no positive {time_field}")
+    if record["kind"] == TRAINING:
+        _validate_training(record)
     return record
+
+
+def _validate_training(record: dict) -> None:
+    """Each ok curve holds config.steps finite losses; the verdict says within_noise and why."""
+    steps = record["config"].get("steps") if isinstance(record["config"], dict) else None
+    for r in map(TrainingResult.from_dict, record["results"]):
+        if r.status == OK and (len(r.losses) != steps or not all(
+                isinstance(x, (int, float)) and math.isfinite(x) for x in r.losses)):
+            raise ValueError(f"{r.provider}'s curve: {len(r.losses)} losses, config.steps = "
+                             f"{steps}, each a finite number")
+    v = record["verdict"]
+    if not (isinstance(v, dict) and isinstance(v.get("within_noise"), bool) and v.get("rule")):
+        raise ValueError(f"a training record's verdict says within_noise (true or false) and "
+                         f"the rule it applied, got {v!r}")
 
 
 def _rows_of(record: dict, kind: str | None, reader: str):
@@ -324,7 +364,8 @@ def _rows_of(record: dict, kind: str | None, reader: str):
         what = {HOST_OVERHEAD: "host times", DECODE: "GQA shapes against the HBM floor",
                 FEATURES: "attention features",
                 NEIGHBOURS: "neighbouring plans of one shape",
-                SERVING: "serving cases against FA4 and the HBM floor"}.get(
+                SERVING: "serving cases against FA4 and the HBM floor",
+                TRAINING: "loss curves of one training run per attention"}.get(
                     have, "the throughput sweep")
         right = _READERS.get(have, "results_of")
         raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
@@ -361,6 +402,11 @@ def neighbour_results_of(record: dict) -> list[NeighbourResult]:
 def serving_results_of(record: dict) -> list[ServingResult]:
     """The results of a "serving" record (`fa4lab bench --serving`)."""
     return _rows_of(record, SERVING, "serving_results_of")
+
+
+def training_results_of(record: dict) -> list[TrainingResult]:
+    """The loss curves of a "training" record (`fa4lab bench --training`)."""
+    return _rows_of(record, TRAINING, "training_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -539,7 +585,7 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
     Throughput records carry no kind in the name; the others end in their kind
-    (_host-overhead, _decode, _features, _neighbours, _serving)."""
+    (_host-overhead, _decode, _features, _neighbours, _serving, _training)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")
