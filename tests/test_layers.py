@@ -175,9 +175,11 @@ def test_the_core_modules_never_import_the_kernels():
 
 
 def test_the_bench_modes_do_not_import_their_dispatcher():
-    """`fa4lab.bench.cli` dispatches to the --features, --serving and --backward modes; they
-    take the shared run helpers from `fa4lab.bench.runs`, so no import runs back up to it."""
+    """`fa4lab.bench.cli` dispatches to the --features, --serving, --backward and --training
+    modes; they take the shared run helpers from `fa4lab.bench.runs`, so no import runs back up
+    to it."""
     for name in ("features_cli.py", "serving_cli.py", "backward.py", "backward_cli.py",
+                 "training_cli.py", "training.py",
                  "runs.py"):
         assert "fa4lab.bench.cli" not in imported(PACKAGE / "bench" / name), name
 

@@ -30,6 +30,9 @@ upstream FA4's autograd and SDPA's (cuDNN, flash), each set of gradients checked
 GQA prefill (batch 1, seqlen 8192, causal) for fa4lab (default and pack_gqa=False, named
 `fa4lab-unpacked`), upstream FA4 and SDPA, each against the shape's HBM floor (the bytes K, V,
 q and out must move, at the copy bandwidth measured in the same run).
+`--training` trains a small decoder-only transformer (4 layers, bf16 autocast, 200 steps) with
+fa4lab's attention, with SDPA and with SDPA one precision up, from one seed on one data stream,
+and says whether fa4lab's loss curve follows SDPA's within the drift that rounding alone causes.
 
 Constraints: timing needs a CUDA GPU (and triton for `triton.testing.do_bench`; without it a
 CUDA-event timer with the same cold-L2 rule is used and the record says so). On a CPU the
@@ -50,6 +53,7 @@ How to run:
     fa4lab bench --features --plot f.png   # each attention option beside FA4 and PyTorch
     fa4lab bench --serving             # varlen prefill, paged and split-KV decode
     fa4lab bench --backward            # the attention backward beside FA4 and SDPA
+    fa4lab bench --training            # loss curves, fa4lab beside SDPA, within bf16 noise?
 
 The modules, one concept each:
 
@@ -67,6 +71,9 @@ The modules, one concept each:
     serving_cli     `fa4lab bench --serving`: its table, bars and command
     backward        the attention backward: its cases, providers, gradient check, record
     backward_cli    `fa4lab bench --backward`
+    training        a small transformer trained per attention, the bf16-noise verdict
+    training_cli    `fa4lab bench --training`: its table, record and plot
+    results         the rows of a record, one dataclass per kind, and their statuses
     records         the JSON records in benchmarks/ (benchmarks/README.md has the format)
     table           TFLOP/s tables and fa4lab/peer ratios
     cli             `fa4lab bench ...`
@@ -174,12 +181,14 @@ from fa4lab.bench.records import (
     SERVING,
     SKIPPED,
     STATUSES,
+    TRAINING,
     DecodeResult,
     FeatureResult,
     HostResult,
     NeighbourResult,
     Result,
     ServingResult,
+    TrainingResult,
     backward_results_of,
     decode_results_of,
     default_record_path,
@@ -195,6 +204,7 @@ from fa4lab.bench.records import (
     results_of,
     save_record,
     serving_results_of,
+    training_results_of,
     validate_record,
     versions,
 )
@@ -267,4 +277,5 @@ __all__ = [
     "NEIGHBOURS", "NeighbourResult", "neighbour_results_of",
     "SERVING", "ServingResult", "serving_results_of",
     "BACKWARD", "backward_results_of",
+    "TRAINING", "TrainingResult", "training_results_of",
 ]

@@ -1,12 +1,14 @@
 """`fa4lab bench ...`: the command line of the bench (its only entry is `fa4lab.cli:main`).
 
-Seven modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features`,
-`--neighbours` (`fa4lab.bench.neighbours`), `--serving` (`fa4lab.bench.serving`) and
-`--backward` (`fa4lab.bench.backward`). On a GPU each checks, times and records; on a CPU it
-says so, prints what it would run and the latest recorded results, and exits 0. Bad arguments
-exit 2; `--strict` makes a provider that raised or failed its check exit 1; a `--features`,
-`--serving` or `--backward` run that outlives its step limit exits 3 (TIMEOUT_EXIT, Note [run
-time limits]).
+Eight modes: the throughput sweep (default), `--host-overhead`, `--decode`, `--features`,
+`--neighbours` (`fa4lab.bench.neighbours`), `--serving` (`fa4lab.bench.serving`),
+`--backward` (`fa4lab.bench.backward`) and `--training` (`fa4lab.bench.training`: a small
+transformer trained with fa4lab and with SDPA). On a GPU each checks, times and records; on a
+CPU it says so, prints what it would run and the latest recorded results, and exits 0
+(`--training --device cpu` trains the CPU config). Bad arguments exit 2; `--strict` makes a
+provider that raised or failed its check exit 1 (with `--training`: a curve not within the
+noise); a `--features`, `--serving` or `--backward` run that outlives its step limit exits 3
+(TIMEOUT_EXIT, Note [run time limits]).
 """
 
 from __future__ import annotations
@@ -239,6 +241,22 @@ def add_cli(subparsers) -> None:
                     "(none by default) and --step-timeout apply")
     bwd.add_argument("--backward", action="store_true",
                      help="time the attention backward instead of the forward sweep")
+    train = p.add_argument_group(
+        "training", "a small decoder-only transformer (4 layers, hidden 512, seqlen 512, bf16 "
+                    "autocast) trained 200 steps with fa4lab.attention, with SDPA and with SDPA "
+                    "one precision up (the noise yardstick), from one seed; the verdict says "
+                    "whether the fa4lab curve follows SDPA's within bf16 noise "
+                    "(fa4lab.bench.training); --json/--out, --plot (default: beside the record), "
+                    "--label, --no-save and --strict (exit 1 when it does not) apply")
+    train.add_argument("--training", action="store_true",
+                       help="compare training loss curves instead of the sweep")
+    train.add_argument("--steps", type=int, default=None,
+                       help="training steps (default 200 on a GPU, 20 on the CPU)")
+    train.add_argument("--layers", type=int, default=None,
+                       help="transformer blocks (default 4 on a GPU, 2 on the CPU)")
+    train.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                       help="auto (default): the GPU, else print the latest record; cpu: train "
+                            "the tiny CPU config on fa4lab's float64 reference")
     p.set_defaults(func=main_args)
 
 
@@ -298,11 +316,13 @@ _DECODE_ONLY = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "prefill
                 "llm_shapes")
 _SWEEP_ONLY = ("seqlen", "causal", "total_tokens", "hidden", "quick", "plot", "no_gemm")
 _FEATURES_ONLY = ("feature", "time_budget", "step_timeout")
+_TRAINING_ONLY = ("steps", "layers", "device")
 
 
 def _modes(args) -> list[str]:
     return [f"--{m.replace('_', '-')}" for m in ("host_overhead", "decode", "features",
-                                                  "neighbours", "serving", "backward")
+                                                  "neighbours", "serving", "backward",
+                                                  "training")
             if getattr(args, m, False)]
 
 
@@ -323,6 +343,14 @@ def main_args(args) -> int:
         return 2
     if getattr(args, "scenario", None) and not getattr(args, "serving", False):
         print("fa4lab bench: --scenario applies to --serving only", file=sys.stderr)
+        return 2
+    if getattr(args, "training", False):
+        from fa4lab.bench.training_cli import training_args
+
+        return training_args(args)
+    wrong = changed(args, _TRAINING_ONLY)
+    if wrong:
+        print(f"fa4lab bench: {', '.join(wrong)} apply to --training only", file=sys.stderr)
         return 2
     if args.features:
         wrong = changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)

@@ -9,8 +9,9 @@ shape) and the memory bandwidth the HBM floor was computed from; "features" reco
 records (`fa4lab bench --neighbours`) one `NeighbourResult` per plan of one shape; "serving"
 records (`fa4lab bench --serving`) one `ServingResult` per (case, provider) and the memory
 bandwidth, as "decode" records do; "backward" records (`fa4lab bench --backward`) one `Result`
-per (provider, shape), as throughput records, TFLOP/s of the backward and no GEMM ceiling. The
-format is described in benchmarks/README.md.
+per (provider, shape), as throughput records, TFLOP/s of the backward and no GEMM ceiling;
+"training" records (`fa4lab bench --training`) one `TrainingResult` (a loss curve) per attention
+and the verdict that compares them. The format is described in benchmarks/README.md.
 
 This module imports nothing heavier than the standard library (and no `fa4lab.plan`): the
 bench hands what it reads to the planner (`sweep_figures`, `fa4lab.bench.calibration`).
@@ -20,20 +21,31 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
 import subprocess
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import fa4lab
-
-# Status of one (provider, shape) cell. "skipped": the provider is here but was not run, and
-# the note says why (it cannot express the feature, or the run's time budget was spent).
-OK, FAILED, ERROR, MISSING, SKIPPED = "ok", "failed", "error", "missing", "skipped"
-STATUSES = (OK, FAILED, ERROR, MISSING, SKIPPED)
+from fa4lab.bench.results import (  # noqa: F401  (re-exported: the rows of a record)
+    ERROR,
+    FAILED,
+    MISSING,
+    OK,
+    SKIPPED,
+    STATUSES,
+    DecodeResult,
+    FeatureResult,
+    HostResult,
+    NeighbourResult,
+    Result,
+    ServingResult,
+    TrainingResult,
+)
 
 SCHEMA = "fa4lab.bench/1"
 HOST_OVERHEAD = "host-overhead"
@@ -42,245 +54,14 @@ FEATURES = "features"
 NEIGHBOURS = "neighbours"
 SERVING = "serving"
 BACKWARD = "backward"
+TRAINING = "training"
 THROUGHPUT_KINDS = ("measured", "reference-peers")
 RECORD_KINDS = THROUGHPUT_KINDS + (HOST_OVERHEAD, DECODE, FEATURES, NEIGHBOURS, SERVING,
-                                   BACKWARD)
+                                   BACKWARD, TRAINING)
 
 from fa4lab.paths import BENCHMARKS_DIR  # noqa: E402  (re-exported: records live there)
 
 _REPO = BENCHMARKS_DIR.parent
-
-
-@dataclass
-class Result:
-    """One provider on one shape. tflops/ms are None unless status == 'ok'."""
-
-    provider: str
-    head_dim: int
-    seqlen: int
-    causal: bool
-    batch: int
-    heads: int
-    dtype: str = "bf16"
-    status: str = OK
-    tflops: float | None = None
-    ms: float | None = None
-    max_err: float | None = None     # max |out - reference| on the checked slice
-    tol: float | None = None         # the tolerance it was held to
-    first_call_s: float | None = None  # wall time of the first call (includes any compile)
-    note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    @property
-    def key(self) -> tuple[int, bool, int]:
-        return (self.head_dim, self.causal, self.seqlen)
-
-    @classmethod
-    def for_shape(cls, provider: str, shape, **kw) -> Result:
-        """The result of `provider` on a `BenchShape`."""
-        return cls(provider, shape.head_dim, shape.seqlen, shape.causal, shape.batch,
-                   shape.heads, shape.dtype, **kw)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Result:
-        return _from_dict(cls, d, ("provider", "head_dim", "seqlen", "causal", "batch", "heads",
-                                   "status"))
-
-
-@dataclass
-class HostResult:
-    """One provider's host time per call on one case (`fa4lab bench --host-overhead`: a dense
-    call, or a varlen / paged call at one batch). The times are None unless status == 'ok'."""
-
-    provider: str
-    status: str = OK
-    mean_us: float | None = None      # all timed calls: issue time / (calls x repeats)
-    median_us: float | None = None    # median over the repeats of each repeat's mean
-    repeats_us: list[float] = field(default_factory=list)   # each repeat's mean
-    note: str = ""
-    case: str = "dense"               # "dense", "varlen b32", "paged b256" (HostCase.name)
-    shape: str = ""                   # the case's shape, as the table shows it
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> HostResult:
-        return _from_dict(cls, d, ("provider", "status"))
-
-
-@dataclass
-class DecodeResult:
-    """One provider on one GQA shape of `fa4lab bench --decode`. The times and rates are None
-    unless status == 'ok'; x_floor also when no bandwidth was measured."""
-
-    provider: str
-    shape: str              # "decode" or "prefill": which of the mode's shapes
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    causal: bool
-    dtype: str = "bf16"
-    status: str = OK
-    us: float | None = None          # median microseconds per call
-    x_floor: float | None = None     # us / floor_us: 1.0 is the HBM floor
-    floor_us: float | None = None    # hbm_bytes at the run's measured bandwidth
-    hbm_bytes: int | None = None     # bytes the call must move: K and V once, q and out
-    gbps: float | None = None        # hbm_bytes / us, GB/s (1e9 bytes)
-    tflops: float | None = None      # AttentionSpec.flops() / us
-    max_err: float | None = None     # the check before timing, as in Result
-    tol: float | None = None
-    first_call_s: float | None = None
-    note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DecodeResult:
-        return _from_dict(cls, d, ("provider", "shape", "batch", "seqlen_q", "seqlen_k",
-                                   "heads_q", "heads_kv", "head_dim", "causal", "status"))
-
-
-@dataclass
-class ServingResult:
-    """One provider on one case of `fa4lab bench --serving` (a varlen prefill, a paged decode
-    at one page size, a split-KV decode at one batch). The times and rates are None unless
-    status == 'ok'; x_floor also when no bandwidth was measured. The case's lengths are in the
-    record's config."""
-
-    provider: str
-    scenario: str           # "varlen-prefill", "paged-decode", "splitkv-decode", "paged-prefill"
-    case: str               # e.g. "paged-decode p16", "splitkv-decode b2"
-    batch: int              # sequences
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    causal: bool
-    total_q: int            # query rows of all sequences
-    total_k: int            # keys all sequences attend to (seqused_k applied)
-    max_seqlen_k: int
-    page_size: int | None = None     # paged-decode only
-    dtype: str = "bf16"
-    status: str = OK
-    us: float | None = None          # median microseconds per call
-    x_floor: float | None = None     # us / floor_us: 1.0 is the HBM floor
-    floor_us: float | None = None    # hbm_bytes at the run's measured bandwidth
-    hbm_bytes: int | None = None     # K/V attended once, q and out once
-    gbps: float | None = None        # hbm_bytes / us, GB/s (1e9 bytes)
-    tflops: float | None = None      # flops / us
-    flops: float | None = None       # 2 x (head_dim + head_dim_v) x visible pairs x heads_q
-    max_err: float | None = None     # the check before timing, as in Result
-    tol: float | None = None
-    first_call_s: float | None = None
-    note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ServingResult:
-        return _from_dict(cls, d, ("provider", "scenario", "case", "batch", "heads_q",
-                                   "heads_kv", "head_dim", "causal", "total_q", "total_k",
-                                   "max_seqlen_k", "status"))
-
-
-@dataclass
-class FeatureResult:
-    """One provider on one feature of `fa4lab bench --features` (one attention option at the
-    mode's shape). us/tflops are None unless status == 'ok'; tflops counts only the visible
-    (query, key) pairs (Note [visible FLOPs] in `fa4lab.bench.features`)."""
-
-    provider: str
-    feature: str            # e.g. "window-1024-0": `fa4lab.bench.features.ALL_FEATURES` names
-    batch: int
-    seqlen: int
-    heads: int
-    head_dim: int
-    causal: bool
-    dtype: str = "bf16"
-    status: str = OK
-    us: float | None = None          # median microseconds per call
-    tflops: float | None = None      # flops / us
-    flops: float | None = None       # 2 (head_dim + head_dim_v) batch heads visible pairs
-    max_err: float | None = None     # the check before timing, as in Result
-    tol: float | None = None
-    first_call_s: float | None = None   # first call: compile, mask/block-mask building, check
-    note: str = ""
-    heads_kv: int | None = None      # None (records before GQA features): heads
-    head_dim_v: int | None = None    # None: head_dim
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    def shape_label(self) -> str:
-        """e.g. "b4 s4096 h64/8 hd64", "b4 s4096 h16/16 hd(192, 128)"."""
-        dv = self.head_dim_v or self.head_dim
-        hd = f"hd{self.head_dim}" if dv == self.head_dim else f"hd({self.head_dim}, {dv})"
-        return f"b{self.batch} s{self.seqlen} h{self.heads}/{self.heads_kv or self.heads} {hd}"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FeatureResult:
-        return _from_dict(cls, d, ("provider", "feature", "batch", "seqlen", "heads",
-                                   "head_dim", "causal", "status"))
-
-
-@dataclass
-class NeighbourResult:
-    """One sm90/sm100 plan (tile overrides) on the one shape of `fa4lab bench --neighbours`.
-    ms/tflops are None unless status == 'ok'; `default` marks the plan fa4lab ships."""
-
-    n_block: int
-    kv_stage: int
-    q_stage: int
-    default: bool
-    head_dim: int
-    seqlen: int
-    causal: bool
-    batch: int
-    heads: int
-    dtype: str = "bf16"
-    provider: str = "fa4lab"
-    status: str = OK
-    ms: float | None = None
-    tflops: float | None = None
-    max_err: float | None = None
-    tol: float | None = None
-    first_call_s: float | None = None   # compile + first call
-    note: str = ""
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
-
-    @property
-    def overrides(self) -> dict[str, int]:
-        return {"n_block": self.n_block, "kv_stage": self.kv_stage, "q_stage": self.q_stage}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> NeighbourResult:
-        return _from_dict(cls, d, ("n_block", "kv_stage", "q_stage", "default", "head_dim",
-                                   "seqlen", "causal", "batch", "heads", "status"))
-
-
-def _from_dict(cls, d: dict, required: tuple[str, ...]):
-    if not isinstance(d, dict):
-        raise ValueError(f"a result is a JSON object, got {d!r}")
-    missing = [n for n in required if n not in d]
-    if missing:
-        raise ValueError(f"result {d} lacks {missing}")
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
 
 
 REQUIRED_RECORD_KEYS = ("schema", "kind", "label", "date", "gpu", "commit", "versions", "command",
@@ -291,13 +72,17 @@ HOST_RECORD_KEYS = tuple(k for k in REQUIRED_RECORD_KEYS if k != "gemm_tflops")
 DECODE_RECORD_KEYS = HOST_RECORD_KEYS + ("hbm_gbps",)
 # A features run measures neither: its rows are read against each other; nor does a backward run.
 FEATURES_RECORD_KEYS = HOST_RECORD_KEYS
+# A training run's rows are loss curves, read through the verdict that compares them.
+TRAINING_RECORD_KEYS = HOST_RECORD_KEYS + ("verdict",)
 # Each kind's row type and the time it must carry when ok (throughput rows: tflops).
 _ROWS = {HOST_OVERHEAD: (HostResult, "mean_us"), DECODE: (DecodeResult, "us"),
          FEATURES: (FeatureResult, "us"), NEIGHBOURS: (NeighbourResult, "ms"),
-         SERVING: (ServingResult, "us"), BACKWARD: (Result, "tflops")}
+         SERVING: (ServingResult, "us"), BACKWARD: (Result, "tflops"),
+         TRAINING: (TrainingResult, "ms_per_step")}
 _READERS = {HOST_OVERHEAD: "host_results_of", DECODE: "decode_results_of",
             FEATURES: "feature_results_of", NEIGHBOURS: "neighbour_results_of",
-            SERVING: "serving_results_of", BACKWARD: "backward_results_of"}
+            SERVING: "serving_results_of", BACKWARD: "backward_results_of",
+            TRAINING: "training_results_of"}
 
 
 def make_floor_record(kind: str, results, *, hbm_gbps: float | None, gpu_name: str,
@@ -318,7 +103,8 @@ def validate_record(record: dict) -> dict:
         raise ValueError(f"a bench record is a JSON object, got {type(record).__name__}")
     required = {HOST_OVERHEAD: HOST_RECORD_KEYS, DECODE: DECODE_RECORD_KEYS,
                 FEATURES: FEATURES_RECORD_KEYS, NEIGHBOURS: FEATURES_RECORD_KEYS,
-                SERVING: DECODE_RECORD_KEYS, BACKWARD: FEATURES_RECORD_KEYS}.get(
+                SERVING: DECODE_RECORD_KEYS, BACKWARD: FEATURES_RECORD_KEYS,
+                TRAINING: TRAINING_RECORD_KEYS}.get(
         record.get("kind"), REQUIRED_RECORD_KEYS)
     missing = [k for k in required if k not in record]
     if missing:
@@ -334,7 +120,23 @@ def validate_record(record: dict) -> dict:
         value = getattr(res, time_field)
         if res.status == OK and (value is None or not value > 0):
             raise ValueError(f"result {r} has status ok but no positive {time_field}")
+    if record["kind"] == TRAINING:
+        _validate_training(record)
     return record
+
+
+def _validate_training(record: dict) -> None:
+    """Each ok curve holds config.steps finite losses; the verdict says within_noise and why."""
+    steps = record["config"].get("steps") if isinstance(record["config"], dict) else None
+    for r in map(TrainingResult.from_dict, record["results"]):
+        if r.status == OK and (len(r.losses) != steps or not all(
+                isinstance(x, (int, float)) and math.isfinite(x) for x in r.losses)):
+            raise ValueError(f"{r.provider}'s curve: {len(r.losses)} losses, config.steps = "
+                             f"{steps}, each a finite number")
+    v = record["verdict"]
+    if not (isinstance(v, dict) and isinstance(v.get("within_noise"), bool) and v.get("rule")):
+        raise ValueError(f"a training record's verdict says within_noise (true or false) and "
+                         f"the rule it applied, got {v!r}")
 
 
 def _rows_of(record: dict, kind: str | None, reader: str):
@@ -345,7 +147,8 @@ def _rows_of(record: dict, kind: str | None, reader: str):
                 FEATURES: "attention features",
                 NEIGHBOURS: "neighbouring plans of one shape",
                 SERVING: "serving cases against FA4 and the HBM floor",
-                BACKWARD: "the attention backward's throughput"}.get(
+                BACKWARD: "the attention backward's throughput",
+                TRAINING: "loss curves of one training run per attention"}.get(
                     have, "the throughput sweep")
         right = _READERS.get(have, "results_of")
         raise ValueError(f"a {have!r} record holds {what}, not what {reader} reads: read it "
@@ -387,6 +190,11 @@ def serving_results_of(record: dict) -> list[ServingResult]:
 def backward_results_of(record: dict) -> list[Result]:
     """The results of a "backward" record (`fa4lab bench --backward`): TFLOP/s of the backward."""
     return _rows_of(record, BACKWARD, "backward_results_of")
+
+
+def training_results_of(record: dict) -> list[TrainingResult]:
+    """The loss curves of a "training" record (`fa4lab bench --training`)."""
+    return _rows_of(record, TRAINING, "training_results_of")
 
 
 def save_record(record: dict, path: str | os.PathLike) -> Path:
@@ -565,7 +373,7 @@ def make_record(results: Sequence[Result], *, gemm: float | None, gpu_name: str,
 def default_record_path(record: dict) -> Path:
     """benchmarks/<date>_<gpu>_<commit>_<time>[_<kind>].json: sorts by date, never overwrites.
     Throughput records carry no kind in the name; the others end in their kind
-    (_host-overhead, _decode, _features, _neighbours, _serving, _backward)."""
+    (_host-overhead, _decode, _features, _neighbours, _serving, _backward, _training)."""
     gpu = re.sub(r"[^a-z0-9]+", "-", str(record["gpu"]).lower()).strip("-") or "gpu"
     commit = (record.get("commit") or "nocommit")[:7]
     stamp = str(record.get("time_utc", "")).replace(":", "")
