@@ -325,7 +325,6 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     slots past the sequence's last page are never read and may hold anything, as serving stacks
     pad with -1).
     """
-    import torch
 
     mode = check_mode(check_indices)
     paged = page_table is not None
@@ -342,7 +341,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         table = _page_table(page_table, q, batch, "cu_seqlens_q describes")
         page_size = int(k.shape[1])
         capacity = paged_seqlen_k(k, table)
-        have = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        have = None      # every sequence's capacity: made below only where something reads it
     else:
         if cu_seqlens_k is None:
             raise InputError("cu_seqlens_k is None without a page_table: pass int32 "
@@ -361,6 +360,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise InputError(f"seqused_k has {used.shape[0]} entries for {batch} sequences: one "
                              f"key count per sequence")
         keys = used
+    elif paged:
+        keys = have = _capacities(batch, capacity, q.device)
     lengths = VarlenLengths(cu_q, keys, cu_k, page_size,
                             _max_bound("max_seqlen_q", max_seqlen_q, int(q.shape[0])),
                             _max_bound("max_seqlen_k", max_seqlen_k, capacity))
@@ -376,8 +377,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if cu_k is not None:
             found += _cu_rules("cu_seqlens_k", cu_k, int(k.shape[0]))
         if used is not None:
-            found.append(_Rule(Rule.SEQUSED_K, lambda: (used < 0) | (used > have),
-                               lambda b: (int(used[b]), int(have[b]))))
+            cap = have if have is not None else _capacities(batch, capacity, q.device)
+            found.append(_Rule(Rule.SEQUSED_K, lambda: (used < 0) | (used > cap),
+                               lambda b: (int(used[b]), int(cap[b]))))
         if paged:
             found.append(_page_rule(table, keys, page_size, int(k.shape[0])))
         found += _max_rule(Rule.MAX_Q, max_seqlen_q, lambda: cu_q[1:] - cu_q[:-1])
@@ -385,6 +387,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
     _run_check(q, mode, context, rules, cu_q, cu_k, used, table)
     return lengths
+
+
+def _capacities(batch: int, capacity: int, device):
+    """Every paged sequence's key capacity, pages_per_seq * page_size, as int32 (batch,)."""
+    import torch
+
+    return torch.full((batch,), capacity, dtype=torch.int32, device=device)
 
 
 def _page_table(page_table, q, batch: int, who: str):
