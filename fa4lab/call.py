@@ -4,6 +4,7 @@
     call.spec              # the sized AttentionSpec: shapes, dtype, the mask in its one form
     call.for_kernel("sm90")  # the same call in the form the sm90 kernel builds (padded, copied)
     call.key("sm90")       # the KernelKey of the kernel that runs it
+    call.backward_key("sm90")  # the BackwardKey of the backward kernel that differentiates it
 
 Every forward entry point (`fa4lab.attention`, `attention_varlen`, their torch ops, the
 one-arch `fa4lab.kernels.launch.attention_sm90` / `attention_sm100`, ring attention) calls
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4lab.errors import InputError, InputTypeError, check_qkv_kinds, check_same_device
-from fa4lab.plan.key import KernelKey
+from fa4lab.plan.key import BackwardKey, KernelKey
 from fa4lab.spec import (
     AttentionSpec,
     check_kernel_layout,
@@ -152,6 +153,18 @@ class Call:
                          (left is not None, right is not None),
                          s.learnable_sink and not split_kv, persistent, packed, s.varlen,
                          bool(split_kv), s.page_size)
+
+    def backward_key(self, arch: str = "sm90", deterministic: bool = False) -> BackwardKey:
+        """The `BackwardKey` of the `arch` backward kernel on this call, read off the spec (its
+        dtype, mask and GQA ratio as checked here; which sides the window has). For a Call in
+        the kernel's form (`for_kernel`: a kernel dtype); `deterministic` orders dQ's additions
+        (Note [deterministic dQ] in fa4lab.kernels.bwd_sm90). ValueError where the kernel does
+        not build it (`fa4lab.plan.key.backward_unbuilt`)."""
+        s = self.spec
+        left, right = s.window_size
+        return BackwardKey(s.head_dim, s.head_dim_v, s.dtype, s.causal, s.qhead_per_kvhead,
+                           bool(s.softcap), (left is not None, right is not None),
+                           bool(deterministic), arch)
 
 
 def check_switches(pack_gqa=None, persistent=None, deterministic=False) -> None:
