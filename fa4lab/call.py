@@ -195,7 +195,7 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
                softcap=0.0, learnable_sink=None, return_lse=False, pack_gqa=None,
                persistent=None, deterministic=False, num_splits=None, score_mod=None,
                mask_mod=None, aux_tensors=None, page_table=None, seqused_k=None,
-               lengths=None, arch: str | None = None) -> Call:
+               lengths=None, arch: str | None = None, check_indices="device") -> Call:
     """The one input check of a forward call; returns the `Call` (Note [one check per call]).
 
     Checks: the switches (`check_switches`), num_splits (`fa4lab.splitkv.check_num_splits`),
@@ -210,7 +210,8 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
     comes back in that kernel's form without padding (`Call.for_kernel(arch, pad=False)`: a
     built head-dim pair, TMA-readable layouts, CUDA tensors). Raises TypeError or ValueError
     saying what is wrong and what to do; reads no tensor value (a paged table's values are
-    checked as `fa4lab.varlen.check_paged` says)."""
+    checked as `fa4lab.varlen.check_paged` says, in `check_indices`' mode: a second Call of
+    one call's tensors, as the backward's, passes False)."""
     from fa4lab.splitkv import check_num_splits
 
     check_switches(pack_gqa, persistent, deterministic)
@@ -222,7 +223,7 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
     elif page_table is not None:
         from fa4lab.varlen import check_paged
 
-        seqlen_k = check_paged(q, k, v, page_table)
+        seqlen_k = check_paged(q, k, v, page_table, check_indices=check_indices)
         batch, seqlen_q = q.shape[0], q.shape[1]
         empty = q.numel() == 0 or seqlen_k == 0
     else:
