@@ -19,6 +19,7 @@ import argparse
 import torch
 import triton.testing
 
+from fa4lab.call import check_call
 from fa4lab.kernels.launch_backward import backward, saved_forward
 
 
@@ -27,8 +28,9 @@ def bench(d: int, seqlen: int, causal: bool, deterministic: bool) -> dict:
     b, h = tokens // seqlen, hidden // d
     q, k, v, do = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
-    out, lse = saved_forward(q, k, v, "sm90", causal=causal)
-    ours = triton.testing.do_bench(lambda: backward(q, k, v, out, do, lse, causal=causal,
+    call = check_call(q, k, v, causal=causal, arch="sm90")
+    out, lse = saved_forward(call, "sm90")
+    ours = triton.testing.do_bench(lambda: backward(call, out, do, lse,
                                                     deterministic=deterministic))
     row = {"head_dim": d, "seqlen": seqlen, "causal": causal, "fa4lab_ms": ours}
     try:

@@ -23,6 +23,8 @@ backward).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from fa4lab.errors import GradientNotSupportedError
@@ -48,7 +50,8 @@ __all__ = ["ReferenceWithMods", "attention_backward", "attention_varlen_backward
 # context when a graph input requires grad, so `save_attention` raises at compile time; the
 # backward ops raise on CUDA tensors too. On an sm90 GPU the eager check of `attention` lets
 # the call through (it does not see the options) and `save_attention` refuses what the kernel
-# does not build (`fa4lab.kernels.launch_backward.missing`), naming it.
+# does not build (`refuse_unbuilt` on the call's `check_call`: `fa4lab.kernels.launch_backward
+# .unbuilt`), naming it.
 #
 # Note [the backward on the GPU]
 # On CUDA tensors of an sm90 GPU, `attention_backward` runs `fa4lab.kernels.launch_backward
@@ -112,21 +115,32 @@ def _kernel_arch(t) -> str | None:
     return arch if arch == "sm90" else None
 
 
-def refuse_unbuilt(q, k, v, learnable_sink=None, *, entry: str = "fa4lab.attention",
-                   page_table=None, varlen: bool = False, mods: bool = False) -> None:
-    """GradientNotSupportedError naming what the GPU's backward kernel does not build for
-    this call (`fa4lab.kernels.launch_backward.missing`), when one of the tensors requires
-    grad and they are CUDA tensors (grad mode not asked: an op's setup_context runs with it
-    off, as in `refuse_gradients_on_cuda`)."""
-    if not (q.is_cuda and any(getattr(t, "requires_grad", False)
-                              for t in (q, k, v, learnable_sink))):
+def refuse_unbuilt(call, *, entry: str = "fa4lab.attention",
+                   deterministic: bool = False) -> None:
+    """GradientNotSupportedError naming what the GPU's backward kernel does not build for the
+    checked `call` (`fa4lab.kernels.launch_backward.unbuilt`), when one of its tensors
+    requires grad and they are CUDA tensors (grad mode not asked: an op's setup_context runs
+    with it off, as in `refuse_gradients_on_cuda`)."""
+    if not (call.q.is_cuda and any(getattr(t, "requires_grad", False)
+                                   for t in (call.q, call.k, call.v, call.sink))):
         return
-    from fa4lab.kernels.launch_backward import missing
+    from fa4lab.kernels.launch_backward import unbuilt
 
-    lacks = missing(q, k, v, arch=_kernel_arch(q), page_table=page_table, varlen=varlen,
-                    mods=mods)
+    lacks = unbuilt(call, _kernel_arch(call.q), deterministic)
     if lacks is not None:
-        raise grad_error(q.device, entry, lacks)
+        raise grad_error(call.q.device, entry, lacks)
+
+
+def _op_call(q, k, v, learnable_sink, page_table, causal, softmax_scale, softcap, window_left,
+             window_right):
+    """The checked `Call` (`fa4lab.call.check_call`) of the dense op's arguments: the
+    forward's options, which the backward reads from it."""
+    from fa4lab.call import check_call
+
+    return check_call(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                      window_size=(window_left, window_right), softcap=softcap,
+                      learnable_sink=learnable_sink, page_table=page_table,
+                      check_indices=False)     # the forward's call checked the table's values
 
 
 # Note [the backward ops]
@@ -190,31 +204,30 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor,
     CPU reference, which recomputes out and lse in float64, is deterministic whatever it
     says)."""
     if q.is_cuda:
-        return cuda_backward(dout, dlse, q, k, v, out, lse, learnable_sink, page_table,
-                             deterministic=deterministic,
-                             **_options(causal, softmax_scale, softcap, window_left,
-                                        window_right))
+        call = _op_call(q, k, v, learnable_sink, page_table, causal, softmax_scale, softcap,
+                        window_left, window_right)
+        return cuda_backward(call, dout, dlse, out, lse, deterministic=deterministic)
     g = dense_backward(dout, dlse if dlse.numel() else None, q, k, v, learnable_sink,
                        page_table, **_options(causal, softmax_scale, softcap, window_left,
                                               window_right))
     return _finish(g, q, k, v, learnable_sink)
 
 
-def cuda_backward(dout, dlse, q, k, v, out, lse, learnable_sink, page_table, *, causal,
-                  softmax_scale, softcap, window_size, deterministic: bool = False):
-    """(dq, dk, dv, dsink) on CUDA tensors: the backward kernel on the forward's saved out
-    and lse, no forward launched (Note [the backward on the GPU]); GradientNotSupportedError
-    naming what is missing where no kernel runs the call."""
+def cuda_backward(call, dout, dlse, out, lse, *, deterministic: bool = False):
+    """(dq, dk, dv, dsink) of the checked `call` on CUDA tensors: the backward kernel on the
+    forward's saved out and lse, no forward launched (Note [the backward on the GPU]);
+    GradientNotSupportedError naming what is missing where no kernel runs the call."""
     from fa4lab.kernels import launch_backward
 
-    lacks = launch_backward.missing(q, k, v, arch=_kernel_arch(q), page_table=page_table)
+    arch = _kernel_arch(call.q)
+    lacks = launch_backward.unbuilt(call, arch, deterministic)
     if lacks is not None:
-        raise grad_error(q.device, missing=lacks)
-    q, k, v, dout = (launch_backward.kernel_layout(t) for t in (q, k, v, dout))
+        raise grad_error(call.q.device, missing=lacks)
+    q, k, v = (launch_backward.kernel_layout(t) for t in (call.q, call.k, call.v))
     dq, dk, dv, dsink = launch_backward.backward(
-        q, k, v, out, dout, lse, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
-        window_size=window_size, learnable_sink=learnable_sink,
-        dlse=dlse if dlse.numel() else None, deterministic=deterministic)
+        replace(call, q=q, k=k, v=v).for_kernel(arch, pad=False), out,
+        launch_backward.kernel_layout(dout), lse, dlse=dlse if dlse.numel() else None,
+        deterministic=deterministic, arch=arch)
     # contiguous, as the fake says (a no-op where the kernel's layout already is)
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
             q.new_empty((0,)) if dsink is None else dsink)
@@ -243,7 +256,10 @@ def save_attention(ctx, inputs, output) -> None:
     (q, k, v, causal, softmax_scale, return_lse, _pack_gqa, softcap, window_left,
      window_right, learnable_sink, _num_splits, page_table, deterministic) = inputs
     refuse_gradients_on_cuda(q, k, v, learnable_sink, recording=True)
-    refuse_unbuilt(q, k, v, learnable_sink, page_table=page_table)
+    if q.is_cuda:
+        refuse_unbuilt(_op_call(q, k, v, learnable_sink, page_table, causal, softmax_scale,
+                                softcap, window_left, window_right),
+                       deterministic=deterministic)
     if q.is_cuda and not return_lse:
         raise GradientNotSupportedError(
             "fa4lab::attention_forward was called with return_lse=False on CUDA inputs that "
@@ -328,12 +344,12 @@ class ReferenceWithMods(torch.autograd.Function):
     cannot be an argument of the forward op, so this Function carries the call instead.
     forward(q, k, v, learnable_sink, forward_fn, options) runs `forward_fn(q, k, v,
     learnable_sink)` -> (out, lse) (`fa4lab.api.dense._forward` with the call's options, lse
-    always computed); backward is `dense_backward` with the mods in `options`."""
+    always computed); backward is `dense_backward` with the mods in `options`. The caller
+    (`fa4lab.api.dense`) has refused CUDA tensors (`refuse_gradients_on_cuda`, `refuse_unbuilt`
+    on its checked call) before it applies this."""
 
     @staticmethod
     def forward(ctx, q, k, v, learnable_sink, forward_fn, options: dict):
-        refuse_gradients_on_cuda(q, k, v, learnable_sink)
-        refuse_unbuilt(q, k, v, learnable_sink, mods=True)
         out, lse = forward_fn(q, k, v, learnable_sink)
         ctx.save_for_backward(q, k, v, learnable_sink)
         ctx.options = options

@@ -4,6 +4,7 @@
     call.spec              # the sized AttentionSpec: shapes, dtype, the mask in its one form
     call.for_kernel("sm90")  # the same call in the form the sm90 kernel builds (padded, copied)
     call.key("sm90")       # the KernelKey of the kernel that runs it
+    call.backward_key("sm90")  # the BackwardKey of the backward kernel that differentiates it
 
 Every forward entry point (`fa4lab.attention`, `attention_varlen`, their torch ops, the
 one-arch `fa4lab.kernels.launch.attention_sm90` / `attention_sm100`, ring attention) calls
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fa4lab.errors import InputError, InputTypeError, check_qkv_kinds, check_same_device
-from fa4lab.plan.key import KernelKey
+from fa4lab.plan.key import BackwardKey, KernelKey
 from fa4lab.spec import (
     AttentionSpec,
     check_kernel_layout,
@@ -153,6 +154,18 @@ class Call:
                          s.learnable_sink and not split_kv, persistent, packed, s.varlen,
                          bool(split_kv), s.page_size)
 
+    def backward_key(self, arch: str = "sm90", deterministic: bool = False) -> BackwardKey:
+        """The `BackwardKey` of the `arch` backward kernel on this call, read off the spec (its
+        dtype, mask and GQA ratio as checked here; which sides the window has). For a Call in
+        the kernel's form (`for_kernel`: a kernel dtype); `deterministic` orders dQ's additions
+        (Note [deterministic dQ] in fa4lab.kernels.bwd_sm90). ValueError where the kernel does
+        not build it (`fa4lab.plan.key.backward_unbuilt`)."""
+        s = self.spec
+        left, right = s.window_size
+        return BackwardKey(s.head_dim, s.head_dim_v, s.dtype, s.causal, s.qhead_per_kvhead,
+                           bool(s.softcap), (left is not None, right is not None),
+                           bool(deterministic), arch)
+
 
 def check_switches(pack_gqa=None, persistent=None, deterministic=False) -> None:
     """pack_gqa and persistent None (choose), True or False; deterministic a bool (the forward
@@ -182,7 +195,7 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
                softcap=0.0, learnable_sink=None, return_lse=False, pack_gqa=None,
                persistent=None, deterministic=False, num_splits=None, score_mod=None,
                mask_mod=None, aux_tensors=None, page_table=None, seqused_k=None,
-               lengths=None, arch: str | None = None) -> Call:
+               lengths=None, arch: str | None = None, check_indices="device") -> Call:
     """The one input check of a forward call; returns the `Call` (Note [one check per call]).
 
     Checks: the switches (`check_switches`), num_splits (`fa4lab.splitkv.check_num_splits`),
@@ -197,7 +210,8 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
     comes back in that kernel's form without padding (`Call.for_kernel(arch, pad=False)`: a
     built head-dim pair, TMA-readable layouts, CUDA tensors). Raises TypeError or ValueError
     saying what is wrong and what to do; reads no tensor value (a paged table's values are
-    checked as `fa4lab.varlen.check_paged` says)."""
+    checked as `fa4lab.varlen.check_paged` says, in `check_indices`' mode: a second Call of
+    one call's tensors, as the backward's, passes False)."""
     from fa4lab.splitkv import check_num_splits
 
     check_switches(pack_gqa, persistent, deterministic)
@@ -209,7 +223,7 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
     elif page_table is not None:
         from fa4lab.varlen import check_paged
 
-        seqlen_k = check_paged(q, k, v, page_table)
+        seqlen_k = check_paged(q, k, v, page_table, check_indices=check_indices)
         batch, seqlen_q = q.shape[0], q.shape[1]
         empty = q.numel() == 0 or seqlen_k == 0
     else:

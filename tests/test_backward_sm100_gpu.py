@@ -29,13 +29,15 @@ SEQLENS = [(1, 1), (1, 300), (113, 203), (203, 113), (256, 256), (129, 1), (300,
 
 
 def _check(q, k, v, do, *, causal=False):
+    from fa4lab.call import check_call
     from fa4lab.kernels.launch_backward import backward, saved_forward
     from fa4lab.reference_backward import attention_backward_reference
     from fa4lab.spec import normalize_mask
 
     causal_n, window_n = normalize_mask(causal, (None, None))
-    out, lse = saved_forward(q, k, v, "sm100", causal=causal_n, window_size=window_n)
-    got = backward(q, k, v, out, do, lse, causal=causal_n, arch="sm100")
+    call = check_call(q, k, v, causal=causal, arch="sm100")
+    out, lse = saved_forward(call, "sm100")
+    got = backward(call, out, do, lse, arch="sm100")
     ref = attention_backward_reference(q, k, v, do, causal=causal_n, window_size=window_n,
                                        finite=False)
     pt = same_dtype_gradients(q, k, v, do, causal=causal_n, window_size=window_n)

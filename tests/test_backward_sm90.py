@@ -13,12 +13,10 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from fa4lab import tiling  # noqa: E402
-from fa4lab.kernels.launch_backward import (  # noqa: E402
-    BackwardKey,
-    check_backward,
-    key_of,
-    missing,
-)
+from fa4lab.call import check_call  # noqa: E402
+from fa4lab.errors import InputTypeError  # noqa: E402
+from fa4lab.kernels.launch_backward import check_backward, unbuilt  # noqa: E402
+from fa4lab.plan.key import BackwardKey  # noqa: E402
 from fa4lab.reference import visible_mask  # noqa: E402
 from fa4lab.spec import effective_window  # noqa: E402
 
@@ -43,30 +41,52 @@ def test_query_block_range_is_the_blocks_with_a_visible_key(sq, sk, m, n, causal
 
 
 def test_keys_name_what_they_bake_in():
+    """The key comes from the checked call (`Call.backward_key`): the window normalised, the
+    GQA ratio and the dtype as check_call made them."""
     q = torch.empty(2, 10, 6, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 12, 2, 128, dtype=torch.bfloat16)
-    key = key_of(q, k, k, True, softcap=30.0, window_size=(64, None), deterministic=True)
+    call = check_call(q, k, k, causal=True, softcap=30.0, window_size=(64, None))
+    key = call.backward_key("sm90", deterministic=True)
     assert key == BackwardKey(128, 128, "bf16", True, 3, True, (True, False), True)
     assert key.name == "bwd-sm90a-hd128x128-bf16-causal-g3-softcap-windowl-det"
-    assert key_of(q, k, k, False).name == "bwd-sm90a-hd128x128-bf16-g3"
+    assert check_call(q, k, k).backward_key("sm90").name == "bwd-sm90a-hd128x128-bf16-g3"
+    assert check_call(q, k, k, window_size=(3, 3)).backward_key().window == (True, True)
+    assert check_call(q.half(), k.half(), k.half()).backward_key().dtype == "fp16"
     with pytest.raises(ValueError, match="builds"):
         BackwardKey(80, 80, "bf16", False, 1)
-    with pytest.raises(ValueError, match="dtype"):
-        BackwardKey(64, 64, "fp32", False, 1)
+    with pytest.raises(ValueError, match="GQA in the sm100 backward kernel"):
+        BackwardKey(64, 64, "bf16", False, 2, arch="sm100")
 
 
-def test_missing_names_what_the_kernel_does_not_build():
+def test_unbuilt_names_what_the_kernel_does_not_build():
     q = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16)
-    assert missing(q, q, q, arch="sm90") is None
-    assert "Hopper" in missing(q, q, q, arch="sm100")
-    assert "this GPU" in missing(q, q, q, arch=None)
-    assert "score_mod" in missing(q, q, q, arch="sm90", mods=True)
-    assert "variable-length" in missing(q, q, q, arch="sm90", varlen=True)
-    assert "paged" in missing(q, q, q, arch="sm90", page_table=torch.zeros(1, 1))
+    call = check_call(q, q, q)
+    assert unbuilt(call, "sm90") is None
+    assert unbuilt(call, "sm90", deterministic=True) is None
+    assert "Hopper" in unbuilt(call, "sm100")
+    assert "this GPU" in unbuilt(call, None)
+    mods = check_call(q, q, q, score_mod=lambda s, b, h, i, j: s)
+    assert "score_mod" in unbuilt(mods, "sm90")
+    from fa4lab.varlen import check_varlen
+
+    packed = q[0]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    lengths = check_varlen(packed, packed, packed, cu, cu, 5, 5)
+    assert "variable-length" in unbuilt(check_call(packed, packed, packed, lengths=lengths),
+                                        "sm90")
+    cache = torch.empty(2, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[1]], dtype=torch.int32)
+    assert "paged" in unbuilt(check_call(q, cache, cache, page_table=table), "sm90")
     odd = torch.empty(1, 8, 2, 80, dtype=torch.bfloat16)
-    assert "head dims (80, 80)" in missing(odd, odd, odd, arch="sm90")
+    assert "head dims (80, 80)" in unbuilt(check_call(odd, odd, odd), "sm90")
+
+
+def test_the_kernel_dtype_is_the_call_check_s():
+    """A float32 call reaches no backward key: `Call.for_kernel` (check_call with arch, the one
+    kernel-form check the backward's calls pass) refuses it, naming the dtypes."""
     f32 = torch.empty(1, 8, 2, 64)
-    assert "dtype" in missing(f32, f32, f32, arch="sm90")
+    with pytest.raises(InputTypeError, match="bfloat16 or float16"):
+        check_call(f32, f32, f32, arch="sm90")
 
 
 def test_check_backward_names_the_tensor_that_does_not_fit():
@@ -74,18 +94,21 @@ def test_check_backward_names_the_tensor_that_does_not_fit():
     k = torch.empty(1, 9, 2, 64, dtype=torch.bfloat16)
     out = torch.empty(1, 8, 4, 64, dtype=torch.bfloat16)
     lse = torch.empty(1, 4, 8)
-    check_backward(q, k, k, out, out, lse)
+    call = check_call(q, k, k)
+    check_backward(call, out, out, lse)
     with pytest.raises(ValueError, match="dout has shape"):
-        check_backward(q, k, k, out, out[:, :4], lse)
+        check_backward(call, out, out[:, :4], lse)
+    with pytest.raises(ValueError, match="out has shape"):
+        check_backward(call, out[..., :32], out, lse)
     with pytest.raises(ValueError, match="lse has shape"):
-        check_backward(q, k, k, out, out, lse[..., :4])
+        check_backward(call, out, out, lse[..., :4])
     with pytest.raises(ValueError, match="dlse has shape"):
-        check_backward(q, k, k, out, out, lse, lse[:, :2])
-    with pytest.raises(ValueError, match="not a multiple"):
-        check_backward(q, torch.empty(1, 9, 3, 64, dtype=torch.bfloat16),
-                       torch.empty(1, 9, 3, 64, dtype=torch.bfloat16), out, out, lse)
+        check_backward(call, out, out, lse, lse[:, :2])
+    with pytest.raises(ValueError, match="not a multiple"):     # the call's check, once
+        check_call(q, torch.empty(1, 9, 3, 64, dtype=torch.bfloat16),
+                   torch.empty(1, 9, 3, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="one dtype"):
-        check_backward(q, k, k, out, out.half(), lse)
+        check_backward(call, out, out.half(), lse)
 
 
 def test_cuda_gradients_where_no_kernel_runs_name_what_is_missing():
@@ -132,12 +155,14 @@ def faked_sm90(monkeypatch):
         seen.forwards.append((call, out, lse))
         return out, lse
 
-    def backward(q, k, v, out, dout, lse, *, dlse=None, deterministic=False, arch="sm90",
-                 **options):
-        check_backward(q, k, v, out, dout, lse, dlse)
+    def backward(call, out, dout, lse, *, dlse=None, deterministic=False, arch="sm90"):
+        check_backward(call, out, dout, lse, dlse)
+        call.backward_key(arch, deterministic)
         seen.backwards.append(dict(out=out, lse=lse, dlse=dlse, deterministic=deterministic))
-        g = attention_backward_reference(q, k, v, dout, dlse=dlse, finite=False, **options)
-        sink = options["learnable_sink"]
+        q, k, v = call.q, call.k, call.v
+        g = attention_backward_reference(q, k, v, dout, dlse=dlse, finite=False,
+                                         **call.options())
+        sink = call.sink
         return (g.dq.to(q.dtype), g.dk.to(k.dtype), g.dv.to(v.dtype),
                 None if sink is None else g.dsink.to(sink.dtype))
 

@@ -45,18 +45,18 @@ def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, seed):
 
 def _check(q, k, v, do, *, causal=False, softmax_scale=None, window_size=(None, None),
            softcap=0.0, sink=None, with_dlse=False, deterministic=False):
+    from fa4lab.call import check_call
     from fa4lab.kernels.launch_backward import backward, saved_forward
     from fa4lab.reference_backward import attention_backward_reference
     from fa4lab.spec import normalize_mask
 
     causal_n, window_n = normalize_mask(causal, window_size)
-    out, lse = saved_forward(q, k, v, "sm90", causal=causal_n, softmax_scale=softmax_scale,
-                             softcap=softcap, window_size=window_n, learnable_sink=sink)
+    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                      window_size=window_size, learnable_sink=sink, arch="sm90")
+    out, lse = saved_forward(call, "sm90")
     dlse = (torch.randn(lse.shape, device="cuda", generator=torch.Generator(device="cuda")
                         .manual_seed(7)) if with_dlse else None)
-    got = backward(q, k, v, out, do, lse, causal=causal_n, softmax_scale=softmax_scale,
-                   softcap=softcap, window_size=window_n, learnable_sink=sink, dlse=dlse,
-                   deterministic=deterministic)
+    got = backward(call, out, do, lse, dlse=dlse, deterministic=deterministic)
     ref = attention_backward_reference(q, k, v, do, causal=causal_n,
                                        softmax_scale=softmax_scale, window_size=window_n,
                                        softcap=softcap, learnable_sink=sink, dlse=dlse,
@@ -117,14 +117,13 @@ def test_deterministic_dq_bit_for_bit(causal, window):
 
     q, k, v, do = _inputs(2, 1000, 1000, 6, 2, 128, 128, torch.bfloat16, 5)
     first = _check(q, k, v, do, causal=causal, window_size=window, deterministic=True)
+    from fa4lab.call import check_call
     from fa4lab.kernels.launch_backward import saved_forward
-    from fa4lab.spec import normalize_mask
 
-    causal_n, window_n = normalize_mask(causal, window)
-    out, lse = saved_forward(q, k, v, "sm90", causal=causal_n, window_size=window_n)
+    call = check_call(q, k, v, causal=causal, window_size=window, arch="sm90")
+    out, lse = saved_forward(call, "sm90")
     for _ in range(3):
-        again = backward(q, k, v, out, do, lse, causal=causal_n, window_size=window_n,
-                         deterministic=True)
+        again = backward(call, out, do, lse, deterministic=True)
         for a, b in zip(first[:3], again[:3]):
             assert torch.equal(a, b), "deterministic=True gave two different gradients"
 
@@ -134,11 +133,13 @@ def test_autograd_through_fa4lab_attention_eager_and_compiled():
     backward on the GPU] in fa4lab.backward): the gradients equal the kernel's called directly,
     eagerly and under torch.compile(fullgraph=True)."""
     import fa4lab
+    from fa4lab.call import check_call
     from fa4lab.kernels.launch_backward import backward, saved_forward
 
     q, k, v, do = _inputs(1, 130, 190, 4, 2, 64, 64, torch.bfloat16, 6)
-    out, lse = saved_forward(q, k, v, "sm90", causal=True)
-    want = backward(q, k, v, out, do, lse, causal=True)
+    call = check_call(q, k, v, causal=True, arch="sm90")
+    out, lse = saved_forward(call, "sm90")
+    want = backward(call, out, do, lse)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
     def f(q, k, v):

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from fa4lab.kernels.launch_backward import BackwardKey  # noqa: E402
+from fa4lab.plan.key import BackwardKey  # noqa: E402
 
 CONFIGS = [(128, False, "bf16"), (128, True, "fp16"), (64, False, "fp16"), (64, True, "bf16")]
 # Spill instructions (STL/LDL) the audit still finds, as measured: a known finding, held so that

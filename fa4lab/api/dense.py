@@ -111,6 +111,7 @@ def _differentiable_with_mods(q, k, v, causal, softmax_scale, return_lse, pack_g
                       return_lse=True, pack_gqa=pack_gqa, deterministic=deterministic,
                       num_splits=num_splits, score_mod=score_mod, mask_mod=mask_mod,
                       aux_tensors=aux_tensors, page_table=page_table)
+    backward.refuse_unbuilt(call)   # on a Hopper GPU: the backward kernel takes no mods
 
     def forward(q, k, v, learnable_sink):
         return _run(replace(call, q=q, k=k, v=v, sink=learnable_sink))

@@ -163,13 +163,14 @@ def autograd_setup(forward, prepare: Callable | None = None) -> Setup:
 def kernel_setup(arch: str) -> Setup:
     """fa4lab's backward kernel from its forward kernel's saved out and lse (fa4lab-kernel)."""
     def setup(q, k, v, dout, causal, scale):
+        from fa4lab.call import check_call
         from fa4lab.kernels.launch_backward import backward, saved_forward
 
-        out, lse = saved_forward(q, k, v, arch, causal=causal, softmax_scale=scale)
+        checked = check_call(q, k, v, causal=causal, softmax_scale=scale, arch=arch)
+        out, lse = saved_forward(checked, arch)
 
         def call():
-            return backward(q, k, v, out, dout, lse, causal=causal, softmax_scale=scale,
-                            arch=arch)[:3]
+            return backward(checked, out, dout, lse, arch=arch)[:3]
 
         return call, _same
 

@@ -72,7 +72,8 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 #   so P = 0 there, and dS = 0.
 # - Not built: GQA (the grid would need one CTA per KV head summing its group, or a host sum
 #   of per-query-head dK / dV), sliding windows, softcap, a learnable sink's kernel side, mods,
-#   varlen, deterministic dQ: `fa4lab.kernels.launch_backward.missing` names each.
+#   varlen, deterministic dQ: `fa4lab.plan.key.backward_unbuilt` names what a key lacks,
+#   `fa4lab.kernels.launch_backward.unbuilt` what a call does.
 
 
 class FlashBackwardSm100:

@@ -128,7 +128,7 @@ def gemm_ss(tiled_mma: cute.TiledMma, thr_mma: cute.ThrMma, acc: cute.Tensor, sA
 
 class FlashBackwardSm90:
     """The sm90 backward kernel, configured once from a frozen `BackwardKey`
-    (fa4lab.kernels.launch_backward); no DSL code here."""
+    (fa4lab.plan.key); no DSL code here."""
 
     arch = "sm90a"
 

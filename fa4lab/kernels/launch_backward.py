@@ -1,150 +1,58 @@
-"""The sm90 backward's host side: the kernel's key, its compile on any machine, its launch.
+"""The sm90 backward's host side: what it does not build, its compile on any machine, its launch.
 
-    from fa4lab.kernels.launch_backward import backward
-    dq, dk, dv, dsink = backward(q, k, v, out, dout, lse, causal=True)   # CUDA tensors, H100/H200
+    from fa4lab.call import check_call
+    from fa4lab.kernels.launch_backward import backward, saved_forward
+    call = check_call(q, k, v, causal=True, arch="sm90")      # CUDA tensors, H100/H200
+    out, lse = saved_forward(call, "sm90")
+    dq, dk, dv, dsink = backward(call, out, dout, lse)
 
 `backward` is what `fa4lab.attention`'s autograd runs on a Hopper GPU (`fa4lab.backward`): it
-prepares the kernel's inputs with torch ops (D = rowsum(dO * O) - dLSE and the LSE in log2
-units, padded to whole query blocks), launches `FlashBackwardSm90` (fa4lab.kernels.bwd_sm90)
-once, and turns its float32 dQ accumulator into dQ; the sink's gradient is a torch sum (Note
-[sink backward] in fa4lab.reference_backward). Note [sm90 backward, first version] says what
-is torch here and will be kernels later.
+takes the checked `Call` of the forward's options (`fa4lab.call.check_call`, the one input
+check; its key is `Call.backward_key`), prepares the kernel's inputs with torch ops (D =
+rowsum(dO * O) - dLSE and the LSE in log2 units, padded to whole query blocks), launches
+`FlashBackwardSm90` (fa4lab.kernels.bwd_sm90) once, and turns its float32 dQ accumulator into
+dQ; the sink's gradient is a torch sum (Note [sink backward] in fa4lab.reference_backward).
+Note [sm90 backward, first version] says what is torch here and will be kernels later.
 
-`missing(...)` names what the kernel does not build for a call (paged K/V, varlen, mods, an
-arch other than sm90, head dims off the list), so that the autograd path raises
+`unbuilt(call, arch)` names what the backward kernel does not build for a checked call (an
+arch without one, mods, varlen, paged K/V, then the key's own limits:
+`fa4lab.plan.key.backward_unbuilt`), so that the autograd path raises
 GradientNotSupportedError naming it; `compile_backward(key)` compiles a configuration with fake
 tensors on any machine and keeps its PTX and cubin (`fa4lab.kernels.binary` reads them).
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-from fa4lab.limits import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from fa4lab.spec import LOG2E, normalize_dtype, normalize_mask, resolve_scale
+from fa4lab.plan.key import BackwardKey, backward_unbuilt
+from fa4lab.spec import LOG2E
 
+# The archs whose GPU runs a backward kernel behind fa4lab.attention's autograd (the sm100
+# kernel is compiled and audited, not yet run on a B200: `backward(..., arch="sm100")` alone).
 ARCHS = ("sm90",)
-# What the sm100 kernel (fa4lab.kernels.bwd_sm100) builds: its plan's 1-CTA head dims whose
-# column halves split evenly between its two compute warpgroups.
-SM100_HEAD_DIMS = ((64, 64), (128, 128))
 
 
-@dataclass(frozen=True)
-class BackwardKey:
-    """What one compiled backward kernel bakes in; every size, the scale, the cap's value and
-    the window's sizes are runtime values (Note [runtime scale], Note [runtime window] in
-    fa4lab.kernels.compile). The tiles are this class's table, the same for every key so far
-    (Note [sm90 backward, first version])."""
-
-    head_dim: int
-    head_dim_v: int
-    dtype: str                          # "bf16" | "fp16"
-    causal: bool
-    qhead_per_kvhead: int
-    softcap: bool = False               # capped scores (the cap is a runtime value)
-    window: tuple[bool, bool] = (False, False)   # which sides of a window exist
-    deterministic: bool = False         # Note [deterministic dQ] in fa4lab.kernels.bwd_sm90
-    arch: str = "sm90"                  # "sm90" (bwd_sm90) | "sm100" (bwd_sm100, from its plan)
-
-    # The sm90 kernel's tiles and threads (one table, read by the kernel and the host): query
-    # rows per block, keys per block, threads per CTA, warps along M of each MMA. The sm100
-    # kernel's come from its plan (`plan`).
-    num_threads = 256
-    warps_m = 4
-
-    @property
-    def m_block(self) -> int:
-        return self.plan().tiles.m_block if self.arch == "sm100" else 64
-
-    @property
-    def n_block(self) -> int:
-        return self.plan().tiles.n_block if self.arch == "sm100" else 64
-
-    def plan(self):
-        """The sm100 kernel's `BackwardPlan` (fa4lab.plan.backward.plan_backward): every number
-        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime). Made
-        once per key: every launch reads its tiles."""
-        return _plan_of(self)
-
-    @property
-    def name(self) -> str:
-        side = "".join("lr"[i] for i, on in enumerate(self.window) if on)
-        return (f"bwd-{self.arch}a-hd{self.head_dim}x{self.head_dim_v}-{self.dtype}"
-                f"{'-causal' if self.causal else ''}-g{self.qhead_per_kvhead}"
-                f"{'-softcap' if self.softcap else ''}{'-window' + side if side else ''}"
-                f"{'-det' if self.deterministic else ''}")
-
-    def __post_init__(self):
-        if self.arch == "sm100":
-            if self.unbuilt_sm100():
-                raise ValueError(f"the sm100 backward does not build {self.unbuilt_sm100()}")
-        elif self.arch != "sm90":
-            raise ValueError(f"arch {self.arch!r}: the backward builds {ARCHS}")
-        if self.arch == "sm90" and (self.head_dim, self.head_dim_v) not in KERNEL_HEAD_DIMS["sm90"]:
-            raise ValueError(f"(head_dim, head_dim_v) = {(self.head_dim, self.head_dim_v)}: the "
-                             f"sm90 backward builds {KERNEL_HEAD_DIMS['sm90']}")
-        if self.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: the backward builds {KERNEL_DTYPES}")
-        if self.qhead_per_kvhead < 1:
-            raise ValueError(f"qhead_per_kvhead must be >= 1, got {self.qhead_per_kvhead}")
-
-    def unbuilt_sm100(self) -> str | None:
-        """What of this key the sm100 kernel does not build (Note [sm100 backward, first
-        version] in fa4lab.kernels.bwd_sm100), in words, or None."""
-        dims = (self.head_dim, self.head_dim_v)
-        if dims not in SM100_HEAD_DIMS:
-            return f"head dims {dims} (it builds {SM100_HEAD_DIMS})"
-        for what, on in (("GQA", self.qhead_per_kvhead != 1), ("softcap", self.softcap),
-                         ("a sliding window", any(self.window)),
-                         ("deterministic dQ", self.deterministic)):
-            if on:
-                return what
-        return None
-
-
-@functools.cache
-def _plan_of(key: BackwardKey):
-    from fa4lab.plan.backward import plan_backward
-    from fa4lab.spec import AttentionSpec
-
-    return plan_backward(AttentionSpec(1, 1024, 1024, 1, 1, key.head_dim, key.head_dim_v,
-                                       dtype=key.dtype, causal=key.causal))
-
-
-def key_of(q, k, v, causal: bool, softcap: float = 0.0, window_size=(None, None),
-           deterministic: bool = False, arch: str = "sm90") -> BackwardKey:
-    """The `BackwardKey` of a call; causal and window_size in `fa4lab.spec.normalize_mask`'s
-    stored form."""
-    return BackwardKey(int(q.shape[-1]), int(v.shape[-1]), normalize_dtype(q.dtype),
-                       bool(causal), int(q.shape[-2]) // int(k.shape[-2]), bool(softcap),
-                       (window_size[0] is not None, window_size[1] is not None),
-                       bool(deterministic), arch)
-
-
-def missing(q, k, v, *, arch: str | None, page_table=None, varlen: bool = False,
-            mods: bool = False) -> str | None:
-    """What the sm90 backward kernel does not build for this call, in words, or None when it
-    runs it (`arch`: the GPU's kernel arch, `fa4lab.limits.arch_of_capability`)."""
+def unbuilt(call, arch: str | None, deterministic: bool = False) -> str | None:
+    """What the backward kernel does not build for the checked `call` (`fa4lab.call.Call`), in
+    words, or None when it runs it (`arch`: the GPU's kernel arch,
+    `fa4lab.limits.arch_of_capability`; None where none runs). The call's inputs were checked
+    once by `check_call`; these are the backward's own limits, each said once."""
     if arch not in ARCHS:
         return (f"a backward kernel for {arch or 'this GPU'} (the backward kernel runs on "
                 f"Hopper, sm90, so far)")
-    if mods:
+    if call.mods:
         return "score_mod / mask_mod in the backward kernel"
-    if varlen:
+    s = call.spec
+    if s.varlen:
         return "variable-length batches (attention_varlen) in the backward kernel"
-    if page_table is not None:
+    if call.page_table is not None:
         return "a paged K/V cache in the backward kernel"
-    dims = (int(q.shape[-1]), int(v.shape[-1]))
-    if dims not in KERNEL_HEAD_DIMS["sm90"]:
-        return (f"head dims {dims} in the backward kernel (it builds "
-                f"{KERNEL_HEAD_DIMS['sm90']})")
-    try:
-        normalize_dtype(q.dtype)
-    except Exception:
-        return f"dtype {q.dtype} in the backward kernel (bf16 and fp16)"
-    return None
+    left, right = s.window_size
+    return backward_unbuilt(arch, s.head_dim, s.head_dim_v, s.qhead_per_kvhead,
+                            bool(s.softcap), (left is not None, right is not None),
+                            deterministic)
 
 
 # ------------------------------------------------------------------ compile
@@ -159,7 +67,7 @@ def fake_args(key: BackwardKey):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    dtype = cutlass.BFloat16 if key.dtype == "bf16" else cutlass.Float16
+    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[key.dtype]
     b, sq, sk, hq, hkv, sq_pad = (cute.sym_int() for _ in range(6))
 
     def bshd(s, h, d):
@@ -262,46 +170,32 @@ def kernel_for(key: BackwardKey):
 
 
 # ------------------------------------------------------------------ launch
-def check_backward(q, k, v, out, dout, lse, dlse=None) -> None:
-    """ValueError naming the tensor whose shape or dtype does not fit the call: q (batch,
-    seqlen_q, heads_q, d), k (batch, seqlen_k, heads_kv, d), v (batch, seqlen_k, heads_kv,
-    dv), out and dout like (batch, seqlen_q, heads_q, dv) in q's dtype, lse and dlse (batch,
-    heads_q, seqlen_q)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-d (batch, seqlen, heads, head_dim); got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, sq, hq, _ = q.shape
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit q "
-                         f"{tuple(q.shape)}")
-    if hq % k.shape[2]:
-        raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={k.shape[2]}")
-    want = (b, sq, hq, v.shape[3])
+def check_backward(call, out, dout, lse, dlse=None) -> None:
+    """ValueError naming the tensor the backward adds to the checked `call` whose shape or
+    dtype does not fit it: out and dout (batch, seqlen_q, heads_q, head_dim_v) in q's dtype,
+    lse and dlse (batch, heads_q, seqlen_q). q, k, v are the call's (`check_call`)."""
+    q = call.q
+    b, sq, hq = q.shape[:3]
+    want = (b, sq, hq, call.v.shape[-1])
     for name, t in (("out", out), ("dout", dout)):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
-    for name, t in (("k", k), ("v", v), ("dout", dout)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} is {t.dtype}, q is {q.dtype}: one dtype for all")
+    if dout.dtype != q.dtype:
+        raise ValueError(f"dout is {dout.dtype}, q is {q.dtype}: one dtype for all")
     for name, t in (("lse", lse), ("dlse", dlse)):
         if t is not None and tuple(t.shape) != (b, hq, sq):
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {(b, hq, sq)}")
 
 
-def saved_forward(q, k, v, arch: str, *, causal=False, softmax_scale=None, softcap=0.0,
-                  window_size=(None, None), learnable_sink=None):
-    """(out, lse) of the forward kernel of `arch` on q, k, v: what the backward reads (the
-    forward's output and its log-sum-exp), through the one call check (`fa4lab.call`). For the
-    kernel's own tests and benchmark, which call `backward` directly; `fa4lab.attention`'s
-    autograd reads its forward op's saved out and lse instead (Note [the backward on the GPU]
-    in fa4lab.backward)."""
-    from fa4lab.call import check_call
+def saved_forward(call, arch: str):
+    """(out, lse) of the forward kernel of `arch` on the checked `call` (in that kernel's form:
+    `check_call(..., arch=arch)`): what the backward reads (the forward's output and its
+    log-sum-exp). For the kernel's own tests and benchmark, which call `backward` directly;
+    `fa4lab.attention`'s autograd reads its forward op's saved out and lse instead (Note [the
+    backward on the GPU] in fa4lab.backward)."""
     from fa4lab.kernels.launch import forward
 
-    call = check_call(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
-                      window_size=window_size, learnable_sink=learnable_sink, return_lse=True,
-                      arch=arch)
-    return forward(call, arch)
+    return forward(replace(call, spec=call.spec.with_(return_lse=True)), arch)
 
 
 def kernel_layout(t):
@@ -312,25 +206,26 @@ def kernel_layout(t):
     return t if ok else t.contiguous()
 
 
-def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=None,
-             softcap: float = 0.0, window_size=(None, None), learnable_sink=None, dlse=None,
-             deterministic: bool = False, arch: str = "sm90"):
-    """(dq, dk, dv, dsink) of attention on CUDA tensors of a Hopper GPU (`arch` "sm100": of a
-    B200, with fa4lab.kernels.bwd_sm100; not yet run on one), from the forward's
-    out and lse (natural log, (batch, heads_q, seqlen_q) float32, -inf on rows that see no
-    key) and the gradient dout of out (dlse: of the lse, or None). dq, dk, dv in q's dtype;
-    dsink float32 like learnable_sink, None without one. `deterministic` orders dQ's float32
-    additions (Note [deterministic dQ]): two runs give the same bits."""
+def backward(call, out, dout, lse, *, dlse=None, deterministic: bool = False,
+             arch: str = "sm90"):
+    """(dq, dk, dv, dsink) of the checked `call` (`fa4lab.call.check_call` with the forward's
+    options, in the kernel's form: `arch=arch` or `Call.for_kernel`) on CUDA tensors of a
+    Hopper GPU (`arch` "sm100": of a B200, with fa4lab.kernels.bwd_sm100; not yet run on one),
+    from the forward's out and lse (natural log, (batch, heads_q, seqlen_q) float32, -inf on
+    rows that see no key) and the gradient dout of out (dlse: of the lse, or None). dq, dk, dv
+    in q's dtype; dsink float32 like the call's learnable sink, None without one.
+    `deterministic` orders dQ's float32 additions (Note [deterministic dQ]): two runs give the
+    same bits."""
     import torch
 
     from fa4lab.kernels.device.arguments import scale_args, window_args
 
-    check_backward(q, k, v, out, dout, lse, dlse)
-    causal, window_size = normalize_mask(causal, window_size)
-    key = key_of(q, k, v, causal, softcap, window_size, deterministic, arch)
+    check_backward(call, out, dout, lse, dlse)
+    key = call.backward_key(arch, deterministic)
+    q, k, v, spec = call.q, call.k, call.v, call.spec
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    scale = resolve_scale(softmax_scale, d)
+    softmax_scale, scale = spec.softmax_scale, spec.scale
     m = key.m_block
     sq_pad = -(-sq // m) * m
     dev = q.device
@@ -353,8 +248,8 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
                             scale_args(softmax_scale, d)[0], scale)
         else:
             kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
-                            *scale_args(softmax_scale, d, softcap), scale,
-                            *window_args(window_size, sq, sk), sem)
+                            *scale_args(softmax_scale, d, spec.softcap), scale,
+                            *window_args(spec.window_size, sq, sk), sem)
         dk, dv = dk_, dv_
     else:
         dk.zero_()
@@ -363,7 +258,7 @@ def backward(q, k, v, out, dout, lse, *, causal: bool = False, softmax_scale=Non
     # (b, sq, hq, d) tensor: what the op's fake says it returns (fa4lab.backward).
     dq = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     dq.copy_((dq_accum[:, :, :sq] * scale).transpose(1, 2))
-    dsink = None
+    dsink, learnable_sink = None, call.sink
     if learnable_sink is not None:    # Note [sink backward]: sum P_sink * (dLSE - D)
         p_sink = torch.exp(learnable_sink.float()[None, :, None] - lse32)
         dsink = -(p_sink * d_rows[..., :sq]).sum(dim=(0, 2)).to(learnable_sink.dtype)
