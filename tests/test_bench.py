@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_checks import needs_no_gpu, parse_bench, run_bench
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,15 +19,6 @@ from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, BenchShape, Provider, Result
 from fa4lab.bench import cli as bench_cli
 from fa4lab.bench import providers as bench_providers
-from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
-
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
-
-
-def run_bench(argv: list[str]) -> int:
-    """`fa4lab bench ARGV` in this process, through the one command-line entry."""
-    return fa4lab_main(["bench", *argv])
 
 
 # ---- the sweep -------------------------------------------------------------------------------
@@ -52,7 +44,7 @@ def test_sweep_arithmetic(d, log_s, log_total, causal):
 
 
 def test_quick_sweep():
-    args = _parse(["--quick"])
+    args = parse_bench(["--quick"])
     shapes, names = bench.plan_of_run(args)
     assert [(s.head_dim, s.seqlen) for s in shapes] == [(128, 4096), (128, 8192)] * 2
     assert names == ["fa4lab", "sdpa-flash", "sdpa-cudnn", "fa4"]
@@ -326,14 +318,6 @@ def test_unknown_peer_is_a_clear_error():
 
 
 # ---- the command on a CPU ----------------------------------------------------------------------
-def _parse(argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench"] + argv)
-
-
 @needs_no_gpu
 def test_bench_on_cpu_exits_0_and_says_no_gpu(capsys):
     assert run_bench(["--quick"]) == 0

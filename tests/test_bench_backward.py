@@ -7,29 +7,16 @@ on CPU tensors)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 
 import pytest
+from bench_checks import needs_no_gpu, no_upstream_fa4, run_bench
 
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, Result, backward_cli
 from fa4lab.bench import backward as bb
 from fa4lab.bench import providers as bench_providers
 from fa4lab.bench.records import BACKWARD, backward_results_of
-from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
-
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
-
-
-def run_bench(argv: list[str]) -> int:
-    return fa4lab_main(["bench", *argv])
-
-
-def _no_upstream_fa4(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
 
 
 # hd64, seqlen 128: batch 1, heads 2 (the checked heads), a few ms per backward on a CPU.
@@ -200,7 +187,7 @@ def test_backward_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
     faked and the runs on CPU tensors: the flow, not the speed."""
     from fa4lab import environment
 
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H100", (9, 0)))
     real_run = bb.run_backward
     monkeypatch.setattr(backward_cli, "run_backward", lambda cases, providers, **kw: real_run(

@@ -5,28 +5,13 @@ the GPU path with the device faked and the runs on CPU tensors)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from bench_checks import needs_no_gpu, no_upstream_fa4, parse_bench, run_bench
 
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, DecodeResult, GqaShape, Provider
 from fa4lab.bench import cli as bench_cli
 from fa4lab.bench import decode as bench_decode
-from fa4lab.bench import providers as bench_providers
-from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
-
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
-
-
-def run_bench(argv: list[str]) -> int:
-    return fa4lab_main(["bench", *argv])
-
-
-def _no_upstream_fa4(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
 
 
 # ---- the shapes and the floor ----------------------------------------------------------------
@@ -177,7 +162,7 @@ def test_resolves_the_unpacked_fa4lab_provider(monkeypatch):
 
 
 def test_real_fa4lab_providers_on_cpu_tensors_are_never_timed(monkeypatch):
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     provs = bench.resolve_providers([bench.UNPACKED, "fa4"])
     res = {r.provider: r for r in bench.measure_gqa_shape(SMALL, provs, device="cpu",
                                                           rep_ms=1)}
@@ -187,25 +172,18 @@ def test_real_fa4lab_providers_on_cpu_tensors_are_never_timed(monkeypatch):
     assert res["fa4"].status == MISSING and "pip install flash-attn-4" in res["fa4"].note
 
 
-def _parse(argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench"] + argv)
-
-
 def test_plan_of_decode():
-    shapes, names = bench.plan_of_decode(_parse(["--decode"]))
+    shapes, names = bench.plan_of_decode(parse_bench(["--decode"]))
     assert [s.name for s in shapes] == ["decode", "prefill"]
     assert shapes[0].head_dim == 128          # the sweep's three default head dims mean 128
     assert names == ["fa4lab", "fa4lab-unpacked", "sdpa-flash", "sdpa-cudnn", "fa4"]
-    shapes, names = bench.plan_of_decode(_parse(["--decode", "--peers", "fa4", "--head-dim",
-                                                 "64", "--prefill-seqlen", "0"]))
+    shapes, names = bench.plan_of_decode(parse_bench(["--decode", "--peers", "fa4",
+                                                      "--head-dim", "64", "--prefill-seqlen",
+                                                      "0"]))
     assert [(s.name, s.head_dim) for s in shapes] == [("decode", 64)]
     assert names == ["fa4lab", "fa4lab-unpacked", "fa4"]
     with pytest.raises(ValueError, match="one --head-dim"):
-        bench.plan_of_decode(_parse(["--decode", "--head-dim", "64", "128"]))
+        bench.plan_of_decode(parse_bench(["--decode", "--head-dim", "64", "128"]))
 
 
 # ---- record and table --------------------------------------------------------------------------
@@ -354,7 +332,7 @@ def test_decode_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
     and the runs on CPU tensors: the flow is tested here, not the speed."""
     from fa4lab import environment
 
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
     monkeypatch.setattr(bench_decode, "copy_bandwidth",
                         lambda **kw: bench.CopyBandwidth(1 << 30, 0.5, 4294.967296))

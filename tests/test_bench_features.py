@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import sys
 import time
 import warnings
 
 import numpy as np
 import pytest
+from bench_checks import needs_no_gpu, no_upstream_fa4, parse_bench, run_bench
 
 from fa4lab import bench
 from fa4lab.bench import (
@@ -29,29 +29,7 @@ from fa4lab.bench import (
 )
 from fa4lab.bench import features as bf
 from fa4lab.bench import providers as bench_providers
-from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
 from fa4lab.reference import visible_mask
-
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
-
-
-def run_bench(argv: list[str]) -> int:
-    return fa4lab_main(["bench", *argv])
-
-
-def _parse(argv):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench"] + argv)
-
-
-def _no_upstream_fa4(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
-
 
 # Small versions of every kind of feature (the mode's own sizes are for seqlen 8192).
 SMALL = (Feature("none", "full"), Feature("causal", "causal", causal=True),
@@ -459,15 +437,15 @@ def test_recorded_decode_records_still_load():
 
 # ---- the command -------------------------------------------------------------------------------
 def test_plan_of_features_from_the_command_line():
-    cases, names = bench.plan_of_features(_parse(["--features"]))
+    cases, names = bench.plan_of_features(parse_bench(["--features"]))
     assert [c.feature.name for c in cases] == list(bf.FEATURE_NAMES)
     assert {(c.head_dim, c.seqlen) for c in cases if c.feature.shape is None} == {(128, 8192)}
     assert names == ["fa4lab", "fa4", "sdpa", "flex"]
-    cases, _ = bench.plan_of_features(_parse(["--features", "--feature", "models",
-                                              "--seqlen", "2048"]))
+    cases, _ = bench.plan_of_features(parse_bench(["--features", "--feature", "models",
+                                                   "--seqlen", "2048"]))
     assert [c.feature.name for c in cases] == [f.name for f in bf.MODEL_FEATURES]
     assert [c.seqlen for c in cases] == [4096, 4096, 4096, 16384, 2048, 8192]   # their own
-    cases, names = bench.plan_of_features(_parse(
+    cases, names = bench.plan_of_features(parse_bench(
         ["--features", "--feature", "document", "alibi", "--peers", "flex", "--seqlen", "2048",
          "--total-tokens", "4096"]))
     assert [c.feature.name for c in cases] == ["alibi", "document"]
@@ -510,7 +488,7 @@ def test_features_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
     faked and the runs on CPU tensors (FlexAttention eager): the flow, not the speed."""
     from fa4lab import environment
 
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
     real_run = bf.run_features
     monkeypatch.setattr(features_cli, "run_features", lambda cases, names, **kw: real_run(

@@ -5,20 +5,16 @@ with the GPU faked."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import pytest
-from bench_checks import recording_varlen
+from bench_checks import needs_no_gpu, no_upstream_fa4, recording_varlen
 
 from fa4lab import bench
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, host_overhead
 from fa4lab.bench import cli as bench_cli
-from fa4lab.bench import providers as bench_providers
 from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
 
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
 SLEEP_US = 500.0
 
 
@@ -64,13 +60,8 @@ def test_bad_counts_are_an_error():
         bench.measure_host_overhead({"noop": lambda: None}, "cpu", calls=0)
 
 
-def _no_upstream_fa4(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
-
-
 def test_real_calls_on_cpu_are_checked_and_the_unrunnable_reported(monkeypatch):
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     ready, not_run = bench.host_calls("cpu")
     assert list(ready) == ["sdpa"]
     status = {r.provider: r for r in not_run}
@@ -121,7 +112,7 @@ def test_varlen_and_paged_calls_are_checked_then_measured(monkeypatch, entry):
     reference), the default call passes NO check_indices, its variants True / False; each is
     checked against the reference over every sequence, then measured; a wrong stand-in fails
     its check and is not timed."""
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     case = host_overhead.HostCase(entry, 3)
     ready, not_run = bench.host_calls("cpu", case=case)
     assert ready == {}
@@ -191,7 +182,7 @@ def test_host_overhead_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys)
     """The GPU path (calls, table, record) with the device faked and the calls on CPU tensors."""
     from fa4lab import environment
 
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
     real_cases = bench.measure_host_cases
     monkeypatch.setattr(bench_cli, "measure_host_cases",

@@ -7,10 +7,8 @@ runs on CPU tensors)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from bench_checks import recording_varlen
+from bench_checks import needs_no_gpu, no_upstream_fa4, recording_varlen, run_bench
 
 from fa4lab.bench import ERROR, FAILED, MISSING, OK, Provider, serving_cli
 from fa4lab.bench import decode as bench_decode
@@ -25,10 +23,6 @@ from fa4lab.bench.records import (
     serving_results_of,
     validate_record,
 )
-from fa4lab.cli import main as fa4lab_main
-from fa4lab.environment import gpu
-
-needs_no_gpu = pytest.mark.skipif(gpu() is not None, reason="checks the CPU path of the command")
 
 # Small cases for the CPU: a causal varlen batch with a 1-token sequence, a paged batch whose
 # lengths end inside a page, on a page boundary and past one, a dense split-KV batch of two.
@@ -38,15 +32,6 @@ SPLIT_SMALL = sv.ServingCase(sv.SPLITKV, (1, 1), (64, 64), 8, 2, 64)
 CHUNK_SMALL = sv.ServingCase(sv.PAGED_PREFILL, (3, 1, 40), (35, 1, 60), 4, 2, 64, causal=True,
                              page_size=16)
 SMALL = [VARLEN_SMALL, PAGED_SMALL, SPLIT_SMALL, CHUNK_SMALL]
-
-
-def run_bench(argv: list[str]) -> int:
-    return fa4lab_main(["bench", *argv])
-
-
-def _no_upstream_fa4(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)
-    monkeypatch.setattr(bench_providers, "package_version", lambda dist: None)
 
 
 # ---- the cases ---------------------------------------------------------------------------------
@@ -183,7 +168,7 @@ def _fakes(case, args, how):
 @pytest.mark.parametrize("case", [VARLEN_SMALL, PAGED_SMALL, CHUNK_SMALL],
                          ids=lambda c: c.scenario)
 def test_check_then_time_every_sequence_on_cpu(monkeypatch, case):
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     res = {r.provider: r for r in sv.measure_case(case, _fakes, hbm_gbps=100.0, device="cpu",
                                                   rep_ms=1)}
     good = res["reference"]
@@ -211,7 +196,7 @@ def test_split_kv_headline_is_the_default_call(monkeypatch):
     """fa4lab's split-KV headline row calls `attention` with no num_splits at all (Note [the
     headline row]); the num_splits=1 row passes 1, and when that raises its row is an error,
     not a crash. The SDPA math backend is the right provider."""
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     from fa4lab import api
 
     seen = []
@@ -245,7 +230,7 @@ def test_the_headline_row_is_the_default_call(monkeypatch, case):
     """Note [the headline row]: fa4lab's first row of a varlen / paged case calls
     attention_varlen with NO check_indices argument (whatever its default is); the secondary
     rows pass check_indices=True and False; the table puts the default first, labelled so."""
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     seen = recording_varlen(monkeypatch)
     providers = sv.SCENARIO_PROVIDERS[case.scenario]
     assert providers[:3] == (sv.OURS, sv.CHECKED, sv.UNCHECKED)
@@ -436,7 +421,7 @@ def test_serving_command_with_the_gpu_faked(monkeypatch, tmp_path, capsys):
     small cases and the runs on CPU tensors: the flow is tested here, not the speed."""
     from fa4lab import environment
 
-    _no_upstream_fa4(monkeypatch)
+    no_upstream_fa4(monkeypatch)
     monkeypatch.setattr(environment, "gpu", lambda: environment.GpuInfo("Fake H200", (9, 0)))
     monkeypatch.setattr(bench_decode, "copy_bandwidth",
                         lambda **kw: sv.CopyBandwidth(1 << 30, 0.5, 4294.967296))

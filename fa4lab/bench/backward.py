@@ -33,8 +33,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fa4lab.bench.check import CHECK_HEADS
-from fa4lab.bench.measure import Measurement, RunGuard, make_inputs, run_with_progress
-from fa4lab.bench.providers import resolve_providers, short_error
+from fa4lab.bench.measure import (
+    Measurement,
+    RunGuard,
+    make_inputs,
+    run_with_progress,
+    time_limits,
+)
+from fa4lab.bench.providers import provider_lines, resolve_providers, short_error
 from fa4lab.bench.records import (
     BACKWARD,
     ERROR,
@@ -50,13 +56,13 @@ from fa4lab.bench.sweep import OURS, BenchShape, sweep
 from fa4lab.bench.table import format_table, geomean_ratios, ratio_table
 from fa4lab.bench.timing import (
     REP_MS,
-    SPIN_UP_S,
     WARMUP_MS,
     rotation_copies,
     spin_up,
     sync_for,
     time_ms,
     timer_name,
+    timing_config,
 )
 
 # ---- the cases ---------------------------------------------------------------------------------
@@ -404,10 +410,8 @@ def backward_config(shapes: Sequence[BenchShape], providers: Sequence[str], *,
                   f"the float64 fa4lab.reference_backward, tol = 2 x the error of "
                   f"same_dtype_gradients + gradient_atol (fa4lab.acceptance."
                   f"gradient_violations)"),
-        "timer": timer_name(), "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-        "spin_up_s": SPIN_UP_S,
-        "time_limits": {"budget_s": guard.budget_s if guard else None,
-                        "step_timeout_s": guard.step_s if guard else None},
+        **timing_config(warmup_ms, rep_ms),
+        "time_limits": time_limits(guard),
     }
     if wall_s is not None:
         config["wall_s"] = round(wall_s, 1)
@@ -449,9 +453,6 @@ def describe_backward_run(shapes: Sequence[BenchShape],
              f"batch * seqlen = {s.batch * s.seqlen}, heads * head_dim = "
              f"{s.heads * s.head_dim}):"]
     lines += [f"  {x.label()}  {backward_flops(x) / 1e12:.2f} TFLOP" for x in shapes]
-    lines.append("providers:")
-    for p in providers:
-        state = f"missing ({p.why_missing})" if p.missing else "available"
-        lines.append(f"  {p.name:<13} {BACKWARD_LABELS[p.name]}: {state}")
+    lines += provider_lines(providers, BACKWARD_LABELS, 13)
     lines.append(f"TFLOP/s: {FLOPS_RULE}; timer: {timer_name()}")
     return "\n".join(lines)

@@ -8,7 +8,6 @@ is `fa4lab.bench.backward`.
 
 from __future__ import annotations
 
-import sys
 import time
 
 from fa4lab.bench.backward import (
@@ -26,16 +25,21 @@ from fa4lab.bench.backward import (
     make_backward_record,
     run_backward,
 )
-from fa4lab.bench.records import BACKWARD, ERROR, FAILED, backward_results_of, latest_summary
+from fa4lab.bench.records import BACKWARD, backward_results_of, latest_summary
 from fa4lab.bench.runs import (
     changed,
+    check_time_limits,
     command_line,
+    exit_status,
     first_calls_line,
+    mode_peers,
     no_gpu_here,
+    planned,
+    refused,
     run_arch,
     save_run,
 )
-from fa4lab.bench.sweep import HEAD_DIMS, OURS, PEERS, SEQLENS, BenchShape, parse_causal
+from fa4lab.bench.sweep import HEAD_DIMS, OURS, SEQLENS, BenchShape, parse_causal
 
 # Options of other modes: given with --backward, they are an error rather than ignored.
 _NOT_BACKWARD = ("plot", "no_gemm", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
@@ -54,21 +58,11 @@ def plan_of_backward(args) -> tuple[list[BenchShape], list[str]]:
         seqlens = list(BACKWARD_SEQLENS)
     if args.quick:
         head_dims, seqlens = list(QUICK_HEAD_DIMS), list(QUICK_SEQLENS)
-    if args.peers == ",".join(PEERS):
-        peers = list(BACKWARD_PEERS)
-    else:
-        peers = [x.strip() for x in str(args.peers).split(",") if x.strip() and x != OURS]
-        unknown = [x for x in peers if x not in BACKWARD_PEERS]
-        if unknown:
-            raise ValueError(f"--peers: unknown {unknown} for --backward; choose from "
-                             f"{','.join(BACKWARD_PEERS)}")
-    for name, value in (("--time-budget", args.time_budget), ("--step-timeout",
-                                                              args.step_timeout)):
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    peers = mode_peers(args, BACKWARD_PEERS, "--backward")
+    check_time_limits(args)
     cases = backward_cases(head_dims, seqlens, parse_causal(args.causal),
                            total_tokens=args.total_tokens, hidden=args.hidden, dtype=args.dtype)
-    return cases, [OURS] + [p for p in BACKWARD_PEERS if p in peers]
+    return cases, [OURS] + peers
 
 
 def recorded_backward_summary(directory=None) -> str:
@@ -81,19 +75,15 @@ def recorded_backward_summary(directory=None) -> str:
 def backward_args(args) -> int:
     from fa4lab.bench.measure import RunGuard
 
-    wrong = changed(args, _NOT_BACKWARD)
-    if wrong:
-        print(f"fa4lab bench --backward: {', '.join(wrong)} do not apply to --backward (its "
-              f"options: --head-dim, --seqlen, --causal, --quick, --peers, --dtype, "
-              f"--total-tokens, --hidden, --json/--out, --label, --no-save, --warmup-ms, "
-              f"--rep-ms, --time-budget, --step-timeout, --strict, --arch, --records)",
-              file=sys.stderr)
+    if refused(args, _NOT_BACKWARD, "--backward",
+               "its options: --head-dim, --seqlen, --causal, --quick, --peers, --dtype, "
+               "--total-tokens, --hidden, --json/--out, --label, --no-save, --warmup-ms, "
+               "--rep-ms, --time-budget, --step-timeout, --strict, --arch, --records"):
         return 2
-    try:
-        cases, names = plan_of_backward(args)
-    except (ValueError, TypeError) as err:
-        print(f"fa4lab bench --backward: {err}", file=sys.stderr)
+    plan = planned(plan_of_backward, args, "fa4lab bench --backward")
+    if plan is None:
         return 2
+    cases, names = plan
     from fa4lab.environment import gpu
 
     g = gpu()
@@ -135,7 +125,4 @@ def backward_args(args) -> int:
                            f"{' causal' if r.causal else ''}"))
     print(format_backward_table(results))
     save_run(record(wall_s), args)
-    bad = [r for r in results if r.status in (FAILED, ERROR)]
-    if bad:
-        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
-    return 1 if (args.strict and bad) else 0
+    return exit_status(results, args)

@@ -66,7 +66,7 @@ from fa4lab.bench.host_overhead import (
     measure_host_cases,
 )
 from fa4lab.bench.measure import run_sweep
-from fa4lab.bench.providers import Provider, resolve_providers, short_error
+from fa4lab.bench.providers import Provider, provider_lines, resolve_providers, short_error
 from fa4lab.bench.records import (
     DECODE,
     ERROR,
@@ -84,8 +84,11 @@ from fa4lab.bench.records import (
 from fa4lab.bench.runs import (
     changed,
     command_line,
+    exit_status,
     first_calls_line,
     no_gpu_here,
+    planned,
+    refused,
     run_arch,
     save_run,
     with_defaults,
@@ -110,10 +113,10 @@ from fa4lab.bench.table import format_table, providers_in
 from fa4lab.bench.timing import (
     GEMM_SIZE,
     REP_MS,
-    SPIN_UP_S,
     WARMUP_MS,
     gemm_tflops,
     timer_name,
+    timing_config,
 )
 from fa4lab.limits import KERNEL_DTYPES
 
@@ -283,10 +286,7 @@ def describe_run(shapes: Sequence[BenchShape], providers: Sequence[Provider]) ->
              f"({shapes[0].dtype}; batch * seqlen = {shapes[0].batch * shapes[0].seqlen}, "
              f"heads * head_dim = {shapes[0].heads * shapes[0].head_dim}):"]
     lines += [f"  {s.label()}  {s.flops / 1e12:.2f} TFLOP" for s in shapes]
-    lines.append("providers:")
-    for p in providers:
-        state = f"missing ({p.why_missing})" if p.missing else "available"
-        lines.append(f"  {p.name:<11} {PROVIDER_LABELS.get(p.name, p.name)}: {state}")
+    lines += provider_lines(providers, PROVIDER_LABELS, 11)
     lines.append(f"plus the dense bf16 GEMM ceiling ({GEMM_SIZE}^3 torch.matmul); "
                  f"timer: {timer_name()}")
     return "\n".join(lines)
@@ -353,10 +353,7 @@ def main_args(args) -> int:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --training only", file=sys.stderr)
         return 2
     if args.features:
-        wrong = changed(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY)
-        if wrong:
-            print(f"fa4lab bench --features: {', '.join(wrong)} do not apply to --features",
-                  file=sys.stderr)
+        if refused(args, ("causal", "quick", "no_gemm") + _DECODE_ONLY, "--features"):
             return 2
         from fa4lab.bench.features_cli import features_args
 
@@ -374,11 +371,9 @@ def main_args(args) -> int:
         print(f"fa4lab bench: {', '.join(wrong)} apply to --features only", file=sys.stderr)
         return 2
     if args.decode:
-        wrong = changed(args, _SWEEP_ONLY)
-        if wrong:
-            print(f"fa4lab bench --decode: {', '.join(wrong)} do not apply to --decode (its "
-                  f"shapes: --batch, --seqlen-q, --seqlen-k, --heads-q, --heads-kv, "
-                  f"--head-dim, --prefill-seqlen)", file=sys.stderr)
+        if refused(args, _SWEEP_ONLY, "--decode",
+                   "its shapes: --batch, --seqlen-q, --seqlen-k, --heads-q, --heads-kv, "
+                   "--head-dim, --prefill-seqlen"):
             return 2
         return decode_args(args)
     wrong = changed(args, _DECODE_ONLY)
@@ -391,11 +386,10 @@ def main_args(args) -> int:
         from fa4lab.bench.neighbours import neighbours_args
 
         return neighbours_args(args, command=command_line(args), save=save_run)
-    try:
-        shapes, names = plan_of_run(args)
-    except (ValueError, TypeError) as err:
-        print(f"fa4lab bench: {err}", file=sys.stderr)
+    plan = planned(plan_of_run, args, "fa4lab bench")
+    if plan is None:
         return 2
+    shapes, names = plan
     from fa4lab.environment import gpu
 
     g = gpu()
@@ -427,8 +421,7 @@ def main_args(args) -> int:
           + ", ".join(f"{p} {t:.0f} s" for p, t in firsts.items()))
     print(format_table(results, gemm_tflops=gemm))
     config = {"total_tokens": args.total_tokens, "hidden": args.hidden, "dtype": args.dtype,
-              "timer": timer_name(), "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-              "spin_up_s": SPIN_UP_S,
+              **timing_config(args.warmup_ms, args.rep_ms),
               "check": f"batch 0, heads 0..{CHECK_HEADS - 1}, float64 reference, tol = 2 x "
                        f"same-dtype PyTorch error + {ATOL[args.dtype]:.1e}",
               "providers": {p.name: PROVIDER_LABELS.get(p.name, p.name) for p in providers},
@@ -445,10 +438,7 @@ def main_args(args) -> int:
             print(f"plot saved: {args.plot}")
         except Exception as err:   # the record is saved; a plot can be drawn from it later
             print(f"plot not saved: {type(err).__name__}: {short_error(err)}", file=sys.stderr)
-    bad = [r for r in results if r.status in (FAILED, ERROR)]
-    if bad:
-        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
-    return 1 if (args.strict and bad) else 0
+    return exit_status(results, args)
 
 
 # ---- --host-overhead ---------------------------------------------------------------------------
@@ -540,11 +530,10 @@ def recorded_decode_summary(directory=None) -> str:
 
 
 def decode_args(args) -> int:
-    try:
-        shapes, names = plan_of_decode(args)
-    except (ValueError, TypeError) as err:
-        print(f"fa4lab bench --decode: {err}", file=sys.stderr)
+    plan = planned(plan_of_decode, args, "fa4lab bench --decode")
+    if plan is None:
         return 2
+    shapes, names = plan
     from fa4lab.environment import gpu
     from fa4lab.hardware import H200
 
@@ -577,7 +566,4 @@ def decode_args(args) -> int:
     record = make_decode_record(results, hbm_gbps=hbm_gbps, gpu_name=g.name, arch=arch,
                                 command=command_line(args), config=config, label=args.label)
     save_run(record, args)
-    bad = [r for r in results if r.status in (FAILED, ERROR)]
-    if bad:
-        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
-    return 1 if (args.strict and bad) else 0
+    return exit_status(results, args)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from fa4lab.bench.check import ATOL, CHECK_HEADS, reference_slice
 from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs, run_with_progress
-from fa4lab.bench.providers import Provider, short_error
+from fa4lab.bench.providers import Provider, provider_lines, short_error
 from fa4lab.bench.records import (
     DECODE,
     OK,
@@ -51,13 +51,13 @@ from fa4lab.bench.sweep import (
 )
 from fa4lab.bench.timing import (
     REP_MS,
-    SPIN_UP_S,
     WARMUP_MS,
     hbm_bytes,
     spin_up,
     sync_for,
     time_ms,
     timer_name,
+    timing_config,
 )
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
@@ -316,8 +316,7 @@ def decode_config(shapes: Sequence[GqaShape], providers: Sequence[str], *,
         "hbm_rule": ("device-to-device torch.Tensor.copy_ of a uint8 tensor, timed like the "
                      "providers; hbm_gbps = 2 x bytes (read + write) / median time"),
         "floor": FLOOR_RULE,
-        "timer": timer_name(), "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-        "spin_up_s": SPIN_UP_S,
+        **timing_config(warmup_ms, rep_ms),
         "check": (f"the first and the last batch element, KV heads 0..{CHECK_HEADS - 1} and "
                   f"the query heads that read them, float64 reference, tol = 2 x same-dtype "
                   f"PyTorch error + {ATOL[shapes[0].dtype] if shapes else ATOL['bf16']:.1e}"),
@@ -402,10 +401,7 @@ def describe_decode_run(shapes: Sequence[GqaShape], providers: Sequence[Provider
         lines.append(f"  {s.label()}  {s.hbm_bytes / 1e9:.3f} GB to move, "
                      f"{s.flops / 1e9:.1f} GFLOP"
                      + (f", floor {hint:.0f} us at {hbm_gbps_hint:.0f} GB/s" if hint else ""))
-    lines.append("providers:")
-    for p in providers:
-        state = f"missing ({p.why_missing})" if p.missing else "available"
-        lines.append(f"  {p.name:<15} {DECODE_LABELS.get(p.name, p.name)}: {state}")
+    lines += provider_lines(providers, DECODE_LABELS, 15)
     lines.append(f"HBM floor: bytes / the bandwidth of a {COPY_BYTES / 2**30:g} GiB "
                  f"device-to-device copy_ in the same run (read + write); timer: {timer_name()}")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ from typing import Any
 
 from fa4lab.bench import records
 from fa4lab.bench.check import ATOL, CHECK_HEADS, reference_slice
-from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs
+from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs, time_limits
 from fa4lab.bench.providers import Provider, fa4_runner, fa4lab_runner, short_error
 from fa4lab.bench.pytorch_peers import FLEX, SDPA, pytorch_provider
 from fa4lab.bench.records import (
@@ -57,7 +57,7 @@ from fa4lab.bench.records import (
     validate_record,
 )
 from fa4lab.bench.sweep import OURS, shape_for
-from fa4lab.bench.timing import REP_MS, SPIN_UP_S, WARMUP_MS, timer_name
+from fa4lab.bench.timing import REP_MS, WARMUP_MS, timer_name, timing_config
 from fa4lab.spec import AttentionSpec
 
 # ---- the features ------------------------------------------------------------------------------
@@ -512,10 +512,8 @@ def features_config(cases: Sequence[FeatureCase], providers: Sequence[str], *,
         "check": (f"batch 0, heads 0..{CHECK_HEADS - 1}, float64 reference with the feature's "
                   f"options, tol = 2 x same-dtype PyTorch error + "
                   f"{ATOL[first.dtype if first else 'bf16']:.1e}"),
-        "timer": timer_name(), "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-        "spin_up_s": SPIN_UP_S,
-        "time_limits": {"budget_s": guard.budget_s if guard else None,
-                        "step_timeout_s": guard.step_s if guard else None},
+        **timing_config(warmup_ms, rep_ms),
+        "time_limits": time_limits(guard),
     }
     if wall_s is not None:
         config["wall_s"] = round(wall_s, 1)

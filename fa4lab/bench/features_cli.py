@@ -26,15 +26,18 @@ from fa4lab.bench.features import (
 )
 from fa4lab.bench.measure import RunGuard
 from fa4lab.bench.providers import short_error
-from fa4lab.bench.records import (
-    ERROR,
-    FAILED,
-    FEATURES,
-    feature_results_of,
-    latest_summary,
+from fa4lab.bench.records import FEATURES, feature_results_of, latest_summary
+from fa4lab.bench.runs import (
+    check_time_limits,
+    command_line,
+    exit_status,
+    mode_peers,
+    no_gpu_here,
+    planned,
+    run_arch,
+    save_run,
 )
-from fa4lab.bench.runs import command_line, no_gpu_here, run_arch, save_run
-from fa4lab.bench.sweep import HEAD_DIMS, OURS, PEERS, SEQLENS
+from fa4lab.bench.sweep import HEAD_DIMS, OURS, SEQLENS
 from fa4lab.bench.table import format_features_table
 
 
@@ -51,21 +54,11 @@ def plan_of_features(args):
 
     head_dim = one(args.head_dim, FEATURE_HEAD_DIM, HEAD_DIMS, "--head-dim")
     seqlen = one(args.seqlen, FEATURE_SEQLEN, SEQLENS, "--seqlen")
-    if args.peers == ",".join(PEERS):
-        peers = list(FEATURE_PEERS)
-    else:
-        peers = [x.strip() for x in str(args.peers).split(",") if x.strip() and x != OURS]
-        unknown = [x for x in peers if x not in FEATURE_PEERS]
-        if unknown:
-            raise ValueError(f"--peers: unknown {unknown} for --features; choose from "
-                             f"{','.join(FEATURE_PEERS)}")
-    for name, value in (("--time-budget", args.time_budget), ("--step-timeout",
-                                                              args.step_timeout)):
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    peers = mode_peers(args, FEATURE_PEERS, "--features")
+    check_time_limits(args)
     cases = feature_cases(features_named(args.feature), head_dim=head_dim, seqlen=seqlen,
                           dtype=args.dtype, total_tokens=args.total_tokens, hidden=args.hidden)
-    return cases, [OURS] + [p for p in FEATURE_PEERS if p in peers]
+    return cases, [OURS] + peers
 
 
 def recorded_features_summary(directory=None) -> str:
@@ -80,11 +73,10 @@ def recorded_features_summary(directory=None) -> str:
 
 
 def features_args(args) -> int:
-    try:
-        cases, names = plan_of_features(args)
-    except (ValueError, TypeError) as err:
-        print(f"fa4lab bench --features: {err}", file=sys.stderr)
+    plan = planned(plan_of_features, args, "fa4lab bench --features")
+    if plan is None:
         return 2
+    cases, names = plan
     from fa4lab.environment import gpu
 
     g = gpu()
@@ -138,7 +130,4 @@ def features_args(args) -> int:
             print(f"plot saved: {args.plot}")
         except Exception as err:   # the record is saved; a plot can be drawn from it later
             print(f"plot not saved: {type(err).__name__}: {short_error(err)}", file=sys.stderr)
-    bad = [r for r in results if r.status in (FAILED, ERROR)]
-    if bad:
-        print(f"{len(bad)} runs failed their check or raised (see 'not measured' above).")
-    return 1 if (args.strict and bad) else 0
+    return exit_status(results, args)

@@ -128,6 +128,12 @@ class RunGuard:
             return
 
 
+def time_limits(guard: RunGuard | None) -> dict:
+    """A record's "time_limits": the guard's budget and step limit (None: no such limit)."""
+    return {"budget_s": guard.budget_s if guard else None,
+            "step_timeout_s": guard.step_s if guard else None}
+
+
 @dataclass(frozen=True)
 class Measurement:
     """What `check_then_time` learns about one provider on one shape. Each mode turns it into

@@ -7,7 +7,7 @@ says why (`Provider.why_missing`): the sweep reports it instead of dropping it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,3 +205,15 @@ def resolve_providers(names: Sequence[str], *, arch: str | None = None,
         except Exception as err:   # a peer that cannot be imported is reported, not dropped
             out.append(Provider(name, None, f"{type(err).__name__}: {short_error(err)}"))
     return out
+
+
+def provider_lines(providers: Sequence[Provider], labels: Mapping[str, str],
+                   width: int) -> list[str]:
+    """What a mode's description says of its providers: "providers:", then each one's name in
+    `width` columns, its label (its name where `labels` has none), and "available" or why it is
+    missing."""
+    lines = ["providers:"]
+    for p in providers:
+        state = f"missing ({p.why_missing})" if p.missing else "available"
+        lines.append(f"  {p.name:<{width}} {labels.get(p.name, p.name)}: {state}")
+    return lines

@@ -1,17 +1,24 @@
 """What every `fa4lab bench` mode does around its measurement: the command line its record
-stores, the options the user changed, what it prints where no GPU is visible, the arch fa4lab
-runs as, saving the record. The dispatcher (`fa4lab.bench.cli.main_args`) puts the parser's
-defaults on the arguments (`with_defaults`), so the modes (`features_cli`, `serving_cli`, the
-sweep's) read them here without importing the dispatcher.
+stores, the options the user changed (and those its mode refuses), its plan or why the command
+line is wrong, the peers and time limits it was given, what it prints where no GPU is visible,
+the arch fa4lab runs as, saving the record, the exit status. The dispatcher
+(`fa4lab.bench.cli.main_args`) puts the parser's defaults on the arguments (`with_defaults`), so
+the modes (`features_cli`, `serving_cli`, `backward_cli`, `training_cli`, the sweep's) read them
+here without importing the dispatcher.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-from fa4lab.bench.records import default_record_path, save_record
+from fa4lab.bench.records import ERROR, FAILED, default_record_path, save_record
+from fa4lab.bench.sweep import OURS, PEERS
+
+T = TypeVar("T")
 
 DEFAULTS = "bench_defaults"
 
@@ -53,6 +60,47 @@ def changed(args, names) -> list[str]:
     defaults = _defaults(args)
     return ["--" + n.replace("_", "-") for n in names
             if getattr(args, n, defaults[n]) != defaults[n]]
+
+
+def refused(args, names, mode: str, its: str = "") -> bool:
+    """Whether `args` sets any of `names` (option dests) that `mode` (`--backward`) does not read;
+    said on stderr, with `its` (what the mode reads instead) in parentheses."""
+    wrong = changed(args, names)
+    if wrong:
+        print(f"fa4lab bench {mode}: {', '.join(wrong)} do not apply to {mode}"
+              + (f" ({its})" if its else ""), file=sys.stderr)
+    return bool(wrong)
+
+
+def planned(plan_of: Callable[..., T], args, command: str) -> T | None:
+    """`plan_of(args)`, or None once the error in the command line (a ValueError or TypeError)
+    is said on stderr."""
+    try:
+        return plan_of(args)
+    except (ValueError, TypeError) as err:
+        print(f"{command}: {err}", file=sys.stderr)
+        return None
+
+
+def mode_peers(args, peers: Sequence[str], mode: str) -> list[str]:
+    """The mode's `peers` that `--peers` names, in the mode's order; all of them where --peers
+    keeps the sweep's default. A name not among them is a ValueError."""
+    if args.peers == ",".join(PEERS):
+        return list(peers)
+    named = [x.strip() for x in str(args.peers).split(",") if x.strip() and x != OURS]
+    unknown = [x for x in named if x not in peers]
+    if unknown:
+        raise ValueError(f"--peers: unknown {unknown} for {mode}; choose from "
+                         f"{','.join(peers)}")
+    return [p for p in peers if p in named]
+
+
+def check_time_limits(args) -> None:
+    """--time-budget and --step-timeout are positive seconds (else ValueError)."""
+    for name, value in (("--time-budget", args.time_budget),
+                        ("--step-timeout", args.step_timeout)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {value}")
 
 
 def no_gpu_here(command: str, description: str, summary: str, *, why: str = "",
@@ -97,3 +145,12 @@ def save_run(record: dict, args) -> None:
         path = Path(args.json) if args.json else default_record_path(record)
         save_record(record, path)
         print(f"record saved: {path}")
+
+
+def exit_status(results, args, *, see: str = "'not measured' above") -> int:
+    """The run's exit status: 1 under --strict where a provider failed its check or raised,
+    else 0; how many did is said (`see`: where their reasons are)."""
+    bad = [r for r in results if r.status in (FAILED, ERROR)]
+    if bad:
+        print(f"{len(bad)} runs failed their check or raised (see {see}).")
+    return 1 if (args.strict and bad) else 0

@@ -54,7 +54,13 @@ from fa4lab.bench.decode import (
     GqaShape,
     floor_us,
 )
-from fa4lab.bench.measure import RunGuard, check_then_time, make_inputs, run_with_progress
+from fa4lab.bench.measure import (
+    RunGuard,
+    check_then_time,
+    make_inputs,
+    run_with_progress,
+    time_limits,
+)
 from fa4lab.bench.providers import (
     Provider,
     fa4_function,
@@ -72,7 +78,7 @@ from fa4lab.bench.serving_peers import (
     sdpa_padded_provider,
 )
 from fa4lab.bench.sweep import OURS
-from fa4lab.bench.timing import REP_MS, SPIN_UP_S, WARMUP_MS, hbm_bytes, timer_name
+from fa4lab.bench.timing import REP_MS, WARMUP_MS, hbm_bytes, timing_config
 from fa4lab.spec import AttentionSpec, normalize_dtype
 
 VARLEN, PAGED, SPLITKV = "varlen-prefill", "paged-decode", "splitkv-decode"
@@ -561,8 +567,7 @@ def serving_config(cases: Sequence[ServingCase], *, copy: CopyBandwidth | None,
                   f"element; KV heads 0..{CHECK_HEADS - 1} and the query heads that read "
                   f"them, float64 reference, tol = 2 x same-dtype PyTorch error + "
                   f"{ATOL[cases[0].dtype] if cases else ATOL['bf16']:.1e}"),
-        "timer": timer_name(), "warmup_ms": warmup_ms, "rep_ms": rep_ms,
-        "spin_up_s": SPIN_UP_S,
+        **timing_config(warmup_ms, rep_ms),
         "providers": {k: v for k, v in serving_labels().items()
                       if k.split("/")[0] in {c.scenario for c in cases}},
         "headline": (f"the first provider of each case, {OURS}, is fa4lab's call with its "
@@ -572,7 +577,7 @@ def serving_config(cases: Sequence[ServingCase], *, copy: CopyBandwidth | None,
         "bars": BARS,
     }
     if guard is not None:
-        config["time_limits"] = {"budget_s": guard.budget_s, "step_timeout_s": guard.step_s}
+        config["time_limits"] = time_limits(guard)
     if wall_s is not None:
         config["wall_s"] = round(wall_s, 1)
     return config

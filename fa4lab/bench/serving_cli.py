@@ -1,22 +1,20 @@
 """`fa4lab bench --serving`: the table, the bars and the command line of the serving mode.
 
 `format_serving_table` prints a record's rows with fa4lab's bars (`bar_lines`, the mode's
-BARS), `describe_serving_run` what a run would measure, `serving_args` runs the mode (on a CPU:
-the plan of the run and the latest recorded serving results; on a GPU: bandwidth, check, time,
-table, record, within the run's time limits), `recorded_serving_summary` prints the latest
-record. The mode itself is `fa4lab.bench.serving`.
+BARS), `describe_serving_run` what a run would measure, `plan_of_serving` reads the command
+line, `serving_args` runs the mode (on a CPU: the plan of the run and the latest recorded
+serving results; on a GPU: bandwidth, check, time, table, record, within the run's time
+limits), `recorded_serving_summary` prints the latest record. The mode itself is
+`fa4lab.bench.serving`.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 
 from fa4lab.bench.decode import COPY_BYTES, _num, announce_copy_bandwidth, floor_us
 from fa4lab.bench.records import (
-    ERROR,
-    FAILED,
     OK,
     SERVING,
     ServingResult,
@@ -25,9 +23,13 @@ from fa4lab.bench.records import (
 )
 from fa4lab.bench.runs import (
     changed,
+    check_time_limits,
     command_line,
+    exit_status,
     first_calls_line,
     no_gpu_here,
+    planned,
+    refused,
     run_arch,
     save_run,
 )
@@ -231,25 +233,24 @@ def _missing(cases: Sequence[ServingCase]) -> dict[str, str]:
     return out
 
 
+def plan_of_serving(args) -> list[ServingCase]:
+    """The cases `--serving` asks for (errors are ValueError)."""
+    check_time_limits(args)
+    return [c for c in serving_cases(quick=args.quick, dtype=args.dtype)
+            if not args.scenario or c.scenario in args.scenario]
+
+
 def serving_args(args) -> int:
     from fa4lab.bench.measure import RunGuard
 
-    wrong = changed(args, _NOT_SERVING)
-    if wrong:
-        print(f"fa4lab bench --serving: {', '.join(wrong)} do not apply to --serving (its "
-              f"options: --quick, --scenario, --dtype, --json/--out, --label, --no-save, "
-              f"--warmup-ms, "
-              f"--rep-ms, --time-budget, --step-timeout, --strict, --arch, --records)",
-              file=sys.stderr)
+    if refused(args, _NOT_SERVING, "--serving",
+               "its options: --quick, --scenario, --dtype, --json/--out, --label, --no-save, "
+               "--warmup-ms, --rep-ms, --time-budget, --step-timeout, --strict, --arch, "
+               "--records"):
         return 2
-    for name, value in (("--time-budget", args.time_budget),
-                        ("--step-timeout", args.step_timeout)):
-        if not value > 0:
-            print(f"fa4lab bench --serving: {name} must be > 0 seconds, got {value}",
-                  file=sys.stderr)
-            return 2
-    cases = [c for c in serving_cases(quick=args.quick, dtype=args.dtype)
-             if not args.scenario or c.scenario in args.scenario]
+    cases = planned(plan_of_serving, args, "fa4lab bench --serving")
+    if cases is None:
+        return 2
     from fa4lab.environment import gpu
     from fa4lab.hardware import H200
 
@@ -303,7 +304,4 @@ def serving_args(args) -> int:
     print(first_calls_line(wall_s, results, lambda r: r.case))
     print(format_serving_table(results, hbm_gbps=hbm_gbps, shapes=shapes))
     save_run(record(wall_s), args)
-    bad = [r for r in results if r.status in (FAILED, ERROR)]
-    if bad:
-        print(f"{len(bad)} runs failed their check or raised (see the notes above).")
-    return 1 if (args.strict and bad) else 0
+    return exit_status(results, args, see="the notes above")

@@ -43,6 +43,13 @@ def timer_name() -> str:
         return "cuda events (median, warm-up excluded, L2 flushed per call; triton missing)"
 
 
+def timing_config(warmup_ms: float, rep_ms: float) -> dict:
+    """A record's config entries on how each provider was timed: the timer, its warm-up and
+    repetition milliseconds, the GPU's spin-up seconds before the first timing."""
+    return {"timer": timer_name(), "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+            "spin_up_s": SPIN_UP_S}
+
+
 def time_ms(fn: Callable[[], Any], *, warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS,
             device: str = "cuda") -> float:
     """Median milliseconds of fn() (warm-up excluded)."""

@@ -24,7 +24,7 @@ from fa4lab.bench.records import (
     save_record,
     training_results_of,
 )
-from fa4lab.bench.runs import changed, command_line, no_gpu_here
+from fa4lab.bench.runs import command_line, no_gpu_here, refused
 
 OURS, PEER, WIDE = "fa4lab", "sdpa", "sdpa-wide"   # fa4lab.bench.training's names
 
@@ -94,11 +94,9 @@ _NOT_TRAINING = ("head_dim", "seqlen", "causal", "peers", "dtype", "total_tokens
 
 
 def training_args(args) -> int:
-    wrong = changed(args, _NOT_TRAINING)
-    if wrong:
-        print(f"fa4lab bench --training: {', '.join(wrong)} do not apply to --training (its "
-              f"options: --steps, --layers, --device, --json/--out, --plot, --label, "
-              f"--no-save, --strict, --records)", file=sys.stderr)
+    if refused(args, _NOT_TRAINING, "--training",
+               "its options: --steps, --layers, --device, --json/--out, --plot, --label, "
+               "--no-save, --strict, --records"):
         return 2
     from fa4lab.bench.training import TrainConfig
     from fa4lab.environment import gpu
