@@ -6,7 +6,9 @@ No NaN anywhere, rows that see no key included.
 It has not run yet: no B200 was at hand when it was written; on any other machine it skips
 with the conftest's reason. The grid: the head dims the kernel builds (64, 128) x causal or
 not x sequence lengths with tails of both 128-row tiles, length 1, seqlen_q > seqlen_k under
-causal (the top rows see no key) and several blocks each way; fp16 once per head dim.
+causal (the top rows see no key) and several blocks each way; fp16 once per head dim; GQA 4:1
+(one CTA per KV head summing dK and dV over its group in TMEM: Note [sm100 backward, GQA]),
+against the reference's dK and dV summed over each group.
 
     python -m pytest -x -q tests/test_backward_sm100_gpu.py
 """
@@ -55,3 +57,11 @@ def test_dense(d, causal):
 @pytest.mark.parametrize("d", [64, 128])
 def test_fp16(d):
     _check(*_inputs(1, 203, 113, 4, 4, d, d, torch.float16, 3), causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa(d, causal):
+    # 8 query heads on 2 KV heads; lengths with both tails, several blocks, seqlen_q > seqlen_k
+    for i, (sq, sk) in enumerate([(113, 203), (203, 113), (300, 517)]):
+        _check(*_inputs(2, sq, sk, 8, 2, d, d, torch.bfloat16, 400 + i), causal=causal)

@@ -54,8 +54,10 @@ def test_keys_name_what_they_bake_in():
     assert check_call(q.half(), k.half(), k.half()).backward_key().dtype == "fp16"
     with pytest.raises(ValueError, match="builds"):
         BackwardKey(80, 80, "bf16", False, 1)
-    with pytest.raises(ValueError, match="GQA in the sm100 backward kernel"):
-        BackwardKey(64, 64, "bf16", False, 2, arch="sm100")
+    gqa = BackwardKey(64, 64, "bf16", False, 2, arch="sm100")     # GQA: one plan per ratio
+    assert gqa.plan().spec.qhead_per_kvhead == 2 and gqa.name == "bwd-sm100a-hd64x64-bf16-g2"
+    with pytest.raises(ValueError, match="softcap in the sm100 backward kernel"):
+        BackwardKey(64, 64, "bf16", False, 2, softcap=True, arch="sm100")
 
 
 def test_unbuilt_names_what_the_kernel_does_not_build():

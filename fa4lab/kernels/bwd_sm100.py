@@ -1,19 +1,21 @@
 """FlashAttention backward on B200 (sm_100a) in the CuTe DSL, built from a `BackwardPlan`.
 
 What it computes: dK and dV of attention, and dQ's float32 partial sums added into dQ_accum,
-for q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads, d), the forward's LSE and
-the gradient dO of its output: MHA (heads_q == heads_kv), bottom-right causal or not, any
+for q (batch, seqlen_q, heads_q, d), k and v (batch, seqlen_k, heads_kv, d), the forward's LSE
+and the gradient dO of its output: MHA or GQA (query head h reads KV head h // (heads_q //
+heads_kv), the group size baked in from the plan's spec), bottom-right causal or not, any
 seqlen_q, seqlen_k >= 1. The host contract is the sm90 backward's (`fa4lab.kernels
 .launch_backward`): LSE in log2 units and D = rowsum(dO * O) - dLSE, both float32 (batch,
-heads, seqlen_q rounded up to m_block), LSE +inf on rows that see no key and on the padding;
-dQ_accum (batch, heads, padded seqlen_q, d) float32, zeroed; dQ = softmax_scale * dQ_accum.
+heads_q, seqlen_q rounded up to m_block), LSE +inf on rows that see no key and on the padding;
+dQ_accum (batch, heads_q, padded seqlen_q, d) float32, zeroed; dQ = softmax_scale * dQ_accum.
 
 Constraints: head_dim == head_dim_v in {64, 128} (the plan's 1-CTA TMEM map also holds 96,
 whose 48-column halves this kernel does not split), bf16 or fp16, last dim contiguous.
 
 How it is built (the numbers and the barriers come from `fa4lab.plan.backward.plan_backward`):
-  * one CTA per (key block of n_block = 128 keys, head, batch) walks the query blocks that see
-    its keys (`fa4lab.tiling.query_block_range`); per step five tcgen05 MMAs, cta_group::1:
+  * one CTA per (key block of n_block = 128 keys, KV head, batch) walks the query blocks that
+    see its keys (`fa4lab.tiling.query_block_range`), for each query head of the KV head's
+    group in turn (Note [sm100 backward, GQA]); per step five tcgen05 MMAs, cta_group::1:
     S^T = K Q^T, dP^T = V dO^T, dV += P^T dO (P from TMEM), dK += dS^T Q (dS from TMEM),
     dQ = dS K (dS from SMEM): keys in TMEM's lanes for the first four, queries for dQ;
   * TMEM at the plan's columns (`plan.tmem`: S, P over S, dV, dP, dS over dP, dK, dQ over dP);
@@ -70,10 +72,22 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # - Masking: a step masks (seqlen_k's tail, the causal diagonal) in the compute warps' masked
 #   loop, the others run unmasked; query rows past seqlen_q need no mask: their LSE is +inf,
 #   so P = 0 there, and dS = 0.
-# - Not built: GQA (the grid would need one CTA per KV head summing its group, or a host sum
-#   of per-query-head dK / dV), sliding windows, softcap, a learnable sink's kernel side, mods,
-#   varlen, deterministic dQ: `fa4lab.plan.key.backward_unbuilt` names what a key lacks,
+# - Not built: sliding windows, softcap, a learnable sink's kernel side, mods, varlen,
+#   deterministic dQ, 2-CTA MMA: `fa4lab.plan.key.backward_unbuilt` names what a key lacks,
 #   `fa4lab.kernels.launch_backward.unbuilt` what a call does.
+
+# Note [sm100 backward, GQA]
+# As the sm90 kernel (Note [sm90 backward, first version] in fa4lab.kernels.bwd_sm90): one CTA
+# per (key block, KV head, batch), whose steps run over the query blocks that see the key block
+# for each query head of the group in turn, step j being head j // H of the group at query
+# block m_min + j % H (H: the query blocks per head). The protocol table is unchanged: its
+# loops run G * H steps instead of H, every role counting phases by the same j, and the MMA
+# warp's dV and dK accumulate in TMEM from step 0 to the last, so they are summed over the
+# group and stored once (no float32 dK / dV buffer, no atomics for them). Q, dO, LSE, D and
+# dQ_accum are indexed by the step's query head; K, V, dK and dV by the CTA's KV head. The
+# compute warps' masked steps (the key tail's, the causal diagonal's) are the first of each
+# head's H, so their two loops sit in a loop over the group. With G = 1 every role's code is
+# the MHA kernel's (the group's index is a compile-time 0).
 
 
 class FlashBackwardSm100:
@@ -89,13 +103,13 @@ class FlashBackwardSm100:
         if t.head_dim != t.head_dim_v or t.head_dim not in (64, 128):
             raise ValueError(f"FlashBackwardSm100 builds head_dim 64 and 128 (head_dim == "
                              f"head_dim_v); the plan has ({t.head_dim}, {t.head_dim_v})")
-        if spec.qhead_per_kvhead != 1 or spec.window_size != (None, 0 if spec.causal else None) \
-                and spec.window_size != (None, None):
-            raise ValueError("FlashBackwardSm100 builds MHA without a sliding window (Note "
-                             "[sm100 backward, first version])")
+        if spec.window_size not in ((None, 0 if spec.causal else None), (None, None)):
+            raise ValueError("FlashBackwardSm100 builds no sliding window (Note [sm100 "
+                             "backward, first version])")
         self.plan = plan
         self.dtype = _DTYPES[spec.dtype]
         self.causal = spec.causal
+        self.qhead_per_kvhead = spec.qhead_per_kvhead    # Note [sm100 backward, GQA]
         self.m_block, self.n_block = t.m_block, t.n_block
         self.q_stage, self.do_stage = t.q_stage, t.do_stage
         self.head_dim, self.head_dim_v = t.head_dim, t.head_dim_v
@@ -131,15 +145,15 @@ class FlashBackwardSm100:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,        # (batch, seqlen_q, heads, head_dim)
-        mK: cute.Tensor,        # (batch, seqlen_k, heads, head_dim)
-        mV: cute.Tensor,        # (batch, seqlen_k, heads, head_dim_v)
-        mdO: cute.Tensor,       # (batch, seqlen_q, heads, head_dim_v)
-        mLSE: cute.Tensor,      # (batch, heads, seqlen_q padded) fp32, log2 units, +inf empty
-        mD: cute.Tensor,        # (batch, heads, seqlen_q padded) fp32, rowsum(dO * O) - dLSE
-        mdQaccum: cute.Tensor,  # (batch, heads, seqlen_q padded, head_dim) fp32, zeroed
-        mdK: cute.Tensor,       # (batch, seqlen_k, heads, head_dim)
-        mdV: cute.Tensor,       # (batch, seqlen_k, heads, head_dim_v)
+        mQ: cute.Tensor,        # (batch, seqlen_q, heads_q, head_dim)
+        mK: cute.Tensor,        # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,        # (batch, seqlen_k, heads_kv, head_dim_v)
+        mdO: cute.Tensor,       # (batch, seqlen_q, heads_q, head_dim_v)
+        mLSE: cute.Tensor,      # (batch, heads_q, seqlen_q padded) fp32, log2 units, +inf empty
+        mD: cute.Tensor,        # (batch, heads_q, seqlen_q padded) fp32, rowsum(dO * O) - dLSE
+        mdQaccum: cute.Tensor,  # (batch, heads_q, seqlen_q padded, head_dim) fp32, zeroed
+        mdK: cute.Tensor,       # (batch, seqlen_k, heads_kv, head_dim)
+        mdV: cute.Tensor,       # (batch, seqlen_k, heads_kv, head_dim_v)
         scale_log2: Float32,    # softmax_scale * log2(e)
         softmax_scale: Float32,  # dK's factor
         stream: cuda.CUstream,
@@ -177,7 +191,7 @@ class FlashBackwardSm100:
             "lse": (Float32, self.m_block * self.q_stage),
             "dpsum": (Float32, self.m_block * self.do_stage),
             "dq_acc": (Float32, cute.cosize(layouts["dq_acc"]))})
-        grid = (cute.ceil_div(cute.size(mK.shape[1]), self.n_block), cute.size(mQ.shape[2]),
+        grid = (cute.ceil_div(cute.size(mK.shape[1]), self.n_block), cute.size(mK.shape[2]),
                 cute.size(mQ.shape[0]))
         self.kernel(mma_S, mma_dP, mma_dV, mma_dK, mma_dQ, atom_Q, tQ, atom_K, tK, atom_V, tV,
                     atom_dO, tdO, atom_dQ, tdQ, mLSE, mD, mdK, mdV, scale_log2, softmax_scale,
@@ -298,18 +312,30 @@ class FlashBackwardSm100:
         self.sites.finish()
 
     def work(self, e):
-        """`e` with this CTA's key block, head, batch, sequence lengths and query blocks
-        [m_min, m_min + steps) (`fa4lab.tiling.query_block_range`), computed in each role's own
-        branch after its setmaxnreg: a value computed before the role branches lives across
-        all of them (Note [role branches] in fa4lab.kernels.fwd_sm100; ptxas spilled such
+        """`e` with this CTA's key block, KV head, batch, sequence lengths, its query blocks
+        [m_min, m_min + head_steps) (`fa4lab.tiling.query_block_range`) and its steps, those
+        blocks for each query head of the group (Note [sm100 backward, GQA]), computed in each
+        role's own branch after its setmaxnreg: a value computed before the role branches lives
+        across all of them (Note [role branches] in fa4lab.kernels.fwd_sm100; ptxas spilled such
         values here, 106 spill instructions at head_dim 128, measured on the binary)."""
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = e["mQ"].shape[0], e["mK"].shape[0]
         m_min, m_max = tiling.query_block_range(
             n_block, self.n_block, self.m_block, seqlen_q, seqlen_k, None,
             0 if const_expr(self.causal) else None, imin=cutlass.min, imax=cutlass.max)
+        head_steps = m_max - m_min
+        steps = head_steps if const_expr(self.qhead_per_kvhead == 1) else \
+            head_steps * self.qhead_per_kvhead
         return dict(e, n_block=n_block, head=head, batch=batch, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, m_min=m_min, steps=m_max - m_min)
+                    seqlen_k=seqlen_k, m_min=m_min, head_steps=head_steps, steps=steps)
+
+    def query_step(self, e, j):
+        """(query head, query block) of step j (Note [sm100 backward, GQA])."""
+        if const_expr(self.qhead_per_kvhead == 1):
+            return e["head"], e["m_min"] + j
+        g = j // e["head_steps"]
+        return (e["head"] * self.qhead_per_kvhead + g,
+                e["m_min"] + j - g * e["head_steps"])
 
     @staticmethod
     def view(t: cute.Tensor, layout) -> cute.Tensor:
@@ -349,37 +375,28 @@ class FlashBackwardSm100:
     # ------------------------------------------------------------------ role: load
     @cute.jit
     def load_role(self, e, atom_Q, mQ, atom_K, mK, atom_V, mV, atom_dO, mdO, mLSE, mD):
-        """K and V once (kv_full), then per step Q and its LSE rows, dO and its D rows."""
+        """K and V once (kv_full), then per step Q and its LSE rows, dO and its D rows (of the
+        step's query head: Note [sm100 backward, GQA])."""
         self.set_registers("load")
         e = self.work(e)
         smem, head, batch = e["smem"], e["head"], e["batch"]
-        mma_S, mma_dP, mma_dV = e["mmas"][0], e["mmas"][1], e["mmas"][2]
-        one = cute.make_layout(1)
-
-        def tma(atom, gX, sX):
-            return cpasync.tma_partition(atom, 0, one, cute.group_modes(sX, 0, 3),
-                                         cute.group_modes(gX, 0, 3))
+        mma_S, mma_dP = e["mmas"][0], e["mmas"][1]
         gK = cute.local_tile(mK[None, None, head, batch], cute.select(self.tiler_S, [0, 2]),
                              (None, 0))
         gV = cute.local_tile(mV[None, None, head, batch], cute.select(self.tiler_dP, [0, 2]),
                              (None, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], cute.select(self.tiler_S, [1, 2]),
-                             (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], cute.select(self.tiler_dV, [1, 2]),
-                              (0, None))
-        tKsK, tKgK = tma(atom_K, mma_S.get_slice(0).partition_A(gK), e["sK"])
-        tVsV, tVgV = tma(atom_V, mma_dP.get_slice(0).partition_A(gV), e["sV"])
-        tQsQ, tQgQ = tma(atom_Q, mma_S.get_slice(0).partition_B(gQ), e["sQ"])
-        tdOsdO, tdOgdO = tma(atom_dO, mma_dV.get_slice(0).partition_B(gdO), e["sdO"])
+        tKsK, tKgK = self.tma(atom_K, mma_S.get_slice(0).partition_A(gK), e["sK"])
+        tVsV, tVgV = self.tma(atom_V, mma_dP.get_slice(0).partition_A(gV), e["sV"])
         rows = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        gLSE = cute.local_tile(mLSE[batch, head, None], (self.m_block,), (None,))
-        gD = cute.local_tile(mD[batch, head, None], (self.m_block,), (None,))
+        loads = (atom_Q, mQ, atom_dO, mdO, mLSE, mD)
+        mha = self.step_loads(e, None, head, loads, once=True)
         kv = self.bar(smem, "kv_full")
         self.expect_tx("load", smem, "kv_full", 0)
         cute.copy(atom_K, tKgK[None, e["n_block"]], tKsK[None, 0], tma_bar_ptr=kv)
         cute.copy(atom_V, tVgV[None, e["n_block"]], tVsV[None, 0], tma_bar_ptr=kv)
         for i in cutlass.range(e["steps"], unroll=1):
-            m = e["m_min"] + i
+            head_q, m = self.query_step(e, i)
+            tQsQ, tQgQ, tdOsdO, tdOgdO, gLSE, gD = self.step_loads(e, mha, head_q, loads)
             st, use = i % self.q_stage, i // self.q_stage
             self.wait("load", smem, "q_empty", st, (use + 1) % 2, stage=None)
             self.expect_tx("load", smem, "q_full", st, stage=None)
@@ -399,6 +416,32 @@ class FlashBackwardSm100:
             with cute.arch.elect_one():
                 cute.copy(rows, gD[None, m], e["sD"][None, 0],
                           mbar_ptr=self.bar(smem, "dpsum_full"))
+
+    @staticmethod
+    def tma(atom, gX, sX):
+        """(SMEM, global) TMA partitions of one CTA's tile."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
+                                     cute.group_modes(gX, 0, 3))
+
+    def query_loads(self, e, head_q, atom_Q, mQ, atom_dO, mdO, mLSE, mD):
+        """Query head `head_q`'s Q, dO (TMA partitions), LSE and D rows, by query block."""
+        batch, mma_S, mma_dV = e["batch"], e["mmas"][0], e["mmas"][2]
+        gQ = cute.local_tile(mQ[None, None, head_q, batch], cute.select(self.tiler_S, [1, 2]),
+                             (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head_q, batch],
+                              cute.select(self.tiler_dV, [1, 2]), (0, None))
+        tQsQ, tQgQ = self.tma(atom_Q, mma_S.get_slice(0).partition_B(gQ), e["sQ"])
+        tdOsdO, tdOgdO = self.tma(atom_dO, mma_dV.get_slice(0).partition_B(gdO), e["sdO"])
+        return (tQsQ, tQgQ, tdOsdO, tdOgdO,
+                cute.local_tile(mLSE[batch, head_q, None], (self.m_block,), (None,)),
+                cute.local_tile(mD[batch, head_q, None], (self.m_block,), (None,)))
+
+    def step_loads(self, e, mha, head_q, loads, once=False):
+        """`query_loads` of a step's query head: under MHA made once before the loop (`once`)
+        and then `mha`, under GQA per step (None before the loop)."""
+        if self.qhead_per_kvhead == 1:
+            return self.query_loads(e, head_q, *loads) if once else mha
+        return None if once else self.query_loads(e, head_q, *loads)
 
     # ------------------------------------------------------------------ role: mma
     def tmem_views(self, e, tmem_ptr):
@@ -549,7 +592,8 @@ class FlashBackwardSm100:
         """Every step: P = exp2(S^T scale_log2 - LSE) over S, dS = P (dP^T - D) over dP and into
         SMEM; the masked steps (the key tail's, the causal diagonal's) first."""
         tidx = cute.arch.thread_idx()[0] % self.compute_threads
-        n_masked = e["steps"]
+        head_steps = e["head_steps"]
+        n_masked = head_steps
         key_end = e["seqlen_k"] - e["n_block"] * self.n_block   # keys of this block that exist
         offset = e["seqlen_k"] - e["seqlen_q"]                  # bottom-right alignment
         if key_end >= self.n_block:
@@ -557,20 +601,32 @@ class FlashBackwardSm100:
             if const_expr(self.causal):   # steps whose last visible key is inside the block
                 last = e["n_block"] * self.n_block + self.n_block - 1 - offset
                 full = (cutlass.max(last, 0) + self.m_block - 1) // self.m_block
-                n_masked = cutlass.min(cutlass.max(full - e["m_min"], 0), e["steps"])
-        for i in cutlass.range(n_masked, unroll=1):
-            self.compute_step(e, t, i, True, tidx, key_end, offset, scale_log2)
-        for i in cutlass.range(n_masked, e["steps"], unroll=1):
-            self.compute_step(e, t, i, False, tidx, key_end, offset, scale_log2)
+                n_masked = cutlass.min(cutlass.max(full - e["m_min"], 0), head_steps)
+        if const_expr(self.qhead_per_kvhead == 1):
+            for i in cutlass.range(n_masked, unroll=1):
+                self.compute_step(e, t, i, e["m_min"] + i, True, tidx, key_end, offset,
+                                  scale_log2)
+            for i in cutlass.range(n_masked, head_steps, unroll=1):
+                self.compute_step(e, t, i, e["m_min"] + i, False, tidx, key_end, offset,
+                                  scale_log2)
+        else:   # each query head's masked steps first (Note [sm100 backward, GQA])
+            for g in cutlass.range(self.qhead_per_kvhead, unroll=1):
+                first = g * head_steps
+                for i in cutlass.range(n_masked, unroll=1):
+                    self.compute_step(e, t, first + i, e["m_min"] + i, True, tidx, key_end,
+                                      offset, scale_log2)
+                for i in cutlass.range(n_masked, head_steps, unroll=1):
+                    self.compute_step(e, t, first + i, e["m_min"] + i, False, tidx, key_end,
+                                      offset, scale_log2)
 
     @cute.jit
-    def compute_step(self, e, t, i, masked: cutlass.Constexpr[bool], tidx, key_end, offset,
+    def compute_step(self, e, t, i, m, masked: cutlass.Constexpr[bool], tidx, key_end, offset,
                      scale_log2: Float32):
+        """Step i, of query block m."""
         smem = e["smem"]
         cols = self.m_block // self.warpgroups          # query columns of this warpgroup
         col0 = (tidx // 128) * cols
         st, use = i % self.q_stage, i // self.q_stage
-        m = e["m_min"] + i
         key = tidx % 128
         self.wait("compute", smem, "lse_full", st, use % 2, stage=None)
         self.wait("compute", smem, "s_full", 0, i % 2)
@@ -675,17 +731,14 @@ class FlashBackwardSm100:
         tidx = cute.arch.thread_idx()[0] % self.reduce_threads
         warp, lane = tidx // 32, tidx % 32
         warps = self.reduce_threads // 32
-        box = (32, self.dq_chunk)
-        gdQ = cute.local_tile(mdQ[None, None, e["head"], e["batch"]], box, (None, None))
-        tsdQ, tgdQ = cpasync.tma_partition(atom_dQ, 0, cute.make_layout(1),
-                                           cute.group_modes(e["sdQ"], 0, 2),
-                                           cute.group_modes(gdQ, 0, 2))
+        mha = self.step_dq_target(e, None, atom_dQ, mdQ, e["head"], once=True)
         # dQ's columns in chunks: one tcgen05.ld of the whole row needs more registers than
         # one instruction may take
         loads = [self.tmem_copy(t["dQ"], c * self.dq_chunk, self.dq_chunk, False, tidx)
                  for c in range(self.dq_chunks)]
         for i in cutlass.range(e["steps"], unroll=1):
-            m = e["m_min"] + i
+            head_q, m = self.query_step(e, i)
+            tsdQ, tgdQ = self.step_dq_target(e, mha, atom_dQ, mdQ, head_q)
             self.wait("dq_reduce", smem, "dq_full", 0, i % 2)
             rdQ = []
             for thr, tdQ, cdQ in loads:
@@ -706,3 +759,19 @@ class FlashBackwardSm100:
                           tgdQ[None, m * (self.m_block // 32) + warp, c])
                 cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def dq_target(self, e, atom_dQ, mdQ, head_q):
+        """(SMEM, global) TMA partitions of query head `head_q`'s dQ_accum in (32, dq_chunk)
+        boxes: one reduce warp's rows of one chunk."""
+        gdQ = cute.local_tile(mdQ[None, None, head_q, e["batch"]], (32, self.dq_chunk),
+                              (None, None))
+        return cpasync.tma_partition(atom_dQ, 0, cute.make_layout(1),
+                                     cute.group_modes(e["sdQ"], 0, 2),
+                                     cute.group_modes(gdQ, 0, 2))
+
+    def step_dq_target(self, e, mha, atom_dQ, mdQ, head_q, once=False):
+        """`dq_target` of a step's query head: under MHA made once before the loop (`once`)
+        and then `mha`, under GQA per step (None before the loop)."""
+        if self.qhead_per_kvhead == 1:
+            return self.dq_target(e, atom_dQ, mdQ, head_q) if once else mha
+        return None if once else self.dq_target(e, atom_dQ, mdQ, head_q)

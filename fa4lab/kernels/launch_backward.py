@@ -79,11 +79,11 @@ def fake_args(key: BackwardKey):
         return make_fake_tensor(dt, shape, (*strides, 1), assumed_align=align)
 
     d, dv = key.head_dim, key.head_dim_v
-    if key.arch == "sm100":    # MHA: one head count; LSE and D rows 16-byte aligned (TMA)
-        q, do, k, v = bshd(sq, hq, d), bshd(sq, hq, dv), bshd(sk, hq, d), bshd(sk, hq, dv)
+    if key.arch == "sm100":    # LSE and D rows 16-byte aligned (TMA)
+        q, do, k, v = bshd(sq, hq, d), bshd(sq, hq, dv), bshd(sk, hkv, d), bshd(sk, hkv, dv)
         return [q, k, v, do, rows(b, hq, sq_pad, align=16, div=4),
                 rows(b, hq, sq_pad, align=16, div=4), rows(b, hq, sq_pad, d, align=16, div=4),
-                bshd(sk, hq, d), bshd(sk, hq, dv), cutlass.Float32(1.0), cutlass.Float32(1.0),
+                bshd(sk, hkv, d), bshd(sk, hkv, dv), cutlass.Float32(1.0), cutlass.Float32(1.0),
                 make_fake_stream(use_tvm_ffi_env_stream=True)]
     q, do = bshd(sq, hq, d), bshd(sq, hq, dv)
     k, v, dk, dvv = bshd(sk, hkv, d), bshd(sk, hkv, dv), bshd(sk, hkv, d), bshd(sk, hkv, dv)
@@ -243,7 +243,7 @@ def backward(call, out, dout, lse, *, dlse=None, deterministic: bool = False,
     if b * sq * sk:
         q_, k_, v_, do_ = (kernel_layout(t) for t in (q, k, v, dout))
         dk_, dv_ = kernel_layout(dk), kernel_layout(dv)
-        if key.arch == "sm100":   # the same inputs; MHA, no cap, window or semaphore
+        if key.arch == "sm100":   # the same inputs; no cap, window or semaphore
             kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
                             scale_args(softmax_scale, d)[0], scale)
         else:

@@ -4,10 +4,12 @@
     plan = plan_backward(AttentionSpec(1, 8192, 8192, 16, 16, 128), arch="sm100")
     plan.tmem.total_cols, plan.smem.total_bytes, plan.protocol     # 512, 232448, the table
 
-One CTA owns a key block of 128 keys and walks the query blocks that see it (Note [key blocks
-outside] in fa4lab.backward_blocks): per query block, five tcgen05 MMAs (S^T = K Q^T, dP^T =
-V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K), P and dS computed by two compute warpgroups,
-dQ added into a float32 buffer in global memory by a reduce warpgroup, dK and dV stored once.
+One CTA owns a key block of 128 keys (of one KV head) and walks the query blocks that see it
+(Note [key blocks outside] in fa4lab.backward_blocks), under GQA for each query head of the
+KV head's group in turn (`spec.qhead_per_kvhead`): per query block, five tcgen05 MMAs (S^T =
+K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, dQ = dS K), P and dS computed by two compute
+warpgroups, dQ added into a float32 buffer in global memory by a reduce warpgroup, dK and dV
+stored once.
 Its TMEM map is `fa4lab.backward_budget.backward_tmem` (Note [the backward's TMEM]); its
 protocol table is `fa4lab.plan.protocol_bwd_sm100` (Note [the backward's protocol]), which the
 simulator runs (`fa4lab.plan.simulate.simulate(plan)`); `fa4lab plan --backward` prints the
@@ -202,6 +204,12 @@ def _build_sm100(spec: AttentionSpec) -> BackwardPlan:
         f"{tiles.dq_chunk} fp32 columns, each a TMA reduce-add into dQ_accum in global memory "
         f"(Note [accumulating dQ] in fa4lab.backward_budget: the atomic scheme).",
     )
+    g = spec.qhead_per_kvhead
+    if g > 1:
+        notes += (f"GQA {g}: one CTA per (key block, KV head) walks its query blocks for each "
+                  f"of the group's {g} query heads in turn, the same protocol over {g} times "
+                  f"the steps; dK and dV accumulate in TMEM over the group and are stored once "
+                  f"(Note [sm100 backward, GQA] in fa4lab.kernels.bwd_sm100).",)
     return BackwardPlan(spec, "sm100", hw, tiles, mmas, tmem, smem, roles,
                         build_protocol(barriers, tiles), notes)
 

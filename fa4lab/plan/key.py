@@ -122,8 +122,9 @@ def backward_unbuilt(arch: str, head_dim: int, head_dim_v: int, qhead_per_kvhead
                      deterministic: bool = False) -> str | None:
     """What the backward kernel of `arch` does not build of a configuration, in words, or None:
     the one statement of it (a `BackwardKey` refuses it, and `fa4lab.kernels.launch_backward
-    .unbuilt` names it to the user). The sm100 kernel builds MHA without a cap, a window or
-    deterministic dQ so far (Note [sm100 backward, first version] in fa4lab.kernels.bwd_sm100)."""
+    .unbuilt` names it to the user). The sm100 kernel builds MHA and GQA without a cap, a
+    window or deterministic dQ so far (Note [sm100 backward, first version] in
+    fa4lab.kernels.bwd_sm100)."""
     built = BACKWARD_HEAD_DIMS.get(arch)
     if built is None:
         return f"a backward kernel for {arch!r} (one is built for {', '.join(BACKWARD_HEAD_DIMS)})"
@@ -131,7 +132,7 @@ def backward_unbuilt(arch: str, head_dim: int, head_dim_v: int, qhead_per_kvhead
     if dims not in built:
         return f"head dims {dims} in the {arch} backward kernel (it builds {built})"
     if arch == "sm100":
-        for what, on in (("GQA", qhead_per_kvhead != 1), ("softcap", softcap),
+        for what, on in (("softcap", softcap),
                          ("a sliding window", any(window)),
                          ("deterministic dQ", deterministic)):
             if on:
@@ -181,8 +182,9 @@ class BackwardKey:
 
     def plan(self):
         """The sm100 kernel's `BackwardPlan` (fa4lab.plan.backward.plan_backward): every number
-        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime). Made
-        once per key: every launch reads its tiles."""
+        of its kernel; the sizes in its spec are placeholders (the kernel's are runtime), its
+        heads one KV head's group (the kernel's GQA ratio). Made once per key: every launch
+        reads its tiles."""
         return _backward_plan(self)
 
     @property
@@ -198,5 +200,5 @@ class BackwardKey:
 def _backward_plan(key: BackwardKey):
     from fa4lab.plan.backward import plan_backward
 
-    return plan_backward(AttentionSpec(1, 1024, 1024, 1, 1, key.head_dim, key.head_dim_v,
-                                       dtype=key.dtype, causal=key.causal))
+    return plan_backward(AttentionSpec(1, 1024, 1024, key.qhead_per_kvhead, 1, key.head_dim,
+                                       key.head_dim_v, dtype=key.dtype, causal=key.causal))
