@@ -69,6 +69,7 @@ def test_make_test_fast_is_the_pure_python_tier():
     for marker in ("compile", "browser", "slow", "gpu", "sm90", "sm100"):
         assert f"not {marker}" in run, run
     assert "--nbmake" not in steps and "apt-get" not in steps and "chromium" not in steps, steps
+    assert "-p no:nbmake" in run, run       # Note [rfc3987_syntax] (tests/conftest.py)
 
 
 def test_every_marker_the_makefile_names_is_registered(pytestconfig):
