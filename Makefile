@@ -80,11 +80,11 @@ durations: install
 	$(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/durations --save-weights tests/durations.json -- -q tests/
 
 # The edit loop: pure Python (plans, references, the simulator, figures, widgets) in a minute or
-# two, as CPU_JOBS processes; no compiles, browser or notebooks. A test that compiles a kernel
-# without the `compile` marker fails here (FA4LAB_FORBID_COMPILE, tests/conftest.py) instead of
-# slowing it down.
+# two, as CPU_JOBS processes; no compiles, browser or notebooks (nor the nbmake plugin: see Note
+# [rfc3987_syntax] in tests/conftest.py). A test that compiles a kernel without the `compile`
+# marker fails here (FA4LAB_FORBID_COMPILE, tests/conftest.py) instead of slowing it down.
 test-fast: install
-	$(call timed,fast,FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/fast -- -q -m "$(FAST_MARKERS)" tests/ --durations=10)
+	$(call timed,fast,FA4LAB_FORBID_COMPILE=1 $(VENV)/bin/python tests/shards.py --jobs $(CPU_JOBS) --out test-output/fast -- -q -p no:nbmake -m "$(FAST_MARKERS)" tests/ --durations=10)
 
 # On a CUDA machine: the GPU-marked tests and the notebooks at realistic sizes.
 # Fails (not passes vacuously) when no GPU is visible. The tests run as GPU_JOBS processes side

@@ -42,6 +42,15 @@ from fa4lab.environment import gpu
 # The figures are built without pyplot, but tests may use it; never open a window.
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# Note [rfc3987_syntax]: nbformat validates a notebook with jsonschema, whose format checkers
+# import rfc3987_syntax where it is installed (jupyter-events asks for it), and that module
+# builds 38 Earley parsers as it is imported: 2-3 s of every pytest process that reads a
+# notebook, for the "iri" string formats that no schema here names (nbformat's schemas name no
+# format). Without it jsonschema leaves those two formats unchecked. A process that loads the
+# nbmake plugin has imported it before this file (make test); `make test-fast` leaves the
+# plugin out (-p no:nbmake) and so never builds the parsers.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
     settings.load_profile("ci")

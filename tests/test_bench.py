@@ -328,6 +328,11 @@ def test_bench_on_cpu_exits_0_and_says_no_gpu(capsys):
     assert "latest recorded H200 results" in out and "| 128 | no | 16384 |" in out
 
 
+# A fresh process importing torch (3-4 s on a 2-core machine) for what two fast tests show:
+# test_bench_on_cpu_exits_0_and_says_no_gpu runs `fa4lab.cli.main(["bench", ...])`, the
+# function `python -m fa4lab` calls, and test_plan_cli's
+# test_python_m_fa4lab_plan_takes_the_mask_flags runs `python -m fa4lab`. `make test` runs it.
+@pytest.mark.slow
 @needs_no_gpu
 def test_bench_through_the_console_script():
     res = subprocess.run([sys.executable, "-m", "fa4lab", "bench", "--head-dim", "64",

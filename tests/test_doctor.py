@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from fa4lab.cli import main
 
 
@@ -34,6 +36,11 @@ def test_the_package_says_it_is_typed():
     assert files("fa4lab").joinpath("py.typed").is_file()
 
 
+# A fresh process importing torch (3 s on a 2-core machine) for what two fast tests show:
+# test_doctor_prints_versions_and_tiers runs `fa4lab.cli.main(["doctor"])`, the function
+# `python -m fa4lab` calls, and test_plan_cli's test_python_m_fa4lab_plan_takes_the_mask_flags
+# runs `python -m fa4lab`. `make test` runs it.
+@pytest.mark.slow
 def test_console_script_runs():
     res = subprocess.run([sys.executable, "-m", "fa4lab", "doctor"], capture_output=True, text=True,
                          timeout=120)

@@ -69,6 +69,7 @@ def test_make_test_fast_is_the_pure_python_tier():
     for marker in ("compile", "browser", "slow", "gpu", "sm90", "sm100"):
         assert f"not {marker}" in run, run
     assert "--nbmake" not in steps and "apt-get" not in steps and "chromium" not in steps, steps
+    assert "-p no:nbmake" in run, run       # Note [rfc3987_syntax] (tests/conftest.py)
 
 
 def test_every_marker_the_makefile_names_is_registered(pytestconfig):
@@ -146,6 +147,23 @@ def test_a_shard_left_without_tests_is_not_a_failure():
     assert shards_status([NO_TESTS, NO_TESTS]) == NO_TESTS
     assert shards_status([0, 0]) == 0
 
+
+def test_each_shard_gets_its_share_of_the_cores():
+    """tests/shards.py: N shards on C cores run their math libraries on C // N threads each (at
+    least one), so two shards on two cores do not wait on each other's spinning threads; a
+    thread count the caller set is kept."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from shards import THREAD_VARS, shard_env
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    env = shard_env(2, cores=2, environ={"PATH": "/bin"})
+    assert env["PATH"] == "/bin" and env["PYTHONUNBUFFERED"] == "1"
+    assert [env[v] for v in THREAD_VARS] == ["1"] * len(THREAD_VARS) and len(THREAD_VARS) == 3
+    assert shard_env(4, cores=16, environ={})["OMP_NUM_THREADS"] == "4"
+    assert shard_env(4, cores=2, environ={})["MKL_NUM_THREADS"] == "1"
+    assert shard_env(2, cores=2, environ={"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+    assert shard_env(1, cores=2, environ={})["OPENBLAS_NUM_THREADS"] == "2"
 
 def test_shares_weigh_measured_seconds(tmp_path):
     """The shares' weights are the measured seconds where tests/durations.json has them (a

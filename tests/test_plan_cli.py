@@ -12,6 +12,29 @@ from matrix import FULL_MATRIX, matrix
 from fa4lab.plan import Plan, plan_forward
 from fa4lab.plan_cli import EXIT_NO_PLAN, add_cli
 
+_REPORTS: dict = {}
+
+
+@pytest.fixture
+def one_report_per_plan(monkeypatch):
+    """`fa4lab plan` builds the report of a plan (simulations: 0.5-1 s each) once for this
+    module's tests that print one plan twice (JSON and Markdown, or several --page-size): each
+    call gets its own copy. Not for test_json_is_stable_and_round_trips, which builds it twice on
+    purpose."""
+    import copy
+
+    from fa4lab import plan_cli
+
+    real = plan_cli.build_report
+
+    def once(plan, costs=None, recorded=None):
+        key = (plan, costs, json.dumps(recorded, sort_keys=True))
+        if key not in _REPORTS:
+            _REPORTS[key] = real(plan, costs, recorded)
+        return copy.deepcopy(_REPORTS[key])
+
+    monkeypatch.setattr(plan_cli, "build_report", once)
+
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="fa4lab")
@@ -97,7 +120,7 @@ WINDOW_CASES = ([(arch, *w) for arch in ("sm100", "sm90") for w in WINDOWS] if F
 
 
 @pytest.mark.parametrize("arch,argv,window", WINDOW_CASES)
-def test_window_softcap_sink_plan(capsys, arch, argv, window):
+def test_window_softcap_sink_plan(capsys, one_report_per_plan, arch, argv, window):
     """The report's tile counts are classify_tiles' on the plan's CTA x K/V block grid; the
     Markdown names the window, the softcap and the sink."""
     from fa4lab import tiling
@@ -183,7 +206,7 @@ def test_python_m_fa4lab_plan_takes_the_mask_flags():
 
 
 @pytest.mark.parametrize("page_size", [16, 100, 256])
-def test_page_size_shows_how_pages_meet_the_blocks(capsys, page_size):
+def test_page_size_shows_how_pages_meet_the_blocks(capsys, one_report_per_plan, page_size):
     """Note [paged blocks in the plan]: the blocks' pieces come from key_block_pages, in order;
     every key of the sequence is read once, from the slot that holds it."""
     from fa4lab.varlen_tiles import key_block_pages
@@ -204,9 +227,10 @@ def test_page_size_shows_how_pages_meet_the_blocks(capsys, page_size):
     assert rc == 0 and f"## Paged K/V (pages of {page_size} tokens)" in md
 
 
-def test_page_size_must_be_positive(capsys):
+def test_page_size_must_be_positive(capsys, one_report_per_plan):
     parser = argparse.ArgumentParser(prog="fa4lab")
     add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["plan", "--arch", "sm90", "--page-size", "0"])
+    # the report is built before the page size is read: the page-size tests' plan
+    args = parser.parse_args(["plan", "--arch", "sm90", "--seqlen", "1000", "--page-size", "0"])
     assert args.func(args) == EXIT_NO_PLAN
     assert "--page-size: page_size must be a positive int, got 0" in capsys.readouterr().err

@@ -71,21 +71,16 @@ def brute_kinds(seqlen_q, seqlen_k, bm, bn, causal, group=1, window=(None, None)
     vis[:rows, :seqlen_k] = brute_visible(seqlen_q, seqlen_k, causal, group, window=window)
     inb = np.zeros_like(vis)
     inb[:rows, :seqlen_k] = True
-    kinds = np.zeros((n_m, n_n), dtype=int)
-    needs = np.zeros((n_m, n_n), dtype=bool)
-    for m, n in itertools.product(range(n_m), range(n_n)):
-        tv = vis[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
-        ti = inb[m * bm:(m + 1) * bm, n * bn:(n + 1) * bn]
-        col_oob = not ti[0].all()  # row 0 of a tile is always in bounds
-        if not tv.any():
-            kinds[m, n] = TileKind.SKIP
-        elif (ti & ~tv).any():
-            kinds[m, n] = TileKind.MASKED
-        elif not ti.all():
-            kinds[m, n] = TileKind.TAIL
-        else:
-            kinds[m, n] = TileKind.FULL
-        needs[m, n] = kinds[m, n] != TileKind.SKIP and ((ti & ~tv).any() or col_oob)
+    # every tile's elements at once, tv[m, n] and ti[m, n] being tile (m, n)'s bm x bn block
+    tv = vis.reshape(n_m, bm, n_n, bn).swapaxes(1, 2)
+    ti = inb.reshape(n_m, bm, n_n, bn).swapaxes(1, 2)
+    seen = tv.any(axis=(2, 3))
+    hidden = (ti & ~tv).any(axis=(2, 3))            # an in-bounds element not visible
+    col_oob = ~ti[:, :, 0, :].all(axis=2)           # row 0 of a tile is always in bounds
+    kinds = np.select([~seen, hidden, ~ti.all(axis=(2, 3))],
+                      [int(TileKind.SKIP), int(TileKind.MASKED), int(TileKind.TAIL)],
+                      int(TileKind.FULL))
+    needs = seen & (hidden | col_oob)
     return kinds, needs
 
 

@@ -201,9 +201,11 @@ def test_recorded_results(tmp_path):
 def test_picker_renders_every_variant():
     from fa4lab.viz.variants import variant_picker
 
-    # Each name once, on alternate archs (6 renders of a second each, not 10): the picker's
-    # wiring; every (name, arch) report is test_every_variant_plans_and_reports'.
-    picker = variant_picker(arch="sm90", size="small")
+    # Each name once, on alternate archs (6 renders, not 10): the picker's wiring; every (name,
+    # arch) report is test_every_variant_plans_and_reports'. At the size whose reports that test
+    # has built (variants.report_of keeps them), a render is its figure, not a second of
+    # simulations.
+    picker = variant_picker(arch="sm90", size="full")
     shown = []
     for arch, names in zip(ARCHS, (NAMES[0::2], NAMES[1::2])):
         picker.controls["arch"].value = arch
