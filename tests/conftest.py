@@ -90,11 +90,12 @@ def shard_of(value: str) -> tuple[int, int]:
 
 # What a test weighs in a share, in seconds: its measured time (tests/durations.json: every test
 # that took at least RECORDED_FROM seconds on a 2-core machine, one process of two) where known,
-# else an estimate by kind (a pure-Python test ~0.05 s, a compile and audit 5-15 s, a `slow` test
-# that is not a compile runs notebooks or processes, 20-60 s).
+# else an estimate by kind (a pure-Python test ~0.03 s: the fast tier's tests under RECORDED_FROM
+# average 0.023 s; a compile and audit 5-15 s, a `slow` test that is not a compile runs notebooks
+# or processes, 20-60 s).
 DURATIONS = Path(__file__).with_name("durations.json")
 RECORDED_FROM = 0.2
-TEST_S, COMPILE_S, SLOW_S = 0.05, 8.0, 40.0
+TEST_S, COMPILE_S, SLOW_S = 0.03, 8.0, 40.0
 
 
 def estimate(item) -> float:

@@ -3,6 +3,8 @@ shows the PlanError instead of a figure."""
 
 from __future__ import annotations
 
+import functools
+
 import matplotlib.pyplot as plt
 import pytest
 
@@ -17,12 +19,20 @@ def spec(hd=128):
     return AttentionSpec(1, 2048, 2048, 8, 8, hd)
 
 
+@functools.cache
+def timeline(arch, hd):
+    """(simulate(plan, 3, 2), its draw_timeline figure): simulated and drawn once for the
+    tests that read it (test_figures_draw, test_the_timeline_says_what_its_colours_mean)."""
+    sim = simulate(plan_forward(spec(hd), arch), 3, 2)
+    return sim, vp.draw_timeline(sim)
+
+
 @pytest.mark.parametrize("arch,hd", [("sm100", 64), ("sm100", 128), ("sm90", 128),
                                      ("sm90", 256)])
 def test_figures_draw(arch, hd):
     p = plan_forward(spec(hd), arch)
     figs = [vp.draw_roles(p), vp.draw_barrier_graph(p, highlight=p.barriers.barriers[0].name),
-            vp.draw_timeline(simulate(p, 3, 2))]
+            timeline(arch, hd)[1]]
     if arch == "sm100":
         figs.append(vp.draw_tmem(p))
     else:
@@ -106,11 +116,9 @@ def test_the_figures_leave_the_backend_to_the_notebook():
 def test_the_timeline_says_what_its_colours_mean(arch):
     """Notebook 04's timeline: a legend entry for each kind of bar it draws (the grey ones are
     waits on a barrier)."""
-    sim = simulate(plan_forward(spec(128), arch), 3, 2)
-    fig = vp.draw_timeline(sim)
+    sim, fig = timeline(arch, 128)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     kinds = {s.kind for s in sim.spans}
     assert ("wait" in kinds) == any("waiting on a barrier" in x for x in labels)
     assert ("mma" in kinds) == any(x.startswith("MMA") for x in labels)
     assert any("work or copy" in x for x in labels)
-    plt.close(fig)

@@ -132,24 +132,31 @@ def draw(n):
 LiveFigure({"n": widgets.IntSlider(3, min=2, max=9)}, draw, title="line")"""
 
 
-def test_a_live_figure_section_renders_as_an_image(tmp_path):
+@pytest.fixture(scope="module")
+def live_and_bare(tmp_path_factory):
+    """One executed notebook (one kernel, 1-2 s) for the two tests below: cell 0 a LiveFigure,
+    cell 1 a widget displayed without one; and its HTML export without widget state."""
+    folder = tmp_path_factory.mktemp("live_and_bare")
+    source = folder / "live_and_bare.ipynb"
+    nbformat.write(_notebook(_LIVE, "import ipywidgets as widgets\nwidgets.IntSlider(3)"), source)
+    nb = execute_copy(source, folder / "work")
+    return nb, html_without_widget_state(nb)
+
+
+def test_a_live_figure_section_renders_as_an_image(live_and_bare):
     """The checks above on a notebook whose answer is known: one LiveFigure, one <img>."""
-    source = tmp_path / "live.ipynb"
-    nbformat.write(_notebook(_LIVE), source)
-    nb = execute_copy(source, tmp_path / "work")
-    assert len(widget_outputs(nb)) == 1
-    assert missing_fallbacks(nb) == []
-    html = html_without_widget_state(nb)
-    assert figures_missing_from_html(nb, html) == []
+    nb, html = live_and_bare
+    assert [i for i, _ in widget_outputs(nb) if i == 0] == [0]
+    assert [p for p in missing_fallbacks(nb) if p.startswith("cell 0:")] == []
+    assert 0 not in figures_missing_from_html(nb, html)
     assert WIDGET_VIEW not in html  # no state: nbconvert dropped the view, kept the picture
 
 
-def test_a_bare_widget_is_caught(tmp_path):
+def test_a_bare_widget_is_caught(live_and_bare):
     """A widget displayed without LiveFigure has no static fallback, and the check says so."""
-    source = tmp_path / "bare.ipynb"
-    nbformat.write(_notebook("import ipywidgets as widgets\nwidgets.IntSlider(3)"), source)
-    nb = execute_copy(source, tmp_path / "work")
-    assert len(widget_outputs(nb)) == 1
+    nb, html = live_and_bare
+    assert [i for i, _ in widget_outputs(nb) if i == 1] == [1]
     problems = missing_fallbacks(nb)
-    assert len(problems) == 1 and "no static fallback" in problems[0]
-    assert figures_missing_from_html(nb, html_without_widget_state(nb)) == [0]
+    assert len(problems) == 1 and problems[0].startswith("cell 1:")
+    assert "no static fallback" in problems[0]
+    assert figures_missing_from_html(nb, html) == [1]
