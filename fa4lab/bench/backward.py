@@ -73,8 +73,8 @@ QUICK_SEQLENS = (2048, 8192)
 # A backward computes five matmuls of the forward's size where the forward computes two (dQ,
 # dK, dV, dP and the recomputed S): 2.5 x its FLOPs, upstream's count and this lab's.
 BACKWARD_FLOPS_FACTOR = 2.5
-FLOPS_RULE = ("2.5 x the forward's FLOPs (AttentionSpec.flops: 4 x batch x heads x seqlen^2 x "
-              "head_dim, halved for causal)")
+FLOPS_RULE = (f"{BACKWARD_FLOPS_FACTOR:g} x the forward's FLOPs (AttentionSpec.flops: 4 x "
+              f"batch x heads x seqlen^2 x head_dim, halved for causal)")
 
 # ---- the providers -----------------------------------------------------------------------------
 KERNEL = "fa4lab-kernel"

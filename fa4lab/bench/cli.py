@@ -233,15 +233,17 @@ def add_cli(subparsers) -> None:
 
     serve.add_argument("--scenario", nargs="+", choices=SCENARIOS, default=None,
                        help="with --serving: only these scenarios (default: all)")
+    from fa4lab.bench import backward as b
+
     bwd = p.add_argument_group(
-        "backward", "the attention backward alone (the forward run once before timing) of "
-                    "fa4lab (its autograd, and its kernel from the saved out and lse), "
-                    "upstream FA4 and PyTorch SDPA (cuDNN, flash), bf16, 16k tokens, hidden "
-                    "2048, hd 64 and 128, seqlen 2048, 8192 and 16384, causal and not; TFLOP/s "
-                    "count 2.5x the forward's FLOPs (fa4lab.bench.backward); --head-dim, "
-                    "--seqlen, --causal, --quick (hd128, seqlen 2048 and 8192), --peers, "
-                    "--dtype, --total-tokens, --hidden, the timing options, --time-budget "
-                    "(none by default) and --step-timeout apply")
+        "backward", f"the attention backward alone (the forward run once before timing) of "
+                    f"fa4lab (its autograd, and its kernel from the saved out and lse), "
+                    f"upstream FA4 and PyTorch SDPA (cuDNN, flash), bf16, 16k tokens, hidden "
+                    f"2048, hd {b.BACKWARD_HEAD_DIMS}, seqlen {b.BACKWARD_SEQLENS}, causal and "
+                    f"not; TFLOP/s count {b.FLOPS_RULE} (fa4lab.bench.backward); --head-dim, "
+                    f"--seqlen, --causal, --quick (hd {b.QUICK_HEAD_DIMS}, seqlen "
+                    f"{b.QUICK_SEQLENS}), --peers, --dtype, --total-tokens, --hidden, the timing "
+                    f"options, --time-budget (none by default) and --step-timeout apply")
     bwd.add_argument("--backward", action="store_true",
                      help="time the attention backward instead of the forward sweep")
     train = p.add_argument_group(
