@@ -6,7 +6,7 @@ values obey rules (`Rule`) that only the values can break: cu_seqlens start at 0
 decrease and end at the packed total; seqused_k lies within its sequence's keys; every page a
 sequence reads is a page of the cache; max_seqlen is at least every length. With
 `check_indices="device"` (the default) one small kernel (`fa4lab.kernels.index_check`) checks
-them on the GPU after the call is queued and leaves a `Verdict` in pinned host memory; the
+them on the GPU after the call is queued and leaves a `Verdict` in mapped host memory; the
 next varlen or paged call, or `check_errors()`, raises its `InputError` (Note [index check on
 the device]).
 
@@ -15,9 +15,9 @@ What is here, in plain Python and torch (no kernel, no CuTe DSL import):
   has (what one compiled check kernel bakes in);
 - `CheckContext` (the sizes a message names, from the shapes) and `message`, THE wording of a
   broken rule, used by the synchronous check (`fa4lab.varlen`) and the device verdicts alike;
-- the pending verdicts: `slot_for` (a device row, a pinned host row and an event of a small
-  per-device pool), `submit`, `poll` (raises the oldest finished bad verdict; never waits) and
-  `check_errors` (waits for every pending verdict, then raises as `poll`);
+- the pending verdicts: `slot_for` (a `Slot`: a device row, a mapped host row and a ticket,
+  of a small per-device pool), `submit`, `poll` (raises the oldest finished bad verdict; never
+  waits) and `check_errors` (waits for every pending verdict, then raises as `poll`);
 - `queue_check`, the device check as the launch path installed it (`install_device_check`:
   Note [who launches the device check]).
 
@@ -36,7 +36,7 @@ from enum import IntEnum
 from fa4lab.errors import InputError
 from fa4lab.tiling import ceil_div
 
-__all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Verdict", "check_errors",
+__all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Slot", "Verdict", "check_errors",
            "install_device_check", "message", "pending", "poll", "queue_check", "slot_for",
            "submit"]
 
@@ -53,36 +53,45 @@ __all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Verdict", "che
 #    their minima into the slot's scratch words with atomics and the last CTA to finish writes
 #    the `Verdict`: the rule, its first broken index and the two values its message needs, read
 #    there and then (so a later change of the tensors cannot change the message), or all zeros.
-#    It resets the scratch for the slot's next use, so no memset is launched.
-# 2. A non_blocking copy of the verdict's 4 words into pinned host memory, then an event.
-# 3. The host keeps (event, host row, `CheckContext`) in a queue. Every later varlen or paged
-#    call first polls the queue (`poll`: `event.query()` of the oldest entries, no wait) and
-#    raises the first finished bad verdict's `InputError` before it launches anything of its
-#    own (whatever its own check_indices); `check_errors()` waits for the events
-#    (`event.synchronize()`) and raises likewise. So a bad index surfaces at the first varlen /
-#    paged call after its check has run on the GPU (usually the next one), or at the next
-#    `check_errors()`, whichever comes first; the call it describes has already run, and its
-#    outputs are not meaningful. The kernels clamp page ids into the cache (Note [clamped
-#    indices] in fa4lab.kernels.device.paged) and each sequence's rows into the packed tensors
-#    (Note [clamped lengths] in fa4lab.kernels.device.seqlen), so a bad index costs a wrong
-#    answer, never a fault or a store outside out and lse.
-# Per call that is one kernel launch, one 16-byte copy, one event record and a few list
-# operations on the host, whatever the batch: the pool's rows (POOL_SLOTS per device, made and
-# synchronised once per process) are reused, and a slot is handed out again only after its
-# verdict was read (when all are in use, `slot_for` waits for the oldest: the host is then
-# POOL_SLOTS calls ahead of the GPU). The message is built only when a rule is broken, from the
-# verdict and the context (sizes the shapes gave at the call). On CPU tensors there is nothing
-# to overlap: the check is the synchronous one, immediate. In a CUDA graph capture the check
-# and the poll skip themselves (a replay runs on values the capture never sees; Note [reading
-# the lengths] in fa4lab.varlen).
+#    It resets the scratch for the slot's next use, so no memset is launched. The verdict goes
+#    straight to host memory: the slot's host row is pinned and mapped into the GPU's address
+#    space (cudaHostAllocMapped), and the kernel stores the verdict's 4 words there, then a
+#    system-scope fence, then the call's ticket (a number the host gave the launch) in the
+#    row's TICKET_AT word: a host that reads the ticket reads a complete verdict after it.
+# 2. The host keeps (pool, slot, ticket, `CheckContext`) in a queue. Every later varlen or paged
+#    call first polls the queue (`poll`: the oldest entries' ticket words, read from host
+#    memory, no CUDA call and no wait) and raises the first finished bad verdict's `InputError`
+#    before it launches anything of its own (whatever its own check_indices);
+#    `check_errors()` synchronises the devices of the pending checks and raises likewise. So a
+#    bad index surfaces at the first varlen / paged call after its check has run on the GPU
+#    (usually the next one), or at the next `check_errors()`, whichever comes first; the call
+#    it describes has already run, and its outputs are not meaningful. The kernels clamp page
+#    ids into the cache (Note [clamped indices] in fa4lab.kernels.device.paged) and each
+#    sequence's rows into the packed tensors (Note [clamped lengths] in
+#    fa4lab.kernels.device.seqlen), so a bad index costs a wrong answer, never a fault or a
+#    store outside out and lse.
+# Per call that is one kernel launch and a few list operations on the host, whatever the batch
+# (an earlier form also copied the verdict to pinned memory and recorded an event: the check
+# then cost about 90 us of host time per call on an H100, a paged decode call taking 259 us
+# against 168 us with check_indices=False): the pool's rows (POOL_SLOTS per device, made and synchronised once per
+# process) are reused, and a slot is handed out again only after its verdict was read (when all
+# are in use, `slot_for` waits for the oldest: the host is then POOL_SLOTS calls ahead of the
+# GPU). The message is built only when a rule is broken, from the verdict and the context
+# (sizes the shapes gave at the call). On CPU tensors there is nothing to overlap: the check is
+# the synchronous one, immediate. In a CUDA graph capture the check and the poll skip
+# themselves (a replay runs on values the capture never sees; Note [reading the lengths] in
+# fa4lab.varlen).
 
 NO_INDEX = 2**31 - 1     # "no broken entry": the identity of the minima
 POOL_SLOTS = 64
-# One slot's device row: the verdict (VERDICT_WORDS words: rule, index, value, other), then the
-# kernel's scratch: the first broken index per rule (index rule - 1), then its CTA counter.
-VERDICT_WORDS = 4
-SCRATCH_AT = VERDICT_WORDS
+# One slot's device row: the kernel's scratch, the first broken index per rule (index rule - 1),
+# then its CTA counter. Its host row (mapped): the verdict (VERDICT_WORDS words: rule, index,
+# value, other), then the ticket of the check that wrote it.
+SCRATCH_AT = 0
 SLOT_WORDS = 16
+VERDICT_WORDS = 4
+TICKET_AT = VERDICT_WORDS
+HOST_WORDS = 8
 
 
 class Rule(IntEnum):
@@ -211,31 +220,87 @@ def message(verdict: Verdict, ctx: CheckContext) -> str:
 # --------------------------------------------------------------------------- pending verdicts
 
 
+class _Mapped:
+    """Pinned host memory mapped into the GPU's address space (cudaHostAllocMapped, portable):
+    `host`, a numpy view the host reads without a CUDA call, and `rows`, a CUDA tensor of the
+    same words that a kernel stores to. Never freed: one per device and process."""
+
+    def __init__(self, shape: tuple[int, int], device):
+        import ctypes
+
+        import numpy as np
+        import torch
+        from cuda.bindings import runtime
+
+        words = shape[0] * shape[1]
+        flags = runtime.cudaHostAllocMapped | runtime.cudaHostAllocPortable
+        err, ptr = runtime.cudaHostAlloc(4 * words, flags)
+        _cuda_ok(err, "cudaHostAlloc")
+        err, device_ptr = runtime.cudaHostGetDevicePointer(ptr, 0)
+        _cuda_ok(err, "cudaHostGetDevicePointer")
+        self.host = np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(ptr))
+        self.host = self.host.reshape(shape)
+        self.host[:] = 0
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i4", "strides": None,
+                                         "data": (device_ptr, False), "version": 3}
+        self.rows = torch.as_tensor(self, device=device)
+
+
+def _cuda_ok(err, what: str) -> None:
+    from cuda.bindings import runtime
+
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{what} failed ({err}): the index check's verdict rows could not be "
+                           f"allocated; pass check_indices=True (a synchronous check) instead")
+
+
 class _Pool:
     """One device's slots: device rows (POOL_SLOTS, SLOT_WORDS) int32 (the scratch words start
-    as NO_INDEX and a zero counter, and every check leaves them so), pinned host rows
-    (POOL_SLOTS, VERDICT_WORDS) and an event per slot; `free` the slots not in the queue."""
+    as NO_INDEX and a zero counter, and every check leaves them so), mapped host rows
+    (POOL_SLOTS, HOST_WORDS) the verdicts land in (`_Mapped`), the last ticket handed out, and
+    `free`, the slots not in the queue."""
 
     def __init__(self, device):
         import torch
 
+        self.device = device
         self.device_rows = torch.zeros((POOL_SLOTS, SLOT_WORDS), dtype=torch.int32, device=device)
         self.device_rows[:, SCRATCH_AT:COUNTER_AT] = NO_INDEX
-        self.host_rows = torch.zeros((POOL_SLOTS, VERDICT_WORDS), dtype=torch.int32,
-                                     pin_memory=True)
-        self.events = [torch.cuda.Event() for _ in range(POOL_SLOTS)]
+        mapped = _Mapped((POOL_SLOTS, HOST_WORDS), device)
+        self.host_rows, self.mapped_rows = mapped.host, mapped.rows
+        self.ticket = 0
         self.free = list(range(POOL_SLOTS))
         # Once per process and device: a check on another stream may take a slot next, and
         # must find its scratch words written.
         torch.cuda.synchronize(device)
 
+    def wait(self) -> None:
+        """Until every check queued on this device has run."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+
+class Slot:
+    """One check's slot, as `slot_for` hands it out: the kernel's arguments `device_row`
+    (scratch), `host_row` (the mapped verdict row) and `ticket` (to write last)."""
+
+    __slots__ = ("device_row", "host_row", "index", "pool", "ticket")
+
+    def __init__(self, pool: _Pool, index: int, ticket: int):
+        self.pool, self.index, self.ticket = pool, index, ticket
+        self.device_row, self.host_row = pool.device_rows[index], pool.mapped_rows[index]
+
 
 class _Pending:
-    __slots__ = ("context", "event", "host_row", "pool", "slot")
+    __slots__ = ("context", "pool", "slot", "ticket")
 
-    def __init__(self, pool: _Pool, slot: int, context: CheckContext):
-        self.pool, self.slot, self.context = pool, slot, context
-        self.event, self.host_row = pool.events[slot], pool.host_rows[slot]
+    def __init__(self, pool: _Pool, slot: int, ticket: int, context: CheckContext):
+        self.pool, self.slot, self.ticket, self.context = pool, slot, ticket, context
+
+    def done(self) -> bool:
+        """The check has run: its ticket is in its host row."""
+        return int(self.pool.host_rows[self.slot, TICKET_AT]) == self.ticket
 
 
 _lock = threading.RLock()
@@ -248,10 +313,10 @@ def pending() -> int:
     return len(_queue)
 
 
-def slot_for(device) -> tuple[_Pool, int]:
-    """(pool, slot) of a free slot of `device`'s pool for one check: its device row is what the
-    check kernel writes (`pool.device_rows[slot]`). When every slot is pending (the host is
-    POOL_SLOTS calls ahead of the GPU) this waits for the oldest verdict and raises it if bad."""
+def slot_for(device) -> Slot:
+    """A free slot of `device`'s pool for one check, with a fresh ticket. When every slot is
+    pending (the host is POOL_SLOTS calls ahead of the GPU) this waits for the oldest verdict
+    and raises it if bad."""
     index = device.index if device.index is not None else _current_device()
     with _lock:
         pool = _pools.get(index)
@@ -259,7 +324,8 @@ def slot_for(device) -> tuple[_Pool, int]:
             pool = _pools[index] = _Pool(device)
         while not pool.free:
             _read(_queue.popleft(), wait=True)
-        return pool, pool.free.pop()
+        pool.ticket = pool.ticket % (2**31 - 1) + 1     # 1, 2, ...: a zeroed row matches none
+        return Slot(pool, pool.free.pop(), pool.ticket)
 
 
 # Note [who launches the device check]
@@ -294,23 +360,25 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
-def submit(pool: _Pool, slot: int, context: CheckContext) -> None:
-    """After the check kernel was queued on the current stream: copy the slot's verdict to its
-    pinned host row (non_blocking), record its event and queue it for `poll` (Note [index
+def submit(slot: Slot, context: CheckContext) -> None:
+    """After the check kernel of `slot` was queued: queue its verdict for `poll` (Note [index
     check on the device])."""
-    entry = _Pending(pool, slot, context)
-    entry.host_row.copy_(pool.device_rows[slot, :VERDICT_WORDS], non_blocking=True)
-    entry.event.record()
+    entry = _Pending(slot.pool, slot.index, slot.ticket, context)
     with _lock:
         _queue.append(entry)
 
 
 def _read(entry: _Pending, wait: bool) -> None:
     """Return the entry's slot to its pool and raise its error if its verdict is bad; `wait`
-    synchronises on its event first (else the event must have completed)."""
-    if wait:
-        entry.event.synchronize()
-    verdict = Verdict(*entry.host_row.tolist())
+    synchronises its device first if the check has not run (else it must have)."""
+    if wait and not entry.done():
+        entry.pool.wait()
+        if not entry.done():
+            entry.pool.free.append(entry.slot)
+            raise RuntimeError(f"the index check of an earlier call of {entry.context.entry} "
+                               f"never reported (did its launch fail?); pass "
+                               f"check_indices=True to check synchronously")
+    verdict = Verdict(*entry.pool.host_rows[entry.slot, :VERDICT_WORDS].tolist())
     entry.pool.free.append(entry.slot)
     if verdict.broken:
         raise InputError(f"bad indices in an earlier call of {entry.context.entry} (checked on "
@@ -326,7 +394,7 @@ def poll() -> None:
     if not _queue:
         return
     with _lock:
-        while _queue and _queue[0].event.query():
+        while _queue and _queue[0].done():
             _read(_queue.popleft(), wait=False)
 
 

@@ -179,31 +179,30 @@ def test_plans_and_their_rules():
         IndexCheckPlan(False, False, True, True)
 
 
-# ---- the pending verdicts, with stand-ins for the CUDA events --------------------------------
-class _Event:
-    def __init__(self):
-        self.done, self.waited = False, False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.waited = self.done = True
-
-
+# ---- the pending verdicts, with a stand-in for the mapped rows -------------------------------
 class _Pool:
+    """A pool whose host rows are plain numpy: a check "runs" when its ticket is written."""
+
     def __init__(self, n):
-        self.events = [_Event() for _ in range(n)]
-        self.host_rows = torch.zeros((n, indexcheck.VERDICT_WORDS), dtype=I32)
-        self.free = []
+        self.host_rows = np.zeros((n, indexcheck.HOST_WORDS), dtype=np.int32)
+        self.free, self.waits, self.queued = [], 0, {}
+
+    def run(self, slot, ticket):
+        self.host_rows[slot, indexcheck.TICKET_AT] = ticket
+
+    def wait(self):         # the device synchronised: every queued check has run
+        self.waits += 1
+        for slot, ticket in self.queued.items():
+            self.run(slot, ticket)
 
 
 def _queue(verdicts):
     pool = _Pool(len(verdicts))
     context = CheckContext(total_q=5, entry="fa4lab.attention_varlen")
     for slot, v in enumerate(verdicts):
-        pool.host_rows[slot] = torch.tensor(v, dtype=I32)
-        indexcheck._queue.append(indexcheck._Pending(pool, slot, context))
+        pool.host_rows[slot, :indexcheck.VERDICT_WORDS] = v
+        pool.queued[slot] = 100 + slot
+        indexcheck._queue.append(indexcheck._Pending(pool, slot, 100 + slot, context))
     return pool
 
 
@@ -212,20 +211,43 @@ def test_poll_raises_finished_bad_verdicts_only_and_check_errors_waits(monkeypat
     bad = Verdict(Rule.CU_Q_END, 0, 4, 0)
     pool = _queue([Verdict(), bad, Verdict()])
     indexcheck.poll()                         # nothing has run: nothing read, no wait
-    assert indexcheck.pending() == 3 and not any(e.waited for e in pool.events)
-    pool.events[0].done = True
+    assert indexcheck.pending() == 3 and pool.waits == 0
+    pool.run(0, 99)                           # an earlier check's ticket: not this one's
+    indexcheck.poll()
+    assert indexcheck.pending() == 3
+    pool.run(0, 100)
     indexcheck.poll()
     assert indexcheck.pending() == 2 and pool.free == [0]
-    pool.events[2].done = True                # the bad one is still running: stays queued
+    pool.run(2, 102)                          # the bad one is still running: stays queued
     indexcheck.poll()
-    assert indexcheck.pending() == 2
+    assert indexcheck.pending() == 2 and pool.waits == 0
     with pytest.raises(InputError, match=r"earlier call of fa4lab.attention_varlen.*"
                                          r"cu_seqlens_q's last entry is 4 but the packed q "
                                          r"have 5 tokens"):
         indexcheck.check_errors()
-    assert pool.events[1].waited and sorted(pool.free) == [0, 1]
-    indexcheck.check_errors()                 # the good one left
-    assert indexcheck.pending() == 0 and sorted(pool.free) == [0, 1, 2]
+    assert pool.waits == 1 and sorted(pool.free) == [0, 1]
+    indexcheck.check_errors()                 # the good one left, already run: no wait
+    assert indexcheck.pending() == 0 and sorted(pool.free) == [0, 1, 2] and pool.waits == 1
+
+
+def test_a_check_that_never_reports_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setattr(indexcheck, "_queue", type(indexcheck._queue)())
+    pool = _queue([Verdict()])
+    pool.wait = lambda: None                  # synchronised, and still no ticket
+    with pytest.raises(RuntimeError, match="never reported"):
+        indexcheck.check_errors()
+    assert pool.free == [0] and indexcheck.pending() == 0
+
+
+def test_tickets_skip_zero_and_wrap(monkeypatch):
+    monkeypatch.setattr(indexcheck, "_pools", {})
+    pool = _Pool(2)
+    pool.free, pool.ticket = [0, 1], 2**31 - 2
+    pool.device_rows = pool.mapped_rows = np.zeros((2, indexcheck.HOST_WORDS), dtype=np.int32)
+    indexcheck._pools[0] = pool
+    dev = torch.device("cpu")
+    monkeypatch.setattr(indexcheck, "_current_device", lambda: 0)
+    assert [indexcheck.slot_for(dev).ticket for _ in range(2)] == [2**31 - 1, 1]
 
 
 def test_messages_name_the_tensor_and_index():

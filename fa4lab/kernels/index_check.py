@@ -4,13 +4,16 @@ What it computes (Note [index check on the device] in `fa4lab.indexcheck`): for 
 the call's `IndexCheckPlan` (cu_seqlens start at 0, never decrease and end at the packed total;
 seqused_k within its sequence's keys; every page a sequence reads inside the cache; max_seqlen
 above every length) the first broken index, and from them one verdict, written to a slot's
-device row (`fa4lab.indexcheck.SLOT_WORDS` int32 words):
+slot's mapped host row (`fa4lab.indexcheck.HOST_WORDS` int32 words):
 
     cu_seqlens_q   (batch + 1,) int32, or None (dense q with a page table)
     cu_seqlens_k   (batch + 1,) int32, or None (a page table instead)
     seqused_k      (batch,) int32, or None
     page_table     (batch, pages_per_seq) int32, or None
-    slot           (SLOT_WORDS,) int32: verdict (rule, index, value, other), then the scratch
+    slot           (SLOT_WORDS,) int32: the scratch (first broken index per rule, CTA counter)
+    host           (HOST_WORDS,) int32, mapped host memory: the verdict (rule, index, value,
+                   other), then the ticket
+    ticket         Int32: written to host[TICKET_AT] after the verdict, behind a system fence
     total_q, total_k, num_pages, page_size, max_seqlen_q, max_seqlen_k   Int32 (unused ones 0;
                    a max_seqlen not given is NO_INDEX, which no length exceeds)
 
@@ -44,9 +47,12 @@ from cutlass import Int32, const_expr
 
 from fa4lab.indexcheck import (
     COUNTER_AT,
+    HOST_WORDS,
     NO_INDEX,
     SCRATCH_AT,
     SLOT_WORDS,
+    TICKET_AT,
+    VERDICT_WORDS,
     CheckContext,
     IndexCheckPlan,
     Rule,
@@ -185,7 +191,9 @@ class IndexCheck:
         mCuK: cute.Tensor | None,     # (batch + 1,) int32
         mUsed: cute.Tensor | None,    # (batch,) int32
         mTable: cute.Tensor | None,   # (batch, pages_per_seq) int32
-        mSlot: cute.Tensor,           # (SLOT_WORDS,) int32: verdict, scratch, counter
+        mSlot: cute.Tensor,           # (SLOT_WORDS,) int32: scratch, counter
+        mHost: cute.Tensor,           # (HOST_WORDS,) int32, mapped host memory: verdict, ticket
+        ticket: Int32,
         total_q: Int32, total_k: Int32, num_pages: Int32, page_size: Int32, max_q: Int32,
         max_k: Int32,
         stream,
@@ -203,12 +211,13 @@ class IndexCheck:
         longest = cutlass.max(batch, batch * pages)
         chunk = CHECK_THREADS * ENTRIES_PER_THREAD
         grid = cutlass.max(cutlass.min((longest + chunk - 1) // chunk, MAX_CTAS), 1)
-        self.kernel(mCuQ, mCuK, mUsed, mTable, mSlot, batch, pages, total_q, total_k,
-                    num_pages, page_size, max_q, max_k).launch(
+        self.kernel(mCuQ, mCuK, mUsed, mTable, mSlot, mHost, ticket, batch, pages, total_q,
+                    total_k, num_pages, page_size, max_q, max_k).launch(
             grid=[grid, 1, 1], block=[CHECK_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mCuQ, mCuK, mUsed, mTable, mSlot: cute.Tensor, batch: Int32, pages: Int32,
+    def kernel(self, mCuQ, mCuK, mUsed, mTable, mSlot: cute.Tensor, mHost: cute.Tensor,
+               ticket: Int32, batch: Int32, pages: Int32,
                total_q: Int32, total_k: Int32, num_pages: Int32, page_size: Int32, max_q: Int32,
                max_k: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -224,7 +233,7 @@ class IndexCheck:
         self.sweep(view, first, "first", start, 1, step)
         self.sweep(view, first, "batch", start, batch, step)
         self.sweep(view, first, "pages", start, batch * pages, step)
-        self.fold(view, first, sMin, mSlot, tidx, grid)
+        self.fold(view, first, sMin, mSlot, mHost, ticket, tidx, grid)
 
     @cute.jit
     def sweep(self, view: CheckView, first: cute.Tensor, which: cutlass.Constexpr[str], start,
@@ -241,7 +250,7 @@ class IndexCheck:
 
     @cute.jit
     def fold(self, view: CheckView, first: cute.Tensor, sMin: cute.Tensor, mSlot: cute.Tensor,
-             tidx, grid):
+             mHost: cute.Tensor, ticket: Int32, tidx, grid):
         """The CTA's minima into the slot's scratch; the last CTA writes the verdict and resets
         the scratch (Note [one verdict from many CTAs])."""
         warp, lane = tidx // WARP, tidx % WARP
@@ -261,10 +270,11 @@ class IndexCheck:
             done = cute.arch.atomic_add(self.word(mSlot, COUNTER_AT), Int32(1), sem="acq_rel",
                                         scope="gpu")
             if done == grid - 1:
-                self.write_verdict(view, mSlot)
+                self.write_verdict(view, mSlot, mHost, ticket)
 
     @cute.jit
-    def write_verdict(self, view: CheckView, mSlot: cute.Tensor):
+    def write_verdict(self, view: CheckView, mSlot: cute.Tensor, mHost: cute.Tensor,
+                      ticket: Int32):
         found = Int32(0)
         for k in cutlass.range_constexpr(len(self.rules)):
             rule = self.rules[k]
@@ -274,14 +284,18 @@ class IndexCheck:
                 if at != NO_INDEX:
                     found = Int32(int(rule))
                     value, other = entry_values(rule, view, at)
-                    mSlot[0] = found
-                    mSlot[1] = at
-                    mSlot[2] = value
-                    mSlot[3] = Int32(other)
+                    mHost[0] = found
+                    mHost[1] = at
+                    mHost[2] = value
+                    mHost[3] = Int32(other)
         if found == 0:
-            for w in cutlass.range_constexpr(4):
-                mSlot[w] = Int32(0)
+            for w in cutlass.range_constexpr(VERDICT_WORDS):
+                mHost[w] = Int32(0)
         cute.arch.atomic_exch(self.word(mSlot, COUNTER_AT), Int32(0), sem="relaxed", scope="gpu")
+        # The verdict before the ticket, for a reader on the host (Note [index check on the
+        # device] in fa4lab.indexcheck).
+        cute.arch.fence_acq_rel_sys()
+        mHost[TICKET_AT] = ticket
 
     @staticmethod
     def word(mSlot: cute.Tensor, w: int):
@@ -325,8 +339,9 @@ def replay(context: CheckContext, cu_q=None, cu_k=None, used=None, table=None) -
 # ---- compile ------------------------------------------------------------------------------------
 def fake_args(plan: IndexCheckPlan):
     """Fake cu_seqlens_q, cu_seqlens_k, seqused_k, page_table (None where the plan has none), the
-    slot row, the six Int32 sizes and the stream: the kernel's contract. Every index tensor has
-    symbolic 64-bit strides (any int32 tensor passes), the slot row stride 1."""
+    slot row, the host row, the ticket, the six Int32 sizes and the stream: the kernel's
+    contract. Every index tensor has symbolic 64-bit strides (any int32 tensor passes), the slot
+    and host rows stride 1."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     def ints(shape):
@@ -339,7 +354,8 @@ def fake_args(plan: IndexCheckPlan):
     used = ints((cute.sym_int(),)) if plan.seqused_k else None
     table = ints((b, cute.sym_int())) if plan.paged else None
     slot = make_fake_tensor(Int32, (SLOT_WORDS,), (1,), assumed_align=4)
-    return [cu_q, cu_k, used, table, slot, *(Int32(0) for _ in range(6)),
+    host = make_fake_tensor(Int32, (HOST_WORDS,), (1,), assumed_align=4)
+    return [cu_q, cu_k, used, table, slot, host, Int32(0), *(Int32(0) for _ in range(6)),
             make_fake_stream(use_tvm_ffi_env_stream=True)]
 
 
@@ -410,8 +426,8 @@ def launch_sizes(context: CheckContext) -> tuple[int, ...]:
 def check_async(context: CheckContext, cu_q=None, cu_k=None, used=None, table=None) -> bool:
     """Queue the check of these CUDA index tensors (None where the call has none) on the
     current stream and its verdict for `fa4lab.indexcheck.poll` (Note [index check on the
-    device]): one launch, one 16-byte copy, one event; no wait. `context` gives the sizes
-    (`launch_sizes`). The tensors were checked for dtype, rank and device. False (nothing
+    device]): one launch, its verdict stored to mapped host memory; no wait. `context` gives
+    the sizes (`launch_sizes`). The tensors were checked for dtype, rank and device. False (nothing
     queued) on a GPU the kernel is not built for: the caller checks synchronously."""
     from fa4lab import indexcheck
     from fa4lab.kernels.compile import device_arch
@@ -421,7 +437,8 @@ def check_async(context: CheckContext, cu_q=None, cu_k=None, used=None, table=No
     if arch is None:
         return False
     fn = _kernel(plan_of(cu_q, cu_k, used, table), arch + "a")
-    pool, slot = indexcheck.slot_for(device)
-    fn(cu_q, cu_k, used, table, pool.device_rows[slot], *launch_sizes(context))
-    indexcheck.submit(pool, slot, context)
+    slot = indexcheck.slot_for(device)
+    fn(cu_q, cu_k, used, table, slot.device_row, slot.host_row, slot.ticket,
+       *launch_sizes(context))
+    indexcheck.submit(slot, context)
     return True
