@@ -76,6 +76,7 @@ How it works (the FA4 design; the numbers come from `plan`, see notebook 05):
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -110,6 +111,104 @@ _PIPELINES = {"q": ("q_full", "q_empty"), "kv": ("kv_full", "kv_empty"),
 _PIPELINE_CLASSES = {"q": pipeline.PipelineTmaUmma, "kv": pipeline.PipelineTmaUmma,
                      "s": pipeline.PipelineUmmaAsync, "o": pipeline.PipelineUmmaAsync,
                      "stats": pipeline.PipelineAsync, "epi": pipeline.PipelineAsync}
+
+
+# Note [CTA state]
+# What a CTA's roles share is built once in `kernel`, before the role branches, as the small
+# typed records below (trace-time Python: they hold DSL values, they emit no code): the
+# tensors and TMA atoms (`Io`), the SMEM views (`Smem`), the pipelines (`Pipes`), the MMAs and
+# the TMEM allocator (`Mmas`), the launch's sizes and options (`Launch`), together a `Cta`.
+# A work tile is a `Tile`. Each role is one method with one tile loop (`each_tile`) over a
+# per-tile method that takes the Cta, the Tile and the role's pipeline states.
+
+
+def as_tuple(state) -> tuple:
+    """A per-tile method's returned states as a tuple (a role with one state returns it)."""
+    return state if isinstance(state, tuple) else (state,)
+
+
+class Io(NamedTuple):
+    """The kernel's global tensors and their TMA atoms (`kernel`'s parameters)."""
+    tma_atom_Q: cute.CopyAtom
+    mQ: cute.Tensor
+    tma_atom_K: cute.CopyAtom
+    mK: cute.Tensor
+    tma_atom_V: cute.CopyAtom
+    mV: cute.Tensor
+    tma_atom_O: cute.CopyAtom
+    mO: cute.Tensor
+    mLSE: cute.Tensor | None
+    mSink: cute.Tensor | None
+    mOPartial: cute.Tensor | None
+    mLSEPartial: cute.Tensor | None
+    mPageTable: cute.Tensor | None
+
+
+class Smem(NamedTuple):
+    """The SMEM views: Q, K, V (in K's buffers), the O staging and the stats mailbox."""
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+    scale: cute.Tensor
+
+
+class Pipes(NamedTuple):
+    """The table's pipelines (`_PIPELINES`, in its order) and the p_part barriers (or None)."""
+    q: object
+    kv: object
+    s: object
+    o: object
+    stats: object
+    epi: object
+    p_part: object
+
+
+class Mmas(NamedTuple):
+    """The two tiled MMAs, their thread slices, P's TMEM layout and the TMEM allocator."""
+    tiled_qk: cute.TiledMma
+    tiled_pv: cute.TiledMma
+    thr_qk: object
+    thr_pv: object
+    tP_layout: cute.ComposedLayout
+    tmem: object
+
+
+class Launch(NamedTuple):
+    """The launch's sizes and options: seqlen_q and seqlen_k as launched (a sequence's own are
+    the Tile's), the window's sides, the scales, the mods' aux tensors, the mask_mod's block
+    table, the varlen tuple (Note [sm100 varlen]) and the split count."""
+    seqlen_q: object
+    seqlen_k: object
+    left: object
+    right: object
+    scale_log2: Float32
+    pre_scale: Float32
+    aux: tuple | None
+    mask_blocks: cute.Tensor | None
+    varlen: tuple
+    num_splits: Int32
+
+
+class Tile(NamedTuple):
+    """A work tile: its m_block, head (the KV head, packed), batch, split (None without
+    split-KV) and sequence (`seqlen.of_launch`; None until `tile_at` reads it)."""
+    m_block: Int32
+    head: Int32
+    batch: Int32
+    split: Int32 | None
+    seq: seqlen.Sequence | None
+
+
+class Cta(NamedTuple):
+    """What every role of a CTA reads (Note [CTA state]); `tile` is its one work tile when it
+    has one and the launch names it (not persistent, not varlen), else None."""
+    io: Io
+    smem: Smem
+    pipes: Pipes
+    mmas: Mmas
+    launch: Launch
+    tile: Tile | None
 
 
 # Note [sm100 pack-GQA kernel]
@@ -410,11 +509,11 @@ class FlashForwardSm100:
             seqlen_q = mQ.shape[0][1]
         seqlen_k = paged.launch_seqlen_k(self.page_size, mK, mPageTable)
         window = mask_mod.window_sides(self.window_size, self.causal, window_left, window_right)
-        # Persistent: each role's tile loop (`tiles`); varlen: each role's `_tile` (Note
-        # [sm100 varlen]).
-        m_block = head = batch = split = None
+        # Persistent: each role's tile loop (Note [one tile loop]); varlen: each role's
+        # `own_tile` (Note [sm100 varlen]).
+        tile = None
         if cutlass.const_expr(not self.persistent and not self.varlen):
-            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits)
+            tile = Tile(*scheduler.work(self, mQ, seqlen_k, varlen, num_splits), None)
 
         if warp_idx == self.load_warp:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -447,17 +546,14 @@ class FlashForwardSm100:
         pipeline.pipeline_init_wait()
 
         # The role branches (Note [role branches]); each role's body is a method below.
-        env = dict(warp_idx=warp_idx, tmem=tmem, thr_mma_qk=thr_mma_qk, thr_mma_pv=thr_mma_pv,
-                   tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tP_layout=tP_layout,
-                   tma_atom_Q=tma_atom_Q, mQ=mQ, tma_atom_K=tma_atom_K, mK=mK,
-                   tma_atom_V=tma_atom_V, mV=mV, tma_atom_O=tma_atom_O, mO=mO, mLSE=mLSE,
-                   mSink=mSink, sQ=sQ, sK=sK, sV=sV, sO=sO, sScale=sScale, pipe_q=pipe_q,
-                   pipe_kv=pipe_kv, pipe_s=pipe_s, pipe_o=pipe_o, pipe_stats=pipe_stats,
-                   pipe_epi=pipe_epi, p_part=p_part, m_block=m_block, head=head, batch=batch,
-                   seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window, scale_log2=scale_log2,
-                   pre_scale=pre_scale, aux=aux, mask_blocks=mask_blocks, varlen=varlen,
-                   split=split, num_splits=num_splits, mOPartial=mOPartial,
-                   mLSEPartial=mLSEPartial, mPageTable=mPageTable)
+        c = Cta(Io(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, tma_atom_O, mO, mLSE, mSink,
+                   mOPartial, mLSEPartial, mPageTable),
+                Smem(sQ, sK, sV, sO, sScale),
+                Pipes(pipe_q, pipe_kv, pipe_s, pipe_o, pipe_stats, pipe_epi, p_part),
+                Mmas(tiled_mma_qk, tiled_mma_pv, thr_mma_qk, thr_mma_pv, tP_layout, tmem),
+                Launch(seqlen_q, seqlen_k, *window, scale_log2, pre_scale, aux, mask_blocks,
+                       varlen, num_splits),
+                tile)
         sm_first, sm_last = self.softmax_warps[0][0], self.softmax_warps[-1][-1]
         cw = self.correction_warps
         if cutlass.const_expr(self.role_chain):
@@ -465,32 +561,32 @@ class FlashForwardSm100:
                 for stage in cutlass.range_constexpr(self.q_stage):
                     warps = self.softmax_warps[stage]
                     if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-                        self.softmax_role(stage, env)
+                        self.softmax_role(stage, c)
             elif warp_idx >= cw[0] and warp_idx <= cw[-1]:
-                self.correction_role(env)
+                self.correction_role(c)
             elif warp_idx == self.load_warp:
-                self.load_role(env)
+                self.load_role(c)
             elif warp_idx == self.epilogue_warp:
-                self.epilogue_role(env)
+                self.epilogue_role(c)
             elif warp_idx == self.mma_warp:
-                self.mma_role(env)
+                self.mma_role(c)
             else:
                 self.empty_role(warp_idx)
         else:
             self.empty_role(warp_idx)
             if warp_idx == self.load_warp:
-                self.load_role(env)
+                self.load_role(c)
             if warp_idx == self.epilogue_warp:
-                self.epilogue_role(env)
+                self.epilogue_role(c)
             for stage in cutlass.range_constexpr(self.q_stage):
                 warps = self.softmax_warps[stage]
                 if warp_idx >= warps[0] and warp_idx <= warps[-1]:
-                    self.softmax_role(stage, env)
+                    self.softmax_role(stage, c)
             if warp_idx >= cw[0] and warp_idx <= cw[-1]:
-                self.correction_role(env)
+                self.correction_role(c)
             # Last in program order: the MMA role updates the tiled MMAs' ACCUMULATE state.
             if warp_idx == self.mma_warp:
-                self.mma_role(env)
+                self.mma_role(c)
         self.sites.finish()
 
     @cute.jit
@@ -501,109 +597,64 @@ class FlashForwardSm100:
             if warp_idx >= warps[0] and warp_idx <= warps[-1]:
                 self.set_registers(name)
 
-    # ---- the role branches' bodies: plain methods, traced where the kernel calls them ----
+    # ---- the roles: one method each, one tile loop (`each_tile`) over a per-tile method ----
     # Note [pipeline states across tiles]
     # A persistent CTA (Note [persistent CTAs] in fa4lab.plan.sm100) initialises its barriers
     # once, so each role's phases run on from one work tile to the next: the per-tile method
-    # (`load`, `mma`, `softmax`, `correction`, `epilogue`) takes the role's pipeline states
-    # and phase bits and returns them advanced, and the role's tile loop (`tiles`) carries them.
-    # With one tile per CTA the role calls it once with the states a fresh barrier starts at.
+    # (`load`, `mma_tile`, `softmax`, `correction`, `epilogue`) takes the role's pipeline
+    # states and phase bits and returns them advanced, and `each_tile` carries them. A CTA
+    # with one tile runs it once, with the states a fresh barrier starts at.
 
-    def load_role(self, e):
+    def load_role(self, c: Cta):
         self.set_registers("load")
-        e = self._tile(e)
-        args = (e["thr_mma_qk"], e["thr_mma_pv"], e["tma_atom_Q"], e["mQ"], e["tma_atom_K"],
-                e["mK"], e["tma_atom_V"], e["mV"], e["sQ"], e["sK"], e["sV"], e["pipe_q"],
-                e["pipe_kv"], e["mPageTable"])
+        c = self.own_tile(c)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.kv_stage)
-        if self.persistent:
-            self.load_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                            e["mask_blocks"], e["varlen"], e["num_splits"], kv_state)
-        else:
-            seq = self._seq(e)
-            self.load(*args, e["m_block"], e["head"], e["batch"], seq, self._visit(e, seq),
-                      kv_state, Int32(1))
+        self.each_tile(c, partial(self.load, c), kv_state, Int32(1))  # q_empty starts released
 
-    def epilogue_role(self, e):
+    def epilogue_role(self, c: Cta):
         self.set_registers("epilogue")
-        e = self._tile(e)
-        args = (e["tma_atom_O"], e["mO"], e["varlen"][0], e["sO"], e["pipe_epi"])
-        if self.persistent:
-            self.epilogue_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], e["varlen"],
-                                e["num_splits"])
-        else:
-            self.epilogue(*args, e["m_block"], e["head"], e["batch"], self._seq(e), Int32(0))
+        c = self.own_tile(c)
+        self.each_tile(c, partial(self.epilogue, c), Int32(0))
 
-    def softmax_role(self, stage: int, e):
+    def softmax_role(self, stage: int, c: Cta):
         role = f"softmax{stage}"
         self.set_registers(role)
-        e = self._tile(e)
+        c = self.own_tile(c)
         self.sites.bar_sync(role, "tmem")
-        tStS, _, _ = self._tmem_views(e)
-        args = (e["thr_mma_qk"], tStS[stage], e["sScale"], e["pipe_s"], e["pipe_stats"],
-                e["p_part"])
-        rest = (e["scale_log2"], e["pre_scale"])
-        if self.persistent:
-            self.softmax_tiles(stage, args, rest, e["mQ"], e["seqlen_q"], e["seqlen_k"],
-                               e["aux"], e["mask_blocks"], e["varlen"], *e["window"],
-                               e["num_splits"])
-        else:
-            seq = self._seq(e)
-            self.softmax(stage, *args, e["m_block"], seq.seqlen_q, seq.seqlen_k, *rest,
-                         e["head"], e["batch"], e["aux"], e["mask_blocks"], *e["window"],
-                         Int32(0), Int32(1), e["split"], e["num_splits"])
+        tStS, _, _ = self.tmem_views(c)
+        self.each_tile(c, partial(self.softmax, stage, c, tStS[stage]), Int32(0), Int32(1))
         self.sites.bar_arrive(role, "tmem")
 
-    def correction_role(self, e):
+    def correction_role(self, c: Cta):
         self.set_registers("correction")
-        e = self._tile(e)
+        c = self.own_tile(c)
         self.sites.bar_sync("correction", "tmem")
-        _, tOtO, _ = self._tmem_views(e)
-        args = (e["thr_mma_pv"], tOtO, e["sScale"], e["sO"], e["mLSE"], e["mSink"], e["pipe_o"],
-                e["pipe_stats"], e["pipe_epi"], e["mOPartial"], e["mLSEPartial"])
+        _, tOtO, _ = self.tmem_views(c)
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                    self.q_stage)
-        if self.persistent:
-            self.correction_tiles(args, e["mQ"], e["seqlen_q"], e["seqlen_k"], *e["window"],
-                                  e["mask_blocks"], e["varlen"], e["scale_log2"], stats_state,
-                                  e["num_splits"])
-        else:
-            seq = self._seq(e)
-            self.correction(*args, e["m_block"], e["head"], e["batch"], e["split"],
-                            self._visit(e, seq)[0], (e["seqlen_q"], e["seqlen_k"], e["varlen"]),
-                            e["scale_log2"], stats_state, Int32(0), Int32(1))
+        # o_empty starts released
+        self.each_tile(c, partial(self.correction, c, tOtO), stats_state, Int32(0), Int32(1))
         self.sites.bar_arrive("correction", "tmem")
 
-    def mma_role(self, e):
+    def mma_role(self, c: Cta):
         self.set_registers("mma")
-        e = self._tile(e)
+        c = self.own_tile(c)
         # The MMAs' negate fields as the constants they are, not as the tiled MMAs' fields read
         # from the kernel's parameters: the instruction descriptors fold to constants and no
         # predicate register carries the flags through the role (a paged, causal split kernel
         # spilled 3-10 instructions in this warp's registers, measured).
-        for name in ("tiled_mma_qk", "tiled_mma_pv"):
-            e[name].set(tcgen05.Field.NEGATE_A, False)
-            e[name].set(tcgen05.Field.NEGATE_B, False)
-        tmem = e["tmem"]
+        for mma in (c.mmas.tiled_qk, c.mmas.tiled_pv):
+            mma.set(tcgen05.Field.NEGATE_A, False)
+            mma.set(tcgen05.Field.NEGATE_B, False)
+        tmem = c.mmas.tmem
         tmem.allocate(self.tmem_alloc_cols)
         self.sites.bar_sync("mma", "tmem")
-        tStS, tOtO, tOrP, tmem_ptr = self._tmem_views(e, with_ptr=True)
-        args = (e["tiled_mma_qk"], e["tiled_mma_pv"], e["sQ"], e["sK"], e["sV"])
-        pipes = (e["pipe_q"], e["pipe_kv"], e["pipe_s"], e["pipe_o"])
+        tStS, tOtO, tOrP, tmem_ptr = self.tmem_views(c, with_ptr=True)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                 self.kv_stage)
-        if self.ping_pong:
-            self.mma_ping_pong(*args, tStS[0], tOtO[0], tOrP[0], *pipes,
-                               self._visit(e, self._seq(e))[0])
-        elif self.persistent:
-            self.mma_tiles(args, (tStS, tOtO, tOrP), (*pipes, e["p_part"]), e["mQ"],
-                           e["seqlen_q"], e["seqlen_k"], *e["window"], e["mask_blocks"],
-                           e["varlen"], kv_state, e["num_splits"])
-        else:
-            self.mma(*args, tStS, tOtO, tOrP, *pipes, e["p_part"], self._visit(e, self._seq(e))[0],
-                     kv_state,
-                     Int32(0), Int32(0), Int32(1))
+        self.each_tile(c, partial(self.mma_tile, c, (tStS, tOtO, tOrP)), c.mmas.tiled_qk,
+                       c.mmas.tiled_pv, kv_state, Int32(0), Int32(0), Int32(1))
         tmem.relinquish_alloc_permit()
         self.sites.bar_sync("mma", "tmem")
         tmem.free(tmem_ptr)
@@ -626,48 +677,75 @@ class FlashForwardSm100:
     # binary). There each K/V load rebuilds its view from the offset read again from
     # cu_seqlens_k (`Sequence.reread_offset_k`: an L1 hit next to a TMA load): no spill.
 
-    def _tile(self, e):
-        """`e` with this CTA's one tile, looked up in the role's own branch with varlen: a
-        value loaded before the role branches would live across every role's setmaxnreg (Note
-        [role branches]; the MMA warp's 48 registers spilled). Persistent CTAs and padded
-        launches: `e` as it is."""
+    # Note [one tile loop]
+    # Upstream's shape: each role loops over the tiles its scheduler hands it. A persistent CTA
+    # loops over its linear work tiles (`scheduler.work_tiles`: c, c + gridDim.x, ...), a CTA
+    # with one tile is a schedule of one: the per-tile method runs once, on the tile the launch
+    # names (`Cta.tile`, or the varlen tile table's: `own_tile`), with no loop in the code.
+
+    def each_tile(self, c: Cta, body, *state):
+        """`state = body(tile, *state)` for each of this CTA's work tiles (Note [one tile
+        loop]); returns the last state."""
+        if cutlass.const_expr(not self.persistent):
+            return body(self.tile_at(c, None), *state)
+        return self.tile_loop(c, body, *state)
+
+    @cute.jit
+    def tile_loop(self, c: Cta, body, *state):
+        first, stop, step = scheduler.work_tiles(self, c.io.mQ, c.launch.varlen,
+                                                 c.launch.num_splits)
+        carried = tuple(state)
+        for t in cutlass.range(first, stop, step, unroll=1):
+            carried = as_tuple(body(self.tile_at(c, t), *carried))
+        return carried
+
+    def tile_at(self, c: Cta, t):
+        """Linear work tile t (`scheduler.work`) with its sequence; None: the CTA's one tile."""
+        tile = c.tile
+        if t is not None:
+            tile = Tile(*scheduler.work(self, c.io.mQ, c.launch.seqlen_k, c.launch.varlen,
+                                        c.launch.num_splits, t), None)
+        return tile._replace(seq=seqlen.of_launch(tile.batch, c.launch.seqlen_q,
+                                                  c.launch.seqlen_k, c.launch.varlen))
+
+    def own_tile(self, c: Cta) -> Cta:
+        """`c` with its one tile looked up in the role's own branch with varlen: a value loaded
+        before the role branches would live across every role's setmaxnreg (Note [role
+        branches]; the MMA warp's 48 registers spilled). Persistent CTAs and padded launches:
+        `c` as it is."""
         if self.persistent or not self.varlen:
-            return e
-        m_block, head, batch = scheduler.tile_coords(self.tile_order, e["mQ"], e["seqlen_k"],
-                                                     self.cta_m, self.bytes_per_key, None,
-                                                     tile_table=e["varlen"][4])
-        return dict(e, m_block=m_block, head=head, batch=batch)
+            return c
+        m_block, head, batch = scheduler.tile_coords(self.tile_order, c.io.mQ,
+                                                     c.launch.seqlen_k, self.cta_m,
+                                                     self.bytes_per_key, None,
+                                                     tile_table=c.launch.varlen[4])
+        return c._replace(tile=Tile(m_block, head, batch, None, None))
 
-    def _seq(self, e):
-        """The sequence of this CTA's one tile (`seqlen.of_launch`)."""
-        return seqlen.of_launch(e["batch"], e["seqlen_q"], e["seqlen_k"], e["varlen"])
+    def visit(self, c: Cta, tile: Tile):
+        """`visit_plan` of a work tile."""
+        return self.visit_plan(tile.m_block, tile.seq.seqlen_q, tile.seq.seqlen_k,
+                               c.launch.left, c.launch.right, c.launch.mask_blocks, tile.split,
+                               c.launch.num_splits)
 
-    @cute.jit
-    def load_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
-                   num_splits,
-                   kv_state):
-        q_phase = Int32(1)   # q_empty starts released
-        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
-        for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
-                                                         tile)
-            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-            visit = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
-                                    mask_blocks, split, num_splits)
-            kv_state, q_phase = self.load(*args, m_block, head, batch, seq, visit, kv_state,
-                                          q_phase)
+    def tmem_views(self, c: Cta, with_ptr: bool = False):
+        """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
+        tmem_ptr = c.mmas.tmem.retrieve_ptr(Float32)
+        views = self.tmem_tensors(c.mmas.thr_qk, c.mmas.thr_pv, c.mmas.tP_layout, tmem_ptr)
+        return (*views, tmem_ptr) if with_ptr else views
 
     @cute.jit
-    def mma_tiles(self, args, tmem, pipes, mQ, seqlen_q, seqlen_k, left, right, mask_blocks,
-                  varlen, kv_state, num_splits):
-        tiled_mma_qk, tiled_mma_pv, sQ, sK, sV = args
-        q_phase, p_phase, o_phase = Int32(0), Int32(0), Int32(1)
-        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
-        for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, _, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits, tile)
-            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
-                                       mask_blocks, split, num_splits)[0]
+    def mma_tile(self, c: Cta, views, tile: Tile, tiled_mma_qk, tiled_mma_pv, kv_state,
+                 q_phase, p_phase, o_phase):
+        """The MMA role's work tile: `mma`, or `mma_ping_pong` with one Q tile."""
+        n_blocks = self.visit(c, tile)[0]
+        tStS, tOtO, tOrP = views
+        p = c.pipes
+        if cutlass.const_expr(self.ping_pong):
+            self.mma_ping_pong(tiled_mma_qk, tiled_mma_pv, c.smem.q, c.smem.k, c.smem.v,
+                               tStS[0], tOtO[0], tOrP[0], p.q, p.kv, p.s, p.o, n_blocks)
+            return tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase
+        sQ, sK, sV = c.smem.q, c.smem.k, c.smem.v
+        if cutlass.const_expr(self.persistent):
             # Note [operand descriptors per tile]
             # The score and value MMAs' SMEM descriptors (one 64-bit value per K step, per Q
             # tile) do not change from tile to tile, so the compiler hoists them out of the tile
@@ -675,58 +753,9 @@ class FlashForwardSm100:
             # warp (head_dim 128, setmaxnreg 48 and 64, measured). Offsetting the operands by a
             # zero it cannot see through rebuilds them in each tile, as one tile per CTA does.
             zero = cute.assume(opaque_zero(), divby=1024)
-            tiled_mma_qk, tiled_mma_pv, kv_state, q_phase, p_phase, o_phase = self.mma(
-                tiled_mma_qk, tiled_mma_pv, cute.make_tensor(sQ.iterator + zero, sQ.layout),
-                cute.make_tensor(sK.iterator + zero, sK.layout),
-                cute.make_tensor(sV.iterator + zero, sV.layout), *tmem, *pipes, n_blocks,
-                kv_state, q_phase, p_phase, o_phase)
-
-    @cute.jit
-    def softmax_tiles(self, stage: cutlass.Constexpr[int], args, rest, mQ, seqlen_q, seqlen_k,
-                      aux, mask_blocks, varlen, left, right, num_splits):
-        s_phase, stats_phase = Int32(0), Int32(1)
-        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
-        for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
-                                                         tile)
-            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-            s_phase, stats_phase = self.softmax(
-                stage, *args, m_block, seq.seqlen_q, seq.seqlen_k, *rest, head, batch, aux,
-                mask_blocks, left, right, s_phase, stats_phase, split, num_splits)
-
-    @cute.jit
-    def correction_tiles(self, args, mQ, seqlen_q, seqlen_k, left, right, mask_blocks, varlen,
-                         scale_log2: Float32, stats_state, num_splits):
-        o_phase, epi_phase = Int32(0), Int32(1)   # o_empty starts released
-        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
-        for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, split = scheduler.work(self, mQ, seqlen_k, varlen, num_splits,
-                                                         tile)
-            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-            n_blocks = self.visit_plan(m_block, seq.seqlen_q, seq.seqlen_k, left, right,
-                                       mask_blocks, split, num_splits)[0]
-            stats_state, o_phase, epi_phase = self.correction(
-                *args, m_block, head, batch, split, n_blocks, (seqlen_q, seqlen_k, varlen),
-                scale_log2, stats_state, o_phase, epi_phase)
-
-    @cute.jit
-    def epilogue_tiles(self, args, mQ, seqlen_q, seqlen_k, varlen, num_splits):
-        epi_phase = Int32(0)
-        first, stop, step = scheduler.work_tiles(self, mQ, varlen, num_splits)
-        for tile in cutlass.range(first, stop, step, unroll=1):
-            m_block, head, batch, _ = scheduler.work(self, mQ, seqlen_k, varlen, num_splits, tile)
-            seq = seqlen.of_launch(batch, seqlen_q, seqlen_k, varlen)
-            epi_phase = self.epilogue(*args, m_block, head, batch, seq, epi_phase)
-
-    def _tmem_views(self, e, with_ptr: bool = False):
-        """The role's S, O and P views of TMEM, from the address the MMA warp allocated."""
-        tmem_ptr = e["tmem"].retrieve_ptr(Float32)
-        views = self.tmem_tensors(e["thr_mma_qk"], e["thr_mma_pv"], e["tP_layout"], tmem_ptr)
-        return (*views, tmem_ptr) if with_ptr else views
-
-    def _visit(self, e, seq):
-        return self.visit_plan(e["m_block"], seq.seqlen_q, seq.seqlen_k, *e["window"],
-                               e["mask_blocks"], e["split"], e["num_splits"])
+            sQ, sK, sV = (cute.make_tensor(s.iterator + zero, s.layout) for s in (sQ, sK, sV))
+        return self.mma(tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, tStS, tOtO, tOrP, p.q, p.kv,
+                        p.s, p.o, p.p_part, n_blocks, kv_state, q_phase, p_phase, o_phase)
 
     # Note [role branches]
     # With sequential `if`s every warp walks past every role's branch, so a value computed
@@ -839,30 +868,34 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: load
     @cute.jit
-    def load(self, thr_mma_qk, thr_mma_pv, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV,
-             sQ, sK, sV, pipe_q, pipe_kv, mPageTable, m_block, head, batch, seq, visit,
-             kv_state, q_phase):
+    def load(self, c: Cta, tile: Tile, kv_state, q_phase):
         """One work tile's TMA: Q tile 0, K, Q tile 1, V of the first block, then (K, V) of each
-        next block in the visit order `visit` (`visit_plan`). Returns (kv_state, q_phase)
+        next block in the tile's visit order (`visit_plan`). Returns (kv_state, q_phase)
         advanced (Note [pipeline states across tiles]). With a paged cache a block's page is
         read before its K slot is waited for, and its V copy reuses it."""
+        visit = self.visit(c, tile)
         n_blocks, _, order = visit
+        m_block, head, batch, _, seq = tile
+        io, thr_mma_qk = c.io, c.mmas.thr_qk
+        tma_atom_Q, tma_atom_K, tma_atom_V = io.tma_atom_Q, io.tma_atom_K, io.tma_atom_V
+        pipe_q, pipe_kv = c.pipes.q, c.pipes.kv
         # Packed: the grid's head index is already the KV head and Q is viewed per KV head.
         head_kv = head if cutlass.const_expr(self.pack_gqa) else head // self.qhead_per_kvhead
         # Note [sm100 varlen]: the sequence's own rows (V is (d, s, h, b): its mode 1).
-        mQ = seqlen.at_offset(mQ, seq.offset_q, self.varlen)
+        mQ = seqlen.at_offset(io.mQ, seq.offset_q, self.varlen)
         b = seqlen.view_batch(self.varlen, batch)
         gQ = cute.local_tile(mQ[None, None, head, b], cute.select(self.mma_tiler_qk, [0, 2]),
                              (None, 0))
         no_mcast = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 3),
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, no_mcast,
+                                           cute.group_modes(c.smem.q, 0, 3),
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
         # K/V: the sequence's rows (varlen: from its first key row), or the cache's pages.
-        views = partial(self.kv_partitions, thr_mma_qk, thr_mma_pv, tma_atom_K, mK, sK,
-                        tma_atom_V, mV, sV, head_kv, b)
+        views = partial(self.kv_partitions, thr_mma_qk, c.mmas.thr_pv, tma_atom_K, io.mK,
+                        c.smem.k, tma_atom_V, io.mV, c.smem.v, head_kv, b)
         tKsK, tKgK, tVsV, tVgV = views(seq.offset_k)
         # The page table's row is the sequence's, `batch` (b is 0 in a packed varlen batch).
-        pages = partial(self.block_pages, mPageTable, batch, seq.seqlen_k)
+        pages = partial(self.block_pages, io.mPageTable, batch, seq.seqlen_k)
         if cutlass.const_expr(self.ping_pong):
             # With varlen each K/V load rebuilds its view from the sequence's offset, read
             # again (Note [sm100 varlen ping-pong loads]).
@@ -1182,10 +1215,8 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: softmax
     @cute.jit
-    def softmax(self, stage: cutlass.Constexpr[int], thr_mma_qk, tStS, sScale, pipe_s,
-                pipe_stats, p_part, m_block, seqlen_q, seqlen_k, scale_log2: Float32,
-                pre_scale: Float32, head, batch, aux, mask_blocks, left, right, s_count,
-                stats_phase, split=None, num_splits=1):
+    def softmax(self, stage: cutlass.Constexpr[int], c: Cta, tStS, tile: Tile, s_count,
+                stats_phase):
         """Softmax warpgroup `stage` on one work tile: one thread per row of Q tile `stage`,
         the CTA's blocks in its visit order (Note [block visit order] in fa4lab.tiling).
         Returns (s_count, stats_phase) advanced (Note [pipeline states across tiles]).
@@ -1193,6 +1224,11 @@ class FlashForwardSm100:
         Masked blocks (causal diagonal, a window's edges, the seqlen_k tail) first, with the
         mask; then the fully visible ones without it (`softmax_plan`).
         """
+        m_block, head, batch, split, seq = tile
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        launch, sScale, pipe_stats = c.launch, c.smem.scale, c.pipes.stats
+        left, right = launch.left, launch.right
+        thr_mma_qk = c.mmas.thr_qk
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.softmax_warps[stage]))
         tSAcc = tStS[(None, None), 0, 0]  # (m_block, n_block) fp32 columns
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor(self.mma_tiler_qk[:2]))
@@ -1220,11 +1256,12 @@ class FlashForwardSm100:
         limit = mask_mod.key_range(row_start + tScS_t2r[0][0], seqlen_q, seqlen_k, left, right,
                                    self.pack)
         n_blocks, n_masked, order, unmasked_end = self.softmax_plan(
-            stage, m_block, seqlen_q, seqlen_k, left, right, mask_blocks, split, num_splits)
+            stage, m_block, seqlen_q, seqlen_k, left, right, launch.mask_blocks, split,
+            launch.num_splits)
         n_max, mask_min, left_run = order
         mod_rows = None
         if cutlass.const_expr(self.mods is not None):  # fa4lab.kernels.device.mods
-            mod_rows = ModRows(self.mods, aux, batch, head, [row_start + tScS_t2r[0][0]],
+            mod_rows = ModRows(self.mods, launch.aux, batch, head, [row_start + tScS_t2r[0][0]],
                                seqlen_q, seqlen_k, self.pack)
 
         row_max = -Float32.inf
@@ -1232,7 +1269,8 @@ class FlashForwardSm100:
         # s_count: the S buffer's phase, or (ping-pong) the block steps done; stats_phase:
         # stats_empty's (it starts released).
         step = (tStS_t2r, tScS_t2r, thr_load, thr_store, tStP_r2t, tScP_shape, sScale,
-                pipe_s, pipe_stats, p_part, stage, tidx, limit, scale_log2, pre_scale,
+                c.pipes.s, pipe_stats, c.pipes.p_part, stage, tidx, limit, launch.scale_log2,
+                launch.pre_scale,
                 mod_rows)
         for i in cutlass.range(n_masked, unroll=1):
             row_max, row_sum, s_count, stats_phase = self.softmax_step(
@@ -1374,17 +1412,18 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: correction
     @cute.jit
-    def correction(self, thr_mma_pv, tOtO, sScale, sO, mLSE, mSink, pipe_o, pipe_stats,
-                   pipe_epi, mOPartial, mLSEPartial, m_block, head, batch, split, n_blocks,
-                   lengths, scale_log2: Float32, stats_state, o_phase, epi_phase):
+    def correction(self, c: Cta, tOtO, tile: Tile, stats_state, o_phase, epi_phase):
         """One work tile: rescale O_i when a row max moved (per step), then O_i / row_sum ->
         sO (the sink in the sum: Note [sinks]), and LSE. Split-KV: O_i / row_sum (float32) and
         the LSE straight to the split's partials, no sink (`fa4lab.kernels.device.split`); the
         o_empty / o_staged hand-off with the epilogue warp stays, so the protocol is the
-        table's. `lengths` (the launch's seqlen_q, seqlen_k and varlen tuple) give the LSE's
-        rows: the sequence is read where LSE is stored, not kept live through the block loop.
-        Returns stats_state and the o_final and o_empty phases, advanced (Note [pipeline states
-        across tiles])."""
+        table's. The LSE's rows are the sequence's, read again where LSE is stored
+        (`seqlen.of_launch`), not kept live through the block loop. Returns stats_state and the
+        o_final and o_empty phases, advanced (Note [pipeline states across tiles])."""
+        n_blocks = self.visit(c, tile)[0]
+        m_block, head, batch, split, _ = tile
+        thr_mma_pv, sScale, io = c.mmas.thr_pv, c.smem.scale, c.io
+        pipe_o, pipe_stats, pipe_epi = c.pipes.o, c.pipes.stats, c.pipes.epi
         tidx = cute.arch.thread_idx()[0] % (32 * len(self.correction_warps))
         for i in cutlass.range(n_blocks, unroll=1):
             for stage in cutlass.range_constexpr(self.q_stage):
@@ -1422,20 +1461,21 @@ class FlashForwardSm100:
             row = (m_block * self.q_stage + stage) * self.m_block + tidx
             # Note [empty rows] and Note [sinks] in fa4lab.kernels.device.softmax.
             sink = None
-            if cutlass.const_expr(mSink is not None and not self.split_kv):
-                sink = softmax_mod.sink_log2(mSink, row, head, self.pack)
-            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, scale_log2, sink)
+            if cutlass.const_expr(io.mSink is not None and not self.split_kv):
+                sink = softmax_mod.sink_log2(io.mSink, row, head, self.pack)
+            inv_sum, lse = softmax_mod.finalize_row(row_sum, row_max, c.launch.scale_log2, sink)
             epi_state = phase_state(self.q_stage, stage, epi_phase)
             self.sites("correction", "wait o_empty", pipe_epi.producer_acquire, epi_state,
                        stage=stage)
             if cutlass.const_expr(self.split_kv):
-                mOP, mLP = split_mod.split_views(mOPartial, mLSEPartial, split)
-                seqlen_q = lengths[0]   # split-KV is not varlen: the launch's
+                mOP, mLP = split_mod.split_views(io.mOPartial, io.mLSEPartial, split)
+                seqlen_q = c.launch.seqlen_q   # split-KV is not varlen: the launch's
                 self.correction_store_partial(thr_mma_pv, tOtO[stage], tidx, inv_sum,
                                               n_blocks > 0, mOP, row, head, batch, seqlen_q)
                 softmax_mod.store_lse(mLP, row, lse, head, batch, seqlen_q, self.pack)
             else:
-                self.correction_epilogue(thr_mma_pv, tOtO[stage], sO[None, None, stage], tidx,
+                self.correction_epilogue(thr_mma_pv, tOtO[stage], c.smem.o[None, None, stage],
+                                         tidx,
                                          inv_sum, n_blocks > 0)
             cute.arch.fence_view_async_shared()
             self.sites("correction", "arrive o_staged", pipe_epi.producer_commit, epi_state,
@@ -1446,8 +1486,9 @@ class FlashForwardSm100:
                            phase_state(self.q_stage, stage, 0), stage=stage)  # O_i read
             # At the sequence's rows with varlen.
             if cutlass.const_expr(self.return_lse and not self.split_kv):
-                seq = seqlen.of_launch(batch, *lengths)
-                softmax_mod.store_lse(seqlen.at_offset(mLSE, seq.offset_q, self.varlen), row,
+                seq = seqlen.of_launch(batch, c.launch.seqlen_q, c.launch.seqlen_k,
+                                       c.launch.varlen)
+                softmax_mod.store_lse(seqlen.at_offset(io.mLSE, seq.offset_q, self.varlen), row,
                                       lse, head, seqlen.view_batch(self.varlen, batch),
                                       seq.seqlen_q, self.pack)
         if n_blocks > 0:
@@ -1545,15 +1586,17 @@ class FlashForwardSm100:
 
     # ------------------------------------------------------------------ role: epilogue
     @cute.jit
-    def epilogue(self, tma_atom_O, mO, mO_rows, sO, pipe_epi, m_block, head, batch, seq,
-                 epi_phase):
+    def epilogue(self, c: Cta, tile: Tile, epi_phase):
         """TMA store of one work tile's normalised O tiles (rows past seqlen_q are clipped by
         the TMA); with varlen, row by row into `mO_rows` (Note [sm100 varlen]). Returns the
         o_staged phase, advanced (Note [pipeline states across tiles])."""
+        m_block, head, batch, _, seq = tile
         if cutlass.const_expr(self.varlen):
-            self.epilogue_rows(mO_rows, sO, pipe_epi, m_block, head, seq, epi_phase)
+            self.epilogue_rows(c.launch.varlen[0], c.smem.o, c.pipes.epi, m_block, head, seq,
+                               epi_phase)
         else:
-            self.epilogue_tma(tma_atom_O, mO, sO, pipe_epi, m_block, head, batch, epi_phase)
+            self.epilogue_tma(c.io.tma_atom_O, c.io.mO, c.smem.o, c.pipes.epi, m_block, head,
+                              batch, epi_phase)
         return epi_phase ^ 1
 
     @cute.jit
