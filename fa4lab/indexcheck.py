@@ -70,17 +70,16 @@ __all__ = ["NO_INDEX", "CheckContext", "IndexCheckPlan", "Rule", "Slot", "Verdic
 #    sequence's rows into the packed tensors (Note [clamped lengths] in
 #    fa4lab.kernels.device.seqlen), so a bad index costs a wrong answer, never a fault or a
 #    store outside out and lse.
-# Per call that is one kernel launch and a few list operations on the host, whatever the batch
-# (an earlier form also copied the verdict to pinned memory and recorded an event: the check
-# then cost about 90 us of host time per call on an H100, a paged decode call taking 259 us
-# against 168 us with check_indices=False): the pool's rows (POOL_SLOTS per device, made and synchronised once per
-# process) are reused, and a slot is handed out again only after its verdict was read (when all
-# are in use, `slot_for` waits for the oldest: the host is then POOL_SLOTS calls ahead of the
-# GPU). The message is built only when a rule is broken, from the verdict and the context
-# (sizes the shapes gave at the call). On CPU tensors there is nothing to overlap: the check is
-# the synchronous one, immediate. In a CUDA graph capture the check and the poll skip
-# themselves (a replay runs on values the capture never sees; Note [reading the lengths] in
-# fa4lab.varlen).
+# Per call that is one kernel launch and a few list operations on the host, whatever the batch (an
+# earlier form also copied the verdict to pinned memory and recorded an event: the check then cost
+# about 90 us of host time per call on an H100, a paged decode call taking 259 us against 168 us
+# with check_indices=False): the pool's rows (POOL_SLOTS per device, made and synchronised once per
+# process) are reused, and a slot is handed out again only after its verdict was read (when all are
+# in use, `slot_for` waits for the oldest: the host is then POOL_SLOTS calls ahead of the GPU). The
+# message is built only when a rule is broken, from the verdict and the context (sizes the shapes
+# gave at the call). On CPU tensors there is nothing to overlap: the check is the synchronous one,
+# immediate. In a CUDA graph capture the check and the poll skip themselves (a replay runs on values
+# the capture never sees; Note [reading the lengths] in fa4lab.varlen).
 
 NO_INDEX = 2**31 - 1     # "no broken entry": the identity of the minima
 POOL_SLOTS = 64
