@@ -74,3 +74,20 @@ def test_both_kernels_take_kernel_args_in_order(module, cls):
     call = getattr(importlib.import_module(module), cls).__call__
     params = list(inspect.signature(inspect.unwrap(call)).parameters)[1:]
     assert [_snake(p) for p in params] == [*KernelArgs._fields, "stream"]
+
+
+@pytest.mark.parametrize("module,cls", [("fa4lab.kernels.bwd_sm90", "FlashBackwardSm90"),
+                                        ("fa4lab.kernels.bwd_sm100", "FlashBackwardSm100")])
+def test_both_backward_kernels_take_backward_args_in_order(module, cls):
+    """Each backward kernel's __call__ takes BackwardArgs' slots, in their order, then the
+    stream: the one signature the launch fills and a compile fakes (`BackwardArgs.fake`)."""
+    import importlib
+    import inspect
+
+    from fa4lab.kernels.device.arguments import BackwardArgs
+
+    call = getattr(importlib.import_module(module), cls).__call__
+    params = list(inspect.signature(inspect.unwrap(call)).parameters)[1:]
+    names = {"mdO": "dout", "mdQaccum": "dq_accum", "mdK": "dk", "mdV": "dv", "mLSE": "lse",
+             "mD": "d"}
+    assert [names.get(p, _snake(p)) for p in params] == [*BackwardArgs._fields, "stream"]

@@ -155,9 +155,16 @@ class FlashBackwardSm100:
         mdK: cute.Tensor,       # (batch, seqlen_k, heads_kv, head_dim)
         mdV: cute.Tensor,       # (batch, seqlen_k, heads_kv, head_dim_v)
         scale_log2: Float32,    # softmax_scale * log2(e)
+        pre_scale: Float32,     # unused: no softcap (BackwardArgs)
         softmax_scale: Float32,  # dK's factor
+        window_left: Int32,     # unused: no window
+        window_right: Int32,
+        mSemaphore: cute.Tensor | None,  # None: no deterministic mode
         stream: cuda.CUstream,
     ):
+        if const_expr(mSemaphore is not None):
+            raise ValueError("the sm100 backward has no deterministic mode: its semaphore is "
+                             "None (BackwardArgs)")
         # TMA views: (rows, cols, heads, batch); dO as (dv, seqlen_q, ...): dV's B is MN-major.
         mQv, mKv, mVv = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                          for t in (mQ, mK, mV)]

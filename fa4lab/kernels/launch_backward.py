@@ -56,52 +56,15 @@ def unbuilt(call, arch: str | None, deterministic: bool = False) -> str | None:
 
 
 # ------------------------------------------------------------------ compile
-def fake_args(key: BackwardKey):
-    """Fake tensors and scalars of the kernel's contract (`FlashBackwardSm90.__call__`, then
-    the stream): symbolic batch, sequence lengths and head counts; 64-bit strides divisible by
-    8 elements and 16-byte alignment for the 16-bit tensors (last dim contiguous); LSE and D
-    (batch, heads_q, padded seqlen_q) float32, dQ_accum (batch, heads_q, padded seqlen_q,
-    head_dim) float32, contiguous in the last dim; the semaphore (batch, heads_q, query
-    blocks) int32 with deterministic=True, else None."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[key.dtype]
-    b, sq, sk, hq, hkv, sq_pad = (cute.sym_int() for _ in range(6))
-
-    def bshd(s, h, d):
-        strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
-        return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
-
-    def rows(*shape, dt=cutlass.Float32, align=4, div=1):
-        strides = tuple(cute.sym_int64(divisibility=div) for _ in range(len(shape) - 1))
-        return make_fake_tensor(dt, shape, (*strides, 1), assumed_align=align)
-
-    d, dv = key.head_dim, key.head_dim_v
-    if key.arch == "sm100":    # LSE and D rows 16-byte aligned (TMA)
-        q, do, k, v = bshd(sq, hq, d), bshd(sq, hq, dv), bshd(sk, hkv, d), bshd(sk, hkv, dv)
-        return [q, k, v, do, rows(b, hq, sq_pad, align=16, div=4),
-                rows(b, hq, sq_pad, align=16, div=4), rows(b, hq, sq_pad, d, align=16, div=4),
-                bshd(sk, hkv, d), bshd(sk, hkv, dv), cutlass.Float32(1.0), cutlass.Float32(1.0),
-                make_fake_stream(use_tvm_ffi_env_stream=True)]
-    q, do = bshd(sq, hq, d), bshd(sq, hq, dv)
-    k, v, dk, dvv = bshd(sk, hkv, d), bshd(sk, hkv, dv), bshd(sk, hkv, d), bshd(sk, hkv, dv)
-    lse, dsum = rows(b, hq, sq_pad), rows(b, hq, sq_pad)
-    dq_accum = rows(b, hq, sq_pad, d, align=16, div=4)
-    sem = rows(b, hq, cute.sym_int(), dt=cutlass.Int32) if key.deterministic else None
-    return [q, k, v, do, lse, dsum, dq_accum, dk, dvv, cutlass.Float32(1.0),
-            cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), sem,
-            make_fake_stream(use_tvm_ffi_env_stream=True)]
-
-
 def compile_kernel(key: BackwardKey, options: str = "", mutation=None):
     """(kernel object, compiled function, seconds) of `key`'s kernel for sm_90a or sm_100a (no
     GPU needed: fake tensors, Note [TVM-FFI launch] in fa4lab.kernels.compile); `mutation` (a
     `fa4lab.kernels.protocol.Mutation`, sm100 only) breaks its barrier protocol on purpose."""
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
     from fa4lab.kernels.compile import target_arch
+    from fa4lab.kernels.device.arguments import BackwardArgs
 
     if key.arch == "sm100":
         from fa4lab.kernels.bwd_sm100 import FlashBackwardSm100
@@ -113,7 +76,8 @@ def compile_kernel(key: BackwardKey, options: str = "", mutation=None):
         kernel = FlashBackwardSm90(key)
     with target_arch(f"sm_{key.arch.removeprefix('sm')}a"):
         t0 = time.perf_counter()
-        compiled = cute.compile(kernel, *fake_args(key),
+        compiled = cute.compile(kernel, *BackwardArgs.fake(key),
+                                make_fake_stream(use_tvm_ffi_env_stream=True),
                                 options=" ".join(("--enable-tvm-ffi", options)))
     return kernel, compiled, time.perf_counter() - t0
 
@@ -218,7 +182,7 @@ def backward(call, out, dout, lse, *, dlse=None, deterministic: bool = False,
     same bits."""
     import torch
 
-    from fa4lab.kernels.device.arguments import scale_args, window_args
+    from fa4lab.kernels.device.arguments import BackwardArgs, scale_args, window_args
 
     check_backward(call, out, dout, lse, dlse)
     key = call.backward_key(arch, deterministic)
@@ -243,13 +207,9 @@ def backward(call, out, dout, lse, *, dlse=None, deterministic: bool = False,
     if b * sq * sk:
         q_, k_, v_, do_ = (kernel_layout(t) for t in (q, k, v, dout))
         dk_, dv_ = kernel_layout(dk), kernel_layout(dv)
-        if key.arch == "sm100":   # the same inputs; no cap, window or semaphore
-            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
-                            scale_args(softmax_scale, d)[0], scale)
-        else:
-            kernel_for(key)(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
-                            *scale_args(softmax_scale, d, spec.softcap), scale,
-                            *window_args(spec.window_size, sq, sk), sem)
+        kernel_for(key)(*BackwardArgs(q_, k_, v_, do_, lse_log2, d_rows, dq_accum, dk_, dv_,
+                                      *scale_args(softmax_scale, d, spec.softcap), scale,
+                                      *window_args(spec.window_size, sq, sk), sem))
         dk, dv = dk_, dv_
     else:
         dk.zero_()

@@ -10,7 +10,8 @@ tile table, a split-KV kernel its partials -- and this module says so once. `sca
 `check_variant` runs in a kernel's constructor (the combinations no kernel builds yet),
 `check_call` when the call is traced (a missing or extra tensor is a ValueError naming the
 Note that describes it, never a kernel that reads None), and `packed_views` gives a varlen
-call's packed (total, ...) tensors the batch mode the kernels' views expect.
+call's packed (total, ...) tensors the batch mode the kernels' views expect. The backward
+kernels' arguments are `BackwardArgs`, said the same way.
 """
 
 from __future__ import annotations
@@ -179,6 +180,68 @@ class KernelArgs(NamedTuple):
                    cutlass.Float32(pre_scale), cutlass.Int32(left), cutlass.Int32(right),
                    fake_aux(mods), fake_mask_blocks(mods), cu_q, cu_k, used, tiles, page_table,
                    cutlass.Int32(1), out_partial, lse_partial)
+
+
+class BackwardArgs(NamedTuple):
+    """The backward kernels' arguments in their order: both kernels' `__call__`s take them so
+    (then the stream), `fake` makes them fake for a compile and the launch
+    (`fa4lab.kernels.launch_backward.backward`) fills them. lse is in log2 units (+inf on a row
+    that sees no key) and d is rowsum(dO * O) - dLSE, both (batch, heads_q, padded seqlen_q)
+    float32; dq_accum the zeroed float32 dQ accumulator; the semaphore one int32 per query
+    block with deterministic=True (Note [deterministic dQ] in fa4lab.kernels.bwd_sm90), else
+    None. The sm100 kernel builds no cap, window or deterministic mode: it takes pre_scale and
+    the window's sides unused and the semaphore None."""
+
+    q: object
+    k: object
+    v: object
+    dout: object
+    lse: object
+    d: object
+    dq_accum: object
+    dk: object
+    dv: object
+    scale_log2: object
+    pre_scale: object
+    softmax_scale: object
+    window_left: object = 0
+    window_right: object = 0
+    semaphore: object = None
+
+    @classmethod
+    def fake(cls, key) -> BackwardArgs:
+        """The contract of `key`'s kernel (a `fa4lab.plan.key.BackwardKey`): symbolic batch,
+        sequence lengths and head counts; 64-bit strides divisible by 8 elements and 16-byte
+        alignment for the 16-bit tensors (last dim contiguous); lse and d (batch, heads_q,
+        padded seqlen_q) float32 (16-byte aligned rows for the sm100 kernel's TMA), dq_accum
+        (batch, heads_q, padded seqlen_q, head_dim) float32 contiguous in the last dim; the
+        semaphore (batch, heads_q, query blocks) int32 with key.deterministic, else None (a
+        compile adds the stream)."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_tensor
+
+        dtype = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[key.dtype]
+        b, sq, sk, hq, hkv, sq_pad = (cute.sym_int() for _ in range(6))
+
+        def bshd(s, h, d):
+            strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+            return make_fake_tensor(dtype, (b, s, h, d), (*strides, 1), assumed_align=16)
+
+        def rows(*shape, dt=cutlass.Float32, align=4, div=1):
+            strides = tuple(cute.sym_int64(divisibility=div) for _ in range(len(shape) - 1))
+            return make_fake_tensor(dt, shape, (*strides, 1), assumed_align=align)
+
+        d, dv = key.head_dim, key.head_dim_v
+        row_align, row_div = (16, 4) if key.arch == "sm100" else (4, 1)
+        q, dout = bshd(sq, hq, d), bshd(sq, hq, dv)
+        k, v = bshd(sk, hkv, d), bshd(sk, hkv, dv)
+        lse, drows = (rows(b, hq, sq_pad, align=row_align, div=row_div) for _ in range(2))
+        dq_accum = rows(b, hq, sq_pad, d, align=16, div=4)
+        sem = rows(b, hq, cute.sym_int(), dt=cutlass.Int32) if key.deterministic else None
+        one = cutlass.Float32(1.0)
+        return cls(q, k, v, dout, lse, drows, dq_accum, bshd(sk, hkv, d), bshd(sk, hkv, dv),
+                    one, one, one, cutlass.Int32(0), cutlass.Int32(0), sem)
 
 
 def scale_args(softmax_scale: float | None, head_dim: int, softcap: float = 0.0,
