@@ -27,6 +27,7 @@ from fa4lab.spec import (
     check_qkv_shapes,
     check_sink_shape,
     check_tensors,
+    spec_of,
 )
 
 # Note [one check per call]
@@ -234,13 +235,14 @@ def check_call(q, k, v, *, causal=False, softmax_scale=None, window_size=(None, 
     check_qkv_kinds(q, k, v)
     if learnable_sink is not None:
         _check_sink(learnable_sink, q)
-    spec = AttentionSpec(max(int(batch), 1), max(int(seqlen_q), 1), max(int(seqlen_k), 1),
-                         q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1],
-                         dtype=q.dtype if "float16" in str(q.dtype) else "bf16",
-                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                         window_size=window_size, softcap=softcap,
-                         learnable_sink=learnable_sink is not None, varlen=lengths is not None,
-                         page_size=None if page_table is None else k.shape[1])
+    spec = spec_of(batch=max(int(batch), 1), seqlen_q=max(int(seqlen_q), 1),
+                   seqlen_k=max(int(seqlen_k), 1), heads_q=q.shape[-2], heads_kv=k.shape[-2],
+                   head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                   dtype=q.dtype if "float16" in str(q.dtype) else "bf16", causal=causal,
+                   softmax_scale=softmax_scale, return_lse=return_lse,
+                   window_size=window_size, softcap=softcap,
+                   learnable_sink=learnable_sink is not None, varlen=lengths is not None,
+                   page_size=None if page_table is None else k.shape[1])
     mods, aux = None, ()
     if score_mod is not None or mask_mod is not None or aux_tensors is not None:
         from fa4lab.mods import check_mods, refuse_split_with_mods

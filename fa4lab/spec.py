@@ -29,7 +29,7 @@ Three options of upstream FlashAttention-4's `flash_attn_func`, with its semanti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -319,7 +319,12 @@ class AttentionSpec:
             self.head_dim + self.head_dim_v)
 
     def with_(self, **changes) -> AttentionSpec:
-        return replace(self, **changes)
+        """This spec with `changes`, checked as a new one (`spec_of`: the same object again
+        for the same fields)."""
+        fields_ = dict(self.__dict__)
+        del fields_["qhead_per_kvhead"]     # not an argument: __post_init__ derives it
+        fields_.update(changes)
+        return spec_of(**fields_)
 
     @classmethod
     def from_tensors(cls, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
@@ -415,3 +420,46 @@ def check_tensors(q, k, v) -> None:
         if not isinstance(t, torch.Tensor):
             raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}; wrap "
                                  f"numpy arrays with torch.from_numpy({name})")
+
+
+# Note [spec cache]
+# A serving loop makes the same spec on every call (`fa4lab.call.check_call`, then the paged
+# decode's view of it): its checks took 11-21 us of host time a spec on a busy 2-core machine, a
+# kept spec 6-7 us to find. `spec_of` keeps the specs it made by their fields, each field's type
+# in the key (so 1 and 1.0, or True and 1, are not one key: the check sees what was passed), and
+# returns the same frozen object for the same fields. A field of another type (a tensor, a list)
+# is not kept: that spec is made and checked afresh. A spec that fails its checks is never kept,
+# so the error is raised again each time.
+
+# The field types a key holds (torch.dtype joins at its first use: this module does not import
+# torch); a tuple only as the window's pair of those.
+_KEYED = {int, float, bool, str, type(None), tuple}
+_SPECS: dict = {}
+_SPECS_KEPT = 1024
+
+
+def _keyed(types) -> bool:
+    if _KEYED.issuperset(types):
+        return True
+    if all(t in _KEYED or (t.__module__, t.__name__) == ("torch", "dtype") for t in types):
+        _KEYED.update(types)
+        return True
+    return False
+
+
+def spec_of(**fields_) -> AttentionSpec:
+    """AttentionSpec(**fields_), the same object for the same fields (Note [spec cache])."""
+    values = tuple(fields_.values())
+    types = tuple(map(type, values))
+    window = fields_.get("window_size", ())
+    sides = tuple(map(type, window)) if type(window) is tuple else ()
+    if not (_keyed(types) and _keyed(sides)) or tuple in sides:
+        return AttentionSpec(**fields_)
+    key = (tuple(fields_), values, types, sides)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = AttentionSpec(**fields_)
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec

@@ -178,3 +178,31 @@ def test_window_flops():
     pairs = sum(min(i + 1, 1024) for i in range(8192))
     assert w.visible_pairs() == pairs and w.flops() == 4.0 * 16 * pairs * 128
     assert AttentionSpec(1, 4, 4, 1, 1, 8, window_size=(0, 0)).visible_pairs() == 4
+
+
+def test_spec_of_keeps_a_spec_per_fields_and_checks_what_it_has_not_seen():
+    """Note [spec cache]: the same fields give the same object; a field of another type is a
+    new key, checked (a float window side still raises after the int one was kept); a spec
+    that fails its checks raises every time; a field no key holds (a list) is checked afresh;
+    `with_` goes through it and agrees with a spec made whole."""
+    import torch
+
+    from fa4lab.errors import InputError, InputTypeError
+    from fa4lab.spec import spec_of
+
+    kw = dict(batch=3, seqlen_q=5, seqlen_k=70, heads_q=8, heads_kv=2, head_dim=64,
+              dtype=torch.float16, causal=False, window_size=(16, 0))
+    a = spec_of(**kw)
+    assert spec_of(**kw) is a and a == AttentionSpec(**kw)
+    assert a.causal and a.window_size == (16, None) and a.dtype == "fp16"
+    for _ in range(2):
+        with pytest.raises(InputTypeError):
+            spec_of(**{**kw, "window_size": (16.0, 0)})
+        with pytest.raises(InputError):
+            spec_of(**{**kw, "heads_kv": 3})
+    listed = spec_of(**{**kw, "window_size": [16, 0]})
+    assert listed == a and listed is not a
+    assert spec_of(**{**kw, "softmax_scale": 1}).softmax_scale == 1.0
+    b = a.with_(seqlen_q=1, page_size=16)
+    assert b == AttentionSpec(**{**kw, "seqlen_q": 1, "page_size": 16})
+    assert a.with_(seqlen_q=1, page_size=16) is b and a.seqlen_q == 5
