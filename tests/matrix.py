@@ -53,3 +53,10 @@ def matrix(factors: Sequence[Sequence], must: Sequence[tuple] = ()) -> list[tupl
         return pairwise(factors, must)
     rest = [row for row in itertools.product(*factors) if row not in [tuple(m) for m in must]]
     return [tuple(m) for m in must] + rest
+
+
+def repeats(rows: Sequence[tuple]) -> list[tuple]:
+    """Rows of a hand-written list that repeat a code path another row compiles (the same
+    gather at another page size or head dim): none in a sampled run, all of them under
+    FA4LAB_FULL_MATRIX=1."""
+    return list(rows) if FULL_MATRIX else []

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from matrix import matrix
+from matrix import matrix, repeats
 
 pytest.importorskip("cutlass")
 
@@ -47,13 +47,14 @@ OPTIONS = [(128, True, 4, True, "bf16", (("softcap", 30.0),)),
            # A paged K/V cache (Note [paged key blocks]): one TMA box per key block (pages of
            # 128, 256) and a gather of 2 to 128 pages per block (64 down to 1: the load warp's
            # run-time loop over the pieces, 32 at a time, no spills; at head_dim 256 one piece
-           # per iteration, `paged.gather_unroll`).
+           # per iteration, `paged.gather_unroll`). Pages of 32, and of 16 at head_dim 64,
+           # repeat the gathers of 16 and 64: `repeats`, compiled under FA4LAB_FULL_MATRIX=1.
            (128, True, 4, True, "bf16", (("page_size", 128),)),
            (64, False, 1, False, "fp16", (("page_size", 256),)),
            (128, False, 4, True, "bf16", (("page_size", 64), ("window_size", (300, None)))),
-           (128, True, 1, False, "fp16", (("page_size", 32),)),
+           *repeats([(128, True, 1, False, "fp16", (("page_size", 32),))]),
            (128, True, 4, True, "bf16", (("page_size", 16),)),
-           (64, False, 4, False, "bf16", (("page_size", 16),)),
+           *repeats([(64, False, 4, False, "bf16", (("page_size", 16),))]),
            (128, True, 4, True, "bf16", (("page_size", 1),)),
            (256, True, 1, False, "bf16", (("page_size", 4),)),
            # split-KV (fa4lab.kernels.device.split): float32 partials from the correction warps
