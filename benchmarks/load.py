@@ -18,6 +18,7 @@ from fa4lab.bench import (
     HOST_OVERHEAD,
     NEIGHBOURS,
     SERVING,
+    TRAINING,
     backward_results_of,
     decode_results_of,
     feature_results_of,
@@ -48,6 +49,10 @@ def table_of(rec: dict) -> str:
         from fa4lab.bench.backward import format_backward_table
 
         return format_backward_table(backward_results_of(rec))
+    if rec["kind"] == TRAINING:
+        from fa4lab.bench.training_cli import training_record_lines
+
+        return "\n".join(training_record_lines(rec))
     if rec["kind"] == NEIGHBOURS:
         from fa4lab.bench.neighbours import format_neighbours_table
 

@@ -71,17 +71,22 @@ def describe_training_run(cfg) -> str:
             f"fa4lab.bench.training); then the fa4lab curve is judged against SDPA's")
 
 
-def recorded_training_summary(directory=None) -> str:
-    """The latest training record as text (what the CPU path prints)."""
+def training_record_lines(rec: dict) -> list[str]:
+    """A training record's verdict and, with the three loss curves, its table."""
     from fa4lab.bench.training import verdict_line
 
+    losses = {r.provider: r.losses for r in training_results_of(rec)}
+    lines = [verdict_line(rec["verdict"])]
+    if all(losses.get(n) for n in (OURS, PEER, WIDE)):
+        lines += ["", format_training_table(losses, rec["verdict"])]
+    return lines
+
+
+def recorded_training_summary(directory=None) -> str:
+    """The latest training record as text (what the CPU path prints)."""
     def body(rec):
-        losses = {r.provider: r.losses for r in training_results_of(rec)}
-        lines = [f"  {rec['label']} ({rec['date']}, {rec['gpu']})",
-                 "  " + verdict_line(rec["verdict"])]
-        if all(losses.get(n) for n in (OURS, PEER, WIDE)):
-            lines += ["", format_training_table(losses, rec["verdict"])]
-        return lines
+        verdict, *table = training_record_lines(rec)
+        return [f"  {rec['label']} ({rec['date']}, {rec['gpu']})", "  " + verdict, *table]
 
     return latest_summary(TRAINING, "training comparison", body, directory)
 
