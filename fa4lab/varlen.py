@@ -123,13 +123,17 @@ class VarlenLengths:
     def k_starts(self) -> tuple[int, ...] | None:
         return None if self.cu_k is None else tuple(int(x) for x in self.cu_k[:-1].tolist())
 
-    def same_query_count(self, total_q: int) -> bool:
-        """Every sequence has the same number L >= 1 of queries (a decode batch): L times the
-        batch is the packed total and no sequence exceeds max_seqlen_q = L, read from the
-        shapes alone when the caller gave max_seqlen_q."""
+    def same_query_count(self, total_q: int, read: bool = False) -> bool:
+        """Every sequence has the same number L >= 1 of queries (a decode batch), from the
+        shapes alone: max_seqlen_q times the batch is the packed total (no sequence exceeds
+        max_seqlen_q, so each has exactly max_seqlen_q). Otherwise False, unless `read`: then
+        the values are read (a device-to-host copy: only where the alternative reads them
+        anyway, Note [reading the lengths])."""
         if total_q == 0:
             return False
-        return self.max_seqlen_q * self.batch == total_q or len(set(self.seqlens_q)) == 1
+        if self.max_seqlen_q * self.batch == total_q:
+            return True
+        return read and len(set(self.seqlens_q)) == 1
 
 
 # --------------------------------------------------------------------------- the check

@@ -122,3 +122,25 @@ def test_one_launch_replays_in_a_cuda_graph():
                           check=False)
 
     replays_in_a_cuda_graph(call, (buf_table, buf_used), [(table, used), (table2, used2)])
+
+
+@pytest.mark.parametrize("check", [False, "device"])
+def test_the_entry_point_never_waits_and_replays_in_a_cuda_graph(check):
+    """`attention_varlen` itself, not only the launch: a ragged batch over pages is routed to
+    the one launch from the shapes, no length read on the host (`VarlenLengths
+    .same_query_count`: Note [reading the lengths] in fa4lab.varlen), so with check_indices
+    False or "device" (the default) the call never synchronises and one captured CUDA graph
+    replays a new page table and new key counts as eager calls compute them."""
+    import functools
+
+    from fa4lab import attention_varlen
+
+    q, k_cache, v_cache, table, cu_q, used = chunked_prefill(LENGTHS, 128, seed=31)
+    table2 = table.flip(1).contiguous()
+    used2 = used.flip(0).clamp(max=table.shape[1] * 128).contiguous()
+    buf_table, buf_used = table.clone(), used.clone()
+    call = functools.partial(attention_varlen, q, k_cache, v_cache, cu_q, None,
+                             max(a for a, _ in LENGTHS), None, seqused_k=buf_used,
+                             page_table=buf_table, causal=True, return_lse=True,
+                             check_indices=check)
+    replays_in_a_cuda_graph(call, (buf_table, buf_used), [(table, used), (table2, used2)])

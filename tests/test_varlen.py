@@ -530,3 +530,25 @@ def test_check_indices_false_skips_exactly_the_value_rules(name):
     else:
         with pytest.raises(error, match=words):
             check_varlen(**args, check_indices=False)
+
+
+def test_same_query_count_reads_no_value_unless_asked():
+    """A decode batch is known from the shapes (max_seqlen_q times the batch is the packed
+    total); a ragged batch is not read to find out (Note [reading the lengths]) unless `read`
+    says the caller reads the values anyway."""
+    from fa4lab.varlen import VarlenLengths
+
+    class Unread:
+        shape = (5,)
+
+        def tolist(self):
+            raise AssertionError("the lengths were read")
+
+    decode = VarlenLengths(Unread(), None, None, 16, 1, 100)
+    assert decode.same_query_count(4) and not decode.same_query_count(0)
+    ragged = VarlenLengths(Unread(), None, None, 16, 7, 100)
+    assert not ragged.same_query_count(12)
+    with pytest.raises(AssertionError, match="read"):
+        ragged.same_query_count(12, read=True)
+    even = VarlenLengths(torch.tensor([0, 3, 6, 9, 12]), None, None, 16, 7, 100)
+    assert even.same_query_count(12, read=True) and not even.same_query_count(12)

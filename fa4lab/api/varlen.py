@@ -188,9 +188,13 @@ def _varlen_on_kernel(call, arch: str, tables: dict | None = None):
     choose how the same answer is computed), or one `attention` call per sequence where no
     varlen launch over pages runs (`launch.PAGED_VARLEN_ARCHS`); `tables` a scheduler
     metadata's launch tables (Note [scheduler metadata] in fa4lab.varlen_metadata)."""
-    if call.page_table is not None and call.lengths.same_query_count(call.q.shape[0]):
+    one_launch = call.page_table is None or arch in launch.PAGED_VARLEN_ARCHS
+    # A ragged batch is never read to find out (Note [reading the lengths]), except where the
+    # one launch over pages does not run and the per-sequence path reads the lengths anyway.
+    if call.page_table is not None and call.lengths.same_query_count(call.q.shape[0],
+                                                                     read=not one_launch):
         return _paged_same_length(call, arch)
-    if call.page_table is None or arch in launch.PAGED_VARLEN_ARCHS:
+    if one_launch:
         # one launch over the batch's real tiles, over packed K/V or the pages in place
         return launch.forward_varlen(call, arch, tables)
     return _per_sequence(call)
