@@ -191,3 +191,10 @@ def test_shares_weigh_measured_seconds(tmp_path):
     out = tmp_path / "durations.json"
     said = save_weights([{"t.py::a": 3.5, "t.py::b": RECORDED_FROM / 2}, {"u.py::c": 1.25}], out)
     assert json.loads(out.read_text()) == {"t.py::a": 3.5, "u.py::c": 1.25} and "2 tests" in said
+    # A slow or compile test that took less (its module fixture charged to another test, or a
+    # skip) is written at RECORDED_FROM, so its weight is measured, not its marker's estimate.
+    from conftest import recorded_times
+
+    assert recorded_times({"c.py::g": 0.01, "c.py::h": 0.013, "c.py::i": 262.0},
+                          {"c.py::g", "c.py::i"}) == {"c.py::g": RECORDED_FROM,
+                                                      "c.py::h": 0.01, "c.py::i": 262.0}
