@@ -29,7 +29,7 @@ Three options of upstream FlashAttention-4's `flash_attn_func`, with its semanti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -321,10 +321,8 @@ class AttentionSpec:
     def with_(self, **changes) -> AttentionSpec:
         """This spec with `changes`, checked as a new one (`spec_of`: the same object again
         for the same fields)."""
-        fields_ = dict(self.__dict__)
-        del fields_["qhead_per_kvhead"]     # not an argument: __post_init__ derives it
-        fields_.update(changes)
-        return spec_of(**fields_)
+        d = self.__dict__
+        return spec_of(**{**{name: d[name] for name in _INIT_FIELDS}, **changes})
 
     @classmethod
     def from_tensors(cls, q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
@@ -434,6 +432,7 @@ def check_tensors(q, k, v) -> None:
 # The field types a key holds (torch.dtype joins at its first use: this module does not import
 # torch); a tuple only as the window's pair of those.
 _KEYED = {int, float, bool, str, type(None), tuple}
+_INIT_FIELDS = tuple(f.name for f in fields(AttentionSpec) if f.init)
 _SPECS: dict = {}
 _SPECS_KEPT = 1024
 
