@@ -588,10 +588,11 @@ class FlashForwardSm100:
 
     def each_tile(self, c: Cta, body, *state):
         """`state = body(tile, *state)` for each of this CTA's work tiles (Note [one tile
-        loop]); returns the last state."""
+        loop])."""
         if cutlass.const_expr(not self.persistent):
-            return body(self.tile_at(c, None), *state)
-        return self.tile_loop(c, body, *state)
+            body(self.tile_at(c, None), *state)
+        else:
+            self.tile_loop(c, body, *state)
 
     @cute.jit
     def tile_loop(self, c: Cta, body, *state):
@@ -600,7 +601,6 @@ class FlashForwardSm100:
         carried = tuple(state)
         for t in cutlass.range(first, stop, step, unroll=1):
             carried = as_tuple(body(self.tile_at(c, t), *carried))
-        return carried
 
     def tile_at(self, c: Cta, t):
         """Linear work tile t (`scheduler.work`) with its sequence; None: the CTA's one tile."""
